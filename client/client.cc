@@ -1,0 +1,397 @@
+// The SDK over the generated gRPC stub: maps the staging region at Attach, turns Buffers into
+// TensorRefs (staging offset or inline bytes), and keeps the lease alive from a background thread.
+#include "karakv/client.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/grpcpp.h"
+#include "karakv/v1/karakv.grpc.pb.h"
+
+namespace karakv {
+namespace v1 = ::karakv::v1;
+
+namespace {
+
+absl::Status from_grpc(const grpc::Status& s, const char* method) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(method, ": ", s.error_message()));
+}
+
+Geometry from_proto(const v1::Geometry& g) {
+  Geometry out;
+  out.num_layers = g.num_layers();
+  out.num_q_heads = g.num_q_heads();
+  out.num_kv_heads = g.num_kv_heads();
+  out.head_dim = g.head_dim();
+  out.block_size = g.block_size();
+  out.dtype = g.dtype() == v1::DTYPE_FP32   ? DType::kFloat32
+              : g.dtype() == v1::DTYPE_BF16 ? DType::kBFloat16
+                                            : DType::kFloat16;
+  return out;
+}
+
+v1::Geometry to_proto(const Geometry& g) {
+  v1::Geometry out;
+  out.set_num_layers(g.num_layers);
+  out.set_num_q_heads(g.num_q_heads);
+  out.set_num_kv_heads(g.num_kv_heads);
+  out.set_head_dim(g.head_dim);
+  out.set_block_size(g.block_size);
+  out.set_dtype(g.dtype == DType::kFloat32   ? v1::DTYPE_FP32
+                : g.dtype == DType::kBFloat16 ? v1::DTYPE_BF16
+                                              : v1::DTYPE_FP16);
+  return out;
+}
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::KaraKV::Stub> stub;
+  std::string session_id;
+  Geometry geometry;
+  uint32_t lease_seconds = 0;
+  uint8_t* staging = nullptr;
+  size_t staging_size = 0;
+  size_t staging_used = 0;
+  bool attached = false;
+  absl::Notification stop_heartbeat;
+  std::thread heartbeat;
+
+  void prepare(grpc::ClientContext* ctx) const {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::microseconds(absl::ToInt64Microseconds(options.rpc_timeout)));
+  }
+
+  void set_input(const Buffer& b, v1::TensorRef* ref) const {
+    if (b.in_staging()) {
+      ref->mutable_staging()->set_offset(b.offset());
+      ref->mutable_staging()->set_length(b.size());
+    } else {
+      ref->set_data(reinterpret_cast<const char*>(b.data()), b.size());
+    }
+  }
+  void set_output(const Buffer& b, v1::OutputRef* ref) const {
+    if (b.in_staging()) {
+      ref->mutable_staging()->set_offset(b.offset());
+      ref->mutable_staging()->set_length(b.size());
+    }
+  }
+  // Copies an inline reply into a heap buffer; staging buffers were written by the daemon.
+  static absl::Status take_output(const Buffer& b, const std::string& bytes, const char* what) {
+    if (b.in_staging()) return absl::OkStatus();
+    if (bytes.size() > b.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": reply has ", bytes.size(),
+                                                     " bytes but the buffer holds ", b.size()));
+    }
+    std::memcpy(b.data(), bytes.data(), bytes.size());
+    return absl::OkStatus();
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  impl->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  impl->stub = v1::KaraKV::NewStub(impl->channel);
+
+  v1::AttachRequest req;
+  req.set_worker_id(options.worker_id);
+  req.set_tenant(options.tenant);
+  req.set_staging_bytes(options.staging_bytes);
+  if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
+  v1::AttachReply reply;
+  grpc::ClientContext ctx;
+  impl->prepare(&ctx);
+  ctx.set_wait_for_ready(false);
+  if (auto s = from_grpc(impl->stub->Attach(&ctx, req, &reply), "Attach"); !s.ok()) return s;
+  impl->session_id = reply.session_id();
+  impl->geometry = from_proto(reply.geometry());
+  impl->lease_seconds = reply.lease_seconds();
+  impl->attached = true;
+  std::unique_ptr<Client> client(new Client(std::move(impl)));
+  Impl& im = *client->impl_;
+
+  if (!reply.staging_name().empty()) {
+    int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot open staging region ", reply.staging_name(), ": ", std::strerror(errno),
+          " (is the worker on the same host, as the same user, sharing /dev/shm with karakvd?)"));
+    }
+    void* p = mmap(nullptr, reply.staging_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot map staging region: ", std::strerror(errno)));
+    }
+    // Both sides have it mapped now; removing the name means no other process can open it.
+    shm_unlink(reply.staging_name().c_str());
+    im.staging = static_cast<uint8_t*>(p);
+    im.staging_size = reply.staging_bytes();
+  }
+  if (options.heartbeat && im.lease_seconds > 0) {
+    const absl::Duration period = absl::Seconds(im.lease_seconds) / 3;
+    Impl* raw = &im;
+    im.heartbeat = std::thread([raw, period] {
+      while (!raw->stop_heartbeat.WaitForNotificationWithTimeout(period)) {
+        v1::HeartbeatRequest hreq;
+        hreq.set_session_id(raw->session_id);
+        v1::HeartbeatReply hrep;
+        grpc::ClientContext hctx;
+        raw->prepare(&hctx);
+        raw->stub->Heartbeat(&hctx, hreq, &hrep);
+      }
+    });
+  }
+  return client;
+}
+
+Client::~Client() {
+  if (impl_->attached) Detach().IgnoreError();
+  if (impl_->heartbeat.joinable()) {
+    impl_->stop_heartbeat.Notify();
+    impl_->heartbeat.join();
+  }
+  if (impl_->staging) munmap(impl_->staging, impl_->staging_size);
+}
+
+absl::Status Client::Detach() {
+  if (!impl_->attached) return absl::FailedPreconditionError("Detach: not attached");
+  impl_->attached = false;
+  if (impl_->heartbeat.joinable()) {
+    impl_->stop_heartbeat.Notify();
+    impl_->heartbeat.join();
+  }
+  v1::DetachRequest req;
+  req.set_session_id(impl_->session_id);
+  v1::DetachReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  return from_grpc(impl_->stub->Detach(&ctx, req, &reply), "Detach");
+}
+
+const Geometry& Client::geometry() const { return impl_->geometry; }
+const std::string& Client::session_id() const { return impl_->session_id; }
+uint64_t Client::staging_bytes() const { return impl_->staging_size; }
+
+absl::StatusOr<Buffer> Client::alloc(size_t bytes) {
+  const size_t start = (impl_->staging_used + 63) / 64 * 64;
+  if (impl_->staging == nullptr || start + bytes > impl_->staging_size) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "staging region full: wanted ", bytes, " bytes at offset ", start, ", region holds ",
+        impl_->staging_size, " (attach with a larger staging_bytes, or reset_staging())"));
+  }
+  impl_->staging_used = start + bytes;
+  Buffer b;
+  b.data_ = impl_->staging + start;
+  b.size_ = bytes;
+  b.in_staging_ = true;
+  b.offset_ = start;
+  return b;
+}
+
+void Client::reset_staging() { impl_->staging_used = 0; }
+
+Buffer Client::alloc_heap(size_t bytes) {
+  Buffer b;
+  b.heap_ = std::make_shared<std::vector<uint8_t>>(bytes);
+  b.data_ = b.heap_->data();
+  b.size_ = bytes;
+  return b;
+}
+
+size_t Client::append_bytes(int num_tokens) const {
+  const Geometry& g = impl_->geometry;
+  return size_t(g.num_layers) * num_tokens * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+}
+size_t Client::step_kv_bytes(int batch) const {
+  const Geometry& g = impl_->geometry;
+  return size_t(batch) * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+}
+size_t Client::q_bytes(int rows) const { return size_t(rows) * impl_->geometry.q_token_elems() * 4; }
+
+absl::StatusOr<uint64_t> Client::CreateSequence(const std::string& policy, int priority) {
+  v1::CreateSequenceRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_policy(policy);
+  req.set_priority(priority);
+  v1::CreateSequenceReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->CreateSequence(&ctx, req, &reply), "CreateSequence"); !s.ok()) return s;
+  return reply.sequence_id();
+}
+
+absl::StatusOr<uint64_t> Client::Fork(uint64_t sequence_id) {
+  v1::ForkSequenceRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_sequence_id(sequence_id);
+  v1::ForkSequenceReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->ForkSequence(&ctx, req, &reply), "ForkSequence"); !s.ok()) return s;
+  return reply.sequence_id();
+}
+
+absl::StatusOr<int> Client::Release(uint64_t sequence_id) {
+  v1::ReleaseSequenceRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_sequence_id(sequence_id);
+  v1::ReleaseSequenceReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->ReleaseSequence(&ctx, req, &reply), "ReleaseSequence"); !s.ok()) return s;
+  return static_cast<int>(reply.blocks_freed());
+}
+
+absl::StatusOr<int> Client::Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v) {
+  v1::AppendRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_sequence_id(sequence_id);
+  req.set_num_tokens(static_cast<uint32_t>(num_tokens));
+  impl_->set_input(k, req.mutable_k());
+  impl_->set_input(v, req.mutable_v());
+  v1::AppendReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->Append(&ctx, req, &reply), "Append"); !s.ok()) return s;
+  return static_cast<int>(reply.length());
+}
+
+absl::StatusOr<uint64_t> Client::Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
+                                      const Buffer& v, const Buffer& q, const Buffer& out, float scale) {
+  v1::StepRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_layer(layer);
+  req.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
+  impl_->set_input(k, req.mutable_k());
+  impl_->set_input(v, req.mutable_v());
+  impl_->set_input(q, req.mutable_q());
+  impl_->set_output(out, req.mutable_out());
+  req.set_scale(scale);
+  v1::StepReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->Step(&ctx, req, &reply), "Step"); !s.ok()) return s;
+  if (auto s = Impl::take_output(out, reply.out(), "Step.out"); !s.ok()) return s;
+  return reply.decode_step();
+}
+
+absl::Status Client::Attend(uint64_t sequence_id, int layer, int num_queries, const Buffer& q,
+                            const Buffer& out, float scale) {
+  v1::AttendRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_sequence_id(sequence_id);
+  req.set_layer(layer);
+  req.set_num_queries(static_cast<uint32_t>(num_queries));
+  impl_->set_input(q, req.mutable_q());
+  impl_->set_output(out, req.mutable_out());
+  req.set_scale(scale);
+  v1::AttendReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->Attend(&ctx, req, &reply), "Attend"); !s.ok()) return s;
+  return Impl::take_output(out, reply.out(), "Attend.out");
+}
+
+absl::StatusOr<int> Client::ReadKV(uint64_t sequence_id, const Buffer& k, const Buffer& v,
+                                   const Buffer& positions) {
+  v1::ReadKVRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_sequence_id(sequence_id);
+  impl_->set_output(k, req.mutable_k());
+  impl_->set_output(v, req.mutable_v());
+  impl_->set_output(positions, req.mutable_positions());
+  v1::ReadKVReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->ReadKV(&ctx, req, &reply), "ReadKV"); !s.ok()) return s;
+  if (auto s = Impl::take_output(k, reply.k(), "ReadKV.k"); !s.ok()) return s;
+  if (auto s = Impl::take_output(v, reply.v(), "ReadKV.v"); !s.ok()) return s;
+  if (auto s = Impl::take_output(positions, reply.positions(), "ReadKV.positions"); !s.ok()) return s;
+  return static_cast<int>(reply.num_tokens());
+}
+
+absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
+  v1::StatsRequest req;
+  req.set_check_invariants(check_invariants);
+  v1::StatsReply r;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->Stats(&ctx, req, &r), "Stats"); !s.ok()) return s;
+  DaemonStats out;
+  out.geometry = from_proto(r.geometry());
+  out.backend = r.backend();
+  out.blocks_total = r.blocks_total();
+  out.blocks_used = r.blocks_used();
+  out.blocks_free = r.blocks_free();
+  out.block_bytes = r.block_bytes();
+  out.pool_bytes = r.pool_bytes();
+  out.resident_tokens = r.resident_tokens();
+  out.decode_steps = r.decode_steps();
+  out.tokens_appended = r.tokens_appended();
+  out.lease_expiries = r.lease_expiries();
+  out.sequences = r.sequences();
+  out.sessions = r.sessions();
+  out.invariants_checked = r.invariants_checked();
+  out.invariant_error = r.invariant_error();
+  return out;
+}
+
+absl::StatusOr<std::vector<SequenceInfo>> Client::ListSequences() {
+  v1::ListSequencesRequest req;
+  req.set_session_id(impl_->session_id);
+  v1::ListSequencesReply r;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->ListSequences(&ctx, req, &r), "ListSequences"); !s.ok()) return s;
+  std::vector<SequenceInfo> out;
+  for (const auto& s : r.sequences()) {
+    SequenceInfo i;
+    i.id = s.sequence_id();
+    i.session_id = s.session_id();
+    i.tenant = s.tenant();
+    i.policy = s.policy();
+    i.length = s.length();
+    i.blocks = s.blocks();
+    i.shared_blocks = s.shared_blocks();
+    i.priority = s.priority();
+    i.pending_layer = s.pending_layer();
+    out.push_back(std::move(i));
+  }
+  return out;
+}
+
+absl::Status Client::Heartbeat() {
+  v1::HeartbeatRequest req;
+  req.set_session_id(impl_->session_id);
+  v1::HeartbeatReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  return from_grpc(impl_->stub->Heartbeat(&ctx, req, &reply), "Heartbeat");
+}
+
+absl::Status Client::Ping() {
+  v1::PingRequest req;
+  v1::PingReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  return from_grpc(impl_->stub->Ping(&ctx, req, &reply), "Ping");
+}
+
+}  // namespace karakv

@@ -1,0 +1,135 @@
+// The karakv C++ SDK: attach to karakvd, write K/V/Q into the shared staging region, and drive
+// Append / Step / Attend / ReadKV. Every call returns a status; nothing throws.
+//
+// Tensors are Buffers: a Buffer made by Client::alloc lives in the session's staging region and
+// travels by offset (zero copy); one made by Client::alloc_heap lives in this process and travels
+// inline in the RPC. Both give identical results. Layouts are documented in karakv.proto.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "karakv/kernels/types.h"
+
+namespace karakv {
+
+using kernels::DType;
+using kernels::Geometry;
+
+struct ClientOptions {
+  // gRPC target: "unix:/path/to.sock" or "host:port".
+  std::string target = "unix:/tmp/karakv.sock";
+  std::string worker_id = "worker";
+  std::string tenant = "default";
+  // Size of the staging region to ask for; 0 attaches without one (inline tensors only).
+  uint64_t staging_bytes = 64ull << 20;
+  // When set, Attach fails unless the daemon serves exactly this geometry.
+  std::optional<Geometry> geometry;
+  // Sends Heartbeat from a background thread so the lease never runs out while attached.
+  bool heartbeat = true;
+  absl::Duration rpc_timeout = absl::Seconds(60);
+};
+
+// Bytes for one tensor, in staging or on the heap. Cheap to copy (heap bytes are shared).
+class Buffer {
+ public:
+  Buffer() = default;
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool in_staging() const { return in_staging_; }
+  uint64_t offset() const { return offset_; }
+  template <typename T>
+  std::span<T> as() const {
+    return {reinterpret_cast<T*>(data_), size_ / sizeof(T)};
+  }
+
+ private:
+  friend class Client;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  bool in_staging_ = false;
+  uint64_t offset_ = 0;
+  std::shared_ptr<std::vector<uint8_t>> heap_;
+};
+
+struct DaemonStats {
+  Geometry geometry;
+  std::string backend;
+  uint64_t blocks_total = 0, blocks_used = 0, blocks_free = 0, block_bytes = 0, pool_bytes = 0;
+  uint64_t resident_tokens = 0, decode_steps = 0, tokens_appended = 0, lease_expiries = 0;
+  uint32_t sequences = 0, sessions = 0;
+  bool invariants_checked = false;
+  std::string invariant_error;
+};
+
+struct SequenceInfo {
+  uint64_t id = 0;
+  std::string session_id, tenant, policy;
+  uint32_t length = 0, blocks = 0, shared_blocks = 0;
+  int32_t priority = 0, pending_layer = -1;
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Attach(const ClientOptions& options);
+  // Detaches (best effort) and unmaps the staging region.
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Frees everything the session owns in the daemon. Later calls fail with NOT_FOUND.
+  absl::Status Detach();
+
+  const Geometry& geometry() const;
+  const std::string& session_id() const;
+  uint64_t staging_bytes() const;
+
+  // A buffer in the staging region (64-byte aligned, bump-allocated); RESOURCE_EXHAUSTED when the
+  // region is full or absent. reset_staging() makes the whole region available again.
+  absl::StatusOr<Buffer> alloc(size_t bytes);
+  void reset_staging();
+  // A buffer in this process's memory, sent inline.
+  static Buffer alloc_heap(size_t bytes);
+
+  // Byte sizes of the tensors of each call for this geometry.
+  size_t append_bytes(int num_tokens) const;  // Append.k / Append.v
+  size_t step_kv_bytes(int batch) const;      // Step.k / Step.v
+  size_t q_bytes(int rows) const;             // Step.q / Step.out / Attend.q / Attend.out
+
+  absl::StatusOr<uint64_t> CreateSequence(const std::string& policy = "none", int priority = 0);
+  absl::StatusOr<uint64_t> Fork(uint64_t sequence_id);
+  // Returns how many blocks went back to the pool.
+  absl::StatusOr<int> Release(uint64_t sequence_id);
+  //   k, v: [L][T][Hk][D] storage dtype. Returns the sequence length after the append.
+  absl::StatusOr<int> Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v);
+  //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
+  // Returns the daemon's decode-step counter.
+  absl::StatusOr<uint64_t> Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
+                                const Buffer& v, const Buffer& q, const Buffer& out, float scale = 0);
+  //   q, out: [N][Hq][D] fp32; query i sits at position length - N + i (causal).
+  absl::Status Attend(uint64_t sequence_id, int layer, int num_queries, const Buffer& q,
+                      const Buffer& out, float scale = 0);
+  // Copies the sequence's resident K/V ([L][T][Hk][D]) and positions ([T] int32) into the given
+  // buffers, which must be large enough; returns T.
+  absl::StatusOr<int> ReadKV(uint64_t sequence_id, const Buffer& k, const Buffer& v,
+                             const Buffer& positions);
+  absl::StatusOr<DaemonStats> Stats(bool check_invariants = false);
+  // Sequences of this session.
+  absl::StatusOr<std::vector<SequenceInfo>> ListSequences();
+  absl::Status Heartbeat();
+  absl::Status Ping();
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace karakv

@@ -1,0 +1,243 @@
+// Paged GQA attention on the CPU. Two passes over the sequence's blocks: scores from K (all query
+// heads of the group per K row, so K is read from memory once), a softmax over the score rows,
+// then V weighted by those scores (again once per group). Each block's (layer, head) run is
+// block_size * head_dim contiguous elements and stays in L1 while the group's heads use it.
+// Decode is memory bound, so the loops aim at streaming K/V at full bandwidth: 16-bit storage is
+// widened in registers (F16C, or a shift for bf16) and accumulated in fp32 with FMA.
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace karakv::kernels::cpu {
+namespace {
+
+// How many runs ahead of the one being read are prefetched (see attend_group_typed).
+constexpr int kPrefetchRuns = 2;
+
+inline void prefetch_line(const char* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Splits a group's query heads into chunks of 1..4 heads that each get a specialised loop (the
+// accumulators of one chunk fit in registers); chunks of 3 are preferred over a leftover of 1.
+template <typename F>
+void for_head_chunks(int group_size, F&& f) {
+  for (int h0 = 0; h0 < group_size;) {
+    const int left = group_size - h0;
+    const int chunk = left <= 4 ? left : (left % 4 == 0 ? 4 : 3);
+    switch (chunk) {
+      case 1: f(h0, std::integral_constant<int, 1>{}); break;
+      case 2: f(h0, std::integral_constant<int, 2>{}); break;
+      case 3: f(h0, std::integral_constant<int, 3>{}); break;
+      default: f(h0, std::integral_constant<int, 4>{}); break;
+    }
+    h0 += chunk;
+  }
+}
+
+// scores[h][t] = q[h] . k[t] for G heads over one contiguous run of K rows.
+//   k:      [len][head_dim] storage
+//   q:      [G][head_dim] fp32, already scaled
+//   scores: [G][stride] fp32, written at columns [0, len)
+template <DType D, int G>
+void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, float* scores,
+               size_t stride) {
+#if KARAKV_CPU_AVX2
+  const int hd8 = head_dim & ~7;
+  for (int t = 0; t < len; ++t, k += head_dim) {
+    __m256 acc[G];
+    for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
+    for (int d = 0; d < hd8; d += 8) {
+      const __m256 x = load8<D>(k + d);
+      for (int h = 0; h < G; ++h)
+        acc[h] = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + h * head_dim + d), acc[h]);
+    }
+    for (int h = 0; h < G; ++h) {
+      float s = hsum(acc[h]);
+      for (int d = hd8; d < head_dim; ++d) s += load1<D>(k + d) * q[h * head_dim + d];
+      scores[h * stride + t] = s;
+    }
+  }
+#else
+  for (int t = 0; t < len; ++t, k += head_dim) {
+    float acc[G] = {};
+    for (int d = 0; d < head_dim; ++d) {
+      const float x = load1<D>(k + d);
+      for (int h = 0; h < G; ++h) acc[h] += x * q[h * head_dim + d];
+    }
+    for (int h = 0; h < G; ++h) scores[h * stride + t] = acc[h];
+  }
+#endif
+}
+
+#if KARAKV_CPU_AVX2
+// acc[h][d0, d0 + 8P) += sum_t w[h][t] * v[t][d0, d0 + 8P): P vectors per head held in registers
+// for the whole run.
+template <DType D, int G, int P>
+inline void accumulate_piece(const storage_t<D>* v, int len, int head_dim, int d0, const float* w,
+                             size_t stride, float* acc) {
+  __m256 a[G][P];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < P; ++c) a[h][c] = _mm256_loadu_ps(acc + h * head_dim + d0 + 8 * c);
+  for (int t = 0; t < len; ++t) {
+    const storage_t<D>* row = v + size_t(t) * head_dim + d0;
+    __m256 wt[G];
+    for (int h = 0; h < G; ++h) wt[h] = _mm256_broadcast_ss(w + h * stride + t);
+    for (int c = 0; c < P; ++c) {
+      const __m256 x = load8<D>(row + 8 * c);
+      for (int h = 0; h < G; ++h) a[h][c] = _mm256_fmadd_ps(x, wt[h], a[h][c]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < P; ++c) _mm256_storeu_ps(acc + h * head_dim + d0 + 8 * c, a[h][c]);
+}
+#endif
+
+// acc[h] += sum_t w[h][t] * v[t] for G heads over one contiguous run of V rows.
+//   v:   [len][head_dim] storage
+//   w:   [G][stride] fp32 softmax numerators, columns [0, len)
+//   acc: [G][head_dim] fp32
+template <DType D, int G>
+void accumulate_run(const storage_t<D>* v, int len, int head_dim, const float* w, size_t stride,
+                    float* acc) {
+  int d0 = 0;
+#if KARAKV_CPU_AVX2
+  // G * P accumulators + G weights + one V vector must fit the 16 ymm registers.
+  constexpr int P = G <= 3 ? 4 : 2;
+  const int hd8 = head_dim & ~7;
+  for (; d0 + 8 * P <= hd8; d0 += 8 * P) accumulate_piece<D, G, P>(v, len, head_dim, d0, w, stride, acc);
+  for (; d0 < hd8; d0 += 8) accumulate_piece<D, G, 1>(v, len, head_dim, d0, w, stride, acc);
+#endif
+  for (; d0 < head_dim; ++d0) {
+    for (int h = 0; h < G; ++h) {
+      float s = acc[h * head_dim + d0];
+      for (int t = 0; t < len; ++t) s += w[h * stride + t] * load1<D>(v + size_t(t) * head_dim + d0);
+      acc[h * head_dim + d0] = s;
+    }
+  }
+}
+
+// Replaces s[0, n) by exp(s - max) and returns their sum (n >= 1).
+float softmax_numerators(float* s, int n) {
+  int i = 0;
+  float max = s[0];
+#if KARAKV_CPU_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    max = hmax(m);
+  }
+#endif
+  for (; i < n; ++i) max = std::max(max, s[i]);
+
+  float sum = 0.0f;
+  i = 0;
+#if KARAKV_CPU_AVX2
+  const __m256 mv = _mm256_set1_ps(max);
+  __m256 sv = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+template <DType D>
+void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int num_tokens,
+                        const float* q, float* out, float scale, AttentionScratch& scratch) {
+  const Geometry& geo = kv.geometry;
+  const int g = geo.group_size();
+  const int hd = geo.head_dim;
+  const int bs = geo.block_size;
+  const size_t group_elems = size_t(g) * hd;
+  if (num_tokens <= 0) {
+    std::fill(out, out + group_elems, 0.0f);
+    return;
+  }
+  const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
+  const size_t n = size_t(num_tokens);
+
+  scratch.scores.resize(size_t(g) * n);
+  scratch.query.resize(group_elems);
+  scratch.acc.assign(group_elems, 0.0f);
+  float* scores = scratch.scores.data();
+  float* query = scratch.query.data();
+  float* acc = scratch.acc.data();
+  // Scaling q once is cheaper than scaling every score.
+  for (size_t i = 0; i < group_elems; ++i) query[i] = q[i] * scale;
+
+  // The 2 * num_blocks runs in the order they are read: every K run, then every V run. Runs of
+  // consecutive blocks are far apart in the pool (a block holds every layer), so the hardware
+  // prefetcher stops at each run's end; prefetching kPrefetchRuns ahead keeps enough misses in
+  // flight to stream at memory bandwidth instead of paying DRAM latency per run.
+  const int num_blocks = (num_tokens + bs - 1) / bs;
+  const size_t run_bytes = size_t(bs) * hd * sizeof(storage_t<D>);
+  auto run_at = [&](int r) {
+    const int kv_index = r < num_blocks ? 0 : 1;
+    const int b = r - kv_index * num_blocks;
+    return pool + kv.run_offset(kv.block_of(seq, b * bs), layer, kv_index, kv_head);
+  };
+  auto prefetch = [&](int r) {
+    if (r >= 2 * num_blocks) return;
+    const char* p = reinterpret_cast<const char*>(run_at(r));
+    const size_t bytes = r % num_blocks == num_blocks - 1 ? size_t(num_tokens - (num_blocks - 1) * bs) * hd * sizeof(storage_t<D>) : run_bytes;
+    for (size_t off = 0; off < bytes; off += 64) prefetch_line(p + off);
+  };
+  for (int r = 0; r < kPrefetchRuns; ++r) prefetch(r);
+
+  for (int t0 = 0, r = 0; t0 < num_tokens; t0 += bs, ++r) {
+    prefetch(r + kPrefetchRuns);
+    const int len = std::min(bs, num_tokens - t0);
+    const storage_t<D>* run = run_at(r);
+    for_head_chunks(g, [&](int h0, auto chunk) {
+      score_run<D, decltype(chunk)::value>(run, len, hd, query + size_t(h0) * hd,
+                                           scores + size_t(h0) * n + t0, n);
+    });
+  }
+
+  scratch.inv_sum.resize(g);
+  float* inv = scratch.inv_sum.data();
+  for (int h = 0; h < g; ++h) inv[h] = 1.0f / softmax_numerators(scores + size_t(h) * n, num_tokens);
+
+  for (int t0 = 0, r = num_blocks; t0 < num_tokens; t0 += bs, ++r) {
+    prefetch(r + kPrefetchRuns);
+    const int len = std::min(bs, num_tokens - t0);
+    const storage_t<D>* run = run_at(r);
+    for_head_chunks(g, [&](int h0, auto chunk) {
+      accumulate_run<D, decltype(chunk)::value>(run, len, hd, scores + size_t(h0) * n + t0, n,
+                                                acc + size_t(h0) * hd);
+    });
+  }
+
+  for (int h = 0; h < g; ++h)
+    for (int d = 0; d < hd; ++d) out[size_t(h) * hd + d] = acc[size_t(h) * hd + d] * inv[h];
+}
+
+}  // namespace
+
+void attend_group(const PagedKV& kv, int seq, int layer, int kv_head, int num_tokens,
+                  const float* q, float* out, float scale, AttentionScratch& scratch) {
+  switch (kv.geometry.dtype) {
+    case DType::kFloat32:
+      return attend_group_typed<DType::kFloat32>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+    case DType::kFloat16:
+      return attend_group_typed<DType::kFloat16>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+    case DType::kBFloat16:
+      return attend_group_typed<DType::kBFloat16>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+  }
+}
+
+}  // namespace karakv::kernels::cpu

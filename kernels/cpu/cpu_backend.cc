@@ -1,0 +1,314 @@
+// The CPU backend: the reference every other backend is tested against, and the production backend
+// on machines without a GPU. Validation is cheap (O(blocks touched)) and happens before any write,
+// so an invalid call changes nothing. Work is split over OpenMP threads.
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "attention.h"
+#include "karakv/kernels/backend.h"
+
+namespace karakv::kernels {
+namespace {
+
+// Pools of at least this size are aligned to it so the kernel can back them with huge pages:
+// attention jumps between blocks hundreds of KiB apart and 4 KiB pages would miss the TLB on
+// nearly every block.
+constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kCacheLine = 64;
+// Below this many bytes a copy is not worth waking the thread team for.
+constexpr size_t kParallelCopyBytes = size_t(1) << 20;
+
+std::string out_of_range(std::string_view op, std::string_view what, long long value, long long lo,
+                         long long hi) {
+  return std::string(op) + ": " + std::string(what) + " " + std::to_string(value) +
+         " out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
+KernelStatus check_geometry(std::string_view op, const PagedKV& kv) {
+  const Geometry& g = kv.geometry;
+  const std::string p = std::string(op) + ": ";
+  if (kv.pool == nullptr) return KernelStatus::invalid(p + "pool is null");
+  if (g.num_layers < 1) return KernelStatus::invalid(p + "num_layers " + std::to_string(g.num_layers) + " must be >= 1");
+  if (g.num_kv_heads < 1) return KernelStatus::invalid(p + "num_kv_heads " + std::to_string(g.num_kv_heads) + " must be >= 1");
+  if (g.num_q_heads < 1 || g.num_q_heads % g.num_kv_heads != 0)
+    return KernelStatus::invalid(p + "num_q_heads " + std::to_string(g.num_q_heads) +
+                                 " must be a positive multiple of num_kv_heads " + std::to_string(g.num_kv_heads));
+  if (g.head_dim < 1) return KernelStatus::invalid(p + "head_dim " + std::to_string(g.head_dim) + " must be >= 1");
+  if (g.block_size < 1) return KernelStatus::invalid(p + "block_size " + std::to_string(g.block_size) + " must be >= 1");
+  if (g.dtype != DType::kFloat32 && g.dtype != DType::kFloat16 && g.dtype != DType::kBFloat16)
+    return KernelStatus::invalid(p + "dtype " + std::to_string(int(g.dtype)) + " is not fp32, fp16 or bf16");
+  return KernelStatus::ok();
+}
+
+KernelStatus check_tables(std::string_view op, const PagedKV& kv) {
+  KernelStatus st = check_geometry(op, kv);
+  if (!st.is_ok()) return st;
+  const std::string p = std::string(op) + ": ";
+  if (kv.num_seqs < 0) return KernelStatus::invalid(p + "num_seqs " + std::to_string(kv.num_seqs) + " must be >= 0");
+  if (kv.num_seqs > 0 && (kv.block_table == nullptr || kv.table_offset == nullptr || kv.seq_len == nullptr))
+    return KernelStatus::invalid(p + "block_table, table_offset and seq_len must be non-null");
+  return KernelStatus::ok();
+}
+
+KernelStatus check_seq_index(std::string_view op, const PagedKV& kv, int seq) {
+  if (seq < 0 || seq >= kv.num_seqs) return KernelStatus::invalid(out_of_range(op, "seq", seq, 0, kv.num_seqs));
+  return KernelStatus::ok();
+}
+
+KernelStatus check_layer(std::string_view op, const PagedKV& kv, int layer) {
+  if (layer < 0 || layer >= kv.geometry.num_layers)
+    return KernelStatus::invalid(out_of_range(op, "layer", layer, 0, kv.geometry.num_layers));
+  return KernelStatus::ok();
+}
+
+// Tokens [begin, end) of `seq` must be covered by its block table, with block ids inside the pool
+// (pool_blocks < 0: pool size unknown, only the lower bound is checked).
+KernelStatus check_covered(std::string_view op, const PagedKV& kv, int seq, long long begin, long long end,
+                           long long pool_blocks) {
+  if (end <= begin) return KernelStatus::ok();
+  const int bs = kv.geometry.block_size;
+  const long long first = kv.table_offset[seq];
+  const long long have = kv.table_offset[seq + 1] - first;
+  const long long need = (end + bs - 1) / bs;
+  if (have < need)
+    return KernelStatus::invalid(std::string(op) + ": sequence " + std::to_string(seq) + " has " +
+                                 std::to_string(have) + " blocks in its table but tokens up to " +
+                                 std::to_string(end) + " need " + std::to_string(need) +
+                                 " (block_size " + std::to_string(bs) + ")");
+  for (long long b = begin / bs; b < need; ++b) {
+    const int32_t id = kv.block_table[first + b];
+    if (id < 0 || (pool_blocks >= 0 && id >= pool_blocks))
+      return KernelStatus::invalid(out_of_range(op, "block id", id, 0, pool_blocks >= 0 ? pool_blocks : INT32_MAX));
+  }
+  return KernelStatus::ok();
+}
+
+#define KARAKV_RETURN_IF_ERROR(expr)         \
+  do {                                       \
+    KernelStatus status_ = (expr);           \
+    if (!status_.is_ok()) return status_;    \
+  } while (0)
+
+cpu::AttentionScratch& thread_scratch() {
+  static thread_local cpu::AttentionScratch scratch;
+  return scratch;
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int num_threads)
+      : num_threads_(num_threads > 0 ? num_threads : std::max(1, omp_get_max_threads())) {}
+
+  ~CpuBackend() override {
+    for (auto& [ptr, bytes] : allocations_) std::free(const_cast<void*>(ptr));
+  }
+
+  std::string_view name() const override { return "cpu"; }
+
+  bool supports(Op op, DType dtype) const override {
+    return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  }
+
+  KernelStatus allocate(size_t bytes, void** out) override {
+    if (out == nullptr) return KernelStatus::invalid("allocate: out is null");
+    if (bytes == 0) return KernelStatus::invalid("allocate: bytes must be > 0");
+    const size_t align = bytes >= kHugePage ? kHugePage : kCacheLine;
+    const size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc wants a multiple
+    void* p = std::aligned_alloc(align, rounded);
+    if (p == nullptr)
+      return {KernelStatus::Code::kInternal, "allocate: out of host memory for " + std::to_string(bytes) + " bytes"};
+#ifdef MADV_HUGEPAGE
+    // A hint: transparent huge pages may be off, which only costs TLB misses.
+    if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+    std::memset(p, 0, rounded);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      allocations_[p] = bytes;
+    }
+    *out = p;
+    return KernelStatus::ok();
+  }
+
+  void free(void* ptr) override {
+    if (ptr == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      allocations_.erase(ptr);
+    }
+    std::free(ptr);
+  }
+
+  KernelStatus write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin,
+                        int num_layers, const void* k, const void* v) override {
+    constexpr std::string_view op = "write_kv";
+    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+    const Geometry& geo = kv.geometry;
+    if (num_layers < 0 || layer_begin < 0 || layer_begin + static_cast<long long>(num_layers) > geo.num_layers)
+      return KernelStatus::invalid("write_kv: layers [" + std::to_string(layer_begin) + ", " +
+                                   std::to_string(static_cast<long long>(layer_begin) + num_layers) +
+                                   ") not inside [0, " + std::to_string(geo.num_layers) + ")");
+    if (start_pos < 0) return KernelStatus::invalid("write_kv: start_pos " + std::to_string(start_pos) + " must be >= 0");
+    if (num_tokens < 0) return KernelStatus::invalid("write_kv: num_tokens " + std::to_string(num_tokens) + " must be >= 0");
+    if (num_tokens == 0 || num_layers == 0) return KernelStatus::ok();
+    if (k == nullptr || v == nullptr) return KernelStatus::invalid("write_kv: k and v must be non-null");
+    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, start_pos, static_cast<long long>(start_pos) + num_tokens, pool_blocks(kv)));
+
+    const size_t esize = dtype_size(geo.dtype);
+    const size_t row_bytes = size_t(geo.head_dim) * esize;
+    const size_t total = size_t(num_layers) * num_tokens * geo.kv_token_elems() * esize * 2;
+    auto* pool = static_cast<char*>(kv.pool);
+    const auto* ks = static_cast<const char*>(k);
+    const auto* vs = static_cast<const char*>(v);
+#pragma omp parallel for num_threads(num_threads_) if (total >= kParallelCopyBytes) schedule(static)
+    for (int l = 0; l < num_layers; ++l) {
+      for (int i = 0; i < num_tokens; ++i) {
+        const int pos = start_pos + i;
+        const int32_t block = kv.block_of(seq, pos);
+        const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
+        for (int h = 0; h < geo.num_kv_heads; ++h) {
+          const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
+          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
+          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
+        }
+      }
+    }
+    return KernelStatus::ok();
+  }
+
+  KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,
+                                float scale) override {
+    constexpr std::string_view op = "decode_attention";
+    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+    if (kv.num_seqs == 0) return KernelStatus::ok();
+    if (q == nullptr || out == nullptr) return KernelStatus::invalid("decode_attention: q and out must be non-null");
+    const long long blocks = pool_blocks(kv);
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      if (kv.seq_len[s] < 0)
+        return KernelStatus::invalid("decode_attention: seq_len[" + std::to_string(s) + "] " +
+                                     std::to_string(kv.seq_len[s]) + " must be >= 0");
+      KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, kv.seq_len[s], blocks));
+    }
+
+    const Geometry& geo = kv.geometry;
+    const int num_kv_heads = geo.num_kv_heads;
+    const size_t group_elems = size_t(geo.group_size()) * geo.head_dim;
+    const size_t seq_elems = geo.q_token_elems();
+    // One task per (sequence, KV head): each reads its K/V once for the whole query group.
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_)
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
+        cpu::attend_group(kv, s, layer, h, kv.seq_len[s], q + off, out + off, scale, thread_scratch());
+      }
+    }
+    return KernelStatus::ok();
+  }
+
+  KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries,
+                                const float* q, float* out, float scale) override {
+    constexpr std::string_view op = "causal_attention";
+    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+    KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+    const int len = kv.seq_len[seq];
+    if (len < 0) return KernelStatus::invalid("causal_attention: seq_len[" + std::to_string(seq) + "] " + std::to_string(len) + " must be >= 0");
+    if (num_queries < 0 || num_queries > len)
+      return KernelStatus::invalid("causal_attention: num_queries " + std::to_string(num_queries) +
+                                   " out of range [0, seq_len " + std::to_string(len) + "]");
+    if (num_queries == 0) return KernelStatus::ok();
+    if (q == nullptr || out == nullptr) return KernelStatus::invalid("causal_attention: q and out must be non-null");
+    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len, pool_blocks(kv)));
+
+    const Geometry& geo = kv.geometry;
+    const int num_kv_heads = geo.num_kv_heads;
+    const size_t group_elems = size_t(geo.group_size()) * geo.head_dim;
+    const size_t query_elems = geo.q_token_elems();
+    const int first_pos = len - num_queries;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_)
+    for (int i = 0; i < num_queries; ++i) {
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const size_t off = size_t(i) * query_elems + size_t(h) * group_elems;
+        cpu::attend_group(kv, seq, layer, h, first_pos + i + 1, q + off, out + off, scale, thread_scratch());
+      }
+    }
+    return KernelStatus::ok();
+  }
+
+  KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) override {
+    constexpr std::string_view op = "read_kv";
+    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+    const int len = kv.seq_len[seq];
+    if (len < 0) return KernelStatus::invalid("read_kv: seq_len[" + std::to_string(seq) + "] " + std::to_string(len) + " must be >= 0");
+    if (len == 0) return KernelStatus::ok();
+    if (k == nullptr || v == nullptr) return KernelStatus::invalid("read_kv: k and v must be non-null");
+    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len, pool_blocks(kv)));
+
+    const Geometry& geo = kv.geometry;
+    const size_t esize = dtype_size(geo.dtype);
+    const size_t row_bytes = size_t(geo.head_dim) * esize;
+    const size_t total = size_t(geo.num_layers) * len * geo.kv_token_elems() * esize * 2;
+    const auto* pool = static_cast<const char*>(kv.pool);
+    auto* kd = static_cast<char*>(k);
+    auto* vd = static_cast<char*>(v);
+#pragma omp parallel for num_threads(num_threads_) if (total >= kParallelCopyBytes) schedule(static)
+    for (int l = 0; l < geo.num_layers; ++l) {
+      for (int t = 0; t < len; ++t) {
+        const int32_t block = kv.block_of(seq, t);
+        const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
+        for (int h = 0; h < geo.num_kv_heads; ++h) {
+          const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
+          std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
+          std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
+        }
+      }
+    }
+    return KernelStatus::ok();
+  }
+
+  KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) override {
+    constexpr std::string_view op = "copy_block";
+    KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
+    const long long blocks = pool_blocks(kv);
+    const long long hi = blocks >= 0 ? blocks : INT32_MAX;
+    if (src < 0 || src >= hi) return KernelStatus::invalid(out_of_range(op, "src block", src, 0, hi));
+    if (dst < 0 || dst >= hi) return KernelStatus::invalid(out_of_range(op, "dst block", dst, 0, hi));
+    if (src == dst) return KernelStatus::ok();
+    const size_t bytes = kv.geometry.block_bytes();
+    auto* pool = static_cast<char*>(kv.pool);
+    std::memcpy(pool + size_t(dst) * bytes, pool + size_t(src) * bytes, bytes);
+    return KernelStatus::ok();
+  }
+
+ private:
+  // Blocks in kv.pool when this backend allocated it, else -1 (then block ids are only checked
+  // against 0): catches a stale or corrupt block table before it writes outside the pool.
+  long long pool_blocks(const PagedKV& kv) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = allocations_.find(kv.pool);
+    if (it == allocations_.end()) return -1;
+    return static_cast<long long>(it->second / kv.geometry.block_bytes());
+  }
+
+  const int num_threads_;
+  mutable std::mutex mu_;
+  std::map<const void*, size_t> allocations_;  // live allocate() results -> requested bytes
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
+  return std::make_unique<CpuBackend>(num_threads);
+}
+
+}  // namespace karakv::kernels

@@ -1,0 +1,84 @@
+// Element access for the three storage dtypes: scalar loads everywhere, plus AVX2/FMA/F16C helpers
+// (8-wide loads that widen to fp32, horizontal sum, exp) when the compiler targets them.
+#pragma once
+
+#include <cstdint>
+
+#include "karakv/kernels/half.h"
+#include "karakv/kernels/types.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KARAKV_CPU_AVX2 1
+#include <immintrin.h>
+#else
+#define KARAKV_CPU_AVX2 0
+#endif
+
+namespace karakv::kernels::cpu {
+
+// Storage element type per dtype; 16-bit types stay raw bits until widened.
+template <DType D> struct Storage { using type = uint16_t; };
+template <> struct Storage<DType::kFloat32> { using type = float; };
+template <DType D> using storage_t = typename Storage<D>::type;
+
+template <DType D>
+inline float load1(const storage_t<D>* p) {
+  if constexpr (D == DType::kFloat32) return *p;
+  else if constexpr (D == DType::kFloat16) return half_to_float(*p);
+  else return bf16_to_float(*p);
+}
+
+#if KARAKV_CPU_AVX2
+// Loads 8 consecutive elements widened to fp32 (unaligned is fine: runs need not be 32 B aligned).
+template <DType D>
+inline __m256 load8(const storage_t<D>* p) {
+  if constexpr (D == DType::kFloat32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (D == DType::kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0 (softmax arguments after subtracting the max), within ~2 ulp of std::exp.
+// Cephes expf: x = n ln2 + r with |r| <= ln2/2, degree-6 polynomial for e^r, scale by 2^n.
+// Arguments below -87.3 (where 2^n would leave the normal range) give exactly 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 split in a part exact in float and a correction, so r keeps full precision.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+}  // namespace karakv::kernels::cpu

@@ -1,0 +1,62 @@
+// Scalar conversions between float and the 16-bit storage types (IEEE fp16, bfloat16), round to
+// nearest even. Used by kernels, the SDK, tests and examples so every side rounds identically.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace karakv::kernels {
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    if (mant == 0) return bits_to_float(sign);
+    // Subnormal: value = mant * 2^-24.
+    float f = float(mant) * (1.0f / 16777216.0f);
+    return sign ? -f : f;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+  return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+inline uint16_t float_to_half(float f) {
+  const uint32_t x = float_to_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0));
+  if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to infinity
+  if (abs < 0x38800000u) {
+    // Subnormal or zero in fp16: round abs * 2^24 to the nearest integer, ties to even.
+    const float v = bits_to_float(abs) * 16777216.0f;
+    uint32_t m = uint32_t(v);
+    const float rem = v - float(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return uint16_t(sign | m);
+  }
+  uint32_t m = abs + 0xc8000fffu + ((abs >> 13) & 1u);  // rebias exponent and round to even
+  return uint16_t(sign | (m >> 13));
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x = float_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // quiet NaN
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return uint16_t(x >> 16);
+}
+
+}  // namespace karakv::kernels

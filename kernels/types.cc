@@ -1,0 +1,18 @@
+// Names of the kernel ops, for logs and error messages.
+#include "karakv/kernels/backend.h"
+#include "karakv/kernels/types.h"
+
+namespace karakv::kernels {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kWriteKV: return "write_kv";
+    case Op::kDecodeAttention: return "decode_attention";
+    case Op::kCausalAttention: return "causal_attention";
+    case Op::kReadKV: return "read_kv";
+    case Op::kCopyBlock: return "copy_block";
+  }
+  return "unknown";
+}
+
+}  // namespace karakv::kernels

@@ -1,0 +1,132 @@
+// Flags of karakvd (every default shows in --help) and the config-file loader.
+#include "server/config.h"
+
+#include <fstream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+ABSL_FLAG(std::string, config, "", "Config file of flag=value lines, applied before the command line");
+ABSL_FLAG(std::string, socket, "/tmp/karakv.sock", "Unix domain socket to serve gRPC on (empty: none)");
+ABSL_FLAG(std::string, listen_tcp, "", "Also serve gRPC on this host:port (empty: Unix socket only)");
+ABSL_FLAG(std::string, metrics_listen, "", "Serve Prometheus /metrics on this host:port (empty: off)");
+ABSL_FLAG(int32_t, layers, 30, "Model layers (default: SmolLM2-135M geometry)");
+ABSL_FLAG(int32_t, q_heads, 9, "Query heads per layer");
+ABSL_FLAG(int32_t, kv_heads, 3, "KV heads per layer (query heads must be a multiple)");
+ABSL_FLAG(int32_t, head_dim, 64, "Head dimension");
+ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of K/V in the pool: fp16 | bf16 | fp32");
+ABSL_FLAG(int32_t, block_size, 16, "Tokens per pool block");
+ABSL_FLAG(std::string, pool_bytes, "512MiB", "Size of the KV block pool (suffixes KiB, MiB, GiB)");
+ABSL_FLAG(int32_t, lease_seconds, 30, "Session lease: a worker silent this long loses its session");
+ABSL_FLAG(std::string, max_staging_bytes, "1GiB", "Largest staging region one session may ask for");
+ABSL_FLAG(std::string, backend, "auto", "Kernel backend: auto | cpu (auto picks cpu in this build)");
+ABSL_FLAG(int32_t, threads, 0, "Kernel threads (0: all hardware threads)");
+ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
+ABSL_FLAG(std::string, log_level, "info", "Log level: trace | debug | info | warn | error");
+ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may take to finish");
+ABSL_FLAG(bool, check_invariants, false, "Debug: check the pool invariant after every mutating RPC");
+
+namespace karakv::server {
+
+absl::StatusOr<int64_t> parse_bytes(std::string_view text_in) {
+  const absl::string_view text(text_in.data(), text_in.size());
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  int64_t mult = 1;
+  struct Suffix { const char* s; int64_t m; };
+  for (Suffix suf : {Suffix{"KiB", 1ll << 10}, Suffix{"MiB", 1ll << 20}, Suffix{"GiB", 1ll << 30},
+                     Suffix{"KB", 1000}, Suffix{"MB", 1000000}, Suffix{"GB", 1000000000}}) {
+    if (absl::ConsumeSuffix(&t, suf.s)) {
+      mult = suf.m;
+      break;
+    }
+  }
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(t, &v) || v < 0 || v > (int64_t(1) << 50) / mult) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is not a byte size; expected e.g. 1048576, 512MiB or 2GiB"));
+  }
+  return v * mult;
+}
+
+absl::Status apply_config_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    absl::string_view l = line;
+    if (auto hash = l.find('#'); hash != absl::string_view::npos) l = l.substr(0, hash);
+    l = absl::StripAsciiWhitespace(l);
+    if (l.empty()) continue;
+    absl::ConsumePrefix(&l, "--");
+    const size_t eq = l.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", lineno, ": expected name=value"));
+    }
+    std::string name(absl::StripAsciiWhitespace(l.substr(0, eq)));
+    std::string value(absl::StripAsciiWhitespace(l.substr(eq + 1)));
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr || name == "config") {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", lineno, ": unknown setting '", name,
+                                                     "' (see karakvd --help)"));
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", lineno, ": ", name, ": ", error));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DaemonConfig> config_from_flags() {
+  DaemonConfig c;
+  kernels::Geometry& g = c.registry.geometry;
+  g.num_layers = absl::GetFlag(FLAGS_layers);
+  g.num_q_heads = absl::GetFlag(FLAGS_q_heads);
+  g.num_kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  g.head_dim = absl::GetFlag(FLAGS_head_dim);
+  g.block_size = absl::GetFlag(FLAGS_block_size);
+  if (!kernels::parse_dtype(absl::GetFlag(FLAGS_dtype), &g.dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dtype=", absl::GetFlag(FLAGS_dtype), " unknown; expected fp16, bf16 or fp32"));
+  }
+  if (absl::Status s = validate_geometry(g); !s.ok()) return s;
+  auto pool = parse_bytes(absl::GetFlag(FLAGS_pool_bytes));
+  if (!pool.ok()) return absl::InvalidArgumentError(absl::StrCat("--pool_bytes: ", pool.status().message()));
+  c.registry.pool_bytes = *pool;
+  auto staging = parse_bytes(absl::GetFlag(FLAGS_max_staging_bytes));
+  if (!staging.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_staging_bytes: ", staging.status().message()));
+  }
+  c.registry.max_staging_bytes = static_cast<uint64_t>(*staging);
+  const int lease = absl::GetFlag(FLAGS_lease_seconds);
+  if (lease < 1) return absl::InvalidArgumentError(absl::StrCat("--lease_seconds=", lease, ", expected >= 1"));
+  c.registry.lease = absl::Seconds(lease);
+  c.socket_path = absl::GetFlag(FLAGS_socket);
+  c.tcp_address = absl::GetFlag(FLAGS_listen_tcp);
+  if (c.socket_path.empty() && c.tcp_address.empty()) {
+    return absl::InvalidArgumentError("both --socket and --listen_tcp are empty: nothing to serve on");
+  }
+  c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  c.backend = absl::GetFlag(FLAGS_backend);
+  if (c.backend != "auto" && c.backend != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat("--backend=", c.backend,
+                                                   " not available in this build; expected auto or cpu"));
+  }
+  c.kernel_threads = absl::GetFlag(FLAGS_threads);
+  c.log_format = absl::GetFlag(FLAGS_log_format);
+  if (c.log_format != "text" && c.log_format != "json") {
+    return absl::InvalidArgumentError(absl::StrCat("--log_format=", c.log_format, ", expected text or json"));
+  }
+  c.log_level = absl::GetFlag(FLAGS_log_level);
+  c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  c.check_invariants = absl::GetFlag(FLAGS_check_invariants);
+  return c;
+}
+
+}  // namespace karakv::server

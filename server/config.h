@@ -1,0 +1,35 @@
+// karakvd's configuration: one immutable object built from flags and an optional config file at
+// start-up, then handed to each component. Nothing below main() reads flags.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/registry.h"
+
+namespace karakv::server {
+
+struct DaemonConfig {
+  RegistryConfig registry;
+  std::string socket_path;   // Unix domain socket; empty disables it
+  std::string tcp_address;   // host:port; empty disables TCP
+  std::string metrics_listen;
+  std::string backend;       // auto | cpu
+  int kernel_threads = 0;
+  std::string log_format;    // text | json
+  std::string log_level;
+  absl::Duration drain_timeout;
+  bool check_invariants = false;  // debug: verify the pool invariant after every mutating RPC
+};
+
+// Reads `--name=value` or `name = value` lines ('#' starts a comment) from `path` into the
+// matching flags, so the file supplies defaults that the command line then overrides.
+absl::Status apply_config_file(const std::string& path);
+
+// Builds the config from the parsed flags; refuses inconsistent values with a message naming them.
+absl::StatusOr<DaemonConfig> config_from_flags();
+
+// Parses "512MiB", "2GiB", "1048576", "64KiB", "1GB" into bytes.
+absl::StatusOr<int64_t> parse_bytes(std::string_view text);
+
+}  // namespace karakv::server

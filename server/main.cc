@@ -1,0 +1,140 @@
+// karakvd: builds the config, the backend, the registry and the gRPC server, then serves until
+// SIGTERM/SIGINT, when it drains (new calls get UNAVAILABLE, running calls finish) and exits 0.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "karakv/kernels/backend.h"
+#include "server/config.h"
+#include "server/metrics.h"
+#include "server/registry.h"
+#include "server/service.h"
+#include "spdlog/spdlog.h"
+
+namespace {
+
+void setup_logging(const karakv::server::DaemonConfig& c) {
+  if (c.log_format == "json") {
+    spdlog::set_pattern(R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l","logger":"karakvd","msg":"%v"})");
+  } else {
+    spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ karakvd: %v");
+  }
+  spdlog::set_level(spdlog::level::from_str(c.log_level));
+}
+
+int fail(const absl::Status& s) {
+  spdlog::error("{}", std::string(s.message()));
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "karakvd: the karakv KV-cache daemon.\n"
+      "  karakvd [--config=FILE] [--socket=PATH] [--layers=N ...]\n"
+      "Serves the karakv.v1 gRPC API on a Unix socket (and optionally TCP).");
+  // The config file supplies defaults; the command line, parsed after it, overrides them.
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view a = argv[i];
+    std::string path;
+    if (absl::StartsWith(a, "--config=")) path = std::string(a.substr(9));
+    else if (a == "--config" && i + 1 < argc) path = argv[i + 1];
+    if (!path.empty()) {
+      if (absl::Status s = karakv::server::apply_config_file(path); !s.ok()) {
+        std::fprintf(stderr, "karakvd: %s\n", std::string(s.message()).c_str());
+        return 2;
+      }
+    }
+  }
+  absl::ParseCommandLine(argc, argv);
+  auto config = karakv::server::config_from_flags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "karakvd: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  setup_logging(*config);
+
+  // Signals are taken synchronously by sigwait below; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto backend = karakv::kernels::make_cpu_backend(config->kernel_threads);
+  spdlog::info("backend: {} (requested {})", backend->name(), config->backend);
+  auto registry = karakv::server::Registry::create(config->registry, std::move(backend));
+  if (!registry.ok()) return fail(registry.status());
+  auto metrics = karakv::server::Metrics::create(config->metrics_listen);
+  if (!metrics.ok()) return fail(metrics.status());
+  karakv::server::KaraKVService service(registry->get(), metrics->get(), config->check_invariants);
+  (*metrics)->update_state((*registry)->stats(), (*registry)->geometry().block_bytes(), (*registry)->geometry());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  if (!config->socket_path.empty()) {
+    unlink(config->socket_path.c_str());  // a stale socket from a crashed daemon
+    builder.AddListeningPort("unix:" + config->socket_path, grpc::InsecureServerCredentials());
+  }
+  if (!config->tcp_address.empty()) {
+    builder.AddListeningPort(config->tcp_address, grpc::InsecureServerCredentials());
+  }
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    return fail(absl::UnavailableError("cannot start the gRPC server on " +
+                                       (config->socket_path.empty() ? config->tcp_address : config->socket_path) +
+                                       " (in use, or no permission?)"));
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  const auto& g = (*registry)->geometry();
+  const auto st = (*registry)->stats();
+  spdlog::info("serving on {}{}{}: layers={} q_heads={} kv_heads={} head_dim={} dtype={} block_size={}; pool {} blocks x {} bytes",
+               config->socket_path.empty() ? "" : "unix:" + config->socket_path,
+               config->tcp_address.empty() ? "" : " tcp:", config->tcp_address, g.num_layers,
+               g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype),
+               g.block_size, st.blocks_total, g.block_bytes());
+  if (!config->metrics_listen.empty()) spdlog::info("metrics on http://{}/metrics", config->metrics_listen);
+
+  // Lease reaper: frees the sessions of workers that stopped sending heartbeats.
+  absl::Notification stop;
+  std::thread reaper([&] {
+    const absl::Duration period = std::min(absl::Seconds(1), config->registry.lease / 4);
+    while (!stop.WaitForNotificationWithTimeout(period)) {
+      const int n = (*registry)->expire_leases(absl::Now());
+      if (n > 0) {
+        spdlog::warn("lease expired for {} session(s); their sequences and staging were freed", n);
+        (*metrics)->lease_expired(n);
+        (*metrics)->update_state((*registry)->stats(), g.block_bytes(), g);
+      }
+    }
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("signal {}: draining (new calls get UNAVAILABLE, {} in flight)", sig, service.in_flight());
+  service.start_draining();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::ToInt64Milliseconds(config->drain_timeout)));
+  stop.Notify();
+  reaper.join();
+  if (!config->socket_path.empty()) unlink(config->socket_path.c_str());
+  spdlog::info("stopped");
+  return 0;
+}

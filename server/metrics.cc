@@ -1,0 +1,80 @@
+// prometheus-cpp families with conventional names: karakv_ prefix, _total counters, _seconds and
+// _bytes units, and only bounded labels (method and status code, never ids).
+#include "server/metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace karakv::server {
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& listen) {
+  std::unique_ptr<Metrics> m(new Metrics());
+  m->registry_ = std::make_shared<prometheus::Registry>();
+  auto& reg = *m->registry_;
+  m->rpc_latency_ = &prometheus::BuildHistogram()
+                         .Name("karakv_rpc_duration_seconds")
+                         .Help("Time to serve one RPC, by method")
+                         .Register(reg);
+  m->rpc_errors_ = &prometheus::BuildCounter()
+                        .Name("karakv_rpc_errors_total")
+                        .Help("RPCs that returned a non-OK status, by method and code")
+                        .Register(reg);
+  auto gauge = [&](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(reg).Add({});
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(reg).Add({});
+  };
+  m->blocks_total_ = gauge("karakv_pool_blocks", "Blocks in the KV pool");
+  m->blocks_used_ = gauge("karakv_pool_blocks_used", "Blocks held by at least one sequence");
+  m->blocks_free_ = gauge("karakv_pool_blocks_free", "Blocks on the free list");
+  m->pool_bytes_ = gauge("karakv_pool_bytes", "Bytes of the KV pool");
+  m->used_bytes_ = gauge("karakv_pool_used_bytes", "Bytes of the KV pool in used blocks");
+  m->resident_tokens_ = gauge("karakv_resident_tokens", "Tokens resident over all sequences");
+  m->sequences_ = gauge("karakv_sequences", "Live sequences");
+  m->sessions_ = gauge("karakv_sessions", "Attached worker sessions");
+  m->lease_expiries_ = counter("karakv_lease_expiries_total", "Sessions freed because their lease ran out");
+  m->decode_tokens_ = counter("karakv_decode_tokens_total", "Tokens produced by completed decode steps");
+  m->decode_steps_ = counter("karakv_decode_steps_total", "Completed decode steps (last layer's Step)");
+  m->invariant_violations_ = counter("karakv_invariant_violations_total",
+                                     "Pool invariant check failures (--check_invariants)");
+  if (!listen.empty()) {
+    try {
+      m->exposer_ = std::make_unique<prometheus::Exposer>(listen);
+    } catch (const std::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));
+    }
+    m->exposer_->RegisterCollectable(m->registry_);
+  }
+  return m;
+}
+
+void Metrics::observe_rpc(const std::string& method, double seconds, absl::StatusCode code) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0};
+  rpc_latency_->Add({{"method", method}}, kBuckets).Observe(seconds);
+  if (code != absl::StatusCode::kOk) {
+    rpc_errors_->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}}).Increment();
+  }
+}
+
+void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const kernels::Geometry&) {
+  blocks_total_->Set(s.blocks_total);
+  blocks_used_->Set(s.blocks_used);
+  blocks_free_->Set(s.blocks_free);
+  pool_bytes_->Set(double(s.blocks_total) * double(block_bytes));
+  used_bytes_->Set(double(s.blocks_used) * double(block_bytes));
+  resident_tokens_->Set(double(s.resident_tokens));
+  sequences_->Set(s.sequences);
+  sessions_->Set(s.sessions);
+}
+
+void Metrics::invariant_violation() { invariant_violations_->Increment(); }
+
+void Metrics::lease_expired(int n) { lease_expiries_->Increment(n); }
+
+void Metrics::decode_step(int tokens) {
+  decode_steps_->Increment();
+  decode_tokens_->Increment(tokens);
+}
+
+}  // namespace karakv::server

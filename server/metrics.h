@@ -1,0 +1,53 @@
+// Prometheus metrics of karakvd. Built once at start-up; handlers update them through the typed
+// methods below, never by name.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/registry.h"
+
+namespace karakv::server {
+
+class Metrics {
+ public:
+  // `listen` is "host:port"; empty keeps metrics in memory without serving /metrics.
+  static absl::StatusOr<std::unique_ptr<Metrics>> create(const std::string& listen);
+
+  // One finished RPC: its latency and, when it failed, its status code.
+  void observe_rpc(const std::string& method, double seconds, absl::StatusCode code);
+  // Pool, sequence and session gauges from a registry snapshot.
+  void update_state(const RegistryStats& stats, size_t block_bytes, const kernels::Geometry& g);
+  void lease_expired(int n);
+  void decode_step(int tokens);
+  void invariant_violation();
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+ private:
+  Metrics() = default;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Histogram>* rpc_latency_ = nullptr;
+  prometheus::Family<prometheus::Counter>* rpc_errors_ = nullptr;
+  prometheus::Gauge* blocks_total_ = nullptr;
+  prometheus::Gauge* blocks_used_ = nullptr;
+  prometheus::Gauge* blocks_free_ = nullptr;
+  prometheus::Gauge* pool_bytes_ = nullptr;
+  prometheus::Gauge* used_bytes_ = nullptr;
+  prometheus::Gauge* resident_tokens_ = nullptr;
+  prometheus::Gauge* sequences_ = nullptr;
+  prometheus::Gauge* sessions_ = nullptr;
+  prometheus::Counter* lease_expiries_ = nullptr;
+  prometheus::Counter* decode_tokens_ = nullptr;
+  prometheus::Counter* decode_steps_ = nullptr;
+  prometheus::Counter* invariant_violations_ = nullptr;
+};
+
+}  // namespace karakv::server

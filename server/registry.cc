@@ -1,0 +1,594 @@
+// Sessions, sequences and block tables. Each operation runs in two phases under the lock: validate
+// everything and count the blocks it needs, then change state; only the second phase mutates.
+#include "server/registry.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace karakv::server {
+namespace {
+
+using kernels::Geometry;
+
+std::string geometry_string(const Geometry& g) {
+  return absl::StrFormat("layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d",
+                         g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
+                         kernels::dtype_name(g.dtype), g.block_size);
+}
+
+absl::Status to_status(const kernels::KernelStatus& s) {
+  switch (s.code) {
+    case kernels::KernelStatus::Code::kOk:
+      return absl::OkStatus();
+    case kernels::KernelStatus::Code::kInvalidArgument:
+      return absl::InvalidArgumentError(s.message);
+    case kernels::KernelStatus::Code::kUnsupported:
+      return absl::UnimplementedError(s.message);
+    default:
+      return absl::InternalError(s.message);
+  }
+}
+
+absl::Status check_size(const char* what, size_t got, size_t want, const std::string& layout) {
+  if (got == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, " has ", got, " bytes, expected ", want, " (", layout, ")"));
+}
+
+float default_scale(float scale, int head_dim) {
+  return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+}
+
+std::string new_session_id() {
+  std::random_device rd;  // session ids double as capabilities: never sequential
+  return absl::StrFormat("s-%08x%08x%08x", rd(), rd(), rd());
+}
+
+}  // namespace
+
+absl::Status validate_geometry(const Geometry& g) {
+  auto bad = [](const char* field, int v, const char* want) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry ", field, "=", v, " invalid: ", want));
+  };
+  if (g.num_layers < 1 || g.num_layers > 1024) return bad("num_layers", g.num_layers, "expected 1..1024");
+  if (g.num_kv_heads < 1 || g.num_kv_heads > 1024) return bad("num_kv_heads", g.num_kv_heads, "expected 1..1024");
+  if (g.num_q_heads < g.num_kv_heads || g.num_q_heads % g.num_kv_heads != 0) {
+    return bad("num_q_heads", g.num_q_heads, "expected a multiple of num_kv_heads");
+  }
+  if (g.head_dim < 1 || g.head_dim > 1024) return bad("head_dim", g.head_dim, "expected 1..1024");
+  if (g.block_size < 1 || g.block_size > 4096) return bad("block_size", g.block_size, "expected 1..4096");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Registry>> Registry::create(const RegistryConfig& config,
+                                                           std::unique_ptr<kernels::Backend> backend) {
+  if (absl::Status s = validate_geometry(config.geometry); !s.ok()) return s;
+  const size_t block_bytes = config.geometry.block_bytes();
+  const int64_t num_blocks = config.pool_bytes / static_cast<int64_t>(block_bytes);
+  if (num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("pool of ", config.pool_bytes,
+                                                   " bytes holds no block of ", block_bytes, " bytes"));
+  }
+  if (num_blocks > INT32_MAX) return absl::InvalidArgumentError("pool holds more than 2^31 blocks");
+  for (kernels::Op op : {kernels::Op::kWriteKV, kernels::Op::kDecodeAttention,
+                         kernels::Op::kCausalAttention, kernels::Op::kReadKV, kernels::Op::kCopyBlock}) {
+    if (!backend->supports(op, config.geometry.dtype)) {
+      return absl::UnimplementedError(absl::StrCat("backend ", std::string(backend->name()), " cannot run ",
+                                                   kernels::op_name(op), " for dtype ",
+                                                   kernels::dtype_name(config.geometry.dtype)));
+    }
+  }
+  void* memory = nullptr;
+  const size_t pool_bytes = static_cast<size_t>(num_blocks) * block_bytes;
+  if (auto s = backend->allocate(pool_bytes, &memory); !s.is_ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a ", pool_bytes, "-byte pool on ", std::string(backend->name()), ": ", s.message));
+  }
+  return std::unique_ptr<Registry>(
+      new Registry(config, std::move(backend), memory, static_cast<int32_t>(num_blocks)));
+}
+
+Registry::Registry(const RegistryConfig& config, std::unique_ptr<kernels::Backend> backend,
+                   void* pool_memory, int32_t num_blocks)
+    : config_(config), backend_(std::move(backend)), pool_memory_(pool_memory), pool_(num_blocks) {}
+
+Registry::~Registry() {
+  {
+    absl::MutexLock lock(&mu_);
+    sessions_.clear();
+    sequences_.clear();
+  }
+  backend_->free(pool_memory_);
+}
+
+size_t Registry::append_bytes(int32_t num_tokens) const {
+  const Geometry& g = config_.geometry;
+  return size_t(g.num_layers) * num_tokens * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+}
+size_t Registry::step_kv_bytes(size_t batch) const {
+  const Geometry& g = config_.geometry;
+  return batch * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+}
+size_t Registry::q_bytes(size_t rows) const { return rows * config_.geometry.q_token_elems() * 4; }
+
+// ---- sessions ----
+
+absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, const std::string& tenant,
+                                              uint64_t staging_bytes, const Geometry& wg) {
+  const Geometry& g = config_.geometry;
+  if (wg.num_layers != 0 &&
+      (wg.num_layers != g.num_layers || wg.num_q_heads != g.num_q_heads ||
+       wg.num_kv_heads != g.num_kv_heads || wg.head_dim != g.head_dim || wg.dtype != g.dtype ||
+       (wg.block_size != 0 && wg.block_size != g.block_size))) {
+    return absl::InvalidArgumentError(absl::StrCat("worker geometry (", geometry_string(wg),
+                                                   ") differs from the daemon's (",
+                                                   geometry_string(g), ")"));
+  }
+  if (staging_bytes > config_.max_staging_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("staging_bytes ", staging_bytes,
+                                                   " exceeds the daemon's limit of ",
+                                                   config_.max_staging_bytes));
+  }
+  std::shared_ptr<StagingRegion> staging;
+  if (staging_bytes > 0) {
+    auto region = StagingRegion::create(staging_bytes);
+    if (!region.ok()) return region.status();
+    staging = std::move(*region);
+  }
+  AttachResult result;
+  result.session_id = new_session_id();
+  if (staging) {
+    result.staging_name = staging->name();
+    result.staging_bytes = staging->size();
+  }
+  absl::MutexLock lock(&mu_);
+  Session& s = sessions_[result.session_id];
+  s.id = result.session_id;
+  s.worker_id = worker_id;
+  s.tenant = tenant;
+  s.staging = std::move(staging);
+  s.lease_deadline = absl::Now() + config_.lease;
+  return result;
+}
+
+absl::StatusOr<Registry::Session*> Registry::find_session(const std::string& session_id) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown session '", session_id,
+                                            "' (never attached, detached, or its lease expired)"));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<Registry::Sequence*> Registry::find_sequence(const Session& session,
+                                                            uint64_t sequence_id) {
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  if (it->second.tenant != session.tenant) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("sequence ", sequence_id, " belongs to another tenant"));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<int> Registry::detach(const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  const int n = static_cast<int>((*session)->sequences.size());
+  end_session_locked(session_id);
+  return n;
+}
+
+absl::Status Registry::heartbeat(const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  (*session)->lease_deadline = absl::Now() + config_.lease;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<StagingRegion>> Registry::staging(const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  return (*session)->staging;
+}
+
+int Registry::expire_leases(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> expired;
+  for (const auto& [id, s] : sessions_) {
+    if (s.lease_deadline < now) expired.push_back(id);
+  }
+  for (const auto& id : expired) end_session_locked(id);
+  lease_expiries_ += expired.size();
+  return static_cast<int>(expired.size());
+}
+
+void Registry::end_session_locked(const std::string& session_id) {
+  auto it = sessions_.find(session_id);
+  for (uint64_t id : it->second.sequences) {
+    auto seq = sequences_.find(id);
+    release_locked(seq->second);
+    sequences_.erase(seq);
+  }
+  sessions_.erase(it);  // drops our reference to the staging region; it unmaps when unused
+}
+
+// ---- sequences ----
+
+absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id,
+                                                   const std::string& policy, int32_t priority) {
+  if (!policy.empty() && policy != "none") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown policy '", policy, "'; this daemon offers: none"));
+  }
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  const uint64_t id = next_sequence_id_++;
+  Sequence& seq = sequences_[id];
+  seq.id = id;
+  seq.session_id = session_id;
+  seq.tenant = (*session)->tenant;
+  seq.policy = policy.empty() ? "none" : policy;
+  seq.priority = priority;
+  (*session)->sequences.insert(id);
+  return id;
+}
+
+absl::StatusOr<uint64_t> Registry::fork_sequence(const std::string& session_id, uint64_t parent_id) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  auto parent = find_sequence(**session, parent_id);
+  if (!parent.ok()) return parent.status();
+  if ((*parent)->pending_layer >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", parent_id, " is in the middle of a step (expects layer ",
+        (*parent)->pending_layer, "); finish the step before forking"));
+  }
+  const uint64_t id = next_sequence_id_++;
+  Sequence child = **parent;  // copies the table; the blocks are now shared
+  child.id = id;
+  child.session_id = session_id;
+  for (int32_t b : child.blocks) pool_.add_ref(b);
+  sequences_[id] = std::move(child);
+  (*session)->sequences.insert(id);
+  return id;
+}
+
+absl::StatusOr<int> Registry::release_sequence(const std::string& session_id, uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  auto seq = find_sequence(**session, sequence_id);
+  if (!seq.ok()) return seq.status();
+  const int freed = release_locked(**seq);
+  auto owner = sessions_.find((*seq)->session_id);
+  if (owner != sessions_.end()) owner->second.sequences.erase(sequence_id);
+  sequences_.erase(sequence_id);
+  return freed;
+}
+
+int Registry::release_locked(Sequence& seq) {
+  int freed = 0;
+  for (int32_t b : seq.blocks) freed += pool_.release(b) ? 1 : 0;
+  seq.blocks.clear();
+  return freed;
+}
+
+int32_t Registry::blocks_needed(const Sequence& seq, int32_t new_length) const {
+  const int32_t b = config_.geometry.block_size;
+  const int32_t have = static_cast<int32_t>(seq.blocks.size());
+  const int32_t want = (new_length + b - 1) / b;
+  int32_t n = want > have ? want - have : 0;
+  // Writing into a partly filled block that a fork shares needs a private copy first.
+  const int32_t first = seq.length / b;
+  if (new_length > seq.length && first < have && pool_.refcount(seq.blocks[first]) > 1) ++n;
+  return n;
+}
+
+absl::Status Registry::reserve(Sequence& seq, int32_t new_length) {
+  const int32_t b = config_.geometry.block_size;
+  const int32_t have = static_cast<int32_t>(seq.blocks.size());
+  const int32_t first = seq.length / b;
+  if (new_length > seq.length && first < have && pool_.refcount(seq.blocks[first]) > 1) {
+    std::vector<int32_t> fresh;
+    if (absl::Status s = pool_.allocate(1, &fresh); !s.ok()) return s;
+    kernels::PagedKV kv;
+    kv.pool = pool_memory_;
+    kv.geometry = config_.geometry;
+    if (auto s = backend_->copy_block(kv, seq.blocks[first], fresh[0]); !s.is_ok()) {
+      pool_.release(fresh[0]);
+      return to_status(s);
+    }
+    pool_.release(seq.blocks[first]);
+    seq.blocks[first] = fresh[0];
+  }
+  const int32_t want = (new_length + b - 1) / b;
+  if (want > have) {
+    if (absl::Status s = pool_.allocate(want - static_cast<int32_t>(seq.blocks.size()), &seq.blocks);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+kernels::PagedKV Registry::paged_view(const std::vector<const Sequence*>& seqs,
+                                      const std::vector<int32_t>& lengths,
+                                      std::vector<int32_t>* table,
+                                      std::vector<int32_t>* offsets) const {
+  offsets->assign(1, 0);
+  table->clear();
+  for (const Sequence* s : seqs) {
+    table->insert(table->end(), s->blocks.begin(), s->blocks.end());
+    offsets->push_back(static_cast<int32_t>(table->size()));
+  }
+  kernels::PagedKV kv;
+  kv.pool = pool_memory_;
+  kv.geometry = config_.geometry;
+  kv.block_table = table->data();
+  kv.table_offset = offsets->data();
+  kv.seq_len = lengths.data();
+  kv.num_seqs = static_cast<int>(seqs.size());
+  return kv;
+}
+
+absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t sequence_id,
+                                         int32_t num_tokens, ConstBytes k, ConstBytes v) {
+  const Geometry& g = config_.geometry;
+  if (num_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("num_tokens is ", num_tokens, ", expected >= 1"));
+  }
+  const std::string layout = absl::StrFormat("[L=%d][T=%d][Hk=%d][D=%d] %s", g.num_layers,
+                                             num_tokens, g.num_kv_heads, g.head_dim,
+                                             kernels::dtype_name(g.dtype));
+  if (auto s = check_size("k", k.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
+  if (auto s = check_size("v", v.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
+
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  auto found = find_sequence(**session, sequence_id);
+  if (!found.ok()) return found.status();
+  Sequence& seq = **found;
+  if (seq.pending_layer >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", sequence_id, " is in the middle of a step (expects layer ", seq.pending_layer,
+        "); finish the step or restart it at layer 0 before appending"));
+  }
+  if (int64_t(seq.length) + num_tokens > INT32_MAX / 2) {
+    return absl::InvalidArgumentError("sequence would exceed 2^30 tokens");
+  }
+  const int32_t new_length = seq.length + num_tokens;
+  const int32_t need = blocks_needed(seq, new_length);
+  if (need > pool_.free_count()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV pool full: appending ", num_tokens, " tokens to sequence ", sequence_id, " wanted ",
+        need, " blocks, ", pool_.free_count(), " free of ", pool_.total()));
+  }
+  if (absl::Status s = reserve(seq, new_length); !s.ok()) return s;
+  std::vector<int32_t> table, offsets, lengths{new_length};
+  kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
+  if (auto s = backend_->write_kv(kv, 0, seq.length, num_tokens, 0, g.num_layers, k.data(), v.data());
+      !s.is_ok()) {
+    return to_status(s);
+  }
+  seq.length = new_length;
+  tokens_appended_ += num_tokens;
+  return new_length;
+}
+
+absl::StatusOr<uint64_t> Registry::step(const std::string& session_id, int32_t layer,
+                                        absl::Span<const uint64_t> sequence_ids, ConstBytes k,
+                                        ConstBytes v, ConstBytes q, MutableBytes out, float scale) {
+  const Geometry& g = config_.geometry;
+  const size_t batch = sequence_ids.size();
+  if (batch == 0) return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
+  if (layer < 0 || layer >= g.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range, expected 0..", g.num_layers - 1));
+  }
+  const std::string kv_layout = absl::StrFormat("[B=%d][Hk=%d][D=%d] %s", batch, g.num_kv_heads,
+                                                g.head_dim, kernels::dtype_name(g.dtype));
+  const std::string q_layout = absl::StrFormat("[B=%d][Hq=%d][D=%d] fp32", batch, g.num_q_heads, g.head_dim);
+  if (auto s = check_size("k", k.size(), step_kv_bytes(batch), kv_layout); !s.ok()) return s;
+  if (auto s = check_size("v", v.size(), step_kv_bytes(batch), kv_layout); !s.ok()) return s;
+  if (auto s = check_size("q", q.size(), q_bytes(batch), q_layout); !s.ok()) return s;
+  if (auto s = check_size("out", out.size(), q_bytes(batch), q_layout); !s.ok()) return s;
+
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  std::vector<Sequence*> seqs;
+  seqs.reserve(batch);
+  absl::flat_hash_set<uint64_t> seen;
+  int32_t need = 0;
+  for (uint64_t id : sequence_ids) {
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", id, " appears twice in one Step"));
+    }
+    auto found = find_sequence(**session, id);
+    if (!found.ok()) return found.status();
+    Sequence& seq = **found;
+    if (layer == 0) {
+      need += blocks_needed(seq, seq.length + 1);
+    } else if (seq.pending_layer != layer) {
+      return absl::FailedPreconditionError(
+          seq.pending_layer < 0
+              ? absl::StrCat("sequence ", id, " has no step in progress: a step starts at layer 0, got layer ", layer)
+              : absl::StrCat("sequence ", id, " expects layer ", seq.pending_layer, " next, got layer ", layer));
+    }
+    seqs.push_back(&seq);
+  }
+  if (need > pool_.free_count()) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV pool full: Step over ", batch,
+                                                     " sequences wanted ", need, " blocks, ",
+                                                     pool_.free_count(), " free of ", pool_.total()));
+  }
+  if (layer == 0) {
+    for (Sequence* seq : seqs) {
+      if (absl::Status s = reserve(*seq, seq->length + 1); !s.ok()) return s;  // cannot fail: counted
+    }
+  }
+  std::vector<const Sequence*> view(seqs.begin(), seqs.end());
+  std::vector<int32_t> lengths, table, offsets;
+  for (const Sequence* seq : seqs) lengths.push_back(seq->length + 1);
+  kernels::PagedKV kv = paged_view(view, lengths, &table, &offsets);
+  const size_t kv_stride = g.kv_token_elems() * kernels::dtype_size(g.dtype);
+  for (size_t i = 0; i < batch; ++i) {
+    if (auto s = backend_->write_kv(kv, static_cast<int>(i), seqs[i]->length, 1, layer, 1,
+                                    k.data() + i * kv_stride, v.data() + i * kv_stride);
+        !s.is_ok()) {
+      return to_status(s);
+    }
+  }
+  if (auto s = backend_->decode_attention(kv, layer, reinterpret_cast<const float*>(q.data()),
+                                          reinterpret_cast<float*>(out.data()),
+                                          default_scale(scale, g.head_dim));
+      !s.is_ok()) {
+    return to_status(s);
+  }
+  for (Sequence* seq : seqs) {
+    if (layer + 1 == g.num_layers) {
+      seq->length += 1;
+      seq->pending_layer = -1;
+    } else {
+      seq->pending_layer = layer + 1;
+    }
+  }
+  if (layer + 1 == g.num_layers) ++decode_steps_;
+  return decode_steps_;
+}
+
+absl::Status Registry::attend(const std::string& session_id, uint64_t sequence_id, int32_t layer,
+                              int32_t num_queries, ConstBytes q, MutableBytes out, float scale) {
+  const Geometry& g = config_.geometry;
+  if (layer < 0 || layer >= g.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range, expected 0..", g.num_layers - 1));
+  }
+  if (num_queries < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("num_queries is ", num_queries, ", expected >= 1"));
+  }
+  const std::string layout =
+      absl::StrFormat("[N=%d][Hq=%d][D=%d] fp32", num_queries, g.num_q_heads, g.head_dim);
+  if (auto s = check_size("q", q.size(), q_bytes(num_queries), layout); !s.ok()) return s;
+  if (auto s = check_size("out", out.size(), q_bytes(num_queries), layout); !s.ok()) return s;
+
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  auto found = find_sequence(**session, sequence_id);
+  if (!found.ok()) return found.status();
+  const Sequence& seq = **found;
+  if (seq.pending_layer >= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", sequence_id, " is in the middle of a step; finish it before Attend"));
+  }
+  if (num_queries > seq.length) {
+    return absl::InvalidArgumentError(absl::StrCat("num_queries ", num_queries, " exceeds the ",
+                                                   seq.length, " tokens cached in sequence ", sequence_id));
+  }
+  std::vector<int32_t> lengths{seq.length}, table, offsets;
+  kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
+  return to_status(backend_->causal_attention(kv, 0, layer, num_queries,
+                                              reinterpret_cast<const float*>(q.data()),
+                                              reinterpret_cast<float*>(out.data()),
+                                              default_scale(scale, g.head_dim)));
+}
+
+absl::StatusOr<int32_t> Registry::read_kv(
+    const std::string& session_id, uint64_t sequence_id,
+    absl::FunctionRef<absl::StatusOr<ReadKVTargets>(int32_t)> targets) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  auto found = find_sequence(**session, sequence_id);
+  if (!found.ok()) return found.status();
+  const Sequence& seq = **found;
+  auto out = targets(seq.length);
+  if (!out.ok()) return out.status();
+  const size_t want = append_bytes(seq.length);
+  if (out->k.size() < want || out->v.size() < want || out->positions.size() < size_t(seq.length) * 4) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadKV outputs too small for ", seq.length,
+                                                   " tokens: k and v need ", want,
+                                                   " bytes each, positions ", seq.length * 4));
+  }
+  if (seq.length > 0) {
+    std::vector<int32_t> lengths{seq.length}, table, offsets;
+    kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
+    if (auto s = backend_->read_kv(kv, 0, out->k.data(), out->v.data()); !s.is_ok()) return to_status(s);
+  }
+  // Without compression the resident tokens are exactly positions 0..n-1.
+  for (int32_t t = 0; t < seq.length; ++t) std::memcpy(out->positions.data() + 4 * t, &t, 4);
+  return seq.length;
+}
+
+RegistryStats Registry::stats() const {
+  absl::MutexLock lock(&mu_);
+  RegistryStats s;
+  s.blocks_total = pool_.total();
+  s.blocks_used = pool_.used_count();
+  s.blocks_free = pool_.free_count();
+  for (const auto& [id, seq] : sequences_) s.resident_tokens += seq.length;
+  s.sequences = static_cast<int32_t>(sequences_.size());
+  s.sessions = static_cast<int32_t>(sessions_.size());
+  s.decode_steps = decode_steps_;
+  s.tokens_appended = tokens_appended_;
+  s.lease_expiries = lease_expiries_;
+  return s;
+}
+
+std::vector<SequenceInfo> Registry::list_sequences(const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SequenceInfo> out;
+  for (const auto& [id, seq] : sequences_) {
+    if (!session_id.empty() && seq.session_id != session_id) continue;
+    SequenceInfo info;
+    info.id = id;
+    info.session_id = seq.session_id;
+    info.tenant = seq.tenant;
+    info.policy = seq.policy;
+    info.length = seq.length;
+    info.blocks = static_cast<int32_t>(seq.blocks.size());
+    for (int32_t b : seq.blocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
+    info.priority = seq.priority;
+    info.pending_layer = seq.pending_layer;
+    out.push_back(std::move(info));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+  return out;
+}
+
+absl::Status Registry::check_invariants() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<int32_t> references(pool_.total(), 0);
+  const int32_t b = config_.geometry.block_size;
+  for (const auto& [id, seq] : sequences_) {
+    const int32_t covered = seq.length + (seq.pending_layer >= 0 ? 1 : 0);
+    if (static_cast<int32_t>(seq.blocks.size()) != (covered + b - 1) / b) {
+      return absl::InternalError(absl::StrCat("sequence ", id, " holds ", seq.blocks.size(),
+                                              " blocks for ", covered, " tokens"));
+    }
+    for (int32_t block : seq.blocks) {
+      if (block < 0 || block >= pool_.total()) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " holds bad block id ", block));
+      }
+      ++references[block];
+    }
+    if (!sessions_.contains(seq.session_id)) {
+      return absl::InternalError(absl::StrCat("sequence ", id, " outlived its session"));
+    }
+  }
+  return pool_.check(references);
+}
+
+}  // namespace karakv::server

@@ -1,0 +1,372 @@
+// Request handling: every tensor reference is resolved and bounds-checked against the caller's own
+// staging region before the registry (and so any kernel) sees it.
+#include "server/service.h"
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace karakv::server {
+namespace {
+
+// An input tensor resolved to bytes. Inline bytes that are not 4-byte aligned are copied so the
+// kernels can read them as floats.
+struct Input {
+  ConstBytes bytes;
+  std::vector<uint8_t> copy;
+};
+
+absl::Status resolve_input(const v1::TensorRef& ref, const StagingRegion* staging, const char* what,
+                           Input* out) {
+  switch (ref.location_case()) {
+    case v1::TensorRef::kData: {
+      const std::string& d = ref.data();
+      if (reinterpret_cast<uintptr_t>(d.data()) % 4 != 0) {
+        out->copy.assign(d.begin(), d.end());
+        out->bytes = ConstBytes(out->copy.data(), out->copy.size());
+      } else {
+        out->bytes = ConstBytes(reinterpret_cast<const uint8_t*>(d.data()), d.size());
+      }
+      return absl::OkStatus();
+    }
+    case v1::TensorRef::kStaging: {
+      if (staging == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, " refers to staging memory but this session attached without a staging region; "
+                  "send it inline as data"));
+      }
+      auto p = staging->resolve(ref.staging().offset(), ref.staging().length(), 4, what);
+      if (!p.ok()) return p.status();
+      out->bytes = ConstBytes(*p, ref.staging().length());
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is missing: set staging {offset, length} or inline data"));
+  }
+}
+
+// An output tensor: a staging range of exactly `want` bytes, or (no range given) the reply's own
+// bytes field resized to `want`.
+absl::StatusOr<MutableBytes> resolve_output(const v1::OutputRef& ref, const StagingRegion* staging,
+                                            size_t want, bool exact, const char* what,
+                                            std::string* inline_dst) {
+  if (!ref.has_staging()) {
+    inline_dst->resize(want);
+    return MutableBytes(reinterpret_cast<uint8_t*>(inline_dst->data()), want);
+  }
+  if (staging == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " refers to staging memory but this session attached without a staging region"));
+  }
+  const uint64_t length = ref.staging().length();
+  if (exact ? length != want : length < want) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " staging range has ", length,
+                                                   " bytes, expected ", exact ? "" : "at least ", want));
+  }
+  auto p = staging->resolve(ref.staging().offset(), length, 4, what);
+  if (!p.ok()) return p.status();
+  return MutableBytes(*p, want);
+}
+
+bool uses_staging(const v1::TensorRef& r) { return r.has_staging(); }
+bool uses_staging(const v1::OutputRef& r) { return r.has_staging(); }
+
+// The session's staging region, looked up only when some tensor of the request lives there.
+template <typename... Refs>
+absl::StatusOr<std::shared_ptr<StagingRegion>> staging_for(Registry* registry, const std::string& session,
+                                                           const Refs&... refs) {
+  if (!(uses_staging(refs) || ...)) return std::shared_ptr<StagingRegion>();
+  return registry->staging(session);
+}
+
+}  // namespace
+
+kernels::Geometry from_proto(const v1::Geometry& g) {
+  kernels::Geometry out;
+  out.num_layers = g.num_layers();
+  out.num_q_heads = g.num_q_heads();
+  out.num_kv_heads = g.num_kv_heads();
+  out.head_dim = g.head_dim();
+  out.block_size = g.block_size();
+  switch (g.dtype()) {
+    case v1::DTYPE_FP32: out.dtype = kernels::DType::kFloat32; break;
+    case v1::DTYPE_BF16: out.dtype = kernels::DType::kBFloat16; break;
+    default: out.dtype = kernels::DType::kFloat16; break;
+  }
+  return out;
+}
+
+v1::Geometry to_proto(const kernels::Geometry& g) {
+  v1::Geometry out;
+  out.set_num_layers(g.num_layers);
+  out.set_num_q_heads(g.num_q_heads);
+  out.set_num_kv_heads(g.num_kv_heads);
+  out.set_head_dim(g.head_dim);
+  out.set_block_size(g.block_size);
+  switch (g.dtype) {
+    case kernels::DType::kFloat32: out.set_dtype(v1::DTYPE_FP32); break;
+    case kernels::DType::kBFloat16: out.set_dtype(v1::DTYPE_BF16); break;
+    case kernels::DType::kFloat16: out.set_dtype(v1::DTYPE_FP16); break;
+  }
+  return out;
+}
+
+grpc::Status to_grpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+template <typename Body>
+grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx, const char* method,
+                                               bool mutates, Body&& body) {
+  auto* reactor = ctx->DefaultReactor();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status;
+  ++in_flight_;
+  if (draining_.load()) {
+    status = absl::UnavailableError("karakvd is draining for shutdown; retry on another daemon or after restart");
+  } else {
+    status = body();
+  }
+  --in_flight_;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  metrics_->observe_rpc(method, seconds, status.code());
+  if (mutates && check_invariants_) {
+    if (absl::Status inv = registry_->check_invariants(); !inv.ok()) {
+      spdlog::critical("pool invariant broken after {}: {}", method, std::string(inv.message()));
+      metrics_->invariant_violation();
+    }
+  }
+  if (mutates) metrics_->update_state(registry_->stats(), registry_->geometry().block_bytes(), registry_->geometry());
+  reactor->Finish(to_grpc(status));
+  return reactor;
+}
+
+absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachReply* reply) {
+  kernels::Geometry wg;
+  if (req.has_geometry()) {
+    wg = from_proto(req.geometry());
+    if (req.geometry().dtype() == v1::DTYPE_UNSPECIFIED) wg.dtype = registry_->geometry().dtype;
+  }
+  auto r = registry_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
+                             req.staging_bytes(), wg);
+  if (!r.ok()) return r.status();
+  reply->set_session_id(r->session_id);
+  reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
+  *reply->mutable_geometry() = to_proto(registry_->geometry());
+  reply->set_staging_name(r->staging_name);
+  reply->set_staging_bytes(r->staging_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendReply* reply) {
+  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v());
+  if (!staging.ok()) return staging.status();
+  Input k, v;
+  if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
+  if (auto s = resolve_input(req.v(), staging->get(), "v", &v); !s.ok()) return s;
+  auto r = registry_->append(req.session_id(), req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
+                             k.bytes, v.bytes);
+  if (!r.ok()) return r.status();
+  reply->set_length(static_cast<uint32_t>(*r));
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* reply) {
+  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.q(), req.out());
+  if (!staging.ok()) return staging.status();
+  Input k, v, q;
+  if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
+  if (auto s = resolve_input(req.v(), staging->get(), "v", &v); !s.ok()) return s;
+  if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
+  auto out = resolve_output(req.out(), staging->get(), registry_->q_bytes(req.sequence_ids_size()),
+                            true, "out", reply->mutable_out());
+  if (!out.ok()) return out.status();
+  auto r = registry_->step(req.session_id(), req.layer(), req.sequence_ids(), k.bytes, v.bytes,
+                           q.bytes, *out, req.scale());
+  if (!r.ok()) {
+    reply->clear_out();
+    return r.status();
+  }
+  reply->set_decode_step(*r);
+  if (req.layer() + 1 == registry_->geometry().num_layers) metrics_->decode_step(req.sequence_ids_size());
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoAttend(const v1::AttendRequest& req, v1::AttendReply* reply) {
+  auto staging = staging_for(registry_, req.session_id(), req.q(), req.out());
+  if (!staging.ok()) return staging.status();
+  Input q;
+  if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
+  auto out = resolve_output(req.out(), staging->get(), registry_->q_bytes(req.num_queries()), true,
+                            "out", reply->mutable_out());
+  if (!out.ok()) return out.status();
+  absl::Status s = registry_->attend(req.session_id(), req.sequence_id(), req.layer(),
+                                     static_cast<int32_t>(req.num_queries()), q.bytes, *out, req.scale());
+  if (!s.ok()) reply->clear_out();
+  return s;
+}
+
+absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVReply* reply) {
+  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.positions());
+  if (!staging.ok()) return staging.status();
+  auto targets = [&](int32_t tokens) -> absl::StatusOr<ReadKVTargets> {
+    ReadKVTargets t;
+    const size_t kv_bytes = registry_->append_bytes(tokens);
+    auto k = resolve_output(req.k(), staging->get(), kv_bytes, false, "k", reply->mutable_k());
+    if (!k.ok()) return k.status();
+    auto v = resolve_output(req.v(), staging->get(), kv_bytes, false, "v", reply->mutable_v());
+    if (!v.ok()) return v.status();
+    auto p = resolve_output(req.positions(), staging->get(), size_t(tokens) * 4, false, "positions",
+                            reply->mutable_positions());
+    if (!p.ok()) return p.status();
+    t.k = *k;
+    t.v = *v;
+    t.positions = *p;
+    return t;
+  };
+  auto r = registry_->read_kv(req.session_id(), req.sequence_id(), targets);
+  if (!r.ok()) {
+    reply->Clear();
+    return r.status();
+  }
+  reply->set_num_tokens(static_cast<uint32_t>(*r));
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply* reply) {
+  const RegistryStats s = registry_->stats();
+  const kernels::Geometry& g = registry_->geometry();
+  *reply->mutable_geometry() = to_proto(g);
+  reply->set_backend(std::string(registry_->backend_name()));
+  reply->set_blocks_total(s.blocks_total);
+  reply->set_blocks_used(s.blocks_used);
+  reply->set_blocks_free(s.blocks_free);
+  reply->set_block_bytes(g.block_bytes());
+  reply->set_pool_bytes(uint64_t(s.blocks_total) * g.block_bytes());
+  reply->set_resident_tokens(s.resident_tokens);
+  reply->set_sequences(s.sequences);
+  reply->set_sessions(s.sessions);
+  reply->set_decode_steps(s.decode_steps);
+  reply->set_tokens_appended(s.tokens_appended);
+  reply->set_lease_expiries(s.lease_expiries);
+  reply->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  if (req.check_invariants()) {
+    reply->set_invariants_checked(true);
+    reply->set_invariant_error(std::string(registry_->check_invariants().message()));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Attach(grpc::CallbackServerContext* ctx, const v1::AttachRequest* req,
+                                                v1::AttachReply* reply) {
+  return serve(ctx, "Attach", true, [&] { return DoAttach(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Detach(grpc::CallbackServerContext* ctx, const v1::DetachRequest* req,
+                                                v1::DetachReply* reply) {
+  return serve(ctx, "Detach", true, [&]() -> absl::Status {
+    auto n = registry_->detach(req->session_id());
+    if (!n.ok()) return n.status();
+    reply->set_sequences_released(static_cast<uint32_t>(*n));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
+                                                   v1::HeartbeatReply* reply) {
+  return serve(ctx, "Heartbeat", false, [&]() -> absl::Status {
+    reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
+    return registry_->heartbeat(req->session_id());
+  });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::CreateSequence(grpc::CallbackServerContext* ctx,
+                                                        const v1::CreateSequenceRequest* req,
+                                                        v1::CreateSequenceReply* reply) {
+  return serve(ctx, "CreateSequence", true, [&]() -> absl::Status {
+    auto id = registry_->create_sequence(req->session_id(), req->policy(), req->priority());
+    if (!id.ok()) return id.status();
+    reply->set_sequence_id(*id);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::ForkSequence(grpc::CallbackServerContext* ctx,
+                                                      const v1::ForkSequenceRequest* req,
+                                                      v1::ForkSequenceReply* reply) {
+  return serve(ctx, "ForkSequence", true, [&]() -> absl::Status {
+    auto id = registry_->fork_sequence(req->session_id(), req->sequence_id());
+    if (!id.ok()) return id.status();
+    reply->set_sequence_id(*id);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::ReleaseSequence(grpc::CallbackServerContext* ctx,
+                                                         const v1::ReleaseSequenceRequest* req,
+                                                         v1::ReleaseSequenceReply* reply) {
+  return serve(ctx, "ReleaseSequence", true, [&]() -> absl::Status {
+    auto n = registry_->release_sequence(req->session_id(), req->sequence_id());
+    if (!n.ok()) return n.status();
+    reply->set_blocks_freed(static_cast<uint32_t>(*n));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Append(grpc::CallbackServerContext* ctx, const v1::AppendRequest* req,
+                                                v1::AppendReply* reply) {
+  return serve(ctx, "Append", true, [&] { return DoAppend(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
+                                              v1::StepReply* reply) {
+  // Gauges only move when a step allocates (layer 0); later layers skip the snapshot.
+  return serve(ctx, "Step", req->layer() == 0, [&] { return DoStep(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
+                                                v1::AttendReply* reply) {
+  return serve(ctx, "Attend", false, [&] { return DoAttend(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::ReadKV(grpc::CallbackServerContext* ctx, const v1::ReadKVRequest* req,
+                                                v1::ReadKVReply* reply) {
+  return serve(ctx, "ReadKV", false, [&] { return DoReadKV(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
+                                               v1::StatsReply* reply) {
+  return serve(ctx, "Stats", false, [&] { return DoStats(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::ListSequences(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListSequencesRequest* req,
+                                                       v1::ListSequencesReply* reply) {
+  return serve(ctx, "ListSequences", false, [&]() -> absl::Status {
+    for (const SequenceInfo& info : registry_->list_sequences(req->session_id())) {
+      v1::SequenceInfo* s = reply->add_sequences();
+      s->set_sequence_id(info.id);
+      s->set_session_id(info.session_id);
+      s->set_tenant(info.tenant);
+      s->set_policy(info.policy);
+      s->set_length(info.length);
+      s->set_blocks(info.blocks);
+      s->set_shared_blocks(info.shared_blocks);
+      s->set_priority(info.priority);
+      s->set_pending_layer(info.pending_layer);
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest*,
+                                              v1::PingReply*) {
+  return serve(ctx, "Ping", false, [] { return absl::OkStatus(); });
+}
+
+}  // namespace karakv::server

@@ -1,0 +1,66 @@
+// The gRPC face of the registry (callback API): resolves tensors to staging or inline bytes,
+// refuses work while draining, maps absl::Status to gRPC status, and records metrics per RPC.
+#pragma once
+
+#include <atomic>
+#include <memory>
+
+#include "karakv/v1/karakv.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/registry.h"
+
+namespace karakv::server {
+
+namespace v1 = ::karakv::v1;
+
+class KaraKVService final : public v1::KaraKV::CallbackService {
+ public:
+  // check_invariants: debug mode that verifies the pool invariant after every mutating call.
+  KaraKVService(Registry* registry, Metrics* metrics, bool check_invariants = false)
+      : registry_(registry), metrics_(metrics), check_invariants_(check_invariants) {}
+
+  // After this, every new call is refused with UNAVAILABLE; calls already running finish.
+  void start_draining() { draining_.store(true); }
+  int in_flight() const { return in_flight_.load(); }
+
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext*, const v1::AttachRequest*, v1::AttachReply*) override;
+  grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext*, const v1::DetachRequest*, v1::DetachReply*) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatReply*) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext*, const v1::CreateSequenceRequest*, v1::CreateSequenceReply*) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext*, const v1::ForkSequenceRequest*, v1::ForkSequenceReply*) override;
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext*, const v1::ReleaseSequenceRequest*, v1::ReleaseSequenceReply*) override;
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext*, const v1::AppendRequest*, v1::AppendReply*) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext*, const v1::StepRequest*, v1::StepReply*) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext*, const v1::AttendRequest*, v1::AttendReply*) override;
+  grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext*, const v1::ReadKVRequest*, v1::ReadKVReply*) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext*, const v1::StatsRequest*, v1::StatsReply*) override;
+  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext*, const v1::ListSequencesRequest*, v1::ListSequencesReply*) override;
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext*, const v1::PingRequest*, v1::PingReply*) override;
+
+  // The handlers' bodies, callable without a transport (tests, fuzzers).
+  absl::Status DoAttach(const v1::AttachRequest&, v1::AttachReply*);
+  absl::Status DoAppend(const v1::AppendRequest&, v1::AppendReply*);
+  absl::Status DoStep(const v1::StepRequest&, v1::StepReply*);
+  absl::Status DoAttend(const v1::AttendRequest&, v1::AttendReply*);
+  absl::Status DoReadKV(const v1::ReadKVRequest&, v1::ReadKVReply*);
+  absl::Status DoStats(const v1::StatsRequest&, v1::StatsReply*);
+
+ private:
+  template <typename Body>
+  grpc::ServerUnaryReactor* serve(grpc::CallbackServerContext* ctx, const char* method, bool mutates,
+                                  Body&& body);
+
+  Registry* const registry_;
+  Metrics* const metrics_;
+  const bool check_invariants_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int> in_flight_{0};
+  const absl::Time started_ = absl::Now();
+};
+
+// Conversions between the proto and kernel descriptions of a geometry.
+kernels::Geometry from_proto(const v1::Geometry& g);
+v1::Geometry to_proto(const kernels::Geometry& g);
+grpc::Status to_grpc(const absl::Status& s);
+
+}  // namespace karakv::server

@@ -1,0 +1,78 @@
+// POSIX shared memory: shm_open(O_CREAT | O_EXCL, 0600) with a 128-bit random name, unlinked when
+// the session ends. Only processes of the daemon's user that were told the name can open it.
+#include "server/staging.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace karakv::server {
+namespace {
+
+std::string random_name() {
+  std::random_device rd;  // kernel entropy: names must not be guessable by other local users
+  uint64_t hi = (uint64_t(rd()) << 32) | rd();
+  uint64_t lo = (uint64_t(rd()) << 32) | rd();
+  return absl::StrFormat("/karakv-%d-%016x%016x", getpid(), hi, lo);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StagingRegion>> StagingRegion::create(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t size = (bytes + page - 1) / page * page;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    std::string name = random_name();
+    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0 && errno == EEXIST) continue;
+    if (fd < 0) {
+      return absl::InternalError(absl::StrCat("shm_open(", name, "): ", std::strerror(errno)));
+    }
+    if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+      const int err = errno;
+      close(fd);
+      shm_unlink(name.c_str());
+      return absl::ResourceExhaustedError(absl::StrCat("cannot size staging region to ", size,
+                                                       " bytes: ", std::strerror(err)));
+    }
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      shm_unlink(name.c_str());
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot map staging region of ", size, " bytes: ", std::strerror(err)));
+    }
+    return std::unique_ptr<StagingRegion>(
+        new StagingRegion(std::move(name), static_cast<uint8_t*>(p), size));
+  }
+  return absl::InternalError("could not find a free shared-memory name");
+}
+
+StagingRegion::~StagingRegion() {
+  munmap(base_, size_);
+  shm_unlink(name_.c_str());
+}
+
+absl::StatusOr<uint8_t*> StagingRegion::resolve(uint64_t offset, uint64_t length, size_t align,
+                                                const char* what) const {
+  if (offset > size_ || length > size_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": staging range [", offset, ", ", offset + length, ") falls outside the session's ",
+        size_, "-byte staging region"));
+  }
+  if (align > 1 && offset % align != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": staging offset ", offset, " is not a multiple of ", align));
+  }
+  return base_ + offset;
+}
+
+}  // namespace karakv::server

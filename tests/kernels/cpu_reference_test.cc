@@ -1,0 +1,364 @@
+// The CPU backend (the reference for every other backend) against naive float64 loops written
+// independently of it: the pool layout is checked by direct indexing, attention by a dense
+// double-precision softmax over the same rounded K/V values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "kernel_test_util.h"
+
+namespace karakv::kernels::test {
+namespace {
+
+// Inputs are identical (rounded storage values, fp32 q), so the only difference from the float64
+// reference is fp32 accumulation and the kernel's exp: with |v| <= 1 and O(1) scores that stays
+// well below 1e-5 absolute even over thousands of tokens.
+constexpr double kAttentionTolerance = 1e-5;
+
+// softmax(q . k * scale) . v in double for every query head over tokens [0, num_tokens).
+//   q: [num_q_heads][head_dim]; returns [num_q_heads][head_dim]
+std::vector<double> naive_attention(const Geometry& g, const DenseKV& kv, int layer, int num_tokens,
+                                    const float* q, float scale) {
+  const int group = g.num_q_heads / g.num_kv_heads;
+  std::vector<double> out(g.q_token_elems(), 0.0);
+  if (num_tokens == 0) return out;
+  std::vector<double> p(num_tokens);
+  for (int qh = 0; qh < g.num_q_heads; ++qh) {
+    const int h = qh / group;
+    double max = -INFINITY;
+    for (int t = 0; t < num_tokens; ++t) {
+      double s = 0;
+      for (int d = 0; d < g.head_dim; ++d)
+        s += double(q[qh * g.head_dim + d]) * double(kv.k[kv.index(g, layer, t, h, d)]);
+      p[t] = s * double(scale);
+      max = std::max(max, p[t]);
+    }
+    double sum = 0;
+    for (int t = 0; t < num_tokens; ++t) sum += (p[t] = std::exp(p[t] - max));
+    for (int d = 0; d < g.head_dim; ++d) {
+      double acc = 0;
+      for (int t = 0; t < num_tokens; ++t) acc += p[t] * double(kv.v[kv.index(g, layer, t, h, d)]);
+      out[qh * g.head_dim + d] = acc / sum;
+    }
+  }
+  return out;
+}
+
+double max_abs_diff(const float* got, const std::vector<double>& want) {
+  double err = 0;
+  for (size_t i = 0; i < want.size(); ++i) err = std::max(err, std::fabs(double(got[i]) - want[i]));
+  return err;
+}
+
+Geometry make_geometry(DType dtype, int group, int head_dim, int block_size, int layers = 2, int kv_heads = 2) {
+  Geometry g;
+  g.num_layers = layers;
+  g.num_kv_heads = kv_heads;
+  g.num_q_heads = kv_heads * group;
+  g.head_dim = head_dim;
+  g.block_size = block_size;
+  g.dtype = dtype;
+  return g;
+}
+
+class CpuReferenceTest : public ::testing::TestWithParam<DType> {
+ protected:
+  std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
+  std::mt19937 rng_{42};
+};
+
+TEST_P(CpuReferenceTest, WriteKvLayoutAndReadKvRoundtrip) {
+  const Geometry g = make_geometry(GetParam(), 3, 20, 16, 3, 2);
+  const std::vector<int> lens = {0, 1, 15, 16, 17, 50};
+  PagedCache cache(*backend_, g, lens, rng_);
+  std::vector<DenseKV> dense;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    dense.push_back(random_dense_kv(g, lens[s], rng_));
+    write_sequence(*backend_, cache, int(s), dense.back());
+  }
+  const PagedKV kv = cache.view();
+  // The layout is part of the interface ([block][layer][K/V][head][slot][dim]); index it by hand.
+  const size_t esize = dtype_size(g.dtype);
+  for (size_t s = 0; s < lens.size(); ++s) {
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int t = 0; t < lens[s]; ++t)
+        for (int h = 0; h < g.num_kv_heads; ++h)
+          for (int d = 0; d < g.head_dim; ++d) {
+            const int32_t block = cache.block_table()[cache.table_offset()[s] + t / g.block_size];
+            const size_t slot = t % g.block_size;
+            const size_t base = size_t(block) * g.block_elems();
+            const size_t k_at = base + (((size_t(l) * 2 + 0) * g.num_kv_heads + h) * g.block_size + slot) * g.head_dim + d;
+            const size_t v_at = base + (((size_t(l) * 2 + 1) * g.num_kv_heads + h) * g.block_size + slot) * g.head_dim + d;
+            ASSERT_EQ(std::memcmp(static_cast<uint8_t*>(kv.pool) + k_at * esize,
+                                  dense[s].k_bytes.data() + dense[s].index(g, l, t, h, d) * esize, esize), 0)
+                << "K seq " << s << " layer " << l << " token " << t << " head " << h << " dim " << d;
+            ASSERT_EQ(std::memcmp(static_cast<uint8_t*>(kv.pool) + v_at * esize,
+                                  dense[s].v_bytes.data() + dense[s].index(g, l, t, h, d) * esize, esize), 0)
+                << "V seq " << s << " layer " << l << " token " << t << " head " << h << " dim " << d;
+          }
+    const size_t bytes = dense[s].k_bytes.size();
+    BackendBuffer k(*backend_, bytes), v(*backend_, bytes);
+    const KernelStatus st = backend_->read_kv(kv, int(s), k.get(), v.get());
+    ASSERT_TRUE(st.is_ok()) << st.message;
+    EXPECT_EQ(k.download<uint8_t>(bytes), dense[s].k_bytes) << "seq " << s;
+    EXPECT_EQ(v.download<uint8_t>(bytes), dense[s].v_bytes) << "seq " << s;
+  }
+}
+
+TEST_P(CpuReferenceTest, CopyBlockCopiesOneWholeBlock) {
+  const Geometry g = make_geometry(GetParam(), 2, 16, 8);
+  PagedCache cache(*backend_, g, {20}, rng_, /*spare_blocks=*/2);
+  write_sequence(*backend_, cache, 0, random_dense_kv(g, 20, rng_));
+  const std::vector<uint8_t> before = cache.pool_bytes();
+  const int32_t src = cache.block_table()[1];
+  int32_t dst = 0;
+  while (std::find(cache.block_table().begin(), cache.block_table().end(), dst) != cache.block_table().end()) ++dst;
+  const KernelStatus st = backend_->copy_block(cache.view(), src, dst);
+  ASSERT_TRUE(st.is_ok()) << st.message;
+  const std::vector<uint8_t> after = cache.pool_bytes();
+  const size_t bb = g.block_bytes();
+  for (int b = 0; b < cache.num_blocks(); ++b) {
+    const auto* want = (b == dst ? before.data() + src * bb : before.data() + b * bb);
+    EXPECT_EQ(std::memcmp(after.data() + b * bb, want, bb), 0) << "block " << b;
+  }
+}
+
+TEST_P(CpuReferenceTest, SharpSoftmaxWithUnderflowingWeights) {
+  // Large scores: most exp(s - max) underflow to 0 and a few tokens dominate.
+  const Geometry g = make_geometry(GetParam(), 3, 32, 16);
+  const std::vector<int> lens = {300, 9};
+  PagedCache cache(*backend_, g, lens, rng_);
+  std::vector<DenseKV> dense;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    dense.push_back(random_dense_kv(g, lens[s], rng_));
+    write_sequence(*backend_, cache, int(s), dense.back());
+  }
+  const float scale = 40.0f;
+  const std::vector<float> q = random_values(lens.size() * g.q_token_elems(), -3.0f, 3.0f, rng_);
+  std::vector<float> out(q.size(), NAN);
+  const KernelStatus st = backend_->decode_attention(cache.view(), 1, q.data(), out.data(), scale);
+  ASSERT_TRUE(st.is_ok()) << st.message;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    const auto want = naive_attention(g, dense[s], 1, lens[s], q.data() + s * g.q_token_elems(), scale);
+    EXPECT_LE(max_abs_diff(out.data() + s * g.q_token_elems(), want), kAttentionTolerance) << "seq " << s;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDtypes, CpuReferenceTest,
+                         ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                         [](const auto& info) { return std::string(name_of(info.param)); });
+
+// (dtype, group size, head_dim, block_size): head_dim 64 is the vector fast path, 13 and 20
+// exercise the scalar tails.
+using AttentionParam = std::tuple<DType, int, int, int>;
+
+class CpuAttentionTest : public ::testing::TestWithParam<AttentionParam> {
+ protected:
+  Geometry geometry() const {
+    const auto [dtype, group, head_dim, block_size] = GetParam();
+    return make_geometry(dtype, group, head_dim, block_size);
+  }
+  std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
+  std::mt19937 rng_{7};
+};
+
+TEST_P(CpuAttentionTest, DecodeMatchesFloat64) {
+  const Geometry g = geometry();
+  const int bs = g.block_size;
+  const std::vector<int> lens = {0, 1, bs - 1, bs, bs + 1, 37, 100, 1029};
+  PagedCache cache(*backend_, g, lens, rng_);
+  std::vector<DenseKV> dense;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    dense.push_back(random_dense_kv(g, lens[s], rng_));
+    write_sequence(*backend_, cache, int(s), dense.back());
+  }
+  const float scale = 1.0f / std::sqrt(float(g.head_dim));
+  const size_t qe = g.q_token_elems();
+  const std::vector<float> q = random_values(lens.size() * qe, -3.0f, 3.0f, rng_);
+  for (int layer = 0; layer < g.num_layers; ++layer) {
+    std::vector<float> out(q.size(), NAN);
+    const KernelStatus st = backend_->decode_attention(cache.view(), layer, q.data(), out.data(), scale);
+    ASSERT_TRUE(st.is_ok()) << st.message;
+    for (size_t s = 0; s < lens.size(); ++s) {
+      const auto want = naive_attention(g, dense[s], layer, lens[s], q.data() + s * qe, scale);
+      EXPECT_LE(max_abs_diff(out.data() + s * qe, want), kAttentionTolerance)
+          << "layer " << layer << " seq " << s << " len " << lens[s];
+    }
+  }
+}
+
+TEST_P(CpuAttentionTest, DecodeDoesNotDependOnThreadCount) {
+  const Geometry g = geometry();
+  const std::vector<int> lens = {5, 200, 64, 1};
+  PagedCache cache(*backend_, g, lens, rng_);
+  for (size_t s = 0; s < lens.size(); ++s) write_sequence(*backend_, cache, int(s), random_dense_kv(g, lens[s], rng_));
+  const std::vector<float> q = random_values(lens.size() * g.q_token_elems(), -3.0f, 3.0f, rng_);
+  std::vector<float> out1(q.size()), out2(q.size());
+  ASSERT_TRUE(make_cpu_backend(1)->decode_attention(cache.view(), 1, q.data(), out1.data(), 0.3f).is_ok());
+  ASSERT_TRUE(backend_->decode_attention(cache.view(), 1, q.data(), out2.data(), 0.3f).is_ok());
+  EXPECT_EQ(out1, out2);
+}
+
+TEST_P(CpuAttentionTest, CausalMatchesFloat64) {
+  const Geometry g = geometry();
+  const int len = 70;
+  PagedCache cache(*backend_, g, {len}, rng_);
+  const DenseKV dense = random_dense_kv(g, len, rng_);
+  write_sequence(*backend_, cache, 0, dense);
+  const float scale = 1.0f / std::sqrt(float(g.head_dim));
+  const size_t qe = g.q_token_elems();
+  for (int nq : {1, 5, len}) {
+    const std::vector<float> q = random_values(nq * qe, -3.0f, 3.0f, rng_);
+    std::vector<float> out(q.size(), NAN);
+    const KernelStatus st = backend_->causal_attention(cache.view(), 0, 1, nq, q.data(), out.data(), scale);
+    ASSERT_TRUE(st.is_ok()) << st.message;
+    for (int i = 0; i < nq; ++i) {
+      const int position = len - nq + i;
+      const auto want = naive_attention(g, dense, 1, position + 1, q.data() + i * qe, scale);
+      EXPECT_LE(max_abs_diff(out.data() + i * qe, want), kAttentionTolerance)
+          << "num_queries " << nq << " query " << i;
+    }
+  }
+}
+
+std::string attention_param_name(const ::testing::TestParamInfo<AttentionParam>& info) {
+  const auto [dtype, group, head_dim, block_size] = info.param;
+  return std::string(name_of(dtype)) + "_g" + std::to_string(group) + "_hd" + std::to_string(head_dim) +
+         "_bs" + std::to_string(block_size);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Geometries, CpuAttentionTest,
+    ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                       ::testing::Values(1, 3, 4), ::testing::Values(64, 13),
+                       ::testing::Values(16, 5)),
+    attention_param_name);
+
+// Invalid arguments: kInvalidArgument with a message, and nothing written.
+class CpuInvalidArgumentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    geo_ = make_geometry(DType::kFloat16, 3, 8, 4);
+    cache_ = std::make_unique<PagedCache>(*backend_, geo_, std::vector<int>{10, 3}, rng_, 1);
+    write_sequence(*backend_, *cache_, 0, random_dense_kv(geo_, 10, rng_));
+    q_.assign(2 * geo_.q_token_elems() * 10, 0.5f);
+    out_.assign(q_.size(), 0.0f);
+    kbuf_.assign(geo_.block_bytes() * 10, 0);
+  }
+  static void expect_invalid(const KernelStatus& st) {
+    EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument) << st.message;
+    EXPECT_FALSE(st.message.empty());
+  }
+  std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
+  std::mt19937 rng_{3};
+  Geometry geo_;
+  std::unique_ptr<PagedCache> cache_;
+  std::vector<float> q_, out_;
+  std::vector<uint8_t> kbuf_;
+};
+
+TEST_F(CpuInvalidArgumentTest, WriteKv) {
+  const PagedKV kv = cache_->view();
+  const void* k = kbuf_.data();
+  const std::vector<uint8_t> before = cache_->pool_bytes();
+  expect_invalid(backend_->write_kv(kv, -1, 0, 1, 0, 1, k, k));
+  expect_invalid(backend_->write_kv(kv, 2, 0, 1, 0, 1, k, k));
+  expect_invalid(backend_->write_kv(kv, 0, -1, 1, 0, 1, k, k));
+  expect_invalid(backend_->write_kv(kv, 0, 0, -1, 0, 1, k, k));
+  expect_invalid(backend_->write_kv(kv, 0, 0, 1, 1, 2, k, k));   // layers [1, 3) of 2
+  expect_invalid(backend_->write_kv(kv, 0, 0, 1, -1, 1, k, k));
+  expect_invalid(backend_->write_kv(kv, 0, 0, 1, 0, 1, nullptr, k));
+  expect_invalid(backend_->write_kv(kv, 0, 10, 3, 0, 1, k, k));  // table covers 12 tokens
+  expect_invalid(backend_->write_kv(kv, 1, 0, 5, 0, 1, k, k));   // seq 1 has one block of 4
+  PagedKV null_pool = kv;
+  null_pool.pool = nullptr;
+  expect_invalid(backend_->write_kv(null_pool, 0, 0, 1, 0, 1, k, k));
+  PagedKV bad_heads = kv;
+  bad_heads.geometry.num_q_heads = 5;
+  expect_invalid(backend_->write_kv(bad_heads, 0, 0, 1, 0, 1, k, k));
+  EXPECT_EQ(cache_->pool_bytes(), before);
+}
+
+TEST_F(CpuInvalidArgumentTest, DecodeAttention) {
+  const PagedKV kv = cache_->view();
+  expect_invalid(backend_->decode_attention(kv, -1, q_.data(), out_.data(), 1.0f));
+  const KernelStatus st = backend_->decode_attention(kv, 2, q_.data(), out_.data(), 1.0f);
+  expect_invalid(st);
+  EXPECT_NE(st.message.find("layer 2"), std::string::npos) << st.message;
+  EXPECT_NE(st.message.find("[0, 2)"), std::string::npos) << st.message;
+  expect_invalid(backend_->decode_attention(kv, 0, nullptr, out_.data(), 1.0f));
+  expect_invalid(backend_->decode_attention(kv, 0, q_.data(), nullptr, 1.0f));
+  PagedKV bad_heads = kv;
+  bad_heads.geometry.num_kv_heads = 4;  // 6 query heads
+  expect_invalid(backend_->decode_attention(bad_heads, 0, q_.data(), out_.data(), 1.0f));
+  PagedKV zero_dim = kv;
+  zero_dim.geometry.head_dim = 0;
+  expect_invalid(backend_->decode_attention(zero_dim, 0, q_.data(), out_.data(), 1.0f));
+  PagedKV no_table = kv;
+  no_table.block_table = nullptr;
+  expect_invalid(backend_->decode_attention(no_table, 0, q_.data(), out_.data(), 1.0f));
+  cache_->set_seq_len(1, 5);  // seq 1 owns one block of 4 tokens
+  expect_invalid(backend_->decode_attention(cache_->view(), 0, q_.data(), out_.data(), 1.0f));
+  cache_->set_seq_len(1, -1);
+  expect_invalid(backend_->decode_attention(cache_->view(), 0, q_.data(), out_.data(), 1.0f));
+}
+
+TEST_F(CpuInvalidArgumentTest, CausalAttention) {
+  const PagedKV kv = cache_->view();
+  expect_invalid(backend_->causal_attention(kv, 2, 0, 1, q_.data(), out_.data(), 1.0f));
+  expect_invalid(backend_->causal_attention(kv, 0, 2, 1, q_.data(), out_.data(), 1.0f));
+  const KernelStatus st = backend_->causal_attention(kv, 0, 0, 11, q_.data(), out_.data(), 1.0f);
+  expect_invalid(st);
+  EXPECT_NE(st.message.find("11"), std::string::npos) << st.message;
+  expect_invalid(backend_->causal_attention(kv, 0, 0, -1, q_.data(), out_.data(), 1.0f));
+  expect_invalid(backend_->causal_attention(kv, 0, 0, 2, nullptr, out_.data(), 1.0f));
+  EXPECT_TRUE(backend_->causal_attention(kv, 0, 0, 0, q_.data(), out_.data(), 1.0f).is_ok());
+}
+
+TEST_F(CpuInvalidArgumentTest, ReadKvAndCopyBlock) {
+  const PagedKV kv = cache_->view();
+  expect_invalid(backend_->read_kv(kv, 5, kbuf_.data(), kbuf_.data()));
+  expect_invalid(backend_->read_kv(kv, 0, nullptr, kbuf_.data()));
+  const int blocks = cache_->num_blocks();
+  expect_invalid(backend_->copy_block(kv, -1, 0));
+  expect_invalid(backend_->copy_block(kv, 0, blocks));  // the pool came from allocate: size known
+  PagedKV foreign = kv;
+  foreign.pool = kbuf_.data();  // not from allocate: only the lower bound is known
+  expect_invalid(backend_->copy_block(foreign, 0, -2));
+  EXPECT_TRUE(backend_->copy_block(kv, 0, 0).is_ok());
+}
+
+TEST(CpuBackendTest, AllocateIsZeroedAndAligned) {
+  auto backend = make_cpu_backend();
+  for (size_t bytes : {size_t(1), size_t(1000), size_t(3) << 20}) {
+    void* p = nullptr;
+    ASSERT_TRUE(backend->allocate(bytes, &p).is_ok());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+    const auto* b = static_cast<const uint8_t*>(p);
+    EXPECT_TRUE(std::all_of(b, b + bytes, [](uint8_t x) { return x == 0; }));
+    backend->free(p);
+  }
+  void* p = nullptr;
+  EXPECT_EQ(backend->allocate(0, &p).code, KernelStatus::Code::kInvalidArgument);
+  EXPECT_EQ(backend->allocate(16, nullptr).code, KernelStatus::Code::kInvalidArgument);
+}
+
+TEST(CpuBackendTest, NamesAndSupport) {
+  auto backend = make_cpu_backend(1);
+  EXPECT_EQ(backend->name(), "cpu");
+  for (Op op : {Op::kWriteKV, Op::kDecodeAttention, Op::kCausalAttention, Op::kReadKV, Op::kCopyBlock})
+    for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) EXPECT_TRUE(backend->supports(op, t));
+  EXPECT_EQ(op_name(Op::kDecodeAttention), "decode_attention");
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    DType parsed;
+    ASSERT_TRUE(parse_dtype(dtype_name(t), &parsed));
+    EXPECT_EQ(parsed, t);
+  }
+  DType parsed;
+  EXPECT_FALSE(parse_dtype("fp8", &parsed));
+  EXPECT_FALSE(parse_dtype("", &parsed));
+}
+
+}  // namespace
+}  // namespace karakv::kernels::test
