@@ -177,6 +177,9 @@ absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendRep
 }
 
 absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* reply) {
+  if (req.sequence_ids_size() == 0) {
+    return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
+  }
   auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.q(), req.out());
   if (!staging.ok()) return staging.status();
   Input k, v, q;

@@ -7,6 +7,7 @@
 #include "attention.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <type_traits>
 
@@ -16,10 +17,15 @@ namespace karakv::kernels::cpu {
 namespace {
 
 // How many runs ahead of the one being read are prefetched (see attend_group_typed).
-constexpr int kPrefetchRuns = 2;
+static int kPrefetchRuns = getenv("PFD") ? atoi(getenv("PFD")) : 4;
+static size_t kPfLines = getenv("PFL") ? atoi(getenv("PFL")) : 1000;
 
+// An asm statement on x86: GCC's IPA pass deems a function wrapping only __builtin_prefetch free of
+// side effects and deletes the calls, which silently removed every prefetch.
 inline void prefetch_line(const char* p) {
-#if defined(__GNUC__)
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#elif defined(__GNUC__)
   __builtin_prefetch(p, 0, 3);
 #endif
 }
@@ -194,7 +200,7 @@ void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int 
     if (r >= 2 * num_blocks) return;
     const char* p = reinterpret_cast<const char*>(run_at(r));
     const size_t bytes = r % num_blocks == num_blocks - 1 ? size_t(num_tokens - (num_blocks - 1) * bs) * hd * sizeof(storage_t<D>) : run_bytes;
-    for (size_t off = 0; off < bytes; off += 64) prefetch_line(p + off);
+    for (size_t off = 0; off < std::min(bytes, kPfLines * 64); off += 64) prefetch_line(p + off);
   };
   for (int r = 0; r < kPrefetchRuns; ++r) prefetch(r);
 

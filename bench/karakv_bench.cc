@@ -1,0 +1,1076 @@
+// karakv-bench: measures karakv's performance targets, each side by side with its baseline in one
+// run, and prints the numbers, their ratio, the target and PASS/MISS. It starts (and stops) its own
+// karakvd and redis-server on Unix sockets in a private temporary directory.
+//
+//   p1  Append throughput (GB/s of K/V into the pool) vs Redis SET of the same payload   >= 3x
+//   p2  decode attention bandwidth vs this machine's streaming-read bandwidth            >= 60%
+//   p3  Step round-trip p50 vs an empty unary gRPC call (Ping) on the same server        <= 2x
+#include <emmintrin.h>
+#include <fcntl.h>
+#include <omp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/synthetic.h"
+#include "karakv/client.h"
+#include "karakv/kernels/backend.h"
+#include "karakv/kernels/half.h"
+
+ABSL_FLAG(std::string, karakvd, "", "karakvd binary (default: ../server/karakvd next to this binary)");
+ABSL_FLAG(std::string, redis_server, "redis-server", "redis-server binary for the P1 baseline (PATH is searched)");
+ABSL_FLAG(std::string, out_dir, "", "Write one CSV per mode (p1.csv, p2.csv, p3.csv) into this directory");
+ABSL_FLAG(bool, csv, false, "Also print the results as CSV on stdout");
+ABSL_FLAG(double, seconds, 1.0, "P1: seconds per measurement of one configuration in one round");
+ABSL_FLAG(int32_t, rounds, 5, "P1: interleaved rounds; the median round is reported");
+ABSL_FLAG(int32_t, p2_sequences, 32, "P2: sequences in the decode batch");
+ABSL_FLAG(int32_t, p2_tokens, 4096, "P2: resident tokens per sequence");
+ABSL_FLAG(int32_t, p2_reps, 3, "P2: passes over all layers (best is reported)");
+ABSL_FLAG(bool, p2_daemon, true, "P2: also measure decode end to end through karakvd Step (info row)");
+ABSL_FLAG(int32_t, p3_calls, 2000, "P3: timed Step and Ping calls each (interleaved)");
+ABSL_FLAG(int32_t, p3_warmup, 200, "P3: untimed warm-up calls each");
+ABSL_FLAG(int32_t, timeout_s, 900, "Abort (and stop the child processes) after this many seconds");
+ABSL_FLAG(bool, strict, false, "Exit with status 3 when any target is missed");
+
+namespace {
+
+namespace kn = karakv::kernels;
+using Clock = std::chrono::steady_clock;
+using karakv::synthetic::Tensor;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+void progress(const std::string& line) { std::fprintf(stderr, "karakv-bench: %s\n", line.c_str()); }
+
+// ---------------------------------------------------------------------------------------------
+// Child processes. Children are tracked in async-signal-safe globals so that SIGINT, SIGTERM and
+// the --timeout_s alarm stop them too; PR_SET_PDEATHSIG covers the bench dying outright.
+
+constexpr int kMaxChildren = 4;
+constexpr int kMaxCleanupPaths = 16;
+std::atomic<pid_t> g_children[kMaxChildren];
+char g_cleanup_paths[kMaxCleanupPaths][512];  // files to unlink, then the temp dir (last) to rmdir
+std::atomic<int> g_cleanup_count{0};
+
+void register_cleanup_path(const std::string& path) {
+  const int i = g_cleanup_count.load();
+  if (i >= kMaxCleanupPaths || path.size() >= sizeof(g_cleanup_paths[0])) return;
+  std::memcpy(g_cleanup_paths[i], path.c_str(), path.size() + 1);
+  g_cleanup_count.store(i + 1);
+}
+
+void sleep_ms(int ms) {
+  timespec ts{ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, nullptr);
+}
+
+// Only async-signal-safe calls: kill, waitpid, nanosleep, unlink, rmdir, write, _exit.
+void on_fatal_signal(int sig) {
+  static const char kMsg[] = "\nkarakv-bench: interrupted or timed out; stopping child processes\n";
+  ssize_t ignored = write(STDERR_FILENO, kMsg, sizeof(kMsg) - 1);
+  (void)ignored;
+  for (auto& c : g_children) {
+    if (pid_t p = c.load(); p > 0) kill(p, SIGTERM);
+  }
+  for (int waited = 0; waited < 3000; waited += 50) {
+    bool any = false;
+    for (auto& c : g_children) {
+      if (pid_t p = c.load(); p > 0) {
+        if (waitpid(p, nullptr, WNOHANG) == p) c.store(0); else any = true;
+      }
+    }
+    if (!any) break;
+    sleep_ms(50);
+  }
+  for (auto& c : g_children) {
+    if (pid_t p = c.load(); p > 0) kill(p, SIGKILL);
+  }
+  const int n = g_cleanup_count.load();
+  for (int i = 0; i < n; ++i) {
+    if (i == 0) continue;  // the directory, removed last
+    unlink(g_cleanup_paths[i]);
+  }
+  if (n > 0) rmdir(g_cleanup_paths[0]);
+  _exit(sig == SIGALRM ? 124 : 128 + sig);
+}
+
+class ChildProcess {
+ public:
+  // Starts argv[0] (PATH searched) with stdout and stderr going to `log_path`.
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> start(std::string name, std::vector<std::string> argv,
+                                                            std::string log_path) {
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    register_cleanup_path(log_path);
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError(absl::StrCat("fork for ", name, ": ", std::strerror(errno)));
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(127);
+      const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (fd >= 0) {
+        dup2(fd, STDOUT_FILENO);
+        dup2(fd, STDERR_FILENO);
+        close(fd);
+      }
+      execvp(cargv[0], cargv.data());
+      std::fprintf(stderr, "exec %s: %s\n", cargv[0], std::strerror(errno));
+      _exit(127);
+    }
+    auto child = std::unique_ptr<ChildProcess>(new ChildProcess(std::move(name), pid, std::move(log_path)));
+    for (auto& c : g_children) {
+      pid_t empty = 0;
+      if (c.compare_exchange_strong(empty, pid)) break;
+    }
+    return child;
+  }
+
+  ~ChildProcess() {
+    if (pid_ > 0) stop();
+  }
+
+  const std::string& name() const { return name_; }
+
+  bool running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exit_ = describe(status);
+      forget();
+      return false;
+    }
+    return true;
+  }
+
+  // SIGTERM, up to `grace` to exit, then SIGKILL. Returns how it ended ("exit 0", "signal 9").
+  std::string stop(absl::Duration grace = absl::Seconds(10)) {
+    if (!running()) return exit_;
+    kill(pid_, SIGTERM);
+    const auto start = Clock::now();
+    int status = 0;
+    while (true) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exit_ = describe(status);
+        break;
+      }
+      if (seconds_since(start) > absl::ToDoubleSeconds(grace)) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        exit_ = describe(status) + " (did not exit within " + absl::FormatDuration(grace) + " of SIGTERM)";
+        break;
+      }
+      sleep_ms(20);
+    }
+    forget();
+    return exit_;
+  }
+
+  std::string log_tail(size_t bytes = 2000) const {
+    std::ifstream in(log_path_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string s = ss.str();
+    return s.size() > bytes ? s.substr(s.size() - bytes) : s;
+  }
+
+ private:
+  ChildProcess(std::string name, pid_t pid, std::string log_path)
+      : name_(std::move(name)), pid_(pid), log_path_(std::move(log_path)) {}
+
+  static std::string describe(int status) {
+    if (WIFEXITED(status)) return absl::StrCat("exit ", WEXITSTATUS(status));
+    if (WIFSIGNALED(status)) return absl::StrCat("signal ", WTERMSIG(status));
+    return "unknown";
+  }
+  void forget() {
+    for (auto& c : g_children) {
+      pid_t p = pid_;
+      c.compare_exchange_strong(p, 0);
+    }
+    pid_ = -1;
+  }
+
+  std::string name_;
+  pid_t pid_;
+  std::string log_path_;
+  std::string exit_;
+};
+
+// The run's private directory for sockets and logs; removed at exit.
+class TempDir {
+ public:
+  static absl::StatusOr<TempDir> make() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "karakv-bench.XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
+    register_cleanup_path(tmpl);  // slot 0: the directory itself
+    return TempDir(tmpl);
+  }
+  TempDir(TempDir&& o) noexcept : path_(std::move(o.path_)) { o.path_.clear(); }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  explicit TempDir(std::string p) : path_(std::move(p)) {}
+  std::string path_;
+};
+
+std::string default_karakvd() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "karakvd";
+  const auto candidate = exe.parent_path().parent_path() / "server" / "karakvd";
+  return std::filesystem::exists(candidate) ? candidate.string() : "karakvd";
+}
+
+// A karakvd on its own socket, with a client attached once it answers.
+struct Daemon {
+  std::unique_ptr<ChildProcess> process;
+  std::string target;  // "unix:/..."
+
+  // Stops the daemon and checks that it honoured SIGTERM with exit status 0.
+  absl::Status stop() {
+    if (!process) return absl::OkStatus();
+    const std::string how = process->stop();
+    if (how != "exit 0") {
+      return absl::InternalError(absl::StrCat("karakvd ended with ", how, " after SIGTERM; log tail:\n",
+                                              process->log_tail()));
+    }
+    process.reset();
+    return absl::OkStatus();
+  }
+};
+
+absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name,
+                                     const std::vector<std::string>& geometry_flags) {
+  const std::string socket = dir.file(name + ".sock");
+  register_cleanup_path(socket);
+  std::vector<std::string> argv = {absl::GetFlag(FLAGS_karakvd).empty() ? default_karakvd()
+                                                                        : absl::GetFlag(FLAGS_karakvd),
+                                   "--socket=" + socket, "--log_level=warn", "--drain_seconds=2"};
+  argv.insert(argv.end(), geometry_flags.begin(), geometry_flags.end());
+  progress(absl::StrCat("starting ", absl::StrJoin(argv, " ")));
+  auto child = ChildProcess::start(name, argv, dir.file(name + ".log"));
+  if (!child.ok()) return child.status();
+  Daemon d{std::move(*child), "unix:" + socket};
+  // Ready when it accepts a session; Attach fails fast (no wait_for_ready) until then.
+  const auto start = Clock::now();
+  while (true) {
+    if (!d.process->running()) {
+      return absl::FailedPreconditionError(absl::StrCat(argv[0], " exited at startup; log tail:\n",
+                                                        d.process->log_tail()));
+    }
+    karakv::ClientOptions probe;
+    probe.target = d.target;
+    probe.staging_bytes = 0;
+    probe.heartbeat = false;
+    probe.rpc_timeout = absl::Seconds(2);
+    probe.worker_id = "karakv-bench-probe";
+    auto c = karakv::Client::Attach(probe);
+    if (c.ok()) return d;
+    if (seconds_since(start) > 30) {
+      return absl::DeadlineExceededError(absl::StrCat("karakvd did not answer within 30 s: ",
+                                                      c.status().ToString(), "; log tail:\n",
+                                                      d.process->log_tail()));
+    }
+    sleep_ms(50);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
+                                                       const std::string& worker) {
+  karakv::ClientOptions o;
+  o.target = d.target;
+  o.staging_bytes = staging_bytes;
+  o.worker_id = worker;
+  return karakv::Client::Attach(o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Results.
+
+struct Target {
+  enum class Kind { kAtLeast, kAtMost } kind;
+  double ratio;
+};
+
+struct Row {
+  std::string mode;
+  std::string metric;
+  double karakv = 0;
+  std::string baseline_name;
+  double baseline = 0;
+  std::string unit;
+  bool percent = false;  // print the ratio as a percentage
+  std::optional<Target> target;
+
+  double ratio() const { return baseline > 0 ? karakv / baseline : 0; }
+  std::string ratio_text() const {
+    return percent ? absl::StrFormat("%.1f%%", 100 * ratio()) : absl::StrFormat("%.2fx", ratio());
+  }
+  std::string target_text() const {
+    if (!target) return "-";
+    const char* op = target->kind == Target::Kind::kAtLeast ? ">=" : "<=";
+    return percent ? absl::StrFormat("%s %.0f%%", op, 100 * target->ratio) : absl::StrFormat("%s %gx", op, target->ratio);
+  }
+  std::string verdict() const {
+    if (!target) return "info";
+    const bool ok = target->kind == Target::Kind::kAtLeast ? ratio() >= target->ratio : ratio() <= target->ratio;
+    return ok ? "PASS" : "MISS";
+  }
+};
+
+std::string number(double v) {
+  if (v >= 100) return absl::StrFormat("%.0f", v);
+  if (v >= 10) return absl::StrFormat("%.1f", v);
+  return absl::StrFormat("%.2f", v);
+}
+
+void print_table(const std::vector<Row>& rows) {
+  std::vector<std::vector<std::string>> cells = {
+      {"mode", "metric", "karakv", "baseline", "baseline value", "ratio", "target", "result"}};
+  for (const Row& r : rows) {
+    cells.push_back({r.mode, r.metric, number(r.karakv) + " " + r.unit, r.baseline_name,
+                     number(r.baseline) + " " + r.unit, r.ratio_text(), r.target_text(), r.verdict()});
+  }
+  std::vector<size_t> width(cells[0].size(), 0);
+  for (const auto& line : cells)
+    for (size_t i = 0; i < line.size(); ++i) width[i] = std::max(width[i], line[i].size());
+  for (size_t n = 0; n < cells.size(); ++n) {
+    std::string out;
+    for (size_t i = 0; i < cells[n].size(); ++i) {
+      out += cells[n][i];
+      if (i + 1 < cells[n].size()) out += std::string(width[i] - cells[n][i].size() + 2, ' ');
+    }
+    std::printf("%s\n", out.c_str());
+    if (n == 0) {
+      size_t total = 0;
+      for (size_t w : width) total += w + 2;
+      std::printf("%s\n", std::string(total - 2, '-').c_str());
+    }
+  }
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
+std::string to_csv(const std::vector<Row>& rows) {
+  std::string out = "mode,metric,karakv,baseline_name,baseline,unit,ratio,target,result\n";
+  for (const Row& r : rows) {
+    out += absl::StrCat(csv_field(r.mode), ",", csv_field(r.metric), ",", absl::StrFormat("%.6g", r.karakv), ",",
+                        csv_field(r.baseline_name), ",", absl::StrFormat("%.6g", r.baseline), ",",
+                        csv_field(r.unit), ",", absl::StrFormat("%.6g", r.ratio()), ",",
+                        csv_field(r.target_text()), ",", r.verdict(), "\n");
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Nearest-rank percentile, p in (0, 100].
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * v.size()));
+  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+}
+
+// Runs `op` (each call moves `bytes_per_call` payload bytes) until `seconds` have passed and at
+// least 4 calls were made; returns GB/s (1e9 bytes).
+template <typename Op>
+absl::StatusOr<double> measure_gbps(size_t bytes_per_call, double seconds, Op&& op) {
+  const auto start = Clock::now();
+  uint64_t calls = 0;
+  double elapsed = 0;
+  do {
+    if (absl::Status s = op(); !s.ok()) return s;
+    ++calls;
+    elapsed = seconds_since(start);
+  } while (elapsed < seconds || calls < 4);
+  return double(calls) * bytes_per_call / elapsed / 1e9;
+}
+
+// ---------------------------------------------------------------------------------------------
+// P1: Append throughput vs Redis SET.
+
+// A minimal RESP client over a Unix socket: SET and PING, one request in flight.
+class RedisClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<RedisClient>> connect(const std::string& path) {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const int err = errno;
+      close(fd);
+      return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(err)));
+    }
+    return std::unique_ptr<RedisClient>(new RedisClient(fd));
+  }
+  ~RedisClient() { close(fd_); }
+
+  absl::Status ping() {
+    static const char kPing[] = "*1\r\n$4\r\nPING\r\n";
+    iovec iov{const_cast<char*>(kPing), sizeof(kPing) - 1};
+    if (absl::Status s = send_all(&iov, 1); !s.ok()) return s;
+    return expect_line("+PONG");
+  }
+
+  absl::Status set(const std::string& key, const uint8_t* value, size_t size) {
+    const std::string header = absl::StrCat("*3\r\n$3\r\nSET\r\n$", key.size(), "\r\n", key, "\r\n$", size, "\r\n");
+    static const char kCrlf[] = "\r\n";
+    iovec iov[3] = {{const_cast<char*>(header.data()), header.size()},
+                    {const_cast<uint8_t*>(value), size},
+                    {const_cast<char*>(kCrlf), 2}};
+    if (absl::Status s = send_all(iov, 3); !s.ok()) return s;
+    return expect_line("+OK");
+  }
+
+ private:
+  explicit RedisClient(int fd) : fd_(fd) {}
+
+  absl::Status send_all(iovec* iov, int count) {
+    while (count > 0) {
+      const ssize_t n = writev(fd_, iov, count);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return absl::UnavailableError(absl::StrCat("redis write: ", std::strerror(errno)));
+      }
+      size_t left = size_t(n);
+      while (count > 0 && left >= iov->iov_len) {
+        left -= iov->iov_len;
+        ++iov;
+        --count;
+      }
+      if (count > 0) {
+        iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+        iov->iov_len -= left;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads one reply line and checks that it is `want` followed by CRLF.
+  absl::Status expect_line(const char* want) {
+    char buf[512];
+    size_t got = 0;
+    while (got < 2 || buf[got - 2] != '\r' || buf[got - 1] != '\n') {
+      if (got == sizeof(buf)) return absl::InternalError("redis reply line too long");
+      const ssize_t n = read(fd_, buf + got, sizeof(buf) - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return absl::UnavailableError("redis closed the connection");
+      got += size_t(n);
+    }
+    const std::string line(buf, got - 2);
+    if (line != want) return absl::InternalError(absl::StrCat("redis replied '", line, "', expected '", want, "'"));
+    return absl::OkStatus();
+  }
+
+  int fd_;
+};
+
+struct Redis {
+  std::unique_ptr<ChildProcess> process;
+  std::unique_ptr<RedisClient> client;
+};
+
+absl::StatusOr<Redis> start_redis(const TempDir& dir) {
+  const std::string socket = dir.file("redis.sock");
+  register_cleanup_path(socket);
+  std::vector<std::string> argv = {absl::GetFlag(FLAGS_redis_server), "--port", "0", "--unixsocket", socket,
+                                   "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                                   "--dir", dir.file(""), "--daemonize", "no"};
+  progress(absl::StrCat("starting ", absl::StrJoin(argv, " ")));
+  auto child = ChildProcess::start("redis-server", argv, dir.file("redis.log"));
+  if (!child.ok()) return child.status();
+  Redis r{std::move(*child), nullptr};
+  const auto start = Clock::now();
+  while (true) {
+    if (!r.process->running()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          argv[0], " exited at startup (install it: apt-get install redis-server, or pass --redis_server); log tail:\n",
+          r.process->log_tail()));
+    }
+    auto c = RedisClient::connect(socket);
+    if (c.ok()) {
+      if (absl::Status s = (*c)->ping(); !s.ok()) return s;
+      r.client = std::move(*c);
+      return r;
+    }
+    if (seconds_since(start) > 15) return absl::DeadlineExceededError("redis-server did not answer within 15 s");
+    sleep_ms(50);
+  }
+}
+
+// Appends one fixed payload again and again to one sequence, replacing the sequence by a fresh
+// one before it outgrows `max_tokens` so the pool never fills. Create/Release are in the timing.
+class AppendLoop {
+ public:
+  AppendLoop(karakv::Client& client, int tokens, karakv::Buffer k, karakv::Buffer v, int max_tokens)
+      : client_(client), tokens_(tokens), k_(std::move(k)), v_(std::move(v)), max_tokens_(max_tokens) {}
+
+  absl::Status append() {
+    if (seq_ == 0 || length_ + tokens_ > max_tokens_) {
+      if (seq_ != 0) {
+        if (auto r = client_.Release(seq_); !r.ok()) return r.status();
+      }
+      auto id = client_.CreateSequence();
+      if (!id.ok()) return id.status();
+      seq_ = *id;
+      length_ = 0;
+    }
+    auto len = client_.Append(seq_, tokens_, k_, v_);
+    if (!len.ok()) return len.status();
+    length_ = *len;
+    return absl::OkStatus();
+  }
+
+ private:
+  karakv::Client& client_;
+  const int tokens_;
+  karakv::Buffer k_, v_;
+  const int max_tokens_;
+  uint64_t seq_ = 0;
+  int length_ = 0;
+};
+
+absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
+  // One token of K+V is 2 * 8 heads * 128 dims * 2 B = 4 KiB, so 16 tokens = 64 KiB per Append and
+  // 256 tokens = 1 MiB; a block (16 tokens) is 64 KiB.
+  auto daemon = start_karakvd(dir, "karakvd-p1",
+                              {"--layers=1", "--q_heads=8", "--kv_heads=8", "--head_dim=128", "--dtype=fp16",
+                               "--block_size=16", "--pool_bytes=512MiB"});
+  if (!daemon.ok()) return daemon.status();
+  auto redis = start_redis(dir);
+  if (!redis.ok()) return redis.status();
+
+  const std::vector<size_t> payloads = {64 << 10, 1 << 20};
+  const size_t max_payload = payloads.back();
+  auto shm = attach(*daemon, max_payload * 2 + (1 << 20), "karakv-bench-p1-shm");
+  if (!shm.ok()) return shm.status();
+  auto inl = attach(*daemon, 0, "karakv-bench-p1-inline");
+  if (!inl.ok()) return inl.status();
+  const kn::Geometry g = (*shm)->geometry();
+  const size_t token_bytes = 2 * (*shm)->append_bytes(1);  // K + V of one token
+  constexpr int kMaxTokens = 8192;                          // 32 MiB of K+V per sequence
+
+  struct Config {
+    size_t payload;
+    std::unique_ptr<AppendLoop> shm, inl;
+    std::vector<uint8_t> redis_value;
+    std::vector<double> shm_gbps, inl_gbps, redis_gbps;
+  };
+  std::vector<Config> configs;
+  for (size_t payload : payloads) {
+    const int tokens = static_cast<int>(payload / token_bytes);
+    const size_t half = (*shm)->append_bytes(tokens);
+    Config c;
+    c.payload = payload;
+    auto k = (*shm)->alloc(half);
+    auto v = (*shm)->alloc(half);
+    if (!k.ok()) return k.status();
+    if (!v.ok()) return v.status();
+    karakv::synthetic::fill_prompt(k->data(), g, 1, Tensor::kKey, 0, 0, tokens);
+    karakv::synthetic::fill_prompt(v->data(), g, 1, Tensor::kValue, 0, 0, tokens);
+    karakv::Buffer hk = karakv::Client::alloc_heap(half), hv = karakv::Client::alloc_heap(half);
+    std::memcpy(hk.data(), k->data(), half);
+    std::memcpy(hv.data(), v->data(), half);
+    c.redis_value.resize(payload);
+    std::memcpy(c.redis_value.data(), k->data(), half);
+    std::memcpy(c.redis_value.data() + half, v->data(), half);
+    c.shm = std::make_unique<AppendLoop>(**shm, tokens, *k, *v, kMaxTokens);
+    c.inl = std::make_unique<AppendLoop>(**inl, tokens, hk, hv, kMaxTokens);
+    configs.push_back(std::move(c));
+  }
+
+  const double secs = absl::GetFlag(FLAGS_seconds);
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
+  uint64_t redis_key = 0;
+  for (int r = 0; r < rounds; ++r) {
+    progress(absl::StrFormat("P1 round %d/%d", r + 1, rounds));
+    for (Config& c : configs) {
+      auto a = measure_gbps(c.payload, secs, [&] { return c.shm->append(); });
+      if (!a.ok()) return a.status();
+      c.shm_gbps.push_back(*a);
+      // 32 rotating keys: SET overwrites, so Redis holds at most 32 values, as the pool holds a
+      // bounded number of sequences.
+      auto b = measure_gbps(c.payload, secs, [&] {
+        return redis->client->set(absl::StrCat("kv:", redis_key++ % 32), c.redis_value.data(), c.payload);
+      });
+      if (!b.ok()) return b.status();
+      c.redis_gbps.push_back(*b);
+      auto i = measure_gbps(c.payload, secs, [&] { return c.inl->append(); });
+      if (!i.ok()) return i.status();
+      c.inl_gbps.push_back(*i);
+    }
+  }
+
+  std::vector<Row> rows;
+  for (const Config& c : configs) {
+    const std::string size = c.payload >= (1 << 20) ? absl::StrCat(c.payload >> 20, " MiB")
+                                                    : absl::StrCat(c.payload >> 10, " KiB");
+    const std::string redis_name = absl::StrCat("Redis SET ", size, " (unix socket)");
+    rows.push_back({"P1", absl::StrCat("Append ", size, ", shm staging"), median(c.shm_gbps), redis_name,
+                    median(c.redis_gbps), "GB/s", false, Target{Target::Kind::kAtLeast, 3.0}});
+    rows.push_back({"P1", absl::StrCat("Append ", size, ", inline in RPC"), median(c.inl_gbps), redis_name,
+                    median(c.redis_gbps), "GB/s", false, std::nullopt});
+  }
+  configs.clear();
+  shm->reset();
+  inl->reset();
+  if (absl::Status s = daemon->stop(); !s.ok()) return s;
+  redis->client.reset();
+  redis->process->stop();
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// P2: decode attention bandwidth vs streaming-read bandwidth.
+
+// Best-of-`reps` bandwidth of summing `n` floats with `threads` OpenMP threads. SSE2 with eight
+// independent accumulators keeps the adds far ahead of memory, so this measures the memory.
+double stream_read_gbps(const float* data, size_t n, int threads, int reps) {
+  double best = 0;
+  volatile float sink = 0;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = Clock::now();
+    float total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const size_t chunk = (n / nt + 31) / 32 * 32;
+      const size_t begin = std::min(n, size_t(t) * chunk), end = std::min(n, begin + chunk);
+      __m128 acc[8];
+      for (auto& a : acc) a = _mm_setzero_ps();
+      size_t i = begin;
+      for (; i + 32 <= end; i += 32) {
+        for (int j = 0; j < 8; ++j) acc[j] = _mm_add_ps(acc[j], _mm_load_ps(data + i + 4 * j));
+      }
+      for (int j = 1; j < 8; ++j) acc[0] = _mm_add_ps(acc[0], acc[j]);
+      alignas(16) float lanes[4];
+      _mm_store_ps(lanes, acc[0]);
+      float s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+      for (; i < end; ++i) s += data[i];
+      total += s;
+    }
+    const double el = seconds_since(start);
+    sink = sink + total;
+    best = std::max(best, double(n) * sizeof(float) / el / 1e9);
+  }
+  (void)sink;
+  return best;
+}
+
+// Host memory aligned like the CPU backend's pool (2 MiB, huge-page hint), so both sides of the
+// comparison get the same TLB treatment.
+struct HugeBuffer {
+  void* ptr = nullptr;
+  explicit HugeBuffer(size_t bytes) {
+    constexpr size_t kHuge = size_t(2) << 20;
+    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    ptr = std::aligned_alloc(kHuge, rounded);
+#ifdef MADV_HUGEPAGE
+    if (ptr) madvise(ptr, rounded, MADV_HUGEPAGE);
+#endif
+  }
+  ~HugeBuffer() { std::free(ptr); }
+};
+
+kn::Geometry smollm_geometry() {
+  kn::Geometry g;
+  g.num_layers = 30;
+  g.num_q_heads = 9;
+  g.num_kv_heads = 3;
+  g.head_dim = 64;
+  g.block_size = 16;
+  g.dtype = kn::DType::kFloat16;
+  return g;
+}
+
+// K/V bytes one decode pass over every layer reads for sequences of these lengths.
+double decode_bytes(const kn::Geometry& g, const std::vector<int32_t>& lengths) {
+  const double per_token = double(g.num_layers) * 2 * g.kv_token_elems() * kn::dtype_size(g.dtype);
+  return per_token * std::accumulate(lengths.begin(), lengths.end(), 0.0);
+}
+
+// A pattern of synthetic fp16 values, several blocks long, that fills the pool quickly.
+std::vector<uint16_t> synthetic_pattern(size_t elems) {
+  std::vector<uint16_t> p(elems);
+  for (size_t i = 0; i < elems; ++i) p[i] = kn::float_to_half(karakv::synthetic::value(7, Tensor::kKey, 0, 0, int64_t(i), 0, 0));
+  return p;
+}
+
+absl::StatusOr<double> decode_direct_gbps(const kn::Geometry& g, int seqs, int tokens, int reps) {
+  auto backend = kn::make_cpu_backend(0);
+  const int blocks_per_seq = (tokens + g.block_size - 1) / g.block_size;
+  const size_t num_blocks = size_t(seqs) * blocks_per_seq;
+  void* pool = nullptr;
+  progress(absl::StrFormat("P2 allocating %.2f GB pool (%zu blocks of %zu B)",
+                           double(num_blocks) * g.block_bytes() / 1e9, num_blocks, g.block_bytes()));
+  if (auto s = backend->allocate(num_blocks * g.block_bytes(), &pool); !s.is_ok()) {
+    return absl::ResourceExhaustedError(s.message);
+  }
+  std::unique_ptr<void, std::function<void(void*)>> pool_owner(pool, [&](void* p) { backend->free(p); });
+
+  // Fill every block from a rotating window of the pattern: values in [-1, 1), distinct per block.
+  const size_t block_elems = g.block_elems();
+  const std::vector<uint16_t> pattern = synthetic_pattern(4 * block_elems);
+  auto* dst = static_cast<uint16_t*>(pool);
+#pragma omp parallel for schedule(static)
+  for (size_t b = 0; b < num_blocks; ++b) {
+    const size_t shift = (b * 7919) % (pattern.size() - block_elems);
+    std::memcpy(dst + b * block_elems, pattern.data() + shift, block_elems * sizeof(uint16_t));
+  }
+
+  // Block tables: a shuffled permutation of the pool, so a sequence's blocks are scattered the
+  // way a long-running daemon's would be.
+  std::vector<int32_t> table(num_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(42));
+  std::vector<int32_t> offsets(seqs + 1), lengths(seqs, tokens);
+  for (int s = 0; s <= seqs; ++s) offsets[s] = s * blocks_per_seq;
+  kn::PagedKV kv;
+  kv.pool = pool;
+  kv.geometry = g;
+  kv.block_table = table.data();
+  kv.table_offset = offsets.data();
+  kv.seq_len = lengths.data();
+  kv.num_seqs = seqs;
+
+  // q: [layers][seqs][Hq][D] fp32; out: [seqs][Hq][D] fp32.
+  const size_t q_elems = size_t(seqs) * g.q_token_elems();
+  std::vector<float> q(q_elems * g.num_layers), out(q_elems);
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int s = 0; s < seqs; ++s)
+      karakv::synthetic::fill_query(q.data() + l * q_elems + s * g.q_token_elems(), g, 1, s, l, tokens - 1);
+
+  const double scale = 1.0 / std::sqrt(double(g.head_dim));
+  double best = 0;
+  for (int r = 0; r <= reps; ++r) {  // r == 0 warms up
+    const auto start = Clock::now();
+    for (int l = 0; l < g.num_layers; ++l) {
+      if (auto s = backend->decode_attention(kv, l, q.data() + l * q_elems, out.data(), float(scale)); !s.is_ok()) {
+        return absl::InternalError(absl::StrCat("decode_attention: ", s.message));
+      }
+    }
+    const double el = seconds_since(start);
+    for (float x : out) {
+      if (!std::isfinite(x)) return absl::InternalError("decode_attention produced a non-finite output");
+    }
+    if (r > 0) best = std::max(best, decode_bytes(g, lengths) / el / 1e9);
+    progress(absl::StrFormat("P2 direct pass %d/%d: %.3f s = %.2f GB/s%s", r, reps, el,
+                             decode_bytes(g, lengths) / el / 1e9, r == 0 ? " (warm-up)" : ""));
+  }
+  return best;
+}
+
+// Bytes of K (or V) that Append of `tokens` tokens carries; the daemon's geometry equals `g`.
+size_t append_tensor_bytes(const kn::Geometry& g, int tokens) {
+  return size_t(g.num_layers) * tokens * g.kv_token_elems() * kn::dtype_size(g.dtype);
+}
+
+// Decode through the daemon: `seqs` sequences prefilled to `tokens`, then batched Steps over all
+// layers. Returns the best GB/s of K/V read per decode step (the Step that appends a token also
+// attends over it).
+absl::StatusOr<double> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& g, int seqs, int tokens,
+                                          int reps) {
+  const int steps = reps + 1;
+  const size_t blocks = size_t(seqs) * ((tokens + steps + g.block_size - 1) / g.block_size);
+  const size_t pool_bytes = (blocks + 16) * g.block_bytes();
+  auto daemon = start_karakvd(dir, "karakvd-p2",
+                              {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
+                               "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)});
+  if (!daemon.ok()) return daemon.status();
+  // Prefill in chunks of up to 512 tokens; a shorter tail gets its own buffers.
+  const int chunk = std::min(512, tokens), tail = tokens % chunk;
+  auto client = attach(*daemon, 2 * (append_tensor_bytes(g, chunk) + append_tensor_bytes(g, tail)) + (4 << 20),
+                       "karakv-bench-p2");
+  if (!client.ok()) return client.status();
+  karakv::Client& c = **client;
+  auto k = c.alloc(c.append_bytes(chunk)), v = c.alloc(c.append_bytes(chunk));
+  auto tk = c.alloc(c.append_bytes(std::max(tail, 1))), tv = c.alloc(c.append_bytes(std::max(tail, 1)));
+  auto sk = c.alloc(c.step_kv_bytes(seqs)), sv = c.alloc(c.step_kv_bytes(seqs));
+  auto q = c.alloc(c.q_bytes(seqs)), out = c.alloc(c.q_bytes(seqs));
+  for (auto* b : {&k, &v, &tk, &tv, &sk, &sv, &q, &out}) {
+    if (!b->ok()) return b->status();
+  }
+  karakv::synthetic::fill_prompt(k->data(), g, 1, Tensor::kKey, 0, 0, chunk);
+  karakv::synthetic::fill_prompt(v->data(), g, 1, Tensor::kValue, 0, 0, chunk);
+  if (tail > 0) {
+    karakv::synthetic::fill_prompt(tk->data(), g, 1, Tensor::kKey, 0, 0, tail);
+    karakv::synthetic::fill_prompt(tv->data(), g, 1, Tensor::kValue, 0, 0, tail);
+  }
+  std::vector<uint64_t> ids;
+  const auto t_prefill = Clock::now();
+  for (int s = 0; s < seqs; ++s) {
+    auto id = c.CreateSequence();
+    if (!id.ok()) return id.status();
+    ids.push_back(*id);
+    for (int done = 0; done < tokens; done += chunk) {
+      const bool full = tokens - done >= chunk;
+      auto len = full ? c.Append(*id, chunk, *k, *v) : c.Append(*id, tail, *tk, *tv);
+      if (!len.ok()) return len.status();
+    }
+  }
+  const double prefill_s = seconds_since(t_prefill);
+  progress(absl::StrFormat("P2 daemon prefill: %d x %d tokens in %.2f s (%.2f GB/s)", seqs, tokens, prefill_s,
+                           decode_bytes(g, std::vector<int32_t>(seqs, tokens)) / prefill_s / 1e9));
+  const size_t kv_tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
+  double best = 0;
+  for (int step = 0; step < steps; ++step) {  // step 0 warms up
+    const auto start = Clock::now();
+    for (int l = 0; l < g.num_layers; ++l) {
+      for (int s = 0; s < seqs; ++s) {
+        karakv::synthetic::fill_token(sk->data() + s * kv_tok, g, 1, Tensor::kKey, ids[s], l, tokens + step);
+        karakv::synthetic::fill_token(sv->data() + s * kv_tok, g, 1, Tensor::kValue, ids[s], l, tokens + step);
+        karakv::synthetic::fill_query(q->as<float>().data() + s * g.q_token_elems(), g, 1, ids[s], l, tokens + step);
+      }
+      auto r = c.Step(l, ids, *sk, *sv, *q, *out);
+      if (!r.ok()) return r.status();
+    }
+    const double el = seconds_since(start);
+    const double bytes = decode_bytes(g, std::vector<int32_t>(seqs, tokens + step + 1));
+    if (step > 0) best = std::max(best, bytes / el / 1e9);
+    progress(absl::StrFormat("P2 daemon step %d/%d: %.3f s = %.2f GB/s%s", step, reps, el, bytes / el / 1e9,
+                             step == 0 ? " (warm-up)" : ""));
+  }
+  client->reset();
+  if (absl::Status s = daemon->stop(); !s.ok()) return s;
+  return best;
+}
+
+absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
+  const kn::Geometry g = smollm_geometry();
+  const int seqs = absl::GetFlag(FLAGS_p2_sequences), tokens = absl::GetFlag(FLAGS_p2_tokens);
+  const int reps = std::max(1, absl::GetFlag(FLAGS_p2_reps));
+  const int threads = omp_get_max_threads();
+
+  // The baseline first, on a buffer freed before the pool is allocated.
+  double stream_all = 0, stream_one = 0;
+  {
+    const size_t n = size_t(1) << 28;  // 1 GiB of floats
+    HugeBuffer buf(n * sizeof(float));
+    if (buf.ptr == nullptr) return absl::ResourceExhaustedError("cannot allocate the 1 GiB stream buffer");
+    auto* f = static_cast<float*>(buf.ptr);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (size_t i = 0; i < n; ++i) f[i] = float(i & 1023) * 0.001f;
+    stream_all = stream_read_gbps(f, n, threads, 5);
+    stream_one = stream_read_gbps(f, n, 1, 3);
+    progress(absl::StrFormat("P2 streaming read of 1 GiB: %.2f GB/s with %d threads, %.2f GB/s with 1", stream_all,
+                             threads, stream_one));
+  }
+  auto direct = decode_direct_gbps(g, seqs, tokens, reps);
+  if (!direct.ok()) return direct.status();
+  const std::string base = absl::StrFormat("streaming read, %d threads", threads);
+  const std::string what = absl::StrFormat("%d seqs x %d tokens, SmolLM2-135M fp16", seqs, tokens);
+  std::vector<Row> rows;
+  rows.push_back({"P2", "decode_attention (CPU backend) " + what, *direct, base, stream_all, "GB/s", true,
+                  Target{Target::Kind::kAtLeast, 0.60}});
+  if (absl::GetFlag(FLAGS_p2_daemon)) {
+    auto daemon = decode_daemon_gbps(dir, g, seqs, tokens, reps);
+    if (!daemon.ok()) return daemon.status();
+    rows.push_back({"P2", "decode via karakvd Step (30 layers, shm) " + what, *daemon, base, stream_all, "GB/s",
+                    true, std::nullopt});
+  }
+  rows.push_back({"P2", "streaming read, 1 thread (context)", stream_one, base, stream_all, "GB/s", true,
+                  std::nullopt});
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------
+// P3: Step round trip vs Ping.
+
+absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
+  auto daemon = start_karakvd(dir, "karakvd-p3",
+                              {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
+                               "--block_size=16", "--pool_bytes=16MiB"});
+  if (!daemon.ok()) return daemon.status();
+  auto client = attach(*daemon, 1 << 16, "karakv-bench-p3");
+  if (!client.ok()) return client.status();
+  karakv::Client& c = **client;
+  const kn::Geometry g = c.geometry();
+  auto k = c.alloc(c.step_kv_bytes(1)), v = c.alloc(c.step_kv_bytes(1));
+  auto q = c.alloc(c.q_bytes(1)), out = c.alloc(c.q_bytes(1));
+  for (auto* b : {&k, &v, &q, &out}) {
+    if (!b->ok()) return b->status();
+  }
+  // The sequence stays tiny: it is replaced (untimed) every kMaxLength steps.
+  constexpr int kMaxLength = 240;
+  uint64_t seq = 0;
+  int length = 0;
+  auto fresh_sequence = [&]() -> absl::Status {
+    if (seq != 0) {
+      if (auto r = c.Release(seq); !r.ok()) return r.status();
+    }
+    auto id = c.CreateSequence();
+    if (!id.ok()) return id.status();
+    seq = *id;
+    length = 0;
+    return absl::OkStatus();
+  };
+  if (absl::Status s = fresh_sequence(); !s.ok()) return s;
+
+  const int warmup = std::max(0, absl::GetFlag(FLAGS_p3_warmup));
+  const int calls = std::max(1, absl::GetFlag(FLAGS_p3_calls));
+  std::vector<double> step_us, ping_us;
+  step_us.reserve(calls);
+  ping_us.reserve(calls);
+  for (int i = 0; i < warmup + calls; ++i) {
+    if (length >= kMaxLength) {
+      if (absl::Status s = fresh_sequence(); !s.ok()) return s;
+    }
+    karakv::synthetic::fill_token(k->data(), g, 1, Tensor::kKey, seq, 0, length);
+    karakv::synthetic::fill_token(v->data(), g, 1, Tensor::kValue, seq, 0, length);
+    karakv::synthetic::fill_query(q->as<float>().data(), g, 1, seq, 0, length);
+    const uint64_t ids[1] = {seq};
+    double step_t = 0, ping_t = 0;
+    // Alternate which call goes first so neither always follows the other.
+    for (int j = 0; j < 2; ++j) {
+      const bool do_step = (j == 0) == (i % 2 == 0);
+      const auto start = Clock::now();
+      if (do_step) {
+        auto r = c.Step(0, ids, *k, *v, *q, *out);
+        step_t = seconds_since(start) * 1e6;
+        if (!r.ok()) return r.status();
+        ++length;
+      } else {
+        absl::Status s = c.Ping();
+        ping_t = seconds_since(start) * 1e6;
+        if (!s.ok()) return s;
+      }
+    }
+    if (i >= warmup) {
+      step_us.push_back(step_t);
+      ping_us.push_back(ping_t);
+    }
+  }
+  progress(absl::StrFormat("P3 %d Step + %d Ping calls after %d warm-up", calls, calls, warmup));
+  if (auto r = c.Release(seq); !r.ok()) return r.status();
+  client->reset();
+  if (absl::Status s = daemon->stop(); !s.ok()) return s;
+
+  std::vector<Row> rows;
+  rows.push_back({"P3", "Step round trip p50 (1 seq, 1 layer, shm)", percentile(step_us, 50), "Ping p50 (empty gRPC)",
+                  percentile(ping_us, 50), "us", false, Target{Target::Kind::kAtMost, 2.0}});
+  rows.push_back({"P3", "Step round trip p99", percentile(step_us, 99), "Ping p99 (empty gRPC)",
+                  percentile(ping_us, 99), "us", false, std::nullopt});
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "karakv-bench p1|p2|p3|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "  p1  Append throughput vs Redis SET (target >= 3x)\n"
+      "  p2  decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
+      "  p3  Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|all [flags]  (--help for the flags)\n");
+    return 2;
+  }
+  const std::string mode = args[1];
+  std::vector<std::string> modes;
+  if (mode == "all") {
+    modes = {"p1", "p2", "p3"};
+  } else if (mode == "p1" || mode == "p2" || mode == "p3") {
+    modes = {mode};
+  } else {
+    std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3 or all\n", mode.c_str());
+    return 2;
+  }
+
+  struct sigaction sa{};
+  sa.sa_handler = on_fatal_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGALRM, SIGHUP}) sigaction(sig, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  alarm(static_cast<unsigned>(std::max(1, absl::GetFlag(FLAGS_timeout_s))));
+
+  auto dir = TempDir::make();
+  if (!dir.ok()) {
+    std::fprintf(stderr, "karakv-bench: %s\n", dir.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<Row> all;
+  for (const std::string& m : modes) {
+    const auto start = Clock::now();
+    absl::StatusOr<std::vector<Row>> rows = m == "p1" ? run_p1(*dir) : m == "p2" ? run_p2(*dir) : run_p3(*dir);
+    if (!rows.ok()) {
+      std::fprintf(stderr, "karakv-bench: %s failed: %s\n", m.c_str(), rows.status().ToString().c_str());
+      return 1;
+    }
+    progress(absl::StrFormat("%s done in %.1f s", m, seconds_since(start)));
+    if (const std::string out = absl::GetFlag(FLAGS_out_dir); !out.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(out, ec);
+      std::ofstream f(out + "/" + m + ".csv");
+      f << to_csv(*rows);
+      if (!f) {
+        std::fprintf(stderr, "karakv-bench: cannot write %s/%s.csv\n", out.c_str(), m.c_str());
+        return 1;
+      }
+    }
+    all.insert(all.end(), rows->begin(), rows->end());
+  }
+
+  std::printf("\nkarakv-bench %s: %d hardware threads; P1 median of %d interleaved rounds of %.1f s; "
+              "P2 best of %d passes; P3 %d interleaved calls each\n\n",
+              mode.c_str(), int(std::thread::hardware_concurrency()), absl::GetFlag(FLAGS_rounds),
+              absl::GetFlag(FLAGS_seconds), absl::GetFlag(FLAGS_p2_reps), absl::GetFlag(FLAGS_p3_calls));
+  print_table(all);
+  if (absl::GetFlag(FLAGS_csv)) std::printf("\n%s", to_csv(all).c_str());
+  const bool missed = std::any_of(all.begin(), all.end(), [](const Row& r) { return r.verdict() == "MISS"; });
+  return missed && absl::GetFlag(FLAGS_strict) ? 3 : 0;
+}

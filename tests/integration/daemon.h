@@ -1,0 +1,91 @@
+// Starts a real karakvd on a temporary Unix socket for one test and stops it with SIGTERM.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "karakv/client.h"
+
+namespace karakv::testing {
+
+class Daemon {
+ public:
+  // `args` are extra karakvd flags (geometry, pool size, lease ...).
+  explicit Daemon(std::vector<std::string> args) {
+    static int counter = 0;
+    socket_ = "/tmp/karakv-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + ".sock";
+    args.insert(args.begin(), {KARAKVD_PATH, "--socket=" + socket_, "--log_level=warn", "--threads=2"});
+    pid_ = fork();
+    if (pid_ == 0) {
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    ready_ = wait_ready();
+  }
+  ~Daemon() {
+    if (pid_ > 0) stop();
+  }
+
+  bool ready() const { return ready_; }
+  std::string target() const { return "unix:" + socket_; }
+  pid_t pid() const { return pid_; }
+
+  // SIGTERM, then the exit status (or -1 if it had to be killed).
+  int stop() {
+    kill(pid_, SIGTERM);
+    int status = 0;
+    for (int i = 0; i < 200; ++i) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    kill(pid_, SIGKILL);
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return -1;
+  }
+
+  ClientOptions options(uint64_t staging_bytes = 8 << 20) const {
+    ClientOptions o;
+    o.target = target();
+    o.staging_bytes = staging_bytes;
+    o.rpc_timeout = absl::Seconds(20);
+    return o;
+  }
+
+ private:
+  bool wait_ready() {
+    for (int i = 0; i < 200; ++i) {
+      if (access(socket_.c_str(), F_OK) == 0) {
+        ClientOptions o = options(0);
+        o.heartbeat = false;
+        auto c = Client::Attach(o);
+        if (c.ok()) return true;
+      }
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  std::string socket_;
+  pid_t pid_ = -1;
+  bool ready_ = false;
+};
+
+}  // namespace karakv::testing

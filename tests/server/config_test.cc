@@ -1,0 +1,70 @@
+// Config: byte sizes, config files, and refusal of inconsistent settings.
+#include "server/config.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "gtest/gtest.h"
+
+ABSL_DECLARE_FLAG(int32_t, layers);
+ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(std::string, pool_bytes);
+
+namespace karakv::server {
+namespace {
+
+TEST(ConfigTest, ParsesByteSizes) {
+  EXPECT_EQ(*parse_bytes("1048576"), 1048576);
+  EXPECT_EQ(*parse_bytes("64KiB"), 65536);
+  EXPECT_EQ(*parse_bytes("512MiB"), 512ll << 20);
+  EXPECT_EQ(*parse_bytes("2GiB"), 2ll << 30);
+  EXPECT_EQ(*parse_bytes("1GB"), 1000000000);
+  EXPECT_FALSE(parse_bytes("lots").ok());
+  EXPECT_FALSE(parse_bytes("-5MiB").ok());
+  EXPECT_FALSE(parse_bytes("99999999999GiB").ok());
+}
+
+class ConfigFileTest : public ::testing::Test {
+ protected:
+  absl::FlagSaver saver_;  // restores every flag after each test
+  std::string write(const std::string& text) {
+    std::string path = ::testing::TempDir() + "/karakvd_test.conf";
+    std::ofstream(path) << text;
+    return path;
+  }
+};
+
+TEST_F(ConfigFileTest, AppliesValuesAndComments) {
+  ASSERT_TRUE(apply_config_file(write("# geometry\nlayers = 5\n--dtype=bf16  # storage\n\npool_bytes=64MiB\n")).ok());
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->registry.geometry.num_layers, 5);
+  EXPECT_EQ(c->registry.geometry.dtype, kernels::DType::kBFloat16);
+  EXPECT_EQ(c->registry.pool_bytes, 64ll << 20);
+}
+
+TEST_F(ConfigFileTest, RefusesUnknownSettingsAndBadValues) {
+  absl::Status s = apply_config_file(write("colour = blue\n"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find(":1: unknown setting 'colour'"), std::string::npos) << s;
+  s = apply_config_file(write("layers = many\n"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(apply_config_file("/nonexistent/karakvd.conf").ok());
+}
+
+TEST_F(ConfigFileTest, RefusesInconsistentGeometry) {
+  absl::SetFlag(&FLAGS_dtype, "fp8");
+  EXPECT_NE(config_from_flags().status().message().find("--dtype=fp8"), std::string::npos);
+  absl::SetFlag(&FLAGS_dtype, "fp16");
+  absl::SetFlag(&FLAGS_layers, 0);
+  EXPECT_NE(config_from_flags().status().message().find("num_layers=0"), std::string::npos);
+  absl::SetFlag(&FLAGS_layers, 2);
+  absl::SetFlag(&FLAGS_pool_bytes, "huge");
+  EXPECT_NE(config_from_flags().status().message().find("--pool_bytes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace karakv::server
