@@ -10,6 +10,8 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -41,8 +43,13 @@ int fail(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --help lists the daemon's own flags (defined in server/config.cc), with their defaults.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::StrContains(file, "server/config"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "karakvd: the karakv KV-cache daemon.\n"
+      "the karakv KV-cache daemon.\n"
       "  karakvd [--config=FILE] [--socket=PATH] [--layers=N ...]\n"
       "Serves the karakv.v1 gRPC API on a Unix socket (and optionally TCP).");
   // The config file supplies defaults; the command line, parsed after it, overrides them.

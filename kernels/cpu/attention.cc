@@ -47,35 +47,57 @@ void for_head_chunks(int group_size, F&& f) {
   }
 }
 
-// scores[h][t] = q[h] . k[t] for G heads over one contiguous run of K rows.
+// scores[h][t] = q[h] . k[t] for G heads over one contiguous run of K rows. HD > 0 is the head
+// dim as a compile-time constant (loops unroll fully); HD == 0 reads it from head_dim.
 //   k:      [len][head_dim] storage
 //   q:      [G][head_dim] fp32, already scaled
 //   scores: [G][stride] fp32, written at columns [0, len)
-template <DType D, int G>
+template <DType D, int G, int HD>
 void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, float* scores,
                size_t stride) {
+  const int hd = HD > 0 ? HD : head_dim;
+  int t = 0;
 #if KARAKV_CPU_AVX2
-  const int hd8 = head_dim & ~7;
-  for (int t = 0; t < len; ++t, k += head_dim) {
+  const int hd8 = hd & ~7;
+  if (hd8 == hd) {
+    // Eight rows at a time: their per-row partial sums are reduced together by one transpose-add
+    // instead of eight horizontal sums.
+    for (; t + 8 <= len; t += 8) {
+      __m256 part[G][8];
+      for (int u = 0; u < 8; ++u) {
+        const storage_t<D>* row = k + size_t(t + u) * hd;
+        __m256 acc[G];
+        for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
+        for (int d = 0; d < hd8; d += 8) {
+          const __m256 x = load8<D>(row + d);
+          for (int h = 0; h < G; ++h) acc[h] = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + h * hd + d), acc[h]);
+        }
+        for (int h = 0; h < G; ++h) part[h][u] = acc[h];
+      }
+      for (int h = 0; h < G; ++h) _mm256_storeu_ps(scores + h * stride + t, transpose_sum8(part[h]));
+    }
+  }
+  for (; t < len; ++t) {
+    const storage_t<D>* row = k + size_t(t) * hd;
     __m256 acc[G];
     for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
     for (int d = 0; d < hd8; d += 8) {
-      const __m256 x = load8<D>(k + d);
-      for (int h = 0; h < G; ++h)
-        acc[h] = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + h * head_dim + d), acc[h]);
+      const __m256 x = load8<D>(row + d);
+      for (int h = 0; h < G; ++h) acc[h] = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + h * hd + d), acc[h]);
     }
     for (int h = 0; h < G; ++h) {
       float s = hsum(acc[h]);
-      for (int d = hd8; d < head_dim; ++d) s += load1<D>(k + d) * q[h * head_dim + d];
+      for (int d = hd8; d < hd; ++d) s += load1<D>(row + d) * q[h * hd + d];
       scores[h * stride + t] = s;
     }
   }
 #else
-  for (int t = 0; t < len; ++t, k += head_dim) {
+  for (; t < len; ++t) {
+    const storage_t<D>* row = k + size_t(t) * hd;
     float acc[G] = {};
-    for (int d = 0; d < head_dim; ++d) {
-      const float x = load1<D>(k + d);
-      for (int h = 0; h < G; ++h) acc[h] += x * q[h * head_dim + d];
+    for (int d = 0; d < hd; ++d) {
+      const float x = load1<D>(row + d);
+      for (int h = 0; h < G; ++h) acc[h] += x * q[h * hd + d];
     }
     for (int h = 0; h < G; ++h) scores[h * stride + t] = acc[h];
   }
@@ -86,13 +108,13 @@ void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, flo
 // acc[h][d0, d0 + 8P) += sum_t w[h][t] * v[t][d0, d0 + 8P): P vectors per head held in registers
 // for the whole run.
 template <DType D, int G, int P>
-inline void accumulate_piece(const storage_t<D>* v, int len, int head_dim, int d0, const float* w,
+inline void accumulate_piece(const storage_t<D>* v, int len, int hd, int d0, const float* w,
                              size_t stride, float* acc) {
   __m256 a[G][P];
   for (int h = 0; h < G; ++h)
-    for (int c = 0; c < P; ++c) a[h][c] = _mm256_loadu_ps(acc + h * head_dim + d0 + 8 * c);
+    for (int c = 0; c < P; ++c) a[h][c] = _mm256_loadu_ps(acc + h * hd + d0 + 8 * c);
   for (int t = 0; t < len; ++t) {
-    const storage_t<D>* row = v + size_t(t) * head_dim + d0;
+    const storage_t<D>* row = v + size_t(t) * hd + d0;
     __m256 wt[G];
     for (int h = 0; h < G; ++h) wt[h] = _mm256_broadcast_ss(w + h * stride + t);
     for (int c = 0; c < P; ++c) {
@@ -101,30 +123,31 @@ inline void accumulate_piece(const storage_t<D>* v, int len, int head_dim, int d
     }
   }
   for (int h = 0; h < G; ++h)
-    for (int c = 0; c < P; ++c) _mm256_storeu_ps(acc + h * head_dim + d0 + 8 * c, a[h][c]);
+    for (int c = 0; c < P; ++c) _mm256_storeu_ps(acc + h * hd + d0 + 8 * c, a[h][c]);
 }
 #endif
 
-// acc[h] += sum_t w[h][t] * v[t] for G heads over one contiguous run of V rows.
+// acc[h] += sum_t w[h][t] * v[t] for G heads over one contiguous run of V rows (HD as above).
 //   v:   [len][head_dim] storage
 //   w:   [G][stride] fp32 softmax numerators, columns [0, len)
 //   acc: [G][head_dim] fp32
-template <DType D, int G>
+template <DType D, int G, int HD>
 void accumulate_run(const storage_t<D>* v, int len, int head_dim, const float* w, size_t stride,
                     float* acc) {
+  const int hd = HD > 0 ? HD : head_dim;
   int d0 = 0;
 #if KARAKV_CPU_AVX2
   // G * P accumulators + G weights + one V vector must fit the 16 ymm registers.
   constexpr int P = G <= 3 ? 4 : 2;
-  const int hd8 = head_dim & ~7;
-  for (; d0 + 8 * P <= hd8; d0 += 8 * P) accumulate_piece<D, G, P>(v, len, head_dim, d0, w, stride, acc);
-  for (; d0 < hd8; d0 += 8) accumulate_piece<D, G, 1>(v, len, head_dim, d0, w, stride, acc);
+  const int hd8 = hd & ~7;
+  for (; d0 + 8 * P <= hd8; d0 += 8 * P) accumulate_piece<D, G, P>(v, len, hd, d0, w, stride, acc);
+  for (; d0 < hd8; d0 += 8) accumulate_piece<D, G, 1>(v, len, hd, d0, w, stride, acc);
 #endif
-  for (; d0 < head_dim; ++d0) {
+  for (; d0 < hd; ++d0) {
     for (int h = 0; h < G; ++h) {
-      float s = acc[h * head_dim + d0];
-      for (int t = 0; t < len; ++t) s += w[h * stride + t] * load1<D>(v + size_t(t) * head_dim + d0);
-      acc[h * head_dim + d0] = s;
+      float s = acc[h * hd + d0];
+      for (int t = 0; t < len; ++t) s += w[h * stride + t] * load1<D>(v + size_t(t) * hd + d0);
+      acc[h * hd + d0] = s;
     }
   }
 }
@@ -161,7 +184,7 @@ float softmax_numerators(float* s, int n) {
   return sum;
 }
 
-template <DType D>
+template <DType D, int HD>
 void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int num_tokens,
                         const float* q, float* out, float scale, AttentionScratch& scratch) {
   const Geometry& geo = kv.geometry;
@@ -209,7 +232,7 @@ void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int 
     const int len = std::min(bs, num_tokens - t0);
     const storage_t<D>* run = run_at(r);
     for_head_chunks(g, [&](int h0, auto chunk) {
-      score_run<D, decltype(chunk)::value>(run, len, hd, query + size_t(h0) * hd,
+      score_run<D, decltype(chunk)::value, HD>(run, len, hd, query + size_t(h0) * hd,
                                            scores + size_t(h0) * n + t0, n);
     });
   }
@@ -223,7 +246,7 @@ void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int 
     const int len = std::min(bs, num_tokens - t0);
     const storage_t<D>* run = run_at(r);
     for_head_chunks(g, [&](int h0, auto chunk) {
-      accumulate_run<D, decltype(chunk)::value>(run, len, hd, scores + size_t(h0) * n + t0, n,
+      accumulate_run<D, decltype(chunk)::value, HD>(run, len, hd, scores + size_t(h0) * n + t0, n,
                                                 acc + size_t(h0) * hd);
     });
   }
@@ -236,13 +259,19 @@ void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int 
 
 void attend_group(const PagedKV& kv, int seq, int layer, int kv_head, int num_tokens,
                   const float* q, float* out, float scale, AttentionScratch& scratch) {
+  auto with_head_dim = [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+    // Common head dims get fully unrolled loops; any other runs the same code with runtime bounds.
+    switch (kv.geometry.head_dim) {
+      case 64: return attend_group_typed<D, 64>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+      case 128: return attend_group_typed<D, 128>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+      default: return attend_group_typed<D, 0>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+    }
+  };
   switch (kv.geometry.dtype) {
-    case DType::kFloat32:
-      return attend_group_typed<DType::kFloat32>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
-    case DType::kFloat16:
-      return attend_group_typed<DType::kFloat16>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
-    case DType::kBFloat16:
-      return attend_group_typed<DType::kBFloat16>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+    case DType::kFloat32: return with_head_dim(std::integral_constant<DType, DType::kFloat32>{});
+    case DType::kFloat16: return with_head_dim(std::integral_constant<DType, DType::kFloat16>{});
+    case DType::kBFloat16: return with_head_dim(std::integral_constant<DType, DType::kBFloat16>{});
   }
 }
 

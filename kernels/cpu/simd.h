@@ -50,6 +50,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Lane i of the result is the horizontal sum of v[i], for eight vectors at once.
+inline __m256 transpose_sum8(const __m256* v) {
+  // After two rounds of hadd, the low 128 bits hold the low-half sums of v[0..3] (resp. v[4..7])
+  // and the high 128 bits their high-half sums.
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));

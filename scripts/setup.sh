@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what karakv needs on Debian 12 (only what is missing) and builds it into build/.
+# Used by scripts/demo.sh and scripts/test.sh; safe to run again (ccache makes rebuilds cheap).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(cmake ninja-build g++ ccache pkg-config
+          libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+          libabsl-dev libspdlog-dev prometheus-cpp-dev
+          libgtest-dev libgmock-dev libbenchmark-dev redis-server)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "==> installing: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" > /dev/null
+fi
+
+jobs=$(nproc)
+echo "==> configuring and building (build/, $jobs jobs)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-RelWithDebInfo}" > build.configure.log 2>&1 ||
+  { cat build.configure.log; exit 1; }
+rm -f build.configure.log
+cmake --build build -j "$jobs"
