@@ -1,6 +1,9 @@
 // End-to-end tests against a real karakvd: attention outputs against a dense float64 reference,
 // staging vs inline equality, forks, leases, malformed requests, pool exhaustion, drain, CLI and
 // the example worker.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <cmath>
@@ -428,6 +431,56 @@ TEST(DaemonTest, ExampleWorkerMatchesTheReferenceInBothModes) {
     EXPECT_EQ(code, 0) << out;
     EXPECT_THAT(out, HasSubstr("ALL MATCHED"));
   }
+}
+
+}  // namespace
+}  // namespace karakv
+
+namespace karakv {
+namespace {
+
+// A plain HTTP GET on loopback; returns the body.
+std::string http_get(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  if (write(fd, req.data(), req.size()) != ssize_t(req.size())) {
+    close(fd);
+    return "";
+  }
+  std::string resp;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) resp.append(buf, n);
+  close(fd);
+  const size_t body = resp.find("\r\n\r\n");
+  return body == std::string::npos ? "" : resp.substr(body + 4);
+}
+
+TEST(DaemonTest, MetricsEndpointReportsPoolRpcsAndErrors) {
+  const int port = 20000 + getpid() % 20000;
+  auto flags = geometry_flags("fp16");
+  flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(port));
+  Daemon d(flags);
+  ASSERT_TRUE(d.ready());
+  auto c = Client::Attach(d.options());
+  ASSERT_TRUE(c.ok());
+  auto id = *(*c)->CreateSequence();
+  Buffer k = *(*c)->alloc((*c)->append_bytes(20)), v = *(*c)->alloc((*c)->append_bytes(20));
+  ASSERT_TRUE((*c)->Append(id, 20, k, v).ok());
+  EXPECT_FALSE((*c)->Release(id + 100).ok());
+  const std::string m = http_get(port, "/metrics");
+  EXPECT_THAT(m, HasSubstr("karakv_pool_blocks_used 2\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_resident_tokens 20\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_rpc_duration_seconds_count{method=\"Append\"} 1\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_rpc_errors_total{code=\"NOT_FOUND\",method=\"ReleaseSequence\"} 1\n"));
 }
 
 }  // namespace
