@@ -57,10 +57,10 @@ ABSL_FLAG(std::string, redis_server, "redis-server", "redis-server binary for th
 ABSL_FLAG(std::string, out_dir, "", "Write one CSV per mode (p1.csv, p2.csv, p3.csv) into this directory");
 ABSL_FLAG(bool, csv, false, "Also print the results as CSV on stdout");
 ABSL_FLAG(double, seconds, 1.0, "P1: seconds per measurement of one configuration in one round");
-ABSL_FLAG(int32_t, rounds, 5, "P1: interleaved rounds; the median round is reported");
+ABSL_FLAG(int32_t, rounds, 5, "P1: interleaved rounds; the round with the median ratio is reported");
 ABSL_FLAG(int32_t, p2_sequences, 32, "P2: sequences in the decode batch");
 ABSL_FLAG(int32_t, p2_tokens, 4096, "P2: resident tokens per sequence");
-ABSL_FLAG(int32_t, p2_reps, 3, "P2: passes over all layers (best is reported)");
+ABSL_FLAG(int32_t, p2_reps, 3, "P2: passes over all layers (best pass vs best streaming read)");
 ABSL_FLAG(bool, p2_daemon, true, "P2: also measure decode end to end through karakvd Step (info row)");
 ABSL_FLAG(int32_t, p3_calls, 2000, "P3: timed Step and Ping calls each (interleaved)");
 ABSL_FLAG(int32_t, p3_warmup, 200, "P3: untimed warm-up calls each");
@@ -280,6 +280,11 @@ struct Daemon {
   }
 };
 
+// A daemon that does not exit 0 on SIGTERM is a bug worth seeing, but not worth the numbers.
+void stop_or_warn(Daemon& d) {
+  if (absl::Status s = d.stop(); !s.ok()) progress(absl::StrCat("WARNING: ", s.message()));
+}
+
 absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name,
                                      const std::vector<std::string>& geometry_flags) {
   const std::string socket = dir.file(name + ".sock");
@@ -408,19 +413,36 @@ std::string to_csv(const std::vector<Row>& rows) {
   return out;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Nearest-rank percentile, p in (0, 100].
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * v.size()));
   return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+}
+
+// One karakv measurement and the baseline measured right next to it.
+struct Pair {
+  double karakv = 0, baseline = 0;
+  double ratio() const { return baseline > 0 ? karakv / baseline : 0; }
+};
+
+// The pair whose ratio is the median (the lower middle one for an even count).
+Pair median_pair(std::vector<Pair> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end(), [](const Pair& a, const Pair& b) { return a.ratio() < b.ratio(); });
+  return v[(v.size() - 1) / 2];
+}
+
+// The best karakv value and the best baseline value: the best-of-N of each side. (The pair with
+// the best ratio would favour karakv whenever a baseline sample dips.)
+Pair best_of_each(const std::vector<Pair>& v) {
+  Pair best;
+  for (const Pair& p : v) {
+    best.karakv = std::max(best.karakv, p.karakv);
+    best.baseline = std::max(best.baseline, p.baseline);
+  }
+  return best;
 }
 
 // Runs `op` (each call moves `bytes_per_call` payload bytes) until `seconds` have passed and at
@@ -584,6 +606,36 @@ class AppendLoop {
   int length_ = 0;
 };
 
+// The copy an Append does inside the daemon, without the RPC: write_kv of `tokens` tokens from
+// `k`/`v` into a 64 MiB pool of this geometry, cycling through its blocks. Returns GB/s of K+V.
+absl::StatusOr<double> write_kv_gbps(const kn::Geometry& g, int tokens, const void* k, const void* v,
+                                     double seconds) {
+  auto backend = kn::make_cpu_backend(0);
+  const int blocks = int((size_t(64) << 20) / g.block_bytes());
+  const int blocks_per_call = (tokens + g.block_size - 1) / g.block_size;
+  void* pool = nullptr;
+  if (auto st = backend->allocate(size_t(blocks) * g.block_bytes(), &pool); !st.is_ok()) {
+    return absl::ResourceExhaustedError(st.message);
+  }
+  std::vector<int32_t> table(blocks_per_call), offsets = {0, blocks_per_call}, lengths = {tokens};
+  kn::PagedKV kv;
+  kv.pool = pool;
+  kv.geometry = g;
+  kv.block_table = table.data();
+  kv.table_offset = offsets.data();
+  kv.seq_len = lengths.data();
+  kv.num_seqs = 1;
+  int next = 0;
+  auto gbps = measure_gbps(2 * size_t(g.num_layers) * tokens * g.kv_token_elems() * kn::dtype_size(g.dtype), seconds,
+                           [&]() -> absl::Status {
+                             for (int32_t& b : table) b = next++ % blocks;
+                             auto st = backend->write_kv(kv, 0, 0, tokens, 0, g.num_layers, k, v);
+                             return st.is_ok() ? absl::OkStatus() : absl::InternalError(st.message);
+                           });
+  backend->free(pool);
+  return gbps;
+}
+
 absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
   // One token of K+V is 2 * 8 heads * 128 dims * 2 B = 4 KiB, so 16 tokens = 64 KiB per Append and
   // 256 tokens = 1 MiB; a block (16 tokens) is 64 KiB.
@@ -606,9 +658,11 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
 
   struct Config {
     size_t payload;
-    std::unique_ptr<AppendLoop> shm, inl;
+    std::unique_ptr<AppendLoop> shm_loop, inl_loop;
+    int tokens = 0;
+    karakv::Buffer k, v;  // the payload in this process, for the copy-only measurement
     std::vector<uint8_t> redis_value;
-    std::vector<double> shm_gbps, inl_gbps, redis_gbps;
+    std::vector<Pair> shm, inl, copy;  // per round, each with that round's Redis SET
   };
   std::vector<Config> configs;
   for (size_t payload : payloads) {
@@ -628,8 +682,11 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
     c.redis_value.resize(payload);
     std::memcpy(c.redis_value.data(), k->data(), half);
     std::memcpy(c.redis_value.data() + half, v->data(), half);
-    c.shm = std::make_unique<AppendLoop>(**shm, tokens, *k, *v, kMaxTokens);
-    c.inl = std::make_unique<AppendLoop>(**inl, tokens, hk, hv, kMaxTokens);
+    c.shm_loop = std::make_unique<AppendLoop>(**shm, tokens, *k, *v, kMaxTokens);
+    c.inl_loop = std::make_unique<AppendLoop>(**inl, tokens, hk, hv, kMaxTokens);
+    c.tokens = tokens;
+    c.k = hk;
+    c.v = hv;
     configs.push_back(std::move(c));
   }
 
@@ -639,20 +696,35 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
   for (int r = 0; r < rounds; ++r) {
     progress(absl::StrFormat("P1 round %d/%d", r + 1, rounds));
     for (Config& c : configs) {
-      auto a = measure_gbps(c.payload, secs, [&] { return c.shm->append(); });
+      auto a = measure_gbps(c.payload, secs, [&] { return c.shm_loop->append(); });
       if (!a.ok()) return a.status();
-      c.shm_gbps.push_back(*a);
       // 32 rotating keys: SET overwrites, so Redis holds at most 32 values, as the pool holds a
       // bounded number of sequences.
       auto b = measure_gbps(c.payload, secs, [&] {
         return redis->client->set(absl::StrCat("kv:", redis_key++ % 32), c.redis_value.data(), c.payload);
       });
       if (!b.ok()) return b.status();
-      c.redis_gbps.push_back(*b);
-      auto i = measure_gbps(c.payload, secs, [&] { return c.inl->append(); });
+      auto i = measure_gbps(c.payload, secs, [&] { return c.inl_loop->append(); });
       if (!i.ok()) return i.status();
-      c.inl_gbps.push_back(*i);
+      auto w = write_kv_gbps(g, c.tokens, c.k.data(), c.v.data(), secs / 2);
+      if (!w.ok()) return w.status();
+      c.shm.push_back({*a, *b});
+      c.inl.push_back({*i, *b});
+      c.copy.push_back({*w, *b});
+      progress(absl::StrFormat("P1   %zu B: shm %.2f GB/s, Redis SET %.2f GB/s, inline %.2f GB/s, write_kv alone %.2f GB/s",
+                               c.payload, *a, *b, *i, *w));
     }
+  }
+
+  // Context for the small payload: the per-call floor of each protocol, an empty request each.
+  std::vector<double> grpc_us, resp_us;
+  for (int i = 0; i < 1000; ++i) {
+    auto start = Clock::now();
+    if (absl::Status s = (*shm)->Ping(); !s.ok()) return s;
+    grpc_us.push_back(seconds_since(start) * 1e6);
+    start = Clock::now();
+    if (absl::Status s = redis->client->ping(); !s.ok()) return s;
+    resp_us.push_back(seconds_since(start) * 1e6);
   }
 
   std::vector<Row> rows;
@@ -660,15 +732,20 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
     const std::string size = c.payload >= (1 << 20) ? absl::StrCat(c.payload >> 20, " MiB")
                                                     : absl::StrCat(c.payload >> 10, " KiB");
     const std::string redis_name = absl::StrCat("Redis SET ", size, " (unix socket)");
-    rows.push_back({"P1", absl::StrCat("Append ", size, ", shm staging"), median(c.shm_gbps), redis_name,
-                    median(c.redis_gbps), "GB/s", false, Target{Target::Kind::kAtLeast, 3.0}});
-    rows.push_back({"P1", absl::StrCat("Append ", size, ", inline in RPC"), median(c.inl_gbps), redis_name,
-                    median(c.redis_gbps), "GB/s", false, std::nullopt});
+    const Pair shm_m = median_pair(c.shm), inl_m = median_pair(c.inl), copy_m = median_pair(c.copy);
+    rows.push_back({"P1", absl::StrCat("Append ", size, ", shm staging"), shm_m.karakv, redis_name, shm_m.baseline,
+                    "GB/s", false, Target{Target::Kind::kAtLeast, 3.0}});
+    rows.push_back({"P1", absl::StrCat("Append ", size, ", inline in RPC"), inl_m.karakv, redis_name,
+                    inl_m.baseline, "GB/s", false, std::nullopt});
+    rows.push_back({"P1", absl::StrCat("write_kv alone (no RPC), ", size), copy_m.karakv, redis_name,
+                    copy_m.baseline, "GB/s", false, std::nullopt});
   }
+  rows.push_back({"P1", "empty call p50: karakv Ping (gRPC)", percentile(grpc_us, 50), "Redis PING p50",
+                  percentile(resp_us, 50), "us", false, std::nullopt});
   configs.clear();
   shm->reset();
   inl->reset();
-  if (absl::Status s = daemon->stop(); !s.ok()) return s;
+  stop_or_warn(*daemon);
   redis->client.reset();
   redis->process->stop();
   return rows;
@@ -727,8 +804,8 @@ struct HugeBuffer {
 };
 
 // The P2 baseline: a 1 GiB float array summed by every hardware thread (the threads the CPU
-// backend uses). It is sampled before every decode pass so that both sides see the same machine
-// state, and the best sample of each is compared.
+// backend uses). It is sampled right before every decode pass, so each pass is compared with the
+// machine as it was at that moment (on a shared machine, a neighbour halves both).
 class StreamBaseline {
  public:
   static absl::StatusOr<std::unique_ptr<StreamBaseline>> make(int threads) {
@@ -739,13 +816,8 @@ class StreamBaseline {
     for (size_t i = 0; i < kFloats; ++i) f[i] = float(i & 1023) * 0.001f;
     return b;
   }
-  double sample() {
-    const double g = stream_read_gbps(data(), kFloats, threads_, 2);
-    best_ = std::max(best_, g);
-    return g;
-  }
+  double sample() { return stream_read_gbps(data(), kFloats, threads_, 2); }
   double single_thread() { return stream_read_gbps(data(), kFloats, 1, 3); }
-  double best() const { return best_; }
   int threads() const { return threads_; }
 
  private:
@@ -754,7 +826,6 @@ class StreamBaseline {
   float* data() { return static_cast<float*>(buffer_.ptr); }
   HugeBuffer buffer_;
   const int threads_;
-  double best_ = 0;
 };
 
 kn::Geometry smollm_geometry() {
@@ -782,8 +853,8 @@ std::vector<uint16_t> synthetic_pattern(size_t elems) {
 }
 
 struct DirectDecode {
-  double scattered_gbps = 0;  // block tables are a random permutation of the pool
-  double in_order_gbps = 0;   // each sequence's blocks consecutive
+  Pair scattered;  // block tables are a random permutation of the pool
+  Pair in_order;   // each sequence's blocks consecutive
 };
 
 absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs, int tokens, int reps,
@@ -820,8 +891,9 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
   for (int s = 0; s <= seqs; ++s) offsets[s] = s * blocks_per_seq;
   const double bytes = decode_bytes(g, lengths);
 
-  // Best GB/s over `reps` passes (after one warm-up) of decode over every layer with this table.
-  auto passes = [&](const std::vector<int32_t>& table, const char* label) -> absl::StatusOr<double> {
+  // The best of `reps` passes (after one warm-up) of decode over every layer with this table, and
+  // the best of the streaming reads sampled just before each of them.
+  auto passes = [&](const std::vector<int32_t>& table, const char* label) -> absl::StatusOr<Pair> {
     kn::PagedKV kv;
     kv.pool = pool;
     kv.geometry = g;
@@ -829,7 +901,7 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
     kv.table_offset = offsets.data();
     kv.seq_len = lengths.data();
     kv.num_seqs = seqs;
-    double best = 0;
+    std::vector<Pair> measured;
     for (int r = 0; r <= reps; ++r) {
       const double stream_gbps = stream.sample();
       const auto start = Clock::now();
@@ -842,11 +914,11 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
       for (float x : out) {
         if (!std::isfinite(x)) return absl::InternalError("decode_attention produced a non-finite output");
       }
-      if (r > 0) best = std::max(best, bytes / el / 1e9);
+      if (r > 0) measured.push_back({bytes / el / 1e9, stream_gbps});
       progress(absl::StrFormat("P2 direct, %s, pass %d/%d: %.3f s = %.2f GB/s%s (streaming read just before: %.2f GB/s)",
                                label, r, reps, el, bytes / el / 1e9, r == 0 ? " (warm-up)" : "", stream_gbps));
     }
-    return best;
+    return best_of_each(measured);
   };
 
   // The measured table is a shuffled permutation of the pool, so a sequence's blocks are scattered
@@ -867,9 +939,9 @@ size_t append_tensor_bytes(const kn::Geometry& g, int tokens) {
 }
 
 // Decode through the daemon: `seqs` sequences prefilled to `tokens`, then batched Steps over all
-// layers. Returns the best GB/s of K/V read per decode step (the Step that appends a token also
-// attends over it).
-absl::StatusOr<double> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& g, int seqs, int tokens,
+// layers. Returns the best step's GB/s of K/V read (the Step that appends a token also attends
+// over it) and the best of the streaming reads sampled just before each step.
+absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& g, int seqs, int tokens,
                                           int reps, StreamBaseline& stream) {
   const int steps = reps + 1;
   const size_t blocks = size_t(seqs) * ((tokens + steps + g.block_size - 1) / g.block_size);
@@ -913,7 +985,7 @@ absl::StatusOr<double> decode_daemon_gbps(const TempDir& dir, const kn::Geometry
   progress(absl::StrFormat("P2 daemon prefill: %d x %d tokens in %.2f s (%.2f GB/s)", seqs, tokens, prefill_s,
                            decode_bytes(g, std::vector<int32_t>(seqs, tokens)) / prefill_s / 1e9));
   const size_t kv_tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
-  double best = 0;
+  std::vector<Pair> measured;
   for (int step = 0; step < steps; ++step) {  // step 0 warms up
     const double stream_gbps = stream.sample();
     const auto start = Clock::now();
@@ -928,13 +1000,13 @@ absl::StatusOr<double> decode_daemon_gbps(const TempDir& dir, const kn::Geometry
     }
     const double el = seconds_since(start);
     const double bytes = decode_bytes(g, std::vector<int32_t>(seqs, tokens + step + 1));
-    if (step > 0) best = std::max(best, bytes / el / 1e9);
+    if (step > 0) measured.push_back({bytes / el / 1e9, stream_gbps});
     progress(absl::StrFormat("P2 daemon step %d/%d: %.3f s = %.2f GB/s%s (streaming read just before: %.2f GB/s)",
                              step, reps, el, bytes / el / 1e9, step == 0 ? " (warm-up)" : "", stream_gbps));
   }
   client->reset();
-  if (absl::Status s = daemon->stop(); !s.ok()) return s;
-  return best;
+  stop_or_warn(*daemon);
+  return best_of_each(measured);
 }
 
 absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
@@ -945,28 +1017,27 @@ absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
 
   auto stream = StreamBaseline::make(threads);
   if (!stream.ok()) return stream.status();
-  const double stream_one = (*stream)->single_thread();
+  const Pair one_thread{(*stream)->single_thread(), (*stream)->sample()};
   auto direct = decode_direct_gbps(g, seqs, tokens, reps, **stream);
   if (!direct.ok()) return direct.status();
-  std::optional<double> via_daemon;
+  std::optional<Pair> via_daemon;
   if (absl::GetFlag(FLAGS_p2_daemon)) {
     auto d = decode_daemon_gbps(dir, g, seqs, tokens, reps, **stream);
     if (!d.ok()) return d.status();
     via_daemon = *d;
   }
-  const double stream_all = (*stream)->best();
   const std::string base = absl::StrFormat("streaming read, %d threads", threads);
-  const std::string what = absl::StrFormat("%d seqs x %d tokens, SmolLM2-135M fp16", seqs, tokens);
+  const std::string what = absl::StrFormat(", %d seqs x %d tokens", seqs, tokens);
   std::vector<Row> rows;
-  rows.push_back({"P2", "decode_attention (CPU backend) " + what, direct->scattered_gbps, base, stream_all,
-                  "GB/s", true, Target{Target::Kind::kAtLeast, 0.60}});
-  rows.push_back({"P2", "decode_attention, blocks in order (context)", direct->in_order_gbps, base, stream_all,
-                  "GB/s", true, std::nullopt});
+  rows.push_back({"P2", "decode_attention (CPU backend)" + what, direct->scattered.karakv, base,
+                  direct->scattered.baseline, "GB/s", true, Target{Target::Kind::kAtLeast, 0.60}});
+  rows.push_back({"P2", "decode_attention, blocks in order", direct->in_order.karakv, base,
+                  direct->in_order.baseline, "GB/s", true, std::nullopt});
   if (via_daemon) {
-    rows.push_back({"P2", "decode via karakvd Step (30 layers, shm) " + what, *via_daemon, base, stream_all, "GB/s",
-                    true, std::nullopt});
+    rows.push_back({"P2", "decode through karakvd Step, 30 layers", via_daemon->karakv, base, via_daemon->baseline,
+                    "GB/s", true, std::nullopt});
   }
-  rows.push_back({"P2", "streaming read, 1 thread (context)", stream_one, base, stream_all, "GB/s", true,
+  rows.push_back({"P2", "streaming read, 1 thread", one_thread.karakv, base, one_thread.baseline, "GB/s", true,
                   std::nullopt});
   return rows;
 }
@@ -1041,7 +1112,7 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   progress(absl::StrFormat("P3 %d Step + %d Ping calls after %d warm-up", calls, calls, warmup));
   if (auto r = c.Release(seq); !r.ok()) return r.status();
   client->reset();
-  if (absl::Status s = daemon->stop(); !s.ok()) return s;
+  stop_or_warn(*daemon);
 
   std::vector<Row> rows;
   rows.push_back({"P3", "Step round trip p50 (1 seq, 1 layer, shm)", percentile(step_us, 50), "Ping p50 (empty gRPC)",
@@ -1049,6 +1120,29 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   rows.push_back({"P3", "Step round trip p99", percentile(step_us, 99), "Ping p99 (empty gRPC)",
                   percentile(ping_us, 99), "us", false, std::nullopt});
   return rows;
+}
+
+// Fraction of all CPUs busy over `window` (from /proc/stat), taken while this benchmark is idle:
+// what other processes are using. -1 when /proc/stat cannot be read.
+double busy_fraction(absl::Duration window) {
+  auto read = [](uint64_t* idle, uint64_t* total) {
+    std::ifstream in("/proc/stat");
+    std::string cpu;
+    in >> cpu;
+    uint64_t v = 0, i = 0;
+    *idle = *total = 0;
+    while (in >> v) {
+      *total += v;
+      if (i == 3 || i == 4) *idle += v;  // idle, iowait
+      if (++i == 8) break;                 // user..steal; guest time is already in user
+    }
+    return cpu == "cpu" && i == 8;
+  };
+  uint64_t idle0, total0, idle1, total1;
+  if (!read(&idle0, &total0)) return -1;
+  absl::SleepFor(window);
+  if (!read(&idle1, &total1) || total1 <= total0) return -1;
+  return 1.0 - double(idle1 - idle0) / double(total1 - total0);
 }
 
 }  // namespace
@@ -1088,7 +1182,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::vector<Row> all;
+  std::vector<std::string> busy;  // other processes' CPU use just before each mode
   for (const std::string& m : modes) {
+    const double b = busy_fraction(absl::Seconds(1));
+    busy.push_back(b < 0 ? m + " ?" : absl::StrFormat("%s %.0f%%", m, 100 * b));
     const auto start = Clock::now();
     absl::StatusOr<std::vector<Row>> rows = m == "p1" ? run_p1(*dir) : m == "p2" ? run_p2(*dir) : run_p3(*dir);
     if (!rows.ok()) {
@@ -1111,12 +1208,16 @@ int main(int argc, char** argv) {
 
   std::vector<std::string> how;
   for (const std::string& m : modes) {
-    if (m == "p1") how.push_back(absl::StrFormat("P1 median of %d interleaved rounds of %.1f s", absl::GetFlag(FLAGS_rounds), absl::GetFlag(FLAGS_seconds)));
-    if (m == "p2") how.push_back(absl::StrFormat("P2 best of %d passes", absl::GetFlag(FLAGS_p2_reps)));
+    if (m == "p1") how.push_back(absl::StrFormat("P1 median-ratio round of %d interleaved rounds of %.1f s each",
+                                              absl::GetFlag(FLAGS_rounds), absl::GetFlag(FLAGS_seconds)));
+    if (m == "p2") how.push_back(absl::StrFormat("P2 SmolLM2-135M geometry fp16, best of %d passes vs best of the streaming "
+                                              "reads sampled just before each", absl::GetFlag(FLAGS_p2_reps)));
     if (m == "p3") how.push_back(absl::StrFormat("P3 %d interleaved calls each", absl::GetFlag(FLAGS_p3_calls)));
   }
-  std::printf("\nkarakv-bench %s on %d hardware threads: %s\n\n", mode.c_str(),
-              int(std::thread::hardware_concurrency()), absl::StrJoin(how, "; ").c_str());
+  std::printf("\nkarakv-bench %s on %d hardware threads; CPU busy with other work in the second before each "
+              "mode: %s (above a few %% the ratios are unreliable)\n%s\n\n",
+              mode.c_str(), int(std::thread::hardware_concurrency()), absl::StrJoin(busy, ", ").c_str(),
+              absl::StrJoin(how, "\n").c_str());
   print_table(all);
   if (absl::GetFlag(FLAGS_csv)) std::printf("\n%s", to_csv(all).c_str());
   const bool missed = std::any_of(all.begin(), all.end(), [](const Row& r) { return r.verdict() == "MISS"; });

@@ -11,6 +11,12 @@ const char* op_name(Op op) {
     case Op::kCausalAttention: return "causal_attention";
     case Op::kReadKV: return "read_kv";
     case Op::kCopyBlock: return "copy_block";
+    case Op::kWindowScores: return "window_scores";
+    case Op::kSnapKVScores: return "snapkv_scores";
+    case Op::kTopK: return "top_k";
+    case Op::kToken2Chunk: return "token2chunk";
+    case Op::kGatherTokens: return "gather_tokens";
+    case Op::kDecodeAttentionAccumulate: return "decode_attention_accumulate";
   }
   return "unknown";
 }

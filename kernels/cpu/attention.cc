@@ -1,13 +1,13 @@
 // Paged GQA attention on the CPU. Two passes over the sequence's blocks: scores from K (all query
-// heads of the group per K row, so K is read from memory once), a softmax over the score rows,
-// then V weighted by those scores (again once per group). Each block's (layer, head) run is
+// heads of a group per K row, so K is read from memory once), a softmax over the score rows, then
+// V weighted by those scores (again once per group). Each block's (layer, head) run is
 // block_size * head_dim contiguous elements and stays in L1 while the group's heads use it.
 // Decode is memory bound, so the loops aim at streaming K/V at full bandwidth: 16-bit storage is
-// widened in registers (F16C, or a shift for bf16) and accumulated in fp32 with FMA.
+// widened in registers (F16C, or a shift for bf16), accumulated in fp32 with FMA, and the next
+// block is prefetched because the hardware prefetcher cannot guess where it is.
 #include "attention.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
 #include <type_traits>
 
@@ -16,9 +16,9 @@
 namespace karakv::kernels::cpu {
 namespace {
 
-// How many runs ahead of the one being read are prefetched (see attend_group_typed).
-static int kPrefetchRuns = getenv("PFD") ? atoi(getenv("PFD")) : 4;
-static size_t kPfLines = getenv("PFL") ? atoi(getenv("PFL")) : 1000;
+// How many regions ahead of the one being computed are prefetched (see attend_heads_typed). One is
+// enough once prefetches are spread over the rows; more only competes for the miss buffers.
+constexpr int kPrefetchRegions = 1;
 
 // An asm statement on x86: GCC's IPA pass deems a function wrapping only __builtin_prefetch free of
 // side effects and deletes the calls, which silently removed every prefetch.
@@ -29,6 +29,22 @@ inline void prefetch_line(const char* p) {
   __builtin_prefetch(p, 0, 3);
 #endif
 }
+
+// Prefetches a region a few lines at a time, spread over the rows of the block being computed:
+// issuing a whole region at once fills the core's miss buffers and stalls the arithmetic behind
+// it, while a trickle keeps both memory and FMA units busy.
+struct PrefetchStream {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int lines_per_step = 0;
+
+  void step() {
+    for (int i = 0; i < lines_per_step && next < end; ++i, next += 64) prefetch_line(next);
+  }
+  void finish() {
+    for (; next < end; next += 64) prefetch_line(next);
+  }
+};
 
 // Splits a group's query heads into chunks of 1..4 heads that each get a specialised loop (the
 // accumulators of one chunk fit in registers); chunks of 3 are preferred over a leftover of 1.
@@ -54,7 +70,7 @@ void for_head_chunks(int group_size, F&& f) {
 //   scores: [G][stride] fp32, written at columns [0, len)
 template <DType D, int G, int HD>
 void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, float* scores,
-               size_t stride) {
+               size_t stride, PrefetchStream& pf) {
   const int hd = HD > 0 ? HD : head_dim;
   int t = 0;
 #if KARAKV_CPU_AVX2
@@ -65,6 +81,7 @@ void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, flo
     for (; t + 8 <= len; t += 8) {
       __m256 part[G][8];
       for (int u = 0; u < 8; ++u) {
+        pf.step();
         const storage_t<D>* row = k + size_t(t + u) * hd;
         __m256 acc[G];
         for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
@@ -78,6 +95,7 @@ void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, flo
     }
   }
   for (; t < len; ++t) {
+    pf.step();
     const storage_t<D>* row = k + size_t(t) * hd;
     __m256 acc[G];
     for (int h = 0; h < G; ++h) acc[h] = _mm256_setzero_ps();
@@ -93,6 +111,7 @@ void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, flo
   }
 #else
   for (; t < len; ++t) {
+    pf.step();
     const storage_t<D>* row = k + size_t(t) * hd;
     float acc[G] = {};
     for (int d = 0; d < hd; ++d) {
@@ -109,11 +128,12 @@ void score_run(const storage_t<D>* k, int len, int head_dim, const float* q, flo
 // for the whole run.
 template <DType D, int G, int P>
 inline void accumulate_piece(const storage_t<D>* v, int len, int hd, int d0, const float* w,
-                             size_t stride, float* acc) {
+                             size_t stride, float* acc, PrefetchStream* pf) {
   __m256 a[G][P];
   for (int h = 0; h < G; ++h)
     for (int c = 0; c < P; ++c) a[h][c] = _mm256_loadu_ps(acc + h * hd + d0 + 8 * c);
   for (int t = 0; t < len; ++t) {
+    if (pf != nullptr) pf->step();
     const storage_t<D>* row = v + size_t(t) * hd + d0;
     __m256 wt[G];
     for (int h = 0; h < G; ++h) wt[h] = _mm256_broadcast_ss(w + h * stride + t);
@@ -133,16 +153,19 @@ inline void accumulate_piece(const storage_t<D>* v, int len, int hd, int d0, con
 //   acc: [G][head_dim] fp32
 template <DType D, int G, int HD>
 void accumulate_run(const storage_t<D>* v, int len, int head_dim, const float* w, size_t stride,
-                    float* acc) {
+                    float* acc, PrefetchStream& pf) {
   const int hd = HD > 0 ? HD : head_dim;
   int d0 = 0;
 #if KARAKV_CPU_AVX2
   // G * P accumulators + G weights + one V vector must fit the 16 ymm registers.
   constexpr int P = G <= 3 ? 4 : 2;
   const int hd8 = hd & ~7;
-  for (; d0 + 8 * P <= hd8; d0 += 8 * P) accumulate_piece<D, G, P>(v, len, hd, d0, w, stride, acc);
-  for (; d0 < hd8; d0 += 8) accumulate_piece<D, G, 1>(v, len, hd, d0, w, stride, acc);
+  // Prefetch steps once per row: in the first piece only.
+  for (; d0 + 8 * P <= hd8; d0 += 8 * P)
+    accumulate_piece<D, G, P>(v, len, hd, d0, w, stride, acc, d0 == 0 ? &pf : nullptr);
+  for (; d0 < hd8; d0 += 8) accumulate_piece<D, G, 1>(v, len, hd, d0, w, stride, acc, d0 == 0 ? &pf : nullptr);
 #endif
+  if (d0 == 0) pf.finish();  // no vector piece ran
   for (; d0 < hd; ++d0) {
     for (int h = 0; h < G; ++h) {
       float s = acc[h * hd + d0];
@@ -152,21 +175,10 @@ void accumulate_run(const storage_t<D>* v, int len, int head_dim, const float* w
   }
 }
 
-// Replaces s[0, n) by exp(s - max) and returns their sum (n >= 1).
-float softmax_numerators(float* s, int n) {
-  int i = 0;
-  float max = s[0];
-#if KARAKV_CPU_AVX2
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(s);
-    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
-    max = hmax(m);
-  }
-#endif
-  for (; i < n; ++i) max = std::max(max, s[i]);
-
+// Replaces s[0, n) by exp(s - max) and returns their sum; every s[i] <= max.
+float exp_shifted_sum(float* s, int n, float max) {
   float sum = 0.0f;
-  i = 0;
+  int i = 0;
 #if KARAKV_CPU_AVX2
   const __m256 mv = _mm256_set1_ps(max);
   __m256 sv = _mm256_setzero_ps();
@@ -184,88 +196,124 @@ float softmax_numerators(float* s, int n) {
   return sum;
 }
 
+float max_of(const float* s, int n) {
+  int i = 0;
+  float max = s[0];
+#if KARAKV_CPU_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    max = hmax(m);
+  }
+#endif
+  for (; i < n; ++i) max = std::max(max, s[i]);
+  return max;
+}
+
+// Replaces s[0, n) by exp(s - max) and returns their sum (n >= 1).
+float softmax_numerators(float* s, int n) { return exp_shifted_sum(s, n, max_of(s, n)); }
+
 template <DType D, int HD>
-void attend_group_typed(const PagedKV& kv, int seq, int layer, int kv_head, int num_tokens,
-                        const float* q, float* out, float scale, AttentionScratch& scratch) {
+void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,
+                        int num_tokens, const float* q, float* out, float scale,
+                        AttentionScratch& scratch) {
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
   const int hd = geo.head_dim;
   const int bs = geo.block_size;
-  const size_t group_elems = size_t(g) * hd;
+  const int num_q_heads = num_kv_heads * g;
+  const size_t q_elems = size_t(num_q_heads) * hd;
   if (num_tokens <= 0) {
-    std::fill(out, out + group_elems, 0.0f);
+    std::fill(out, out + q_elems, 0.0f);
     return;
   }
   const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
   const size_t n = size_t(num_tokens);
 
-  scratch.scores.resize(size_t(g) * n);
-  scratch.query.resize(group_elems);
-  scratch.acc.assign(group_elems, 0.0f);
+  scratch.scores.resize(size_t(num_q_heads) * n);
+  scratch.query.resize(q_elems);
+  scratch.acc.assign(q_elems, 0.0f);
+  scratch.inv_sum.resize(num_q_heads);
   float* scores = scratch.scores.data();
   float* query = scratch.query.data();
   float* acc = scratch.acc.data();
+  float* inv = scratch.inv_sum.data();
   // Scaling q once is cheaper than scaling every score.
-  for (size_t i = 0; i < group_elems; ++i) query[i] = q[i] * scale;
+  for (size_t i = 0; i < q_elems; ++i) query[i] = q[i] * scale;
 
-  // The 2 * num_blocks runs in the order they are read: every K run, then every V run. Runs of
-  // consecutive blocks are far apart in the pool (a block holds every layer), so the hardware
-  // prefetcher stops at each run's end; prefetching kPrefetchRuns ahead keeps enough misses in
-  // flight to stream at memory bandwidth instead of paying DRAM latency per run.
+  // In each block the runs of consecutive KV heads are adjacent, so the task's heads form one
+  // contiguous region per (block, K or V). Regions are read in the order r = 0 .. 2 * num_blocks:
+  // every K region, then every V region. Consecutive blocks are far apart in the pool (a block
+  // holds every layer), so the hardware prefetcher stops at each region's end; prefetching
+  // kPrefetchRegions ahead keeps misses in flight instead of paying DRAM latency per region.
   const int num_blocks = (num_tokens + bs - 1) / bs;
-  const size_t run_bytes = size_t(bs) * hd * sizeof(storage_t<D>);
-  auto run_at = [&](int r) {
-    const int kv_index = r < num_blocks ? 0 : 1;
-    const int b = r - kv_index * num_blocks;
-    return pool + kv.run_offset(kv.block_of(seq, b * bs), layer, kv_index, kv_head);
+  const size_t run_elems = size_t(bs) * hd;
+  const size_t region_bytes = num_kv_heads * run_elems * sizeof(storage_t<D>);
+  auto region = [&](int r) {
+    const int k_or_v = r < num_blocks ? 0 : 1;
+    const int b = r - k_or_v * num_blocks;
+    return pool + kv.run_offset(kv.block_of(seq, b * bs), layer, k_or_v, kv_head_begin);
   };
-  auto prefetch = [&](int r) {
-    if (r >= 2 * num_blocks) return;
-    const char* p = reinterpret_cast<const char*>(run_at(r));
-    const size_t bytes = r % num_blocks == num_blocks - 1 ? size_t(num_tokens - (num_blocks - 1) * bs) * hd * sizeof(storage_t<D>) : run_bytes;
-    for (size_t off = 0; off < std::min(bytes, kPfLines * 64); off += 64) prefetch_line(p + off);
+  // Each block's rows prefetch region r + kPrefetchRegions, one step per row of each head.
+  const int lines_per_step = int((region_bytes / 64 + size_t(bs) * num_kv_heads - 1) / (size_t(bs) * num_kv_heads));
+  auto prefetch_stream = [&](int r) {
+    PrefetchStream pf;
+    if (r < 2 * num_blocks) {
+      pf.next = reinterpret_cast<const char*>(region(r));
+      pf.end = pf.next + region_bytes;
+      pf.lines_per_step = lines_per_step;
+    }
+    return pf;
   };
-  for (int r = 0; r < kPrefetchRuns; ++r) prefetch(r);
+  for (int r = 0; r < kPrefetchRegions; ++r) prefetch_stream(r).finish();
 
   for (int t0 = 0, r = 0; t0 < num_tokens; t0 += bs, ++r) {
-    prefetch(r + kPrefetchRuns);
+    PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
     const int len = std::min(bs, num_tokens - t0);
-    const storage_t<D>* run = run_at(r);
-    for_head_chunks(g, [&](int h0, auto chunk) {
-      score_run<D, decltype(chunk)::value, HD>(run, len, hd, query + size_t(h0) * hd,
-                                           scores + size_t(h0) * n + t0, n);
-    });
+    const storage_t<D>* k = region(r);
+    for (int i = 0; i < num_kv_heads; ++i) {
+      for_head_chunks(g, [&](int h0, auto chunk) {
+        const int qh = i * g + h0;
+        score_run<D, decltype(chunk)::value, HD>(k + i * run_elems, len, hd, query + size_t(qh) * hd,
+                                                 scores + size_t(qh) * n + t0, n, pf);
+      });
+    }
+    pf.finish();
   }
 
-  scratch.inv_sum.resize(g);
-  float* inv = scratch.inv_sum.data();
-  for (int h = 0; h < g; ++h) inv[h] = 1.0f / softmax_numerators(scores + size_t(h) * n, num_tokens);
+  for (int h = 0; h < num_q_heads; ++h)
+    inv[h] = 1.0f / softmax_numerators(scores + size_t(h) * n, num_tokens);
 
   for (int t0 = 0, r = num_blocks; t0 < num_tokens; t0 += bs, ++r) {
-    prefetch(r + kPrefetchRuns);
+    PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
     const int len = std::min(bs, num_tokens - t0);
-    const storage_t<D>* run = run_at(r);
-    for_head_chunks(g, [&](int h0, auto chunk) {
-      accumulate_run<D, decltype(chunk)::value, HD>(run, len, hd, scores + size_t(h0) * n + t0, n,
-                                                acc + size_t(h0) * hd);
-    });
+    const storage_t<D>* v = region(r);
+    for (int i = 0; i < num_kv_heads; ++i) {
+      for_head_chunks(g, [&](int h0, auto chunk) {
+        const int qh = i * g + h0;
+        accumulate_run<D, decltype(chunk)::value, HD>(v + i * run_elems, len, hd, scores + size_t(qh) * n + t0,
+                                                      n, acc + size_t(qh) * hd, pf);
+      });
+    }
+    pf.finish();
   }
 
-  for (int h = 0; h < g; ++h)
+  for (int h = 0; h < num_q_heads; ++h)
     for (int d = 0; d < hd; ++d) out[size_t(h) * hd + d] = acc[size_t(h) * hd + d] * inv[h];
 }
 
 }  // namespace
 
-void attend_group(const PagedKV& kv, int seq, int layer, int kv_head, int num_tokens,
-                  const float* q, float* out, float scale, AttentionScratch& scratch) {
+void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,
+                  int num_tokens, const float* q, float* out, float scale,
+                  AttentionScratch& scratch) {
   auto with_head_dim = [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
     // Common head dims get fully unrolled loops; any other runs the same code with runtime bounds.
     switch (kv.geometry.head_dim) {
-      case 64: return attend_group_typed<D, 64>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
-      case 128: return attend_group_typed<D, 128>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
-      default: return attend_group_typed<D, 0>(kv, seq, layer, kv_head, num_tokens, q, out, scale, scratch);
+      case 64: return attend_heads_typed<D, 64>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
+      case 128: return attend_heads_typed<D, 128>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
+      default: return attend_heads_typed<D, 0>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
     }
   };
   switch (kv.geometry.dtype) {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "attention.h"
+#include "compress.h"
 #include "karakv/kernels/backend.h"
 
 namespace karakv::kernels {
@@ -24,6 +25,9 @@ constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kCacheLine = 64;
 // Below this many bytes a copy is not worth waking the thread team for.
 constexpr size_t kParallelCopyBytes = size_t(1) << 20;
+// decode_attention gives each task a whole sequence once there are this many per thread (enough
+// for dynamic scheduling to balance unequal lengths).
+constexpr int kSeqsPerThreadForWholeSeqTasks = 4;
 
 std::string out_of_range(std::string_view op, std::string_view what, long long value, long long lo,
                          long long hi) {
@@ -200,16 +204,20 @@ class CpuBackend final : public Backend {
     }
 
     const Geometry& geo = kv.geometry;
-    const int num_kv_heads = geo.num_kv_heads;
+    // A task is a sequence and a slice of its KV heads. Whole sequences read each block's K (then
+    // V) for all heads as one contiguous region, which streams faster than per-head runs; with too
+    // few sequences to keep every thread busy, tasks split by KV head instead.
+    const int heads_per_task = kv.num_seqs >= kSeqsPerThreadForWholeSeqTasks * num_threads_ ? geo.num_kv_heads : 1;
+    const int slices = (geo.num_kv_heads + heads_per_task - 1) / heads_per_task;
     const size_t group_elems = size_t(geo.group_size()) * geo.head_dim;
     const size_t seq_elems = geo.q_token_elems();
-    // One task per (sequence, KV head): each reads its K/V once for the whole query group.
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_)
-    for (int s = 0; s < kv.num_seqs; ++s) {
-      for (int h = 0; h < num_kv_heads; ++h) {
-        const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
-        cpu::attend_group(kv, s, layer, h, kv.seq_len[s], q + off, out + off, scale, thread_scratch());
-      }
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads_)
+    for (long long task = 0; task < static_cast<long long>(kv.num_seqs) * slices; ++task) {
+      const int s = int(task / slices);
+      const int h = int(task % slices) * heads_per_task;
+      const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
+      const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
+      cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch());
     }
     return KernelStatus::ok();
   }
@@ -238,7 +246,7 @@ class CpuBackend final : public Backend {
     for (int i = 0; i < num_queries; ++i) {
       for (int h = 0; h < num_kv_heads; ++h) {
         const size_t off = size_t(i) * query_elems + size_t(h) * group_elems;
-        cpu::attend_group(kv, seq, layer, h, first_pos + i + 1, q + off, out + off, scale, thread_scratch());
+        cpu::attend_heads(kv, seq, layer, h, 1, first_pos + i + 1, q + off, out + off, scale, thread_scratch());
       }
     }
     return KernelStatus::ok();
@@ -288,6 +296,40 @@ class CpuBackend final : public Backend {
     auto* pool = static_cast<char*>(kv.pool);
     std::memcpy(pool + size_t(dst) * bytes, pool + size_t(src) * bytes, bytes);
     return KernelStatus::ok();
+  }
+
+  // Compression kernels live in compress.cc; they run on this backend's thread count.
+  KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
+                             float scale, float* out) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out);
+  }
+  KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
+                             int pool, float* out) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out);
+  }
+  KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override { return cpu::top_k(scores, n, k, out); }
+  KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+                           int32_t* out) override {
+    return cpu::token2chunk(scores, n, budget, num_candidates, max_gap, out);
+  }
+  KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
+                             const int32_t* dst_blocks) override {
+    const long long blocks = pool_blocks(kv);
+    const int need = (num_kept + kv.geometry.block_size - 1) / kv.geometry.block_size;
+    for (int i = 0; blocks >= 0 && i < need; ++i) {
+      if (dst_blocks != nullptr && dst_blocks[i] >= blocks)
+        return KernelStatus::invalid(out_of_range("gather_tokens", "dst block", dst_blocks[i], 0, blocks));
+    }
+    omp_set_num_threads(num_threads_);
+    return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks);
+  }
+  KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                                           float* const* score_acc) override {
+    KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
+    omp_set_num_threads(num_threads_);
+    return cpu::accumulate_attention(kv, layer, q, scale, score_acc);
   }
 
  private:

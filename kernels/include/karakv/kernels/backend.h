@@ -16,6 +16,12 @@ enum class Op : uint8_t {
   kCausalAttention,
   kReadKV,
   kCopyBlock,
+  kWindowScores,
+  kSnapKVScores,
+  kTopK,
+  kToken2Chunk,
+  kGatherTokens,
+  kDecodeAttentionAccumulate,
 };
 const char* op_name(Op op);
 
@@ -53,12 +59,75 @@ class Backend {
   virtual KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries,
                                         const float* q, float* out, float scale) = 0;
 
+  // decode_attention that also adds each key's attention probability, summed over the group's
+  // query heads, into per-slot accumulators (H2O's heavy-hitter scores). For sequence s and KV
+  // head h, score_acc[s * num_kv_heads + h] is null (no accumulation) or points to seq_len[s]
+  // floats.
+  virtual KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out,
+                                                   float scale, float* const* score_acc) {
+    return KernelStatus::unsupported("decode_attention_accumulate");
+  }
+
   // Copies the first seq_len[seq] tokens of sequence `seq`, all layers, out of the pool.
   //   k, v: [num_layers][seq_len][num_kv_heads][head_dim] in kv.geometry.dtype
   virtual KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) = 0;
 
   // Copies one whole block (every layer and head) from block `src` to block `dst` (copy on write).
   virtual KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) = 0;
+
+  // ---- compression (docs/COMPRESSION.md). "Slot" is a token's index in the sequence's resident
+  // cache (0..seq_len-1); scores and selections are per slot. A backend that does not implement an
+  // op says so in supports(); the defaults below refuse.
+
+  // Kara's bidirectional window score at `layer`, for every KV head h: with Qw_j the window
+  // queries of query head j of h's group and Kw the keys at slots [slot_begin, slot_begin + window)
+  // (window tokens only, no mask),
+  //   out[h][i] = sum_j sum_t softmax_row(Qw_j . Kw^T * scale)[t][i]
+  //   q:   [window][num_q_heads][head_dim] fp32
+  //   out: [num_kv_heads][window] fp32
+  virtual KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                     const float* q, float scale, float* out) {
+    return KernelStatus::unsupported("window_scores");
+  }
+
+  // SnapKV scores at `layer`, n = seq_len[seq]: the queries of the last `num_obs` slots attend to
+  // the keys of all n slots, causally inside the observation window (query i, at slot
+  // n - num_obs + i, sees slots 0..n - num_obs + i). Per key and KV head: the mean of the
+  // attention over the num_obs queries and the group's query heads. Then the prefix slots
+  // [0, n - num_obs) are smoothed by an average pool of width `pool` (zero padding, divisor
+  // `pool`, as avg_pool1d with count_include_pad); window slots keep their raw mean.
+  //   q:   [num_obs][num_q_heads][head_dim] fp32
+  //   out: [num_kv_heads][n] fp32
+  virtual KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q,
+                                     float scale, int pool, float* out) {
+    return KernelStatus::unsupported("snapkv_scores");
+  }
+
+  // The `k` largest of scores[0..n), ties broken by the lower index; indices written ascending.
+  //   scores: [n] fp32; out: [k] int32
+  virtual KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
+    return KernelStatus::unsupported("top_k");
+  }
+
+  // Kara's Token2Chunk selection over one window of n scores: the `num_candidates` top tokens
+  // (top_k rule), chunks between consecutive candidates with 1..max_gap interior tokens scored by
+  // the smaller end score and taken greedily in descending score (ties: lower position) while they
+  // fit, then a fill with the best remaining tokens: exactly `budget` indices, ascending.
+  //   scores: [n] fp32; out: [budget] int32
+  virtual KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+                                   int32_t* out) {
+    return KernelStatus::unsupported("token2chunk");
+  }
+
+  // Gathers kept tokens of sequence `seq` into fresh blocks, every layer and KV head in one call:
+  // for (l, h), source slot kept[l][h][i] goes to slot i of the destination, i < num_kept.
+  // Destination blocks must not be any of the sequence's source blocks.
+  //   kept:       [num_layers][num_kv_heads][num_kept] int32, each row ascending
+  //   dst_blocks: [ceil(num_kept / block_size)] int32 block ids
+  virtual KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
+                                     const int32_t* dst_blocks) {
+    return KernelStatus::unsupported("gather_tokens");
+  }
 };
 
 // The reference backend: host memory, multi-threaded over sequences and heads.

@@ -1,0 +1,529 @@
+// CPU compression kernels (docs/COMPRESSION.md). The two scorers share one core: a query head's
+// keys are widened once into fp32 tiles of 8 keys x head_dim, score rows are computed two queries
+// at a time with the accumulators in registers, then each softmax row is added into per-key sums.
+// Work is split over query heads and the per-head sums are reduced in a fixed order, so results do
+// not depend on the thread count.
+#include "compress.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace karakv::kernels::cpu {
+namespace {
+
+// Below this many bytes a gather is not worth waking the thread team for.
+constexpr size_t kParallelGatherBytes = size_t(1) << 20;
+
+#define KARAKV_RETURN_IF_ERROR(expr)      \
+  do {                                    \
+    KernelStatus status_ = (expr);        \
+    if (!status_.is_ok()) return status_; \
+  } while (0)
+
+std::string out_of_range(std::string_view op, std::string_view what, long long value, long long lo,
+                         long long hi) {
+  return std::string(op) + ": " + std::string(what) + " " + std::to_string(value) + " out of range [" +
+         std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
+KernelStatus invalid(std::string_view op, const std::string& msg) {
+  return KernelStatus::invalid(std::string(op) + ": " + msg);
+}
+
+// Geometry, tables and `seq`; on success *len is seq_len[seq].
+KernelStatus check_cache(std::string_view op, const PagedKV& kv, int seq, int* len) {
+  const Geometry& g = kv.geometry;
+  if (kv.pool == nullptr) return invalid(op, "pool is null");
+  if (g.num_layers < 1) return invalid(op, "num_layers " + std::to_string(g.num_layers) + " must be >= 1");
+  if (g.num_kv_heads < 1) return invalid(op, "num_kv_heads " + std::to_string(g.num_kv_heads) + " must be >= 1");
+  if (g.num_q_heads < 1 || g.num_q_heads % g.num_kv_heads != 0)
+    return invalid(op, "num_q_heads " + std::to_string(g.num_q_heads) + " must be a positive multiple of num_kv_heads " +
+                           std::to_string(g.num_kv_heads));
+  if (g.head_dim < 1) return invalid(op, "head_dim " + std::to_string(g.head_dim) + " must be >= 1");
+  if (g.block_size < 1) return invalid(op, "block_size " + std::to_string(g.block_size) + " must be >= 1");
+  if (g.dtype != DType::kFloat32 && g.dtype != DType::kFloat16 && g.dtype != DType::kBFloat16)
+    return invalid(op, "dtype " + std::to_string(int(g.dtype)) + " is not fp32, fp16 or bf16");
+  if (kv.block_table == nullptr || kv.table_offset == nullptr || kv.seq_len == nullptr)
+    return invalid(op, "block_table, table_offset and seq_len must be non-null");
+  if (seq < 0 || seq >= kv.num_seqs) return KernelStatus::invalid(out_of_range(op, "seq", seq, 0, kv.num_seqs));
+  *len = kv.seq_len[seq];
+  if (*len < 0) return invalid(op, "seq_len[" + std::to_string(seq) + "] " + std::to_string(*len) + " must be >= 0");
+  return KernelStatus::ok();
+}
+
+KernelStatus check_layer(std::string_view op, const PagedKV& kv, int layer) {
+  if (layer < 0 || layer >= kv.geometry.num_layers)
+    return KernelStatus::invalid(out_of_range(op, "layer", layer, 0, kv.geometry.num_layers));
+  return KernelStatus::ok();
+}
+
+// Slots [begin, end) of `seq` must be covered by its block table with non-negative block ids.
+KernelStatus check_covered(std::string_view op, const PagedKV& kv, int seq, long long begin, long long end) {
+  if (end <= begin) return KernelStatus::ok();
+  const int bs = kv.geometry.block_size;
+  const long long first = kv.table_offset[seq];
+  const long long have = kv.table_offset[seq + 1] - first;
+  const long long need = (end + bs - 1) / bs;
+  if (have < need)
+    return invalid(op, "sequence " + std::to_string(seq) + " has " + std::to_string(have) +
+                           " blocks in its table but slots up to " + std::to_string(end) + " need " +
+                           std::to_string(need) + " (block_size " + std::to_string(bs) + ")");
+  for (long long b = begin / bs; b < need; ++b) {
+    const int32_t id = kv.block_table[first + b];
+    if (id < 0) return invalid(op, "block id " + std::to_string(id) + " of sequence " + std::to_string(seq) + " must be >= 0");
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus check_scores(std::string_view op, const float* scores, int n) {
+  if (n < 0) return invalid(op, "n " + std::to_string(n) + " must be >= 0");
+  if (n > 0 && scores == nullptr) return invalid(op, "scores is null");
+  for (int i = 0; i < n; ++i)
+    if (std::isnan(scores[i])) return invalid(op, "scores[" + std::to_string(i) + "] is NaN");
+  return KernelStatus::ok();
+}
+
+// Keys are stored for scoring in tiles of kKeyTile keys, [tiles][head_dim][kKeyTile] fp32 with the
+// last tile zero padded: one tile row is one vector, and a run of tiles is read sequentially.
+constexpr int kKeyTile = 8;
+
+int padded_keys(int num_keys) { return (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile; }
+
+// Per-thread buffers reused across calls.
+struct ScoreScratch {
+  std::vector<float> keys;   // [padded_keys / kKeyTile][head_dim][kKeyTile]
+  std::vector<float> query;  // [2][head_dim], pre-scaled
+  std::vector<float> rows;   // [2][padded_keys]
+};
+
+ScoreScratch& thread_scratch() {
+  static thread_local ScoreScratch scratch;
+  return scratch;
+}
+
+// The tiled keys of slots [slot_begin, slot_begin + num_keys) of (layer, head) of `seq`, widened
+// to fp32 into scratch.keys.
+template <DType D>
+void load_key_tiles(const PagedKV& kv, int seq, int layer, int head, int slot_begin, int num_keys,
+                    ScoreScratch& scratch) {
+  const Geometry& g = kv.geometry;
+  const int hd = g.head_dim;
+  const int bs = g.block_size;
+  scratch.keys.assign(size_t(padded_keys(num_keys)) * hd, 0.0f);
+  float* keys = scratch.keys.data();
+  const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
+  for (int i = 0; i < num_keys;) {
+    const int slot = slot_begin + i;
+    const int in_block = slot % bs;
+    const int run = std::min(bs - in_block, num_keys - i);
+    const storage_t<D>* k = pool + kv.run_offset(kv.block_of(seq, slot), layer, 0, head) + size_t(in_block) * hd;
+    for (int t = 0; t < run; ++t) {
+      const int key = i + t;
+      float* tile = keys + size_t(key / kKeyTile) * hd * kKeyTile + key % kKeyTile;
+      for (int d = 0; d < hd; ++d) tile[size_t(d) * kKeyTile] = load1<D>(k + size_t(t) * hd + d);
+    }
+    i += run;
+  }
+}
+
+// rows[r][s] = query[r] . key[s] for R query rows and keys s in [0, padded_keys(num_keys)).
+// Four tiles (32 keys) at a time keep 4R accumulators in registers over the whole head dim, so
+// each key vector loaded serves all R rows.
+//   query: [R][head_dim] fp32; keys: tiled as above; rows: [R][row_stride]
+template <int R>
+void score_rows(const float* query, int head_dim, const float* keys, int num_keys, float* rows, size_t row_stride) {
+  const int tiles = padded_keys(num_keys) / kKeyTile;
+  const size_t tile_elems = size_t(head_dim) * kKeyTile;
+  int t = 0;
+#if KARAKV_CPU_AVX2
+  static_assert(kKeyTile == 8, "one tile row is one AVX2 vector");
+  for (; t + 4 <= tiles; t += 4) {
+    const float* k = keys + size_t(t) * tile_elems;
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; ++d) {
+      __m256 kd[4];
+      for (int c = 0; c < 4; ++c) kd[c] = _mm256_loadu_ps(k + c * tile_elems + d * kKeyTile);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qd = _mm256_broadcast_ss(query + r * head_dim + d);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(kd[c], qd, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(rows + r * row_stride + (t + c) * kKeyTile, acc[r][c]);
+  }
+  for (; t < tiles; ++t) {
+    const float* k = keys + size_t(t) * tile_elems;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; ++d) {
+      const __m256 kd = _mm256_loadu_ps(k + d * kKeyTile);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(query + r * head_dim + d), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows + r * row_stride + t * kKeyTile, acc[r]);
+  }
+#else
+  for (; t < tiles; ++t) {
+    const float* k = keys + size_t(t) * tile_elems;
+    for (int r = 0; r < R; ++r) {
+      float acc[kKeyTile] = {};
+      for (int d = 0; d < head_dim; ++d)
+        for (int j = 0; j < kKeyTile; ++j) acc[j] += k[d * kKeyTile + j] * query[r * head_dim + d];
+      for (int j = 0; j < kKeyTile; ++j) rows[r * row_stride + t * kKeyTile + j] = acc[j];
+    }
+  }
+#endif
+}
+
+// Replaces s[0, n) by exp(s - max(s)) and returns their sum (n >= 1).
+float exp_shifted_sum(float* s, int n) {
+  float max = s[0];
+  for (int i = 1; i < n; ++i) max = std::max(max, s[i]);
+  float sum = 0.0f;
+  int i = 0;
+#if KARAKV_CPU_AVX2
+  const __m256 mv = _mm256_set1_ps(max);
+  __m256 sv = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// col_sums[s] = sum_r softmax(q_r . K^T * scale)[s] for query rows r in [0, num_rows), row r seeing
+// keys [0, visible(r)) (1 <= visible(r) <= num_keys, non-decreasing in r), keys in scratch.keys.
+//   q:        rows of head_dim fp32, row r at q + r * q_stride
+//   col_sums: [num_keys] fp32
+template <typename Visible>
+void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float scale, int num_keys, int head_dim,
+                         Visible visible, ScoreScratch& scratch, float* col_sums) {
+  const size_t stride = padded_keys(num_keys);
+  scratch.query.resize(2 * size_t(head_dim));
+  scratch.rows.resize(2 * stride);
+  float* query = scratch.query.data();
+  std::fill(col_sums, col_sums + num_keys, 0.0f);
+  // Rows in pairs: the pair shares every key load; the first row's extra keys are discarded.
+  for (int r0 = 0; r0 < num_rows; r0 += 2) {
+    const int pair = std::min(2, num_rows - r0);
+    for (int r = 0; r < pair; ++r)
+      for (int d = 0; d < head_dim; ++d) query[r * head_dim + d] = q[size_t(r0 + r) * q_stride + d] * scale;
+    const int len_max = visible(r0 + pair - 1);
+    if (pair == 2) score_rows<2>(query, head_dim, scratch.keys.data(), len_max, scratch.rows.data(), stride);
+    else score_rows<1>(query, head_dim, scratch.keys.data(), len_max, scratch.rows.data(), stride);
+    for (int r = 0; r < pair; ++r) {
+      float* row = scratch.rows.data() + r * stride;
+      const int len = visible(r0 + r);
+      const float inv = 1.0f / exp_shifted_sum(row, len);
+      for (int s = 0; s < len; ++s) col_sums[s] += row[s] * inv;
+    }
+  }
+}
+
+// Calls f(std::integral_constant<DType, D>) for the cache's storage dtype.
+template <typename F>
+void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(std::integral_constant<DType, DType::kFloat32>{});
+    case DType::kFloat16: return f(std::integral_constant<DType, DType::kFloat16>{});
+    case DType::kBFloat16: return f(std::integral_constant<DType, DType::kBFloat16>{});
+  }
+}
+
+// Orders indices by score descending, ties by the lower index: the selection rule of every
+// top-k in COMPRESSION.md. A strict weak order as long as no score is NaN.
+struct BetterScore {
+  const float* scores;
+  bool operator()(int32_t a, int32_t b) const {
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  }
+};
+
+// Moves the k best of idx (BetterScore) to idx[0, k), in no particular order.
+void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
+  if (k <= 0 || k >= int(idx.size())) return;
+  std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), BetterScore{scores});
+}
+
+}  // namespace
+
+KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
+                           float scale, float* out) {
+  constexpr std::string_view op = "window_scores";
+  int len = 0;
+  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &len));
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  if (window < 1 || window > len)
+    return KernelStatus::invalid(out_of_range(op, "window", window, 1, (long long)len + 1));
+  if (slot_begin < 0 || slot_begin > len - window)
+    return invalid(op, "slot_begin " + std::to_string(slot_begin) + " out of range [0, " +
+                           std::to_string(len - window) + "]: window " + std::to_string(window) +
+                           " must end within seq_len " + std::to_string(len));
+  if (q == nullptr || out == nullptr) return invalid(op, "q and out must be non-null");
+  if (!std::isfinite(scale)) return invalid(op, "scale " + std::to_string(scale) + " must be finite");
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, slot_begin, (long long)slot_begin + window));
+
+  const Geometry& geo = kv.geometry;
+  const int g = geo.group_size();
+  const int hq = geo.num_q_heads;
+  const int hd = geo.head_dim;
+  // Per query head column sums, reduced over each group in order below.
+  std::vector<float> partial(size_t(hq) * window);
+  dispatch_dtype(geo.dtype, [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+#pragma omp parallel for schedule(dynamic)
+    for (int qh = 0; qh < hq; ++qh) {
+      ScoreScratch& scratch = thread_scratch();
+      load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
+      softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, window, scale, window, hd,
+                          [window](int) { return window; }, scratch, partial.data() + size_t(qh) * window);
+    }
+  });
+  for (int h = 0; h < geo.num_kv_heads; ++h) {
+    float* o = out + size_t(h) * window;
+    std::copy_n(partial.data() + size_t(h) * g * window, window, o);
+    for (int j = 1; j < g; ++j) {
+      const float* p = partial.data() + size_t(h * g + j) * window;
+      for (int i = 0; i < window; ++i) o[i] += p[i];
+    }
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
+                           int pool, float* out) {
+  constexpr std::string_view op = "snapkv_scores";
+  int n = 0;
+  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &n));
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  if (n < 1) return invalid(op, "sequence " + std::to_string(seq) + " is empty (seq_len 0)");
+  if (num_obs < 1 || num_obs > n) return KernelStatus::invalid(out_of_range(op, "num_obs", num_obs, 1, (long long)n + 1));
+  if (pool < 1 || pool % 2 == 0) return invalid(op, "pool " + std::to_string(pool) + " must be odd and >= 1");
+  if (q == nullptr || out == nullptr) return invalid(op, "q and out must be non-null");
+  if (!std::isfinite(scale)) return invalid(op, "scale " + std::to_string(scale) + " must be finite");
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, n));
+
+  const Geometry& geo = kv.geometry;
+  const int g = geo.group_size();
+  const int hq = geo.num_q_heads;
+  const int hd = geo.head_dim;
+  const int prefix = n - num_obs;
+  std::vector<float> partial(size_t(hq) * n);
+  dispatch_dtype(geo.dtype, [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+#pragma omp parallel for schedule(dynamic)
+    for (int qh = 0; qh < hq; ++qh) {
+      ScoreScratch& scratch = thread_scratch();
+      load_key_tiles<D>(kv, seq, layer, qh / g, 0, n, scratch);
+      softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, num_obs, scale, n, hd,
+                          [prefix](int i) { return prefix + i + 1; }, scratch, partial.data() + size_t(qh) * n);
+    }
+  });
+  // Every query counts in the mean, including those that cannot see a slot.
+  const float inv_count = 1.0f / float(size_t(num_obs) * g);
+  const int half = pool / 2;
+  std::vector<float> mean(n);
+  for (int h = 0; h < geo.num_kv_heads; ++h) {
+    std::copy_n(partial.data() + size_t(h) * g * n, n, mean.data());
+    for (int j = 1; j < g; ++j) {
+      const float* p = partial.data() + size_t(h * g + j) * n;
+      for (int s = 0; s < n; ++s) mean[s] += p[s];
+    }
+    for (int s = 0; s < n; ++s) mean[s] *= inv_count;
+    float* o = out + size_t(h) * n;
+    for (int s = 0; s < prefix; ++s) {
+      float sum = 0.0f;
+      for (int u = std::max(0, s - half); u <= std::min(prefix - 1, s + half); ++u) sum += mean[u];
+      o[s] = sum / float(pool);
+    }
+    std::copy(mean.begin() + prefix, mean.end(), o + prefix);
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
+  constexpr std::string_view op = "top_k";
+  KARAKV_RETURN_IF_ERROR(check_scores(op, scores, n));
+  if (k < 0 || k > n) return invalid(op, "k " + std::to_string(k) + " out of range [0, " + std::to_string(n) + "]");
+  if (k > 0 && out == nullptr) return invalid(op, "out is null");
+  std::vector<int32_t> idx(n);
+  for (int i = 0; i < n; ++i) idx[i] = i;
+  partition_best(scores, idx, k);
+  std::sort(idx.begin(), idx.begin() + k);
+  std::copy_n(idx.begin(), k, out);
+  return KernelStatus::ok();
+}
+
+KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
+  constexpr std::string_view op = "token2chunk";
+  KARAKV_RETURN_IF_ERROR(check_scores(op, scores, n));
+  if (budget < 0 || budget > n)
+    return invalid(op, "budget " + std::to_string(budget) + " out of range [0, " + std::to_string(n) + "]");
+  if (num_candidates < 0 || num_candidates > budget)
+    return invalid(op, "num_candidates " + std::to_string(num_candidates) + " out of range [0, " +
+                           std::to_string(budget) + "] (must not exceed budget)");
+  if (max_gap < 0) return invalid(op, "max_gap " + std::to_string(max_gap) + " must be >= 0");
+  if (budget > 0 && out == nullptr) return invalid(op, "out is null");
+
+  std::vector<int32_t> idx(n);
+  for (int i = 0; i < n; ++i) idx[i] = i;
+  partition_best(scores, idx, num_candidates);
+  std::vector<int32_t> cand(idx.begin(), idx.begin() + num_candidates);
+  std::sort(cand.begin(), cand.end());
+
+  std::vector<uint8_t> kept(n, 0);
+  for (int32_t c : cand) kept[c] = 1;
+  int count = num_candidates;
+
+  struct Chunk {
+    float score;
+    int32_t left;  // the lower candidate; its interior is (left, right)
+    int32_t right;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t m = 0; m + 1 < cand.size(); ++m) {
+    const int gap = cand[m + 1] - cand[m] - 1;
+    if (gap >= 1 && gap <= max_gap) chunks.push_back({std::min(scores[cand[m]], scores[cand[m + 1]]), cand[m], cand[m + 1]});
+  }
+  std::sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) {
+    return a.score > b.score || (a.score == b.score && a.left < b.left);
+  });
+  for (const Chunk& c : chunks) {
+    const int size = c.right - c.left - 1;
+    if (count + size > budget) continue;
+    for (int32_t t = c.left + 1; t < c.right; ++t) kept[t] = 1;
+    count += size;
+  }
+
+  if (count < budget) {
+    std::vector<int32_t> rest;
+    rest.reserve(n - count);
+    for (int i = 0; i < n; ++i)
+      if (!kept[i]) rest.push_back(i);
+    const int fill = budget - count;
+    partition_best(scores, rest, fill);
+    for (int i = 0; i < fill; ++i) kept[rest[i]] = 1;
+  }
+  int w = 0;
+  for (int i = 0; i < n; ++i)
+    if (kept[i]) out[w++] = i;
+  return KernelStatus::ok();
+}
+
+KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const int32_t* dst_blocks) {
+  constexpr std::string_view op = "gather_tokens";
+  int len = 0;
+  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &len));
+  if (num_kept < 0 || num_kept > len)
+    return invalid(op, "num_kept " + std::to_string(num_kept) + " out of range [0, " + std::to_string(len) +
+                           "] (seq_len of sequence " + std::to_string(seq) + ")");
+  if (num_kept == 0) return KernelStatus::ok();
+  if (kept == nullptr || dst_blocks == nullptr) return invalid(op, "kept and dst_blocks must be non-null");
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len));
+
+  const Geometry& geo = kv.geometry;
+  const int bs = geo.block_size;
+  const int rows = geo.num_layers * geo.num_kv_heads;
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* row = kept + size_t(r) * num_kept;
+    for (int i = 0; i < num_kept; ++i) {
+      if (row[i] < 0 || row[i] >= len)
+        return invalid(op, "kept[layer " + std::to_string(r / geo.num_kv_heads) + "][head " +
+                               std::to_string(r % geo.num_kv_heads) + "][" + std::to_string(i) + "] = " +
+                               std::to_string(row[i]) + " out of range [0, " + std::to_string(len) + ")");
+      if (i > 0 && row[i] <= row[i - 1])
+        return invalid(op, "kept[layer " + std::to_string(r / geo.num_kv_heads) + "][head " +
+                               std::to_string(r % geo.num_kv_heads) + "] is not strictly ascending at index " +
+                               std::to_string(i) + " (" + std::to_string(row[i - 1]) + " then " +
+                               std::to_string(row[i]) + ")");
+    }
+  }
+  const int num_dst = (num_kept + bs - 1) / bs;
+  std::vector<int32_t> dst(dst_blocks, dst_blocks + num_dst);
+  std::sort(dst.begin(), dst.end());
+  if (dst[0] < 0) return invalid(op, "destination block id " + std::to_string(dst[0]) + " must be >= 0");
+  for (int i = 1; i < num_dst; ++i)
+    if (dst[i] == dst[i - 1]) return invalid(op, "destination block " + std::to_string(dst[i]) + " is listed twice");
+  const int32_t* table = kv.block_table + kv.table_offset[seq];
+  for (int b = 0; b < (len + bs - 1) / bs; ++b)
+    if (std::binary_search(dst.begin(), dst.end(), table[b]))
+      return invalid(op, "destination block " + std::to_string(table[b]) + " is block " + std::to_string(b) +
+                             " of sequence " + std::to_string(seq) + " (a source)");
+
+  const size_t esize = dtype_size(geo.dtype);
+  const size_t row_bytes = size_t(geo.head_dim) * esize;
+  auto* pool = static_cast<char*>(kv.pool);
+  const size_t total = size_t(rows) * num_kept * row_bytes * 2;
+#pragma omp parallel for collapse(2) schedule(static) if (total >= kParallelGatherBytes)
+  for (int l = 0; l < geo.num_layers; ++l) {
+    for (int h = 0; h < geo.num_kv_heads; ++h) {
+      const int32_t* row = kept + (size_t(l) * geo.num_kv_heads + h) * num_kept;
+      for (int kv_index = 0; kv_index < 2; ++kv_index) {
+        for (int i = 0; i < num_kept; ++i) {
+          const int32_t src_slot = row[i];
+          const size_t src = (kv.run_offset(kv.block_of(seq, src_slot), l, kv_index, h) +
+                              size_t(src_slot % bs) * geo.head_dim) * esize;
+          const size_t dst_at = (kv.run_offset(dst_blocks[i / bs], l, kv_index, h) + size_t(i % bs) * geo.head_dim) * esize;
+          std::memcpy(pool + dst_at, pool + src, row_bytes);
+        }
+      }
+    }
+  }
+  return KernelStatus::ok();
+}
+
+}  // namespace karakv::kernels::cpu
+
+namespace karakv::kernels::cpu {
+
+KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
+                                  float* const* score_acc) {
+  constexpr std::string_view op = "decode_attention_accumulate";
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  if (q == nullptr || score_acc == nullptr) return invalid(op, "q and score_acc must be non-null");
+  const Geometry& geo = kv.geometry;
+  const int g = geo.group_size();
+  const int hd = geo.head_dim;
+  for (int s = 0; s < kv.num_seqs; ++s) {
+    int len = 0;
+    KARAKV_RETURN_IF_ERROR(check_cache(op, kv, s, &len));
+    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, len));
+  }
+  dispatch_dtype(geo.dtype, [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      for (int h = 0; h < geo.num_kv_heads; ++h) {
+        float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
+        const int len = kv.seq_len[s];
+        if (acc == nullptr || len == 0) continue;
+        ScoreScratch& scratch = thread_scratch();
+        load_key_tiles<D>(kv, s, layer, h, 0, len, scratch);
+        std::vector<float> probs(len);
+        for (int j = 0; j < g; ++j) {
+          const float* qj = q + (size_t(s) * geo.num_q_heads + h * g + j) * hd;
+          softmax_column_sums(qj, hd, 1, scale, len, hd, [len](int) { return len; }, scratch, probs.data());
+          for (int i = 0; i < len; ++i) acc[i] += probs[i];
+        }
+      }
+    }
+  });
+  return KernelStatus::ok();
+}
+
+}  // namespace karakv::kernels::cpu

@@ -1,0 +1,59 @@
+// The CPU compression kernels of docs/COMPRESSION.md: Kara's window scores and Token2Chunk
+// selection, SnapKV scores, top-k and the gather that compacts kept tokens into fresh blocks.
+// Each function has exactly the signature of the Backend method of the same name (see backend.h
+// for the full contract), validates its arguments before touching memory, and runs on the OpenMP
+// threads of the calling context.
+#pragma once
+
+#include <cstdint>
+
+#include "karakv/kernels/types.h"
+
+namespace karakv::kernels::cpu {
+
+// out[h][i] = sum_j sum_t softmax_row(Qw_j . Kw^T * scale)[t][i] over the window slots
+// [slot_begin, slot_begin + window) of `seq` at `layer`, j over the query heads of KV head h.
+// Requires 0 <= slot_begin and slot_begin + window <= seq_len[seq], window >= 1.
+//   q:   [window][num_q_heads][head_dim] fp32
+//   out: [num_kv_heads][window] fp32
+KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                           const float* q, float scale, float* out);
+
+// SnapKV scores over all n = seq_len[seq] slots: the mean attention of the last num_obs slots'
+// queries (causal inside the observation window) over them and the group's query heads, then an
+// average pool of odd width `pool` (zero padding, divisor pool) over the prefix [0, n - num_obs).
+// Requires 1 <= num_obs <= n.
+//   q:   [num_obs][num_q_heads][head_dim] fp32
+//   out: [num_kv_heads][n] fp32
+KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q,
+                           float scale, int pool, float* out);
+
+// Indices of the k largest scores (ties: lower index first), written ascending. Scores must not
+// be NaN (there is no order to break them by); -0.0 and +0.0 tie.
+//   scores: [n] fp32; out: [k] int32
+KernelStatus top_k(const float* scores, int n, int k, int32_t* out);
+
+// Kara's Token2Chunk selection (COMPRESSION.md section 1): exactly `budget` indices, ascending.
+// Requires 0 <= num_candidates <= budget <= n and max_gap >= 0.
+//   scores: [n] fp32; out: [budget] int32
+KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+                         int32_t* out);
+
+// For every (layer l, KV head h): K and V of source slot kept[l][h][i] of `seq` are copied byte
+// for byte to destination slot i (block dst_blocks[i / block_size], in-block slot
+// i % block_size). Slots of the last destination block past num_kept are left as they were.
+// Block ids are checked to be >= 0 only: the pool's size is not known here.
+//   kept:       [num_layers][num_kv_heads][num_kept] int32, each row strictly ascending
+//   dst_blocks: [ceil(num_kept / block_size)] int32, distinct, none of them in seq's table
+KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
+                           const int32_t* dst_blocks);
+
+// H2O's accumulation: for sequence s and KV head h with score_acc[s * num_kv_heads + h] non-null,
+// adds softmax(q_j . K^T * scale) over the seq_len[s] slots, summed over the group's query heads
+// j, into that row. The attention outputs come from decode_attention.
+//   q:         [num_seqs][num_q_heads][head_dim] fp32
+//   score_acc: [num_seqs * num_kv_heads] pointers, each null or to [seq_len[s]] fp32
+KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
+                                  float* const* score_acc);
+
+}  // namespace karakv::kernels::cpu
