@@ -226,10 +226,20 @@ size_t Client::step_kv_bytes(int batch) const {
 size_t Client::q_bytes(int rows) const { return size_t(rows) * impl_->geometry.q_token_elems() * 4; }
 
 absl::StatusOr<uint64_t> Client::CreateSequence(const std::string& policy, int priority) {
+  SequenceOptions o;
+  o.policy = policy;
+  o.priority = priority;
+  return CreateSequence(o);
+}
+
+absl::StatusOr<uint64_t> Client::CreateSequence(const SequenceOptions& options) {
   v1::CreateSequenceRequest req;
   req.set_session_id(impl_->session_id);
-  req.set_policy(policy);
-  req.set_priority(priority);
+  req.set_policy(options.policy);
+  req.set_priority(options.priority);
+  req.mutable_params()->insert(options.params.begin(), options.params.end());
+  req.set_prefill_policy(options.prefill_policy);
+  req.mutable_prefill_params()->insert(options.prefill_params.begin(), options.prefill_params.end());
   v1::CreateSequenceReply reply;
   grpc::ClientContext ctx;
   impl_->prepare(&ctx);
@@ -260,12 +270,21 @@ absl::StatusOr<int> Client::Release(uint64_t sequence_id) {
 }
 
 absl::StatusOr<int> Client::Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v) {
+  return Append(sequence_id, num_tokens, k, v, Buffer(), 0);
+}
+
+absl::StatusOr<int> Client::Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v,
+                                   const Buffer& q, int num_query_tokens) {
   v1::AppendRequest req;
   req.set_session_id(impl_->session_id);
   req.set_sequence_id(sequence_id);
   req.set_num_tokens(static_cast<uint32_t>(num_tokens));
   impl_->set_input(k, req.mutable_k());
   impl_->set_input(v, req.mutable_v());
+  if (num_query_tokens > 0) {
+    impl_->set_input(q, req.mutable_q());
+    req.set_num_query_tokens(static_cast<uint32_t>(num_query_tokens));
+  }
   v1::AppendReply reply;
   grpc::ClientContext ctx;
   impl_->prepare(&ctx);
@@ -309,6 +328,29 @@ absl::Status Client::Attend(uint64_t sequence_id, int layer, int num_queries, co
   return Impl::take_output(out, reply.out(), "Attend.out");
 }
 
+absl::StatusOr<std::vector<Compaction>> Client::Compact(uint64_t sequence_id, bool dry_run) {
+  v1::CompactRequest req;
+  req.set_session_id(impl_->session_id);
+  req.set_sequence_id(sequence_id);
+  req.set_dry_run(dry_run);
+  v1::CompactReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->Compact(&ctx, req, &reply), "Compact"); !s.ok()) return s;
+  std::vector<Compaction> out;
+  for (const auto& c : reply.sequences()) {
+    Compaction r;
+    r.sequence_id = c.sequence_id();
+    r.policy = c.policy();
+    r.tokens_before = c.tokens_before();
+    r.tokens_after = c.tokens_after();
+    r.skipped = c.skipped();
+    for (const auto& h : c.kept()) r.kept.emplace_back(h.positions().begin(), h.positions().end());
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 absl::StatusOr<int> Client::ReadKV(uint64_t sequence_id, const Buffer& k, const Buffer& v,
                                    const Buffer& positions) {
   v1::ReadKVRequest req;
@@ -348,6 +390,21 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
   out.lease_expiries = r.lease_expiries();
   out.sequences = r.sequences();
   out.sessions = r.sessions();
+  out.logical_tokens = r.logical_tokens();
+  out.query_cache_bytes = r.query_cache_bytes();
+  out.score_bytes = r.score_bytes();
+  for (const auto& p : r.policies()) {
+    PolicyStats ps;
+    ps.policy = p.policy();
+    ps.sequences = p.sequences();
+    ps.resident_tokens = p.resident_tokens();
+    ps.logical_tokens = p.logical_tokens();
+    ps.compactions = p.compactions();
+    ps.tokens_removed = p.tokens_removed();
+    ps.failures = p.compaction_failures();
+    ps.compaction_seconds = p.compaction_seconds();
+    out.policies.push_back(std::move(ps));
+  }
   out.invariants_checked = r.invariants_checked();
   out.invariant_error = r.invariant_error();
   return out;
@@ -367,6 +424,10 @@ absl::StatusOr<std::vector<SequenceInfo>> Client::ListSequences() {
     i.session_id = s.session_id();
     i.tenant = s.tenant();
     i.policy = s.policy();
+    i.prefill_policy = s.prefill_policy();
+    i.logical_length = s.logical_length();
+    i.prompt_length = s.prompt_length();
+    i.compactions = s.compactions();
     i.length = s.length();
     i.blocks = s.blocks();
     i.shared_blocks = s.shared_blocks();

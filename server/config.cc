@@ -28,6 +28,8 @@ ABSL_FLAG(int32_t, threads, 0, "Kernel threads (0: all hardware threads)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace | debug | info | warn | error");
 ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may take to finish");
+ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
+          "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
 ABSL_FLAG(bool, check_invariants, false, "Debug: check the pool invariant after every mutating RPC");
 
 namespace karakv::server {
@@ -107,6 +109,10 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   const int lease = absl::GetFlag(FLAGS_lease_seconds);
   if (lease < 1) return absl::InvalidArgumentError(absl::StrCat("--lease_seconds=", lease, ", expected >= 1"));
   c.registry.lease = absl::Seconds(lease);
+  c.registry.max_sequences_per_tick = absl::GetFlag(FLAGS_max_sequences_per_tick);
+  if (c.registry.max_sequences_per_tick < 0) {
+    return absl::InvalidArgumentError("--max_sequences_per_tick must be >= 0");
+  }
   c.socket_path = absl::GetFlag(FLAGS_socket);
   c.tcp_address = absl::GetFlag(FLAGS_listen_tcp);
   if (c.socket_path.empty() && c.tcp_address.empty()) {

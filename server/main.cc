@@ -86,6 +86,10 @@ int main(int argc, char** argv) {
   if (!registry.ok()) return fail(registry.status());
   auto metrics = karakv::server::Metrics::create(config->metrics_listen);
   if (!metrics.ok()) return fail(metrics.status());
+  karakv::server::Metrics* metrics_ptr = metrics->get();
+  (*registry)->set_compaction_observer([metrics_ptr](const karakv::server::CompactionResult& r) {
+    metrics_ptr->compaction(r.policy, r.tokens_before - r.tokens_after, r.seconds);
+  });
   karakv::server::KaraKVService service(registry->get(), metrics->get(), config->check_invariants);
   (*metrics)->update_state((*registry)->stats(), (*registry)->geometry().block_bytes(), (*registry)->geometry());
 

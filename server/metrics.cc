@@ -37,6 +37,21 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->decode_steps_ = counter("karakv_decode_steps_total", "Completed decode steps (last layer's Step)");
   m->invariant_violations_ = counter("karakv_invariant_violations_total",
                                      "Pool invariant check failures (--check_invariants)");
+  m->compactions_ = &prometheus::BuildCounter()
+                         .Name("karakv_compactions_total")
+                         .Help("Compactions run, by policy")
+                         .Register(reg);
+  m->tokens_removed_ = &prometheus::BuildCounter()
+                            .Name("karakv_compaction_removed_tokens_total")
+                            .Help("Tokens removed by compaction per (layer, KV head) row, by policy")
+                            .Register(reg);
+  m->compaction_seconds_ = &prometheus::BuildHistogram()
+                                .Name("karakv_compaction_duration_seconds")
+                                .Help("Time of one compaction (scoring, selection, gather), by policy")
+                                .Register(reg);
+  m->logical_tokens_ = gauge("karakv_logical_tokens", "Tokens ever appended to live sequences");
+  m->query_cache_bytes_ = gauge("karakv_query_cache_bytes", "Bytes of queries kept for scoring (Kara, SnapKV)");
+  m->score_bytes_ = gauge("karakv_score_bytes", "Bytes of accumulated attention kept (H2O)");
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);
@@ -66,6 +81,17 @@ void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const ker
   resident_tokens_->Set(double(s.resident_tokens));
   sequences_->Set(s.sequences);
   sessions_->Set(s.sessions);
+  logical_tokens_->Set(double(s.logical_tokens));
+  query_cache_bytes_->Set(double(s.query_cache_bytes));
+  score_bytes_->Set(double(s.score_bytes));
+}
+
+void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0};
+  compactions_->Add({{"policy", policy}}).Increment();
+  tokens_removed_->Add({{"policy", policy}}).Increment(tokens_removed);
+  compaction_seconds_->Add({{"policy", policy}}, kBuckets).Observe(seconds);
 }
 
 void Metrics::invariant_violation() { invariant_violations_->Increment(); }

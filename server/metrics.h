@@ -28,6 +28,8 @@ class Metrics {
   void lease_expired(int n);
   void decode_step(int tokens);
   void invariant_violation();
+  // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
+  void compaction(const std::string& policy, int tokens_removed, double seconds);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
  private:
@@ -48,6 +50,12 @@ class Metrics {
   prometheus::Counter* decode_tokens_ = nullptr;
   prometheus::Counter* decode_steps_ = nullptr;
   prometheus::Counter* invariant_violations_ = nullptr;
+  prometheus::Family<prometheus::Counter>* compactions_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tokens_removed_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* compaction_seconds_ = nullptr;
+  prometheus::Gauge* logical_tokens_ = nullptr;
+  prometheus::Gauge* query_cache_bytes_ = nullptr;
+  prometheus::Gauge* score_bytes_ = nullptr;
 };
 
 }  // namespace karakv::server

@@ -223,10 +223,26 @@ void Registry::end_session_locked(const std::string& session_id) {
 // ---- sequences ----
 
 absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id,
-                                                   const std::string& policy, int32_t priority) {
-  if (!policy.empty() && policy != "none") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown policy '", policy, "'; this daemon offers: none"));
+                                                   const SequenceOptions& options) {
+  const std::string name = options.policy.empty() ? "none" : options.policy;
+  auto policy = make_policy(name, options.params, config_.geometry);
+  if (!policy.ok()) return policy.status();
+  std::shared_ptr<const Policy> prefill;
+  if (!options.prefill_policy.empty() && options.prefill_policy != "none") {
+    auto p = make_policy(options.prefill_policy, options.prefill_params, config_.geometry);
+    if (!p.ok()) return absl::InvalidArgumentError(absl::StrCat("prefill_policy: ", p.status().message()));
+    if ((*p)->trigger() != Trigger::kThreshold) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill_policy '", options.prefill_policy,
+                                                     "' is not a one-shot policy; expected snapkv, chunkkv, "
+                                                     "streaming or h2o-style threshold policies"));
+    }
+    if ((*p)->needs_attention()) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill_policy '", options.prefill_policy,
+                                                     "' needs decode-time attention, which a prompt does not have"));
+    }
+    prefill = std::move(*p);
+  } else if (!options.prefill_params.empty()) {
+    return absl::InvalidArgumentError("prefill_params given without a prefill_policy");
   }
   absl::MutexLock lock(&mu_);
   auto session = find_session(session_id);
@@ -236,8 +252,11 @@ absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id
   seq.id = id;
   seq.session_id = session_id;
   seq.tenant = (*session)->tenant;
-  seq.policy = policy.empty() ? "none" : policy;
-  seq.priority = priority;
+  seq.policy = std::move(*policy);
+  seq.prefill = std::move(prefill);
+  seq.prefill_name = seq.prefill ? options.prefill_policy : "";
+  seq.priority = options.priority;
+  if (seq.policy->needs_attention()) seq.attention.resize(size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads);
   (*session)->sequences.insert(id);
   return id;
 }
@@ -342,7 +361,8 @@ kernels::PagedKV Registry::paged_view(const std::vector<const Sequence*>& seqs,
 }
 
 absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t sequence_id,
-                                         int32_t num_tokens, ConstBytes k, ConstBytes v) {
+                                         int32_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q,
+                                         int32_t num_query_tokens) {
   const Geometry& g = config_.geometry;
   if (num_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens is ", num_tokens, ", expected >= 1"));
@@ -352,6 +372,16 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
                                              kernels::dtype_name(g.dtype));
   if (auto s = check_size("k", k.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
   if (auto s = check_size("v", v.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
+  if (num_query_tokens < 0 || num_query_tokens > num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("num_query_tokens is ", num_query_tokens,
+                                                   ", expected 0..num_tokens (", num_tokens, ")"));
+  }
+  if (auto s = check_size("q", q.size(), size_t(g.num_layers) * q_bytes(num_query_tokens),
+                          absl::StrFormat("[L=%d][Nq=%d][Hq=%d][D=%d] fp32", g.num_layers, num_query_tokens,
+                                          g.num_q_heads, g.head_dim));
+      !s.ok()) {
+    return s;
+  }
 
   absl::MutexLock lock(&mu_);
   auto session = find_session(session_id);
@@ -364,7 +394,13 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
         "sequence ", sequence_id, " is in the middle of a step (expects layer ", seq.pending_layer,
         "); finish the step or restart it at layer 0 before appending"));
   }
-  if (int64_t(seq.length) + num_tokens > INT32_MAX / 2) {
+  if (seq.decoding && seq.policy->query_window() < 0 && num_query_tokens != num_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", sequence_id, " uses '", seq.policy->name(),
+        "', which scores generated tokens by their queries: after decoding started, Append must carry "
+        "q for every token (num_query_tokens = num_tokens = ", num_tokens, ")"));
+  }
+  if (int64_t(seq.logical) + num_tokens > INT32_MAX / 2) {
     return absl::InvalidArgumentError("sequence would exceed 2^30 tokens");
   }
   const int32_t new_length = seq.length + num_tokens;
@@ -381,14 +417,60 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
       !s.is_ok()) {
     return to_status(s);
   }
+  const int32_t first_q = new_length - num_query_tokens;
   seq.length = new_length;
+  seq.logical += num_tokens;
+  for (auto& row : seq.attention) row.resize(seq.length, 0.0f);
   tokens_appended_ += num_tokens;
+  const float* qf = reinterpret_cast<const float*>(q.data());
+  const size_t row = g.q_token_elems();
+  for (int32_t i = 0; i < num_query_tokens; ++i) {
+    float* entry = query_entry(seq, first_q + i);
+    for (int l = 0; l < g.num_layers; ++l) {
+      std::memcpy(entry + l * row, qf + (size_t(l) * num_query_tokens + i) * row, row * 4);
+    }
+  }
+  trim_queries(seq);
   return new_length;
 }
 
-absl::StatusOr<uint64_t> Registry::step(const std::string& session_id, int32_t layer,
-                                        absl::Span<const uint64_t> sequence_ids, ConstBytes k,
-                                        ConstBytes v, ConstBytes q, MutableBytes out, float scale) {
+float* Registry::query_entry(Sequence& seq, int32_t slot) {
+  const size_t entry = size_t(config_.geometry.num_layers) * config_.geometry.q_token_elems();
+  if (seq.q_count > 0 && slot >= seq.q_first && slot < seq.q_first + seq.q_count) {
+    return seq.queries.data() + size_t(slot - seq.q_first) * entry;  // a restarted step
+  }
+  if (seq.q_count == 0 || slot != seq.q_first + seq.q_count) {
+    // Not contiguous with what is cached (tokens arrived without queries): start afresh.
+    seq.q_first = slot;
+    seq.q_count = 0;
+    seq.queries.clear();
+  }
+  seq.queries.resize((size_t(seq.q_count) + 1) * entry);
+  return seq.queries.data() + size_t(seq.q_count++) * entry;
+}
+
+void Registry::trim_queries(Sequence& seq) {
+  int window = seq.policy->query_window();
+  if (!seq.decoding && seq.prefill) window = std::max(window, seq.prefill->query_window());
+  int32_t keep_from;  // first slot whose queries stay
+  if (window < 0) {
+    keep_from = seq.decoding ? seq.tail_start : seq.length;  // Kara: only the tail is ever scored
+    if (!seq.decoding && seq.prefill) keep_from = seq.length - seq.prefill->query_window();
+  } else {
+    keep_from = seq.length - window;
+  }
+  const int32_t drop = std::clamp(keep_from - seq.q_first, 0, seq.q_count);
+  if (drop == 0) return;
+  const size_t entry = size_t(config_.geometry.num_layers) * config_.geometry.q_token_elems();
+  seq.queries.erase(seq.queries.begin(), seq.queries.begin() + drop * entry);
+  seq.q_first += drop;
+  seq.q_count -= drop;
+  if (seq.q_count == 0) seq.queries.shrink_to_fit();
+}
+
+absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_id, int32_t layer,
+                                                    absl::Span<const uint64_t> sequence_ids, ConstBytes k,
+                                                    ConstBytes v, ConstBytes q, MutableBytes out, float scale) {
   const Geometry& g = config_.geometry;
   const size_t batch = sequence_ids.size();
   if (batch == 0) return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
@@ -420,6 +502,14 @@ absl::StatusOr<uint64_t> Registry::step(const std::string& session_id, int32_t l
     Sequence& seq = **found;
     if (layer == 0) {
       need += blocks_needed(seq, seq.length + 1);
+      if (!seq.decoding && seq.prefill) {
+        const SequenceView view = view_of(seq);
+        if (absl::Status s = seq.prefill->ready(view); !s.ok()) {
+          return absl::FailedPreconditionError(absl::StrCat("sequence ", id, " prefill_", s.message()));
+        }
+        // The prompt's one-time compression gathers into fresh blocks before it frees the old ones.
+        if (seq.prefill->due(view, true)) need += (seq.length + g.block_size - 1) / g.block_size;
+      }
     } else if (seq.pending_layer != layer) {
       return absl::FailedPreconditionError(
           seq.pending_layer < 0
@@ -435,7 +525,11 @@ absl::StatusOr<uint64_t> Registry::step(const std::string& session_id, int32_t l
   }
   if (layer == 0) {
     for (Sequence* seq : seqs) {
-      if (absl::Status s = reserve(*seq, seq->length + 1); !s.ok()) return s;  // cannot fail: counted
+      if (!seq->decoding) {
+        if (absl::Status s = begin_decode(*seq); !s.ok()) return s;
+      }
+      if (absl::Status s = reserve(*seq, seq->length + 1); !s.ok()) return s;  // counted above
+      for (auto& row : seq->attention) row.resize(seq->length + 1, 0.0f);
     }
   }
   std::vector<const Sequence*> view(seqs.begin(), seqs.end());
@@ -450,22 +544,106 @@ absl::StatusOr<uint64_t> Registry::step(const std::string& session_id, int32_t l
       return to_status(s);
     }
   }
-  if (auto s = backend_->decode_attention(kv, layer, reinterpret_cast<const float*>(q.data()),
-                                          reinterpret_cast<float*>(out.data()),
-                                          default_scale(scale, g.head_dim));
-      !s.is_ok()) {
-    return to_status(s);
-  }
-  for (Sequence* seq : seqs) {
-    if (layer + 1 == g.num_layers) {
-      seq->length += 1;
-      seq->pending_layer = -1;
-    } else {
-      seq->pending_layer = layer + 1;
+  const float* qf = reinterpret_cast<const float*>(q.data());
+  float* of = reinterpret_cast<float*>(out.data());
+  bool accumulate = false;
+  std::vector<float*> acc(batch * g.num_kv_heads, nullptr);
+  for (size_t i = 0; i < batch; ++i) {
+    if (seqs[i]->attention.empty()) continue;
+    accumulate = true;
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      acc[i * g.num_kv_heads + h] = seqs[i]->attention[size_t(layer) * g.num_kv_heads + h].data();
     }
   }
-  if (layer + 1 == g.num_layers) ++decode_steps_;
-  return decode_steps_;
+  const float sc = default_scale(scale, g.head_dim);
+  kernels::KernelStatus ks = accumulate ? backend_->decode_attention_accumulate(kv, layer, qf, of, sc, acc.data())
+                                        : backend_->decode_attention(kv, layer, qf, of, sc);
+  if (!ks.is_ok()) return to_status(ks);
+  const size_t row = g.q_token_elems();
+  for (size_t i = 0; i < batch; ++i) {
+    Sequence& seq = *seqs[i];
+    if (seq.policy->query_window() != 0) {
+      std::memcpy(query_entry(seq, seq.length) + size_t(layer) * row, qf + i * row, row * 4);
+    }
+  }
+  StepResult result;
+  if (layer + 1 < g.num_layers) {
+    for (Sequence* seq : seqs) seq->pending_layer = layer + 1;
+    result.decode_step = decode_steps_;
+    return result;
+  }
+  for (Sequence* seq : seqs) {
+    seq->length += 1;
+    seq->logical += 1;
+    seq->pending_layer = -1;
+    trim_queries(*seq);
+  }
+  ++decode_steps_;
+  result.decode_step = decode_steps_;
+  result.compactions = run_scheduler(seqs);
+  return result;
+}
+
+absl::Status Registry::begin_decode(Sequence& seq) {
+  if (seq.prefill) {
+    const std::shared_ptr<const Policy> prefill = seq.prefill;
+    if (prefill->due(view_of(seq), true)) {
+      auto r = compact_locked(seq, *prefill, false);
+      if (!r.ok()) return r.status();
+    }
+    seq.prefill.reset();
+  }
+  seq.decoding = true;
+  seq.prompt = seq.logical;
+  const int32_t b = config_.geometry.block_size;
+  seq.tail_start = (seq.length + b - 1) / b * b;
+  trim_queries(seq);
+  return absl::OkStatus();
+}
+
+int Registry::run_scheduler(const std::vector<Sequence*>& batch) {
+  int ran = 0;
+  // Threshold policies: the sequences that just grew.
+  for (Sequence* seq : batch) {
+    if (seq->policy->trigger() != Trigger::kThreshold || !seq->policy->due(view_of(*seq), false)) continue;
+    auto r = compact_locked(*seq, *seq->policy, false);
+    ran += r.ok() && r->skipped.empty() ? 1 : 0;
+  }
+  // Kara: a tick every `period` steps over every sequence with a full window, longest tail first.
+  std::vector<Sequence*> due;
+  for (auto& [id, seq] : sequences_) {
+    if (seq.policy->trigger() != Trigger::kPeriodic || seq.pending_layer >= 0) continue;
+    if (decode_steps_ % uint64_t(seq.policy->period()) != 0) continue;
+    if (seq.policy->due(view_of(seq), false)) due.push_back(&seq);
+  }
+  std::stable_sort(due.begin(), due.end(), [](const Sequence* a, const Sequence* b) {
+    return a->length - a->tail_start > b->length - b->tail_start ||
+           (a->length - a->tail_start == b->length - b->tail_start && a->id < b->id);
+  });
+  if (config_.max_sequences_per_tick > 0 && int(due.size()) > config_.max_sequences_per_tick) {
+    due.resize(config_.max_sequences_per_tick);
+  }
+  for (Sequence* seq : due) {
+    auto r = compact_locked(*seq, *seq->policy, false);
+    ran += r.ok() && r->skipped.empty() ? 1 : 0;
+  }
+  return ran;
+}
+
+SequenceView Registry::view_of(const Sequence& seq) const {
+  SequenceView v;
+  v.geometry = &config_.geometry;
+  v.resident = seq.length;
+  v.logical = seq.logical;
+  v.prompt = seq.prompt;
+  v.tail_start = seq.tail_start;
+  v.queries = seq.queries.data();
+  v.queries_first = seq.q_first;
+  v.num_queries = seq.q_count;
+  v.attention = seq.attention.empty() ? nullptr : &seq.attention;
+  const int hk = config_.geometry.num_kv_heads;
+  v.position = [&seq, hk](int layer, int head, int32_t slot) { return seq.position(layer * hk + head, slot); };
+  return v;
 }
 
 absl::Status Registry::attend(const std::string& session_id, uint64_t sequence_id, int32_t layer,
@@ -517,19 +695,232 @@ absl::StatusOr<int32_t> Registry::read_kv(
   auto out = targets(seq.length);
   if (!out.ok()) return out.status();
   const size_t want = append_bytes(seq.length);
-  if (out->k.size() < want || out->v.size() < want || out->positions.size() < size_t(seq.length) * 4) {
+  const size_t rows = size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads;
+  if (out->k.size() < want || out->v.size() < want || out->positions.size() < rows * seq.length * 4) {
     return absl::InvalidArgumentError(absl::StrCat("ReadKV outputs too small for ", seq.length,
                                                    " tokens: k and v need ", want,
-                                                   " bytes each, positions ", seq.length * 4));
+                                                   " bytes each, positions ", rows * seq.length * 4));
   }
   if (seq.length > 0) {
     std::vector<int32_t> lengths{seq.length}, table, offsets;
     kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
     if (auto s = backend_->read_kv(kv, 0, out->k.data(), out->v.data()); !s.is_ok()) return to_status(s);
   }
-  // Without compression the resident tokens are exactly positions 0..n-1.
-  for (int32_t t = 0; t < seq.length; ++t) std::memcpy(out->positions.data() + 4 * t, &t, 4);
+  int32_t* pos = reinterpret_cast<int32_t*>(out->positions.data());
+  for (size_t r = 0; r < rows; ++r) {
+    for (int32_t t = 0; t < seq.length; ++t) pos[r * seq.length + t] = seq.position(int(r), t);
+  }
   return seq.length;
+}
+
+absl::StatusOr<CompactionResult> Registry::compact_locked(Sequence& seq, const Policy& policy, bool dry_run) {
+  const auto start = absl::Now();
+  CompactionResult result;
+  result.sequence_id = seq.id;
+  result.policy = policy.name();
+  result.tokens_before = result.tokens_after = seq.length;
+  const SequenceView view = view_of(seq);
+  if (!policy.due(view, true)) {
+    if (absl::Status s = policy.ready(view); !s.ok()) {
+      result.skipped = std::string(s.message());
+    } else {
+      result.skipped = policy.trigger() == Trigger::kNever ? "policy 'none' never compacts"
+                                                           : "nothing to compact yet";
+    }
+    if (dry_run) result.kept = positions_of(seq);
+    return result;
+  }
+  std::vector<int32_t> table, offsets, lengths{seq.length};
+  kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
+  auto plan = policy.plan(view, kv, *backend_);
+  if (!plan.ok()) {
+    record(result, seq, 0, true);
+    return plan.status();
+  }
+  const Geometry& g = config_.geometry;
+  const int32_t b = g.block_size;
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  // A policy that breaks the plan contract is a bug, never the user's fault.
+  if (plan->begin % b != 0 || plan->begin < 0 || plan->end > seq.length || plan->begin > plan->end ||
+      (plan->end < seq.length && (plan->end % b != 0 || plan->num_kept % b != 0)) ||
+      plan->num_kept > plan->end - plan->begin || plan->kept.size() != rows * plan->num_kept ||
+      plan->end < seq.explicit_end) {
+    record(result, seq, 0, true);
+    return absl::InternalError(absl::StrCat("policy ", policy.name(), " produced an invalid plan [", plan->begin, ", ",
+                                            plan->end, ") keeping ", plan->num_kept, " of ", seq.length));
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    const int32_t* row = plan->kept.data() + r * plan->num_kept;
+    for (int32_t i = 0; i < plan->num_kept; ++i) {
+      if (row[i] < plan->begin || row[i] >= plan->end || (i > 0 && row[i] <= row[i - 1])) {
+        record(result, seq, 0, true);
+        return absl::InternalError(absl::StrCat("policy ", policy.name(), " kept slot ", row[i],
+                                                " out of order or outside [", plan->begin, ", ", plan->end, ")"));
+      }
+    }
+  }
+  result.tokens_after = seq.length - (plan->end - plan->begin - plan->num_kept);
+  if (dry_run) {
+    std::vector<std::vector<int32_t>> kept(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      for (int32_t s = 0; s < plan->begin; ++s) kept[r].push_back(seq.position(int(r), s));
+      for (int32_t i = 0; i < plan->num_kept; ++i) kept[r].push_back(seq.position(int(r), plan->kept[r * plan->num_kept + i]));
+      for (int32_t s = plan->end; s < seq.length; ++s) kept[r].push_back(seq.position(int(r), s));
+    }
+    result.kept = std::move(kept);
+    return result;
+  }
+  if (absl::Status s = apply_plan(seq, policy, *plan); !s.ok()) {
+    record(result, seq, 0, true);
+    return s;
+  }
+  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  record(result, seq, result.tokens_before - result.tokens_after, false);
+  return result;
+}
+
+absl::Status Registry::apply_plan(Sequence& seq, const Policy& policy, const CompactionPlan& plan) {
+  const Geometry& g = config_.geometry;
+  const int32_t b = g.block_size;
+  const int32_t fresh_count = (plan.num_kept + b - 1) / b;
+  std::vector<int32_t> fresh;
+  if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", policy.name(),
+                                                     " needs ", fresh_count, " fresh blocks: ", s.message()));
+  }
+  std::vector<int32_t> table, offsets, lengths{seq.length};
+  kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
+  if (auto s = backend_->gather_tokens(kv, 0, plan.kept.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
+    for (int32_t blk : fresh) pool_.release(blk);
+    return to_status(s);
+  }
+  // From here on nothing can fail: rewrite positions, table, caches.
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  const int32_t removed = plan.end - plan.begin - plan.num_kept;
+  std::vector<std::vector<int32_t>> pos(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    pos[r].reserve(plan.begin + plan.num_kept);
+    for (int32_t s = 0; s < plan.begin; ++s) pos[r].push_back(seq.position(int(r), s));
+    for (int32_t i = 0; i < plan.num_kept; ++i) pos[r].push_back(seq.position(int(r), plan.kept[r * plan.num_kept + i]));
+  }
+  if (!seq.attention.empty()) {
+    for (size_t r = 0; r < rows; ++r) {
+      std::vector<float>& acc = seq.attention[r];
+      std::vector<float> next(acc.begin(), acc.begin() + plan.begin);
+      for (int32_t i = 0; i < plan.num_kept; ++i) next.push_back(acc[plan.kept[r * plan.num_kept + i]]);
+      next.insert(next.end(), acc.begin() + plan.end, acc.begin() + seq.length);
+      acc = std::move(next);
+    }
+  }
+  const int32_t first_old = plan.begin / b;
+  const int32_t end_old = (plan.end + b - 1) / b;
+  for (int32_t i = first_old; i < end_old; ++i) pool_.release(seq.blocks[i]);
+  std::vector<int32_t> blocks(seq.blocks.begin(), seq.blocks.begin() + first_old);
+  blocks.insert(blocks.end(), fresh.begin(), fresh.end());
+  blocks.insert(blocks.end(), seq.blocks.begin() + end_old, seq.blocks.end());
+  seq.blocks = std::move(blocks);
+  // Queries: those of removed or regathered slots go; later ones shift down with their slots.
+  const int32_t q_end = seq.q_first + seq.q_count;
+  if (seq.q_count > 0 && seq.q_first < plan.end && q_end > plan.begin) {
+    const int32_t drop = seq.q_first >= plan.begin ? std::min(plan.end, q_end) - seq.q_first : seq.q_count;
+    const size_t entry = size_t(g.num_layers) * g.q_token_elems();
+    seq.queries.erase(seq.queries.begin(), seq.queries.begin() + size_t(drop) * entry);
+    seq.q_first += drop;
+    seq.q_count -= drop;
+  }
+  if (seq.q_first >= plan.end) seq.q_first -= removed;
+  if (seq.q_count == 0) seq.q_first = seq.length - removed;
+  seq.length -= removed;
+  seq.explicit_end = plan.begin + plan.num_kept;
+  seq.explicit_pos = std::move(pos);
+  if (policy.trigger() == Trigger::kPeriodic) seq.tail_start = plan.begin + plan.num_kept;
+  ++seq.compactions;
+  return absl::OkStatus();
+}
+
+void Registry::record(const CompactionResult& r, const Sequence& seq, int32_t removed, bool failed) {
+  PolicyStats& ps = policy_stats_[r.policy];
+  if (failed) {
+    ++ps.failures;
+    return;
+  }
+  ++ps.compactions;
+  ps.tokens_removed += uint64_t(removed);
+  ps.seconds += r.seconds;
+  if (observer_) observer_(r);
+}
+
+std::vector<std::vector<int32_t>> Registry::positions_of(const Sequence& seq) const {
+  const size_t rows = size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads;
+  std::vector<std::vector<int32_t>> out(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    out[r].reserve(seq.length);
+    for (int32_t s = 0; s < seq.length; ++s) out[r].push_back(seq.position(int(r), s));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<CompactionResult>> Registry::compact(const std::string& session_id,
+                                                                uint64_t sequence_id, bool dry_run) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  std::vector<Sequence*> targets;
+  if (sequence_id != 0) {
+    auto found = find_sequence(**session, sequence_id);
+    if (!found.ok()) return found.status();
+    targets.push_back(*found);
+  } else {
+    std::vector<uint64_t> ids((*session)->sequences.begin(), (*session)->sequences.end());
+    std::sort(ids.begin(), ids.end());
+    for (uint64_t id : ids) targets.push_back(&sequences_.at(id));
+  }
+  std::vector<CompactionResult> out;
+  for (Sequence* seq : targets) {
+    if (seq->pending_layer >= 0) {
+      CompactionResult r;
+      r.sequence_id = seq->id;
+      r.policy = seq->policy->name();
+      r.tokens_before = r.tokens_after = seq->length;
+      r.skipped = absl::StrCat("in the middle of a step (expects layer ", seq->pending_layer, ")");
+      out.push_back(std::move(r));
+      continue;
+    }
+    auto r = compact_locked(*seq, *seq->policy, dry_run);
+    if (!r.ok()) return r.status();
+    out.push_back(std::move(*r));
+  }
+  return out;
+}
+
+absl::StatusOr<std::pair<SequenceInfo, std::vector<std::vector<int32_t>>>> Registry::inspect(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  return std::make_pair(info_of(it->second), positions_of(it->second));
+}
+
+void Registry::set_compaction_observer(std::function<void(const CompactionResult&)> observer) {
+  absl::MutexLock lock(&mu_);
+  observer_ = std::move(observer);
+}
+
+SequenceInfo Registry::info_of(const Sequence& seq) const {
+  SequenceInfo info;
+  info.id = seq.id;
+  info.session_id = seq.session_id;
+  info.tenant = seq.tenant;
+  info.policy = seq.policy->name();
+  info.prefill_policy = seq.prefill_name;
+  info.length = seq.length;
+  info.logical_length = seq.logical;
+  info.prompt_length = seq.prompt;
+  info.compactions = seq.compactions;
+  info.blocks = static_cast<int32_t>(seq.blocks.size());
+  for (int32_t b : seq.blocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
+  info.priority = seq.priority;
+  info.pending_layer = seq.pending_layer;
+  return info;
 }
 
 RegistryStats Registry::stats() const {
@@ -544,6 +935,16 @@ RegistryStats Registry::stats() const {
   s.decode_steps = decode_steps_;
   s.tokens_appended = tokens_appended_;
   s.lease_expiries = lease_expiries_;
+  s.policies = policy_stats_;
+  for (const auto& [id, seq] : sequences_) {
+    s.logical_tokens += seq.logical;
+    s.query_cache_bytes += seq.queries.size() * sizeof(float);
+    for (const auto& row : seq.attention) s.score_bytes += row.size() * sizeof(float);
+    PolicyStats& ps = s.policies[seq.policy->name()];
+    ++ps.sequences;
+    ps.resident_tokens += seq.length;
+    ps.logical_tokens += seq.logical;
+  }
   return s;
 }
 
@@ -552,16 +953,7 @@ std::vector<SequenceInfo> Registry::list_sequences(const std::string& session_id
   std::vector<SequenceInfo> out;
   for (const auto& [id, seq] : sequences_) {
     if (!session_id.empty() && seq.session_id != session_id) continue;
-    SequenceInfo info;
-    info.id = id;
-    info.session_id = seq.session_id;
-    info.tenant = seq.tenant;
-    info.policy = seq.policy;
-    info.length = seq.length;
-    info.blocks = static_cast<int32_t>(seq.blocks.size());
-    for (int32_t b : seq.blocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
-    info.priority = seq.priority;
-    info.pending_layer = seq.pending_layer;
+    SequenceInfo info = info_of(seq);
     out.push_back(std::move(info));
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.id < b.id; });

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "absl/types/span.h"
 #include "karakv/kernels/backend.h"
 #include "server/block_pool.h"
+#include "server/policy.h"
 #include "server/staging.h"
 
 namespace karakv::server {
@@ -28,6 +31,33 @@ struct RegistryConfig {
   int64_t pool_bytes = 256ll << 20;
   absl::Duration lease = absl::Seconds(30);
   uint64_t max_staging_bytes = 1ull << 30;
+  // Kara: at most this many sequences compress per tick, longest tail first (0: no limit).
+  int max_sequences_per_tick = 0;
+};
+
+struct SequenceOptions {
+  std::string policy = "none";
+  std::map<std::string, double> params;
+  std::string prefill_policy;
+  std::map<std::string, double> prefill_params;
+  int32_t priority = 0;
+};
+
+// One compaction, as the scheduler or the Compact RPC ran it (or would, for a dry run).
+struct CompactionResult {
+  uint64_t sequence_id = 0;
+  std::string policy;
+  int32_t tokens_before = 0, tokens_after = 0;
+  std::string skipped;                       // non-empty: nothing was done, and why
+  std::vector<std::vector<int32_t>> kept;    // dry run: [L * Hk] resident positions after
+  double seconds = 0;
+};
+
+struct PolicyStats {
+  int32_t sequences = 0;
+  uint64_t resident_tokens = 0, logical_tokens = 0;
+  uint64_t compactions = 0, tokens_removed = 0, failures = 0;
+  double seconds = 0;
 };
 
 // Read-only input bytes and writable output bytes, already resolved by the service.
@@ -45,7 +75,11 @@ struct SequenceInfo {
   std::string session_id;
   std::string tenant;
   std::string policy;
-  int32_t length = 0;
+  std::string prefill_policy;
+  int32_t length = 0;          // resident
+  int32_t logical_length = 0;  // ever appended
+  int32_t prompt_length = 0;
+  int32_t compactions = 0;
   int32_t blocks = 0;
   int32_t shared_blocks = 0;
   int32_t priority = 0;
@@ -62,6 +96,10 @@ struct RegistryStats {
   uint64_t decode_steps = 0;
   uint64_t tokens_appended = 0;
   uint64_t lease_expiries = 0;
+  uint64_t logical_tokens = 0;
+  uint64_t query_cache_bytes = 0;
+  uint64_t score_bytes = 0;
+  std::map<std::string, PolicyStats> policies;
 };
 
 // Where ReadKV writes, chosen by the caller once the token count is known.
@@ -92,19 +130,25 @@ class Registry {
   int expire_leases(absl::Time now);
 
   // Sequences.
-  absl::StatusOr<uint64_t> create_sequence(const std::string& session_id, const std::string& policy,
-                                           int32_t priority);
+  absl::StatusOr<uint64_t> create_sequence(const std::string& session_id, const SequenceOptions& options);
   absl::StatusOr<uint64_t> fork_sequence(const std::string& session_id, uint64_t parent_id);
   absl::StatusOr<int> release_sequence(const std::string& session_id, uint64_t sequence_id);
 
-  //   k, v: [L][T][Hk][D] storage dtype. Returns the new length.
+  //   k, v: [L][T][Hk][D] storage dtype; q (optional): [L][Nq][Hq][D] fp32, the queries of the
+  // last Nq tokens. Returns the new resident length.
   absl::StatusOr<int32_t> append(const std::string& session_id, uint64_t sequence_id,
-                                 int32_t num_tokens, ConstBytes k, ConstBytes v);
+                                 int32_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q = {},
+                                 int32_t num_query_tokens = 0);
+  struct StepResult {
+    uint64_t decode_step = 0;
+    int compactions = 0;
+  };
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
-  // Returns the decode-step counter.
-  absl::StatusOr<uint64_t> step(const std::string& session_id, int32_t layer,
-                                absl::Span<const uint64_t> sequence_ids, ConstBytes k, ConstBytes v,
-                                ConstBytes q, MutableBytes out, float scale);
+  // When this completes a decode step (last layer), the scheduler runs: threshold policies of the
+  // batch's sequences, then Kara's periodic tick over every sequence.
+  absl::StatusOr<StepResult> step(const std::string& session_id, int32_t layer,
+                                  absl::Span<const uint64_t> sequence_ids, ConstBytes k, ConstBytes v,
+                                  ConstBytes q, MutableBytes out, float scale);
   //   q, out: [N][Hq][D] fp32
   absl::Status attend(const std::string& session_id, uint64_t sequence_id, int32_t layer,
                       int32_t num_queries, ConstBytes q, MutableBytes out, float scale);
@@ -112,6 +156,14 @@ class Registry {
   absl::StatusOr<int32_t> read_kv(
       const std::string& session_id, uint64_t sequence_id,
       absl::FunctionRef<absl::StatusOr<ReadKVTargets>(int32_t num_tokens)> targets);
+
+  // Runs the policy of one sequence (or, with id 0, of every sequence of the session) now.
+  absl::StatusOr<std::vector<CompactionResult>> compact(const std::string& session_id, uint64_t sequence_id,
+                                                        bool dry_run);
+  // A sequence's info and resident positions ([L * Hk] rows), without a session: operator view.
+  absl::StatusOr<std::pair<SequenceInfo, std::vector<std::vector<int32_t>>>> inspect(uint64_t sequence_id);
+  // Called, under the registry's lock, after every compaction that ran (for metrics).
+  void set_compaction_observer(std::function<void(const CompactionResult&)> observer);
 
   RegistryStats stats() const;
   // Empty session id lists every sequence.
@@ -138,11 +190,31 @@ class Registry {
     uint64_t id = 0;
     std::string session_id;
     std::string tenant;
-    std::string policy;
+    std::shared_ptr<const Policy> policy;
+    std::shared_ptr<const Policy> prefill;  // null: none, or already applied
+    std::string prefill_name;
     int32_t priority = 0;
     std::vector<int32_t> blocks;  // the block table
-    int32_t length = 0;           // committed tokens
+    int32_t length = 0;           // resident (committed) tokens
+    int32_t logical = 0;          // tokens ever appended: the next token's position
     int32_t pending_layer = -1;   // next layer of a half-stepped token, -1 when none
+    bool decoding = false;        // a Step has run: the prompt is fixed
+    int32_t prompt = 0;
+    int32_t tail_start = 0;       // Kara: first slot of the uncompressed tail, block-aligned
+    // Positions: slots [0, explicit_end) have explicit positions per (layer, head); slots from
+    // explicit_end on are contiguous, ending at logical - 1.
+    int32_t explicit_end = 0;
+    std::vector<std::vector<int32_t>> explicit_pos;  // [L * Hk][explicit_end]
+    // Query cache for slots [q_first, q_first + q_count): [q_count][L][Hq][D] fp32.
+    std::vector<float> queries;
+    int32_t q_first = 0, q_count = 0;
+    // H2O accumulated attention per slot: [L * Hk][length (+1 while a token is pending)].
+    std::vector<std::vector<float>> attention;
+    int32_t compactions = 0;
+
+    int32_t position(int lh, int32_t slot) const {
+      return slot < explicit_end ? explicit_pos[lh][slot] : slot + (logical - length);
+    }
   };
 
   Registry(const RegistryConfig& config, std::unique_ptr<kernels::Backend> backend, void* pool_memory,
@@ -159,6 +231,25 @@ class Registry {
   absl::Status reserve(Sequence& seq, int32_t new_length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int release_locked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void end_session_locked(const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Query cache bookkeeping: make room for the queries of slot `slot` (dropping the cache if it
+  // would not be contiguous), returns a pointer to its [L][Hq][D] entry.
+  float* query_entry(Sequence& seq, int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void trim_queries(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SequenceView view_of(const Sequence& seq) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Plans and (unless dry_run) applies `policy` to `seq`. A failure leaves the sequence unchanged.
+  absl::StatusOr<CompactionResult> compact_locked(Sequence& seq, const Policy& policy, bool dry_run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status apply_plan(Sequence& seq, const Policy& policy, const CompactionPlan& plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prompt is complete: runs the prefill policy, fixes the prompt and the Kara tail.
+  absl::Status begin_decode(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The scheduler, after a completed decode step.
+  int run_scheduler(const std::vector<Sequence*>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void record(const CompactionResult& r, const Sequence& seq, int32_t removed, bool failed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::vector<int32_t>> positions_of(const Sequence& seq) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SequenceInfo info_of(const Sequence& seq) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   kernels::PagedKV paged_view(const std::vector<const Sequence*>& seqs,
                               const std::vector<int32_t>& lengths, std::vector<int32_t>* table,
                               std::vector<int32_t>* offsets) const;
@@ -175,6 +266,8 @@ class Registry {
   uint64_t decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_appended_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t lease_expiries_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, PolicyStats> policy_stats_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const CompactionResult&)> observer_ ABSL_GUARDED_BY(mu_);
 };
 
 // Checks a geometry for values the pool and kernels can serve; names the bad field.

@@ -164,15 +164,82 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
 }
 
 absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendReply* reply) {
-  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v());
+  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.q());
   if (!staging.ok()) return staging.status();
-  Input k, v;
+  Input k, v, q;
   if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
   if (auto s = resolve_input(req.v(), staging->get(), "v", &v); !s.ok()) return s;
+  if (req.num_query_tokens() > 0 || req.q().location_case() != v1::TensorRef::LOCATION_NOT_SET) {
+    if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
+  }
   auto r = registry_->append(req.session_id(), req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
-                             k.bytes, v.bytes);
+                             k.bytes, v.bytes, q.bytes, static_cast<int32_t>(req.num_query_tokens()));
   if (!r.ok()) return r.status();
   reply->set_length(static_cast<uint32_t>(*r));
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoCreateSequence(const v1::CreateSequenceRequest& req, v1::CreateSequenceReply* reply) {
+  SequenceOptions o;
+  o.policy = req.policy();
+  o.params.insert(req.params().begin(), req.params().end());
+  o.prefill_policy = req.prefill_policy();
+  o.prefill_params.insert(req.prefill_params().begin(), req.prefill_params().end());
+  o.priority = req.priority();
+  auto id = registry_->create_sequence(req.session_id(), o);
+  if (!id.ok()) return id.status();
+  reply->set_sequence_id(*id);
+  return absl::OkStatus();
+}
+
+namespace {
+void fill_info(const SequenceInfo& info, v1::SequenceInfo* s) {
+  s->set_sequence_id(info.id);
+  s->set_session_id(info.session_id);
+  s->set_tenant(info.tenant);
+  s->set_policy(info.policy);
+  s->set_prefill_policy(info.prefill_policy);
+  s->set_length(info.length);
+  s->set_logical_length(info.logical_length);
+  s->set_prompt_length(info.prompt_length);
+  s->set_compactions(info.compactions);
+  s->set_blocks(info.blocks);
+  s->set_shared_blocks(info.shared_blocks);
+  s->set_priority(info.priority);
+  s->set_pending_layer(info.pending_layer);
+}
+
+void fill_heads(const std::vector<std::vector<int32_t>>& rows, int num_kv_heads,
+                google::protobuf::RepeatedPtrField<v1::HeadPositions>* out) {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    v1::HeadPositions* h = out->Add();
+    h->set_layer(static_cast<int32_t>(r / num_kv_heads));
+    h->set_head(static_cast<int32_t>(r % num_kv_heads));
+    h->mutable_positions()->Add(rows[r].begin(), rows[r].end());
+  }
+}
+}  // namespace
+
+absl::Status KaraKVService::DoCompact(const v1::CompactRequest& req, v1::CompactReply* reply) {
+  auto r = registry_->compact(req.session_id(), req.sequence_id(), req.dry_run());
+  if (!r.ok()) return r.status();
+  for (const CompactionResult& c : *r) {
+    v1::SequenceCompaction* s = reply->add_sequences();
+    s->set_sequence_id(c.sequence_id);
+    s->set_policy(c.policy);
+    s->set_tokens_before(c.tokens_before);
+    s->set_tokens_after(c.tokens_after);
+    s->set_skipped(c.skipped);
+    fill_heads(c.kept, registry_->geometry().num_kv_heads, s->mutable_kept());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoInspect(const v1::InspectRequest& req, v1::InspectReply* reply) {
+  auto r = registry_->inspect(req.sequence_id());
+  if (!r.ok()) return r.status();
+  fill_info(r->first, reply->mutable_info());
+  fill_heads(r->second, registry_->geometry().num_kv_heads, reply->mutable_heads());
   return absl::OkStatus();
 }
 
@@ -195,7 +262,8 @@ absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* re
     reply->clear_out();
     return r.status();
   }
-  reply->set_decode_step(*r);
+  reply->set_decode_step(r->decode_step);
+  reply->set_compactions(r->compactions);
   if (req.layer() + 1 == registry_->geometry().num_layers) metrics_->decode_step(req.sequence_ids_size());
   return absl::OkStatus();
 }
@@ -224,7 +292,8 @@ absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVRep
     if (!k.ok()) return k.status();
     auto v = resolve_output(req.v(), staging->get(), kv_bytes, false, "v", reply->mutable_v());
     if (!v.ok()) return v.status();
-    auto p = resolve_output(req.positions(), staging->get(), size_t(tokens) * 4, false, "positions",
+    const size_t rows = size_t(registry_->geometry().num_layers) * registry_->geometry().num_kv_heads;
+    auto p = resolve_output(req.positions(), staging->get(), rows * tokens * 4, false, "positions",
                             reply->mutable_positions());
     if (!p.ok()) return p.status();
     t.k = *k;
@@ -258,6 +327,20 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
   reply->set_tokens_appended(s.tokens_appended);
   reply->set_lease_expiries(s.lease_expiries);
   reply->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  reply->set_logical_tokens(s.logical_tokens);
+  reply->set_query_cache_bytes(s.query_cache_bytes);
+  reply->set_score_bytes(s.score_bytes);
+  for (const auto& [name, p] : s.policies) {
+    v1::PolicyStats* ps = reply->add_policies();
+    ps->set_policy(name);
+    ps->set_sequences(p.sequences);
+    ps->set_resident_tokens(p.resident_tokens);
+    ps->set_logical_tokens(p.logical_tokens);
+    ps->set_compactions(p.compactions);
+    ps->set_tokens_removed(p.tokens_removed);
+    ps->set_compaction_seconds(p.seconds);
+    ps->set_compaction_failures(p.failures);
+  }
   if (req.check_invariants()) {
     reply->set_invariants_checked(true);
     reply->set_invariant_error(std::string(registry_->check_invariants().message()));
@@ -291,12 +374,7 @@ grpc::ServerUnaryReactor* KaraKVService::Heartbeat(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* KaraKVService::CreateSequence(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateSequenceRequest* req,
                                                         v1::CreateSequenceReply* reply) {
-  return serve(ctx, "CreateSequence", true, [&]() -> absl::Status {
-    auto id = registry_->create_sequence(req->session_id(), req->policy(), req->priority());
-    if (!id.ok()) return id.status();
-    reply->set_sequence_id(*id);
-    return absl::OkStatus();
-  });
+  return serve(ctx, "CreateSequence", true, [&] { return DoCreateSequence(*req, reply); });
 }
 
 grpc::ServerUnaryReactor* KaraKVService::ForkSequence(grpc::CallbackServerContext* ctx,
@@ -352,19 +430,20 @@ grpc::ServerUnaryReactor* KaraKVService::ListSequences(grpc::CallbackServerConte
                                                        v1::ListSequencesReply* reply) {
   return serve(ctx, "ListSequences", false, [&]() -> absl::Status {
     for (const SequenceInfo& info : registry_->list_sequences(req->session_id())) {
-      v1::SequenceInfo* s = reply->add_sequences();
-      s->set_sequence_id(info.id);
-      s->set_session_id(info.session_id);
-      s->set_tenant(info.tenant);
-      s->set_policy(info.policy);
-      s->set_length(info.length);
-      s->set_blocks(info.blocks);
-      s->set_shared_blocks(info.shared_blocks);
-      s->set_priority(info.priority);
-      s->set_pending_layer(info.pending_layer);
+      fill_info(info, reply->add_sequences());
     }
     return absl::OkStatus();
   });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Compact(grpc::CallbackServerContext* ctx, const v1::CompactRequest* req,
+                                                 v1::CompactReply* reply) {
+  return serve(ctx, "Compact", !req->dry_run(), [&] { return DoCompact(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Inspect(grpc::CallbackServerContext* ctx, const v1::InspectRequest* req,
+                                                 v1::InspectReply* reply) {
+  return serve(ctx, "Inspect", false, [&] { return DoInspect(*req, reply); });
 }
 
 grpc::ServerUnaryReactor* KaraKVService::Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest*,

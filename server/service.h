@@ -35,11 +35,16 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext*, const v1::ReadKVRequest*, v1::ReadKVReply*) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext*, const v1::StatsRequest*, v1::StatsReply*) override;
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext*, const v1::ListSequencesRequest*, v1::ListSequencesReply*) override;
+  grpc::ServerUnaryReactor* Compact(grpc::CallbackServerContext*, const v1::CompactRequest*, v1::CompactReply*) override;
+  grpc::ServerUnaryReactor* Inspect(grpc::CallbackServerContext*, const v1::InspectRequest*, v1::InspectReply*) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext*, const v1::PingRequest*, v1::PingReply*) override;
 
   // The handlers' bodies, callable without a transport (tests, fuzzers).
   absl::Status DoAttach(const v1::AttachRequest&, v1::AttachReply*);
+  absl::Status DoCreateSequence(const v1::CreateSequenceRequest&, v1::CreateSequenceReply*);
   absl::Status DoAppend(const v1::AppendRequest&, v1::AppendReply*);
+  absl::Status DoCompact(const v1::CompactRequest&, v1::CompactReply*);
+  absl::Status DoInspect(const v1::InspectRequest&, v1::InspectReply*);
   absl::Status DoStep(const v1::StepRequest&, v1::StepReply*);
   absl::Status DoAttend(const v1::AttendRequest&, v1::AttendReply*);
   absl::Status DoReadKV(const v1::ReadKVRequest&, v1::ReadKVReply*);

@@ -1,5 +1,6 @@
 // karakv: the operator's command line for karakvd. `karakv health | stats | sequences`, text or
 // --json. Exit status: 0 ok, 1 the daemon answered with an error or is not serving, 2 usage.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -7,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -17,6 +19,8 @@ ABSL_FLAG(bool, json, false, "Print JSON instead of text");
 ABSL_FLAG(double, timeout, 5.0, "Seconds to wait for the daemon");
 ABSL_FLAG(bool, check_invariants, false, "stats: also run the pool invariant check");
 ABSL_FLAG(std::string, session, "", "sequences: only this session's sequences");
+ABSL_FLAG(std::string, tenant, "default", "compact: the tenant whose sequences to compact");
+ABSL_FLAG(bool, dry_run, false, "compact: show what would be kept, change nothing");
 
 namespace {
 
@@ -106,7 +110,19 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
       std::printf(",\"invariants_ok\":%s,\"invariant_error\":\"%s\"", r.invariant_error().empty() ? "true" : "false",
                   json_escape(r.invariant_error()).c_str());
     }
-    std::printf("}\n");
+    std::printf(",\"logical_tokens\":%llu,\"query_cache_bytes\":%llu,\"score_bytes\":%llu,\"policies\":[",
+                (unsigned long long)r.logical_tokens(), (unsigned long long)r.query_cache_bytes(),
+                (unsigned long long)r.score_bytes());
+    for (int i = 0; i < r.policies_size(); ++i) {
+      const auto& p = r.policies(i);
+      std::printf("%s{\"policy\":\"%s\",\"sequences\":%u,\"resident_tokens\":%llu,\"logical_tokens\":%llu,"
+                  "\"compactions\":%llu,\"tokens_removed\":%llu,\"compaction_seconds\":%.6f,\"failures\":%llu}",
+                  i ? "," : "", json_escape(p.policy()).c_str(), p.sequences(), (unsigned long long)p.resident_tokens(),
+                  (unsigned long long)p.logical_tokens(), (unsigned long long)p.compactions(),
+                  (unsigned long long)p.tokens_removed(), p.compaction_seconds(),
+                  (unsigned long long)p.compaction_failures());
+    }
+    std::printf("]}\n");
   } else {
     std::printf("backend          %s\n", r.backend().c_str());
     std::printf("geometry         layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d\n",
@@ -122,8 +138,22 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
     std::printf("tokens appended  %llu\n", (unsigned long long)r.tokens_appended());
     std::printf("lease expiries   %llu\n", (unsigned long long)r.lease_expiries());
     std::printf("uptime           %.1f s\n", r.uptime_seconds());
+    std::printf("logical tokens   %llu (resident / logical = %.3f)\n", (unsigned long long)r.logical_tokens(),
+                r.logical_tokens() ? double(r.resident_tokens()) / r.logical_tokens() : 1.0);
+    std::printf("query cache      %.1f MiB, scores %.1f MiB\n", r.query_cache_bytes() / 1048576.0,
+                r.score_bytes() / 1048576.0);
     if (r.invariants_checked()) {
       std::printf("invariants       %s\n", r.invariant_error().empty() ? "ok" : r.invariant_error().c_str());
+    }
+    if (r.policies_size() > 0) {
+      std::printf("\n%-10s %5s %10s %10s %8s %12s %10s %6s\n", "POLICY", "SEQS", "RESIDENT", "LOGICAL", "COMPACT",
+                  "REMOVED", "TIME(s)", "FAILED");
+      for (const auto& p : r.policies()) {
+        std::printf("%-10s %5u %10llu %10llu %8llu %12llu %10.3f %6llu\n", p.policy().c_str(), p.sequences(),
+                    (unsigned long long)p.resident_tokens(), (unsigned long long)p.logical_tokens(),
+                    (unsigned long long)p.compactions(), (unsigned long long)p.tokens_removed(),
+                    p.compaction_seconds(), (unsigned long long)p.compaction_failures());
+      }
     }
   }
   return r.invariants_checked() && !r.invariant_error().empty() ? 1 : 0;
@@ -143,22 +173,152 @@ int cmd_sequences(const std::shared_ptr<grpc::Channel>& ch) {
     for (int i = 0; i < r.sequences_size(); ++i) {
       const auto& q = r.sequences(i);
       std::printf("%s{\"id\":%llu,\"session\":\"%s\",\"tenant\":\"%s\",\"policy\":\"%s\",\"length\":%u,"
+                  "\"logical_length\":%u,\"compactions\":%u,"
                   "\"blocks\":%u,\"shared_blocks\":%u,\"priority\":%d,\"pending_layer\":%d}",
                   i ? "," : "", (unsigned long long)q.sequence_id(), json_escape(q.session_id()).c_str(),
-                  json_escape(q.tenant()).c_str(), json_escape(q.policy()).c_str(), q.length(), q.blocks(),
-                  q.shared_blocks(), q.priority(), q.pending_layer());
+                  json_escape(q.tenant()).c_str(), json_escape(q.policy()).c_str(), q.length(), q.logical_length(),
+                  q.compactions(), q.blocks(), q.shared_blocks(), q.priority(), q.pending_layer());
     }
     std::printf("]}\n");
   } else {
-    std::printf("%-8s %-28s %-10s %-8s %8s %7s %7s %5s\n", "ID", "SESSION", "TENANT", "POLICY", "LENGTH",
-                "BLOCKS", "SHARED", "PRIO");
+    std::printf("%-8s %-28s %-10s %-10s %8s %8s %7s %7s %7s %5s\n", "ID", "SESSION", "TENANT", "POLICY", "RESIDENT",
+                "LOGICAL", "COMPACT", "BLOCKS", "SHARED", "PRIO");
     for (const auto& q : r.sequences()) {
-      std::printf("%-8llu %-28s %-10s %-8s %8u %7u %7u %5d\n", (unsigned long long)q.sequence_id(),
-                  q.session_id().c_str(), q.tenant().c_str(), q.policy().c_str(), q.length(), q.blocks(),
-                  q.shared_blocks(), q.priority());
+      std::printf("%-8llu %-28s %-10s %-10s %8u %8u %7u %7u %7u %5d\n", (unsigned long long)q.sequence_id(),
+                  q.session_id().c_str(), q.tenant().c_str(), q.policy().c_str(), q.length(), q.logical_length(),
+                  q.compactions(), q.blocks(), q.shared_blocks(), q.priority());
     }
   }
   return 0;
+}
+
+// "0-3 128-131 140 ..." : sorted positions as ranges.
+std::string ranges(const google::protobuf::RepeatedField<int32_t>& pos) {
+  std::string out;
+  for (int i = 0; i < pos.size();) {
+    int j = i;
+    while (j + 1 < pos.size() && pos[j + 1] == pos[j] + 1) ++j;
+    if (!out.empty()) out += ' ';
+    out += j == i ? absl::StrFormat("%d", pos[i]) : absl::StrFormat("%d-%d", pos[i], pos[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+int cmd_inspect(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_text) {
+  uint64_t id = 0;
+  if (!absl::SimpleAtoi(id_text, &id)) {
+    std::fprintf(stderr, "karakv: inspect expects a sequence id, got '%s'\n", id_text.c_str());
+    return 2;
+  }
+  auto stub = v1::KaraKV::NewStub(ch);
+  v1::InspectRequest req;
+  req.set_sequence_id(id);
+  v1::InspectReply r;
+  grpc::ClientContext ctx;
+  set_deadline(&ctx);
+  grpc::Status s = stub->Inspect(&ctx, req, &r);
+  if (!s.ok()) return report_error("Inspect", s);
+  const auto& i = r.info();
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("{\"id\":%llu,\"policy\":\"%s\",\"resident\":%u,\"logical\":%u,\"heads\":[",
+                (unsigned long long)i.sequence_id(), json_escape(i.policy()).c_str(), i.length(), i.logical_length());
+    for (int k = 0; k < r.heads_size(); ++k) {
+      const auto& h = r.heads(k);
+      std::printf("%s{\"layer\":%d,\"head\":%d,\"positions\":[", k ? "," : "", h.layer(), h.head());
+      for (int p = 0; p < h.positions_size(); ++p) std::printf("%s%d", p ? "," : "", h.positions(p));
+      std::printf("]}");
+    }
+    std::printf("]}\n");
+    return 0;
+  }
+  std::printf("sequence %llu  policy %s%s%s  resident %u of %u logical tokens  prompt %u  compactions %u\n",
+              (unsigned long long)i.sequence_id(), i.policy().c_str(), i.prefill_policy().empty() ? "" : " prefill ",
+              i.prefill_policy().c_str(), i.length(), i.logical_length(), i.prompt_length(), i.compactions());
+  // One line per (layer, head): a 64-column map of the history (# all resident, + some, . none),
+  // then the resident positions as ranges.
+  const int cols = static_cast<int>(std::clamp<uint32_t>(i.logical_length(), 1, 64));
+  const double span = std::max<uint32_t>(1, i.logical_length());
+  for (const auto& h : r.heads()) {
+    std::vector<int> have(cols, 0), total(cols, 0);
+    for (uint32_t p = 0; p < i.logical_length(); ++p) ++total[std::min(cols - 1, int(p * cols / span))];
+    for (int32_t p : h.positions()) ++have[std::min(cols - 1, int(p * cols / span))];
+    std::string map;
+    for (int c = 0; c < cols; ++c) map += total[c] == 0 ? ' ' : have[c] == total[c] ? '#' : have[c] > 0 ? '+' : '.';
+    std::printf("L%-2d H%-2d [%s] %s\n", h.layer(), h.head(), map.c_str(), ranges(h.positions()).c_str());
+  }
+  return 0;
+}
+
+// Compacts one sequence (or every sequence of --tenant) through a short-lived session.
+int cmd_compact(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_text) {
+  uint64_t id = 0;
+  if (!id_text.empty() && !absl::SimpleAtoi(id_text, &id)) {
+    std::fprintf(stderr, "karakv: compact expects a sequence id or nothing (all), got '%s'\n", id_text.c_str());
+    return 2;
+  }
+  auto stub = v1::KaraKV::NewStub(ch);
+  v1::AttachRequest a;
+  a.set_worker_id("karakv-cli");
+  a.set_tenant(absl::GetFlag(FLAGS_tenant));
+  v1::AttachReply ar;
+  {
+    grpc::ClientContext ctx;
+    set_deadline(&ctx);
+    grpc::Status s = stub->Attach(&ctx, a, &ar);
+    if (!s.ok()) return report_error("Attach", s);
+  }
+  std::vector<uint64_t> ids;
+  if (id != 0) {
+    ids.push_back(id);
+  } else {
+    v1::ListSequencesReply l;
+    grpc::ClientContext ctx;
+    set_deadline(&ctx);
+    grpc::Status s = stub->ListSequences(&ctx, v1::ListSequencesRequest(), &l);
+    if (!s.ok()) return report_error("ListSequences", s);
+    for (const auto& q : l.sequences()) {
+      if (q.tenant() == absl::GetFlag(FLAGS_tenant)) ids.push_back(q.sequence_id());
+    }
+  }
+  int rc = 0;
+  if (absl::GetFlag(FLAGS_json)) std::printf("{\"sequences\":[");
+  bool first = true;
+  for (uint64_t sid : ids) {
+    v1::CompactRequest req;
+    req.set_session_id(ar.session_id());
+    req.set_sequence_id(sid);
+    req.set_dry_run(absl::GetFlag(FLAGS_dry_run));
+    v1::CompactReply r;
+    grpc::ClientContext ctx;
+    set_deadline(&ctx);
+    grpc::Status s = stub->Compact(&ctx, req, &r);
+    if (!s.ok()) {
+      rc = report_error("Compact", s);
+      continue;
+    }
+    for (const auto& c : r.sequences()) {
+      if (absl::GetFlag(FLAGS_json)) {
+        std::printf("%s{\"id\":%llu,\"policy\":\"%s\",\"before\":%u,\"after\":%u,\"skipped\":\"%s\"}",
+                    first ? "" : ",", (unsigned long long)c.sequence_id(), json_escape(c.policy()).c_str(),
+                    c.tokens_before(), c.tokens_after(), json_escape(c.skipped()).c_str());
+      } else {
+        std::printf("sequence %llu (%s): %u -> %u resident tokens%s%s%s\n", (unsigned long long)c.sequence_id(),
+                    c.policy().c_str(), c.tokens_before(), c.tokens_after(),
+                    absl::GetFlag(FLAGS_dry_run) ? " (dry run)" : "", c.skipped().empty() ? "" : "; skipped: ",
+                    c.skipped().c_str());
+      }
+      first = false;
+    }
+  }
+  if (absl::GetFlag(FLAGS_json)) std::printf("]}\n");
+  v1::DetachRequest d;
+  d.set_session_id(ar.session_id());
+  v1::DetachReply dr;
+  grpc::ClientContext ctx;
+  set_deadline(&ctx);
+  stub->Detach(&ctx, d, &dr);
+  return rc;
 }
 
 }  // namespace
@@ -166,17 +326,23 @@ int cmd_sequences(const std::shared_ptr<grpc::Channel>& ch) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "karakv: talk to a running karakvd.\n"
-      "  karakv [--target=unix:/tmp/karakv.sock] [--json] health | stats | sequences");
+      "  karakv [--target=unix:/tmp/karakv.sock] [--json] health | stats | sequences | inspect SEQ |\n"
+      "         compact [SEQ] [--dry_run] [--tenant=T]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) {
-    std::fprintf(stderr, "usage: karakv [flags] health | stats | sequences   (karakv --help for flags)\n");
+  if (args.size() < 2 || args.size() > 3) {
+    std::fprintf(stderr,
+                 "usage: karakv [flags] health | stats | sequences | inspect SEQ | compact [SEQ]   (karakv --help for flags)\n");
     return 2;
   }
   const std::string cmd = args[1];
+  const std::string arg = args.size() == 3 ? args[2] : "";
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials());
   if (cmd == "health") return cmd_health(channel);
   if (cmd == "stats") return cmd_stats(channel);
   if (cmd == "sequences") return cmd_sequences(channel);
-  std::fprintf(stderr, "karakv: unknown command '%s'; expected health, stats or sequences\n", cmd.c_str());
+  if (cmd == "inspect") return cmd_inspect(channel, arg);
+  if (cmd == "compact") return cmd_compact(channel, arg);
+  std::fprintf(stderr, "karakv: unknown command '%s'; expected health, stats, sequences, inspect or compact\n",
+               cmd.c_str());
   return 2;
 }

@@ -100,4 +100,36 @@ inline std::vector<double> dense_attention(const kernels::Geometry& g, uint64_t 
   return out;
 }
 
+// Dense float64 attention of the query of `pos` at `layer` over exactly the given resident
+// positions of each KV head (a compacted cache): heads[h] lists the positions, returns [Hq][D].
+inline std::vector<double> dense_attention_over(const kernels::Geometry& g, uint64_t seed, uint64_t seq, int layer,
+                                                int64_t pos, const std::vector<std::vector<int32_t>>& heads) {
+  const int gs = g.group_size();
+  const double scale = 1.0 / std::sqrt(double(g.head_dim));
+  std::vector<double> out(size_t(g.num_q_heads) * g.head_dim, 0.0);
+  for (int qh = 0; qh < g.num_q_heads; ++qh) {
+    const int kh = qh / gs;
+    const std::vector<int32_t>& keep = heads[kh];
+    std::vector<double> s(keep.size());
+    double mx = -INFINITY;
+    for (size_t i = 0; i < keep.size(); ++i) {
+      double dot = 0;
+      for (int d = 0; d < g.head_dim; ++d) {
+        dot += double(value(seed, Tensor::kQuery, seq, layer, pos, qh, d)) *
+               stored(value(seed, Tensor::kKey, seq, layer, keep[i], kh, d), g.dtype);
+      }
+      s[i] = dot * scale;
+      mx = std::max(mx, s[i]);
+    }
+    double sum = 0;
+    for (double& x : s) sum += (x = std::exp(x - mx));
+    for (size_t i = 0; i < keep.size(); ++i) {
+      for (int d = 0; d < g.head_dim; ++d) {
+        out[size_t(qh) * g.head_dim + d] += s[i] / sum * stored(value(seed, Tensor::kValue, seq, layer, keep[i], kh, d), g.dtype);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace karakv::synthetic

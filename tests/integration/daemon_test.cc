@@ -154,12 +154,13 @@ TEST(DaemonTest, AttendIsCausalOverTheLastQueries) {
   }
   // ReadKV returns exactly what was appended, in staging and inline.
   Buffer rk = *(*c)->alloc((*c)->append_bytes(30)), rv = *(*c)->alloc((*c)->append_bytes(30));
-  Buffer rp = *(*c)->alloc(30 * 4);
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  Buffer rp = *(*c)->alloc(rows * 30 * 4);
   ASSERT_EQ(*(*c)->ReadKV(id, rk, rv, rp), 30);
   EXPECT_EQ(0, std::memcmp(rk.data(), k.data(), k.size()));
   EXPECT_EQ(0, std::memcmp(rv.data(), v.data(), v.size()));
-  EXPECT_EQ(rp.as<int32_t>()[29], 29);
-  Buffer hk = Client::alloc_heap(k.size()), hv = Client::alloc_heap(v.size()), hp = Client::alloc_heap(120);
+  for (size_t r = 0; r < rows; ++r) EXPECT_EQ(rp.as<int32_t>()[r * 30 + 29], 29);
+  Buffer hk = Client::alloc_heap(k.size()), hv = Client::alloc_heap(v.size()), hp = Client::alloc_heap(rows * 120);
   ASSERT_EQ(*(*c)->ReadKV(id, hk, hv, hp), 30);
   EXPECT_EQ(0, std::memcmp(hk.data(), k.data(), k.size()));
 }
@@ -186,7 +187,8 @@ TEST(DaemonTest, ForkSharesThenDiverges) {
   synthetic::fill_prompt(v2.data(), g, kSeed, Tensor::kValue, 9, 20, 1);
   ASSERT_EQ(*(*c)->Append(child, 1, k2, v2), 21);
   EXPECT_EQ((*c)->Stats()->blocks_used, 3u);
-  Buffer rk = Client::alloc_heap((*c)->append_bytes(21)), rv = Client::alloc_heap(rk.size()), rp = Client::alloc_heap(84);
+  Buffer rk = Client::alloc_heap((*c)->append_bytes(21)), rv = Client::alloc_heap(rk.size());
+  Buffer rp = Client::alloc_heap(size_t(g.num_layers) * g.num_kv_heads * 84);
   ASSERT_EQ(*(*c)->ReadKV(parent, rk, rv, rp), 20);
   EXPECT_EQ(0, std::memcmp(rk.data(), k.data(), k.size()));
   ASSERT_EQ(*(*c)->ReadKV(child, rk, rv, rp), 21);
@@ -481,6 +483,116 @@ TEST(DaemonTest, MetricsEndpointReportsPoolRpcsAndErrors) {
   EXPECT_THAT(m, HasSubstr("karakv_resident_tokens 20\n"));
   EXPECT_THAT(m, HasSubstr("karakv_rpc_duration_seconds_count{method=\"Append\"} 1\n"));
   EXPECT_THAT(m, HasSubstr("karakv_rpc_errors_total{code=\"NOT_FOUND\",method=\"ReleaseSequence\"} 1\n"));
+}
+
+}  // namespace
+}  // namespace karakv
+
+namespace karakv {
+namespace {
+
+// After compaction, every Step's output must equal dense attention over exactly the positions
+// resident before it plus the new token: nothing mis-gathered, for every policy.
+class CompactedAttentionTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CompactedAttentionTest, StepOverCompactedCacheEqualsDenseOverKeptTokens) {
+  Daemon d(geometry_flags("fp16"));
+  ASSERT_TRUE(d.ready());
+  auto c = Client::Attach(d.options(32 << 20));
+  ASSERT_TRUE(c.ok());
+  const Geometry& g = (*c)->geometry();
+  SequenceOptions o;
+  o.policy = GetParam();
+  if (o.policy == "kara") o.params = {{"window", 32}, {"period", 4}};
+  else if (o.policy != "none") o.params = {{"c_max", 64}, {"c_target", 40}, {"w_obs", 8}};
+  if (o.policy == "streaming" || o.policy == "h2o") o.params.erase("w_obs");
+  auto id = (*c)->CreateSequence(o);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const int prompt = 21, nq = 8;
+  Buffer k = *(*c)->alloc((*c)->append_bytes(prompt)), v = *(*c)->alloc((*c)->append_bytes(prompt));
+  Buffer pq = *(*c)->alloc(size_t(g.num_layers) * (*c)->q_bytes(nq));
+  synthetic::fill_prompt(k.data(), g, kSeed, Tensor::kKey, *id, 0, prompt);
+  synthetic::fill_prompt(v.data(), g, kSeed, Tensor::kValue, *id, 0, prompt);
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int i = 0; i < nq; ++i)
+      synthetic::fill_query(pq.as<float>().data() + (l * nq + i) * g.q_token_elems(), g, kSeed, *id, l, prompt - nq + i);
+  ASSERT_TRUE((*c)->Append(*id, prompt, k, v, pq, nq).ok());
+  (*c)->reset_staging();
+  Buffer sk = *(*c)->alloc((*c)->step_kv_bytes(1)), sv = *(*c)->alloc((*c)->step_kv_bytes(1));
+  Buffer sq = *(*c)->alloc((*c)->q_bytes(1)), out = *(*c)->alloc((*c)->q_bytes(1));
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  Buffer rk = Client::alloc_heap((*c)->append_bytes(200)), rv = Client::alloc_heap(rk.size());
+  Buffer rp = Client::alloc_heap(rows * 200 * 4);
+  const uint64_t ids[] = {*id};
+  double max_err = 0;
+  for (int64_t pos = prompt; pos < prompt + 120; ++pos) {
+    auto n = (*c)->ReadKV(*id, rk, rv, rp);
+    ASSERT_TRUE(n.ok()) << n.status();
+    for (int l = 0; l < g.num_layers; ++l) {
+      synthetic::fill_token(sk.data(), g, kSeed, Tensor::kKey, *id, l, pos);
+      synthetic::fill_token(sv.data(), g, kSeed, Tensor::kValue, *id, l, pos);
+      synthetic::fill_query(sq.as<float>().data(), g, kSeed, *id, l, pos);
+      ASSERT_TRUE((*c)->Step(l, ids, sk, sv, sq, out).ok());
+      std::vector<std::vector<int32_t>> heads(g.num_kv_heads);
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const int32_t* p = rp.as<int32_t>().data() + (size_t(l) * g.num_kv_heads + h) * *n;
+        heads[h].assign(p, p + *n);
+        heads[h].push_back(int32_t(pos));
+      }
+      auto ref = synthetic::dense_attention_over(g, kSeed, *id, l, pos, heads);
+      for (size_t i = 0; i < ref.size(); ++i) max_err = std::max(max_err, std::abs(out.as<float>()[i] - ref[i]));
+    }
+  }
+  EXPECT_LE(max_err, kTolerance);
+  auto info = (*(*c)->ListSequences())[0];
+  EXPECT_EQ(info.logical_length, uint32_t(prompt + 120));
+  if (std::string(GetParam()) != "none") {
+    EXPECT_GE(info.compactions, 2u);
+    EXPECT_LT(info.length, info.logical_length);
+  }
+  auto st = (*c)->Stats(true);
+  EXPECT_EQ(st->invariant_error, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, CompactedAttentionTest,
+                         ::testing::Values("none", "kara", "snapkv", "streaming", "h2o", "chunkkv"));
+
+TEST(DaemonTest, CliCompactAndInspect) {
+  Daemon d(geometry_flags("fp16"));
+  ASSERT_TRUE(d.ready());
+  auto c = Client::Attach(d.options());
+  ASSERT_TRUE(c.ok());
+  const Geometry& g = (*c)->geometry();
+  SequenceOptions o;
+  o.policy = "snapkv";
+  o.params = {{"c_max", 1000}, {"c_target", 24}, {"w_obs", 4}};
+  auto id = *(*c)->CreateSequence(o);
+  Buffer k = *(*c)->alloc((*c)->append_bytes(40)), v = *(*c)->alloc((*c)->append_bytes(40));
+  Buffer q = *(*c)->alloc(size_t(g.num_layers) * (*c)->q_bytes(4));
+  ASSERT_TRUE((*c)->Append(id, 40, k, v, q, 4).ok());
+  const std::string cli = std::string(KARAKV_CLI_PATH) + " --target=" + d.target();
+  int code;
+  std::string dry = run(cli + " --dry_run compact " + std::to_string(id), &code);
+  EXPECT_EQ(code, 0) << dry;
+  EXPECT_THAT(dry, HasSubstr("40 -> 24 resident tokens (dry run)"));
+  EXPECT_EQ((*(*c)->ListSequences())[0].length, 40u);
+  std::string done = run(cli + " compact", &code);
+  EXPECT_THAT(done, HasSubstr("40 -> 24 resident tokens"));
+  EXPECT_EQ((*(*c)->ListSequences())[0].length, 24u);
+  std::string map = run(cli + " inspect " + std::to_string(id), &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_THAT(map, HasSubstr("resident 24 of 40 logical tokens"));
+  EXPECT_THAT(map, HasSubstr("L0  H0  ["));
+  // K/V/Q are all zero: every score ties, so the lowest positions win (the tie rule), plus the
+  // observation window 36-39.
+  EXPECT_THAT(map, HasSubstr("] 0-19 36-39\n"));
+  EXPECT_THAT(map, HasSubstr("[####################................####]"));
+  std::string json = run(cli + " --json inspect " + std::to_string(id), &code);
+  EXPECT_THAT(json, HasSubstr("\"resident\":24,\"logical\":40"));
+  std::string stats = run(cli + " stats", &code);
+  EXPECT_THAT(stats, HasSubstr("snapkv"));
+  run(cli + " inspect 999999 2>&1", &code);
+  EXPECT_EQ(code, 1);
 }
 
 }  // namespace

@@ -117,7 +117,8 @@ class RegistryTest : public ::testing::Test {
   // Reads the sequence back and compares every value with what `key` generated at each position.
   void expect_contents(uint64_t seq, uint64_t key, int n) {
     const auto& g = reg_->geometry();
-    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size()), pos(4 * n);
+    const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size()), pos(4 * n * rows);
     auto got = reg_->read_kv(session_, seq, [&](int32_t t) -> absl::StatusOr<ReadKVTargets> {
       EXPECT_EQ(t, n);
       return ReadKVTargets{MutableBytes(k), MutableBytes(v), MutableBytes(pos)};
@@ -128,12 +129,13 @@ class RegistryTest : public ::testing::Test {
     std::vector<uint8_t> want_v = prompt_bytes(Tensor::kValue, key, 0, n);
     EXPECT_EQ(k, want_k);
     EXPECT_EQ(v, want_v);
-    for (int t = 0; t < n; ++t) {
-      int32_t p;
-      std::memcpy(&p, pos.data() + 4 * t, 4);
-      EXPECT_EQ(p, t);
+    for (size_t r = 0; r < rows; ++r) {
+      for (int t = 0; t < n; ++t) {
+        int32_t p;
+        std::memcpy(&p, pos.data() + 4 * (r * n + t), 4);
+        EXPECT_EQ(p, t);
+      }
     }
-    (void)g;
   }
 
   std::unique_ptr<Registry> reg_;
@@ -141,7 +143,7 @@ class RegistryTest : public ::testing::Test {
 };
 
 TEST_F(RegistryTest, AppendThenReadBackExactly) {
-  auto seq = reg_->create_sequence(session_, "none", 0);
+  auto seq = reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(seq.ok());
   ASSERT_EQ(*append(*seq, *seq, 0, 6), 6);
   ASSERT_EQ(*append(*seq, *seq, 6, 5), 11);
@@ -150,8 +152,8 @@ TEST_F(RegistryTest, AppendThenReadBackExactly) {
 }
 
 TEST_F(RegistryTest, StepAppendsOneTokenAcrossLayersAndMatchesDenseReference) {
-  auto a = *reg_->create_sequence(session_, "none", 0);
-  auto b = *reg_->create_sequence(session_, "none", 0);
+  auto a = *reg_->create_sequence(session_, SequenceOptions{});
+  auto b = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(a, a, 0, 3).ok());
   ASSERT_TRUE(append(b, b, 0, 4).ok());
   for (int t = 0; t < 6; ++t) {
@@ -166,7 +168,7 @@ TEST_F(RegistryTest, StepAppendsOneTokenAcrossLayersAndMatchesDenseReference) {
 }
 
 TEST_F(RegistryTest, StepLayersMustComeInOrderAndLayerZeroRestarts) {
-  auto a = *reg_->create_sequence(session_, "none", 0);
+  auto a = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(a, a, 0, 2).ok());
   Snapshot before = snapshot();
   absl::Status s = step_layer({a}, {a}, 2, 1);
@@ -184,7 +186,7 @@ TEST_F(RegistryTest, StepLayersMustComeInOrderAndLayerZeroRestarts) {
 }
 
 TEST_F(RegistryTest, ForkSharesBlocksAndCopiesOnFirstDivergentWrite) {
-  auto parent = *reg_->create_sequence(session_, "none", 0);
+  auto parent = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(parent, 100, 0, 6).ok());  // blocks: [4 full][2 of 4]
   auto child = reg_->fork_sequence(session_, parent);
   ASSERT_TRUE(child.ok());
@@ -199,7 +201,7 @@ TEST_F(RegistryTest, ForkSharesBlocksAndCopiesOnFirstDivergentWrite) {
   // Each sees the shared prefix plus its own token 6.
   const auto& g = reg_->geometry();
   for (auto [seq, key] : {std::pair{parent, uint64_t(100)}, std::pair{*child, uint64_t(200)}}) {
-    std::vector<uint8_t> k(reg_->append_bytes(7)), v(k.size()), pos(28);
+    std::vector<uint8_t> k(reg_->append_bytes(7)), v(k.size()), pos(28 * g.num_layers * g.num_kv_heads);
     ASSERT_TRUE(reg_->read_kv(session_, seq, [&](int32_t) -> absl::StatusOr<ReadKVTargets> {
                       return ReadKVTargets{MutableBytes(k), MutableBytes(v), MutableBytes(pos)};
                     }).ok());
@@ -222,7 +224,7 @@ TEST_F(RegistryTest, ForkSharesBlocksAndCopiesOnFirstDivergentWrite) {
 }
 
 TEST_F(RegistryTest, ForkAtBlockBoundaryNeedsNoCopy) {
-  auto parent = *reg_->create_sequence(session_, "none", 0);
+  auto parent = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(parent, parent, 0, 8).ok());
   auto child = *reg_->fork_sequence(session_, parent);
   ASSERT_TRUE(append(child, 5, 8, 1).ok());
@@ -231,7 +233,7 @@ TEST_F(RegistryTest, ForkAtBlockBoundaryNeedsNoCopy) {
 }
 
 TEST_F(RegistryTest, LeaseExpiryFreesEverythingTheSessionOwned) {
-  auto seq = *reg_->create_sequence(session_, "none", 0);
+  auto seq = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(seq, seq, 0, 9).ok());
   auto other = reg_->attach("w2", "tenant-a", 0, kernels::Geometry{});
   ASSERT_TRUE(other.ok());
@@ -248,7 +250,7 @@ TEST_F(RegistryTest, LeaseExpiryFreesEverythingTheSessionOwned) {
 }
 
 TEST_F(RegistryTest, MalformedRequestsGetPreciseCodesAndLeaveNoTrace) {
-  auto seq = *reg_->create_sequence(session_, "none", 0);
+  auto seq = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(seq, seq, 0, 5).ok());
   const Snapshot before = snapshot();
   auto k = prompt_bytes(Tensor::kKey, seq, 5, 2);
@@ -262,7 +264,7 @@ TEST_F(RegistryTest, MalformedRequestsGetPreciseCodesAndLeaveNoTrace) {
   EXPECT_THAT(std::string(wrong.message()), HasSubstr("expected"));
   EXPECT_EQ(code(reg_->append(session_, seq, 2, k, ConstBytes(v.data(), v.size() - 1)).status()),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(code(reg_->create_sequence(session_, "magic", 0).status()), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code(reg_->create_sequence(session_, SequenceOptions{"magic"}).status()), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(code(reg_->fork_sequence(session_, 12345).status()), absl::StatusCode::kNotFound);
   EXPECT_EQ(code(reg_->release_sequence(session_, 12345).status()), absl::StatusCode::kNotFound);
   // Step: out-of-range layer, duplicate ids, unknown id in an otherwise good batch.
@@ -293,16 +295,16 @@ TEST_F(RegistryTest, WrongGeometryIsRefusedAtAttach) {
 
 TEST_F(RegistryTest, PoolExhaustionSaysWantedVsFreeAndKeepsServing) {
   make(4);
-  auto a = *reg_->create_sequence(session_, "none", 0);
+  auto a = *reg_->create_sequence(session_, SequenceOptions{});
   ASSERT_TRUE(append(a, a, 0, 10).ok());  // 3 blocks
   const Snapshot before = snapshot();
-  auto b = *reg_->create_sequence(session_, "none", 0);
+  auto b = *reg_->create_sequence(session_, SequenceOptions{});
   auto r = append(b, b, 0, 9);  // wants 3, 1 free
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("wanted 3 blocks, 1 free of 4"));
   // A batched step that needs more blocks than are free is refused whole.
   ASSERT_TRUE(append(b, b, 0, 4).ok());  // takes the last block
-  auto c = *reg_->create_sequence(session_, "none", 0);
+  auto c = *reg_->create_sequence(session_, SequenceOptions{});
   const Snapshot full = snapshot();
   EXPECT_EQ(step_layer({a, b}, {a, b}, 10, 0).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(snapshot(), full);

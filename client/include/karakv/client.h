@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -59,20 +60,50 @@ class Buffer {
   std::shared_ptr<std::vector<uint8_t>> heap_;
 };
 
+// How a sequence is compressed (docs/COMPRESSION.md): the policy, parameter overrides by name,
+// and an optional one-time prefill policy for the prompt.
+struct SequenceOptions {
+  std::string policy = "none";
+  std::map<std::string, double> params;
+  std::string prefill_policy;
+  std::map<std::string, double> prefill_params;
+  int priority = 0;
+};
+
+struct PolicyStats {
+  std::string policy;
+  uint32_t sequences = 0;
+  uint64_t resident_tokens = 0, logical_tokens = 0, compactions = 0, tokens_removed = 0, failures = 0;
+  double compaction_seconds = 0;
+};
+
+// One sequence's compaction (or, for a dry run, what it would be).
+struct Compaction {
+  uint64_t sequence_id = 0;
+  std::string policy;
+  uint32_t tokens_before = 0, tokens_after = 0;
+  std::string skipped;  // why nothing was done, when nothing was
+  // dry run: resident positions after compaction, [layer * num_kv_heads + head] rows
+  std::vector<std::vector<int32_t>> kept;
+};
+
 struct DaemonStats {
   Geometry geometry;
   std::string backend;
   uint64_t blocks_total = 0, blocks_used = 0, blocks_free = 0, block_bytes = 0, pool_bytes = 0;
   uint64_t resident_tokens = 0, decode_steps = 0, tokens_appended = 0, lease_expiries = 0;
   uint32_t sequences = 0, sessions = 0;
+  uint64_t logical_tokens = 0, query_cache_bytes = 0, score_bytes = 0;
+  std::vector<PolicyStats> policies;
   bool invariants_checked = false;
   std::string invariant_error;
 };
 
 struct SequenceInfo {
   uint64_t id = 0;
-  std::string session_id, tenant, policy;
+  std::string session_id, tenant, policy, prefill_policy;
   uint32_t length = 0, blocks = 0, shared_blocks = 0;
+  uint32_t logical_length = 0, prompt_length = 0, compactions = 0;
   int32_t priority = 0, pending_layer = -1;
 };
 
@@ -104,11 +135,16 @@ class Client {
   size_t q_bytes(int rows) const;             // Step.q / Step.out / Attend.q / Attend.out
 
   absl::StatusOr<uint64_t> CreateSequence(const std::string& policy = "none", int priority = 0);
+  absl::StatusOr<uint64_t> CreateSequence(const SequenceOptions& options);
   absl::StatusOr<uint64_t> Fork(uint64_t sequence_id);
   // Returns how many blocks went back to the pool.
   absl::StatusOr<int> Release(uint64_t sequence_id);
   //   k, v: [L][T][Hk][D] storage dtype. Returns the sequence length after the append.
   absl::StatusOr<int> Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v);
+  // The same, with the queries of the last num_query_tokens tokens, q: [L][Nq][Hq][D] fp32 (needed
+  // by a snapkv prefill policy, and by kara for tokens appended after decoding started).
+  absl::StatusOr<int> Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v,
+                             const Buffer& q, int num_query_tokens);
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
   // Returns the daemon's decode-step counter.
   absl::StatusOr<uint64_t> Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
@@ -116,7 +152,10 @@ class Client {
   //   q, out: [N][Hq][D] fp32; query i sits at position length - N + i (causal).
   absl::Status Attend(uint64_t sequence_id, int layer, int num_queries, const Buffer& q,
                       const Buffer& out, float scale = 0);
-  // Copies the sequence's resident K/V ([L][T][Hk][D]) and positions ([T] int32) into the given
+  // Runs the policy of `sequence_id` (0: every sequence of this session) now; dry_run changes
+  // nothing and returns the positions that would stay.
+  absl::StatusOr<std::vector<Compaction>> Compact(uint64_t sequence_id, bool dry_run = false);
+  // Copies the sequence's resident K/V ([L][T][Hk][D]) and positions ([L][Hk][T] int32) into the given
   // buffers, which must be large enough; returns T.
   absl::StatusOr<int> ReadKV(uint64_t sequence_id, const Buffer& k, const Buffer& v,
                              const Buffer& positions);

@@ -1,0 +1,109 @@
+// Kara: periodic sliding-window compression of generated tokens (docs/COMPRESSION.md section 1).
+// The oldest W tail tokens are scored with bidirectional attention among themselves and replaced
+// by B = rho * W of them chosen by Token2Chunk; the prompt and earlier windows are never touched.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "server/policies/policies.h"
+
+namespace karakv::server {
+namespace {
+
+class KaraPolicy final : public Policy {
+ public:
+  KaraPolicy(const PolicyParams& p, const kernels::Geometry& g)
+      : window_(p.geti("window")),
+        budget_(budget_for(p.get("rho"), window_, g.block_size)),
+        candidates_(static_cast<int>(std::ceil(p.get("alpha") * budget_))),
+        max_gap_(p.geti("max_gap")),
+        period_(p.geti("period")),
+        sinks_(p.geti("sinks")) {}
+
+  // B = round(rho * W), rounded to a multiple of the block size (at least one block).
+  static int budget_for(double rho, int window, int block) {
+    const int b = static_cast<int>(std::lround(rho * window));
+    return std::max(block, static_cast<int>(std::lround(double(b) / block)) * block);
+  }
+
+  const std::string& name() const override { return name_; }
+  Trigger trigger() const override { return Trigger::kPeriodic; }
+  int period() const override { return period_; }
+  int query_window() const override { return -1; }
+
+  bool due(const SequenceView& seq, bool) const override {
+    return seq.resident - seq.tail_start >= window_ && seq.queries_first <= seq.tail_start &&
+           seq.queries_first + seq.num_queries >= seq.tail_start + window_;
+  }
+
+  absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
+                                      kernels::Backend& backend) const override {
+    const kernels::Geometry& g = *seq.geometry;
+    if (!due(seq, true)) {
+      return absl::FailedPreconditionError(absl::StrCat("kara: tail holds ", seq.resident - seq.tail_start,
+                                                        " tokens with queries, a window needs ", window_));
+    }
+    CompactionPlan plan;
+    plan.begin = seq.tail_start;
+    plan.end = seq.tail_start + window_;
+    plan.num_kept = budget_;
+    plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * budget_);
+    std::vector<float> q(size_t(window_) * g.q_token_elems());
+    std::vector<float> scores(size_t(g.num_kv_heads) * window_);
+    const float scale = 1.0f / std::sqrt(float(g.head_dim));
+    for (int l = 0; l < g.num_layers; ++l) {
+      policy_util::gather_queries(seq, plan.begin, window_, l, q.data());
+      if (auto s = policy_util::check(backend.window_scores(kv, 0, l, plan.begin, window_, q.data(), scale,
+                                                            scores.data()));
+          !s.ok()) {
+        return s;
+      }
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        float* row = scores.data() + size_t(h) * window_;
+        // Attention sinks that fall inside a window (a prompt shorter than S) are always kept.
+        for (int i = 0; i < window_; ++i) {
+          if (seq.position(l, h, plan.begin + i) < sinks_) row[i] = policy_util::kMustKeep;
+        }
+        int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * budget_;
+        if (auto s = policy_util::check(backend.token2chunk(row, window_, budget_, candidates_, max_gap_, out));
+            !s.ok()) {
+          return s;
+        }
+        for (int i = 0; i < budget_; ++i) out[i] += plan.begin;
+      }
+    }
+    return plan;
+  }
+
+ private:
+  const std::string name_ = "kara";
+  const int window_, budget_, candidates_, max_gap_, period_, sinks_;
+};
+
+}  // namespace
+
+std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
+  return {
+      {"window", 128, double(g.block_size), 8192, true, "W: tail tokens per window, a multiple of the block size"},
+      {"rho", 0.25, 0.01, 0.99, false, "kept fraction of a window"},
+      {"alpha", 0.5, 0.01, 1.0, false, "fraction of the budget taken as top-scoring candidates"},
+      {"max_gap", 8, 0, 8192, true, "G: longest gap between candidates filled as a chunk"},
+      {"period", 16, 1, 1 << 20, true, "P: decode steps between compression ticks"},
+      {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
+  };
+}
+
+absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const kernels::Geometry& g) {
+  if (p.geti("window") % g.block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("policy 'kara' parameter window=", p.geti("window"),
+                                                   " must be a multiple of the block size ", g.block_size));
+  }
+  const int budget = KaraPolicy::budget_for(p.get("rho"), p.geti("window"), g.block_size);
+  if (budget >= p.geti("window")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy 'kara': rho=", p.get("rho"), " keeps ", budget,
+                                                   " of a ", p.geti("window"),
+                                                   "-token window after rounding to blocks; expected fewer"));
+  }
+  return std::make_unique<KaraPolicy>(p, g);
+}
+
+}  // namespace karakv::server

@@ -1,0 +1,77 @@
+// snapkv: at c_max, the last w_obs tokens' queries score every resident key (causal inside the
+// observation window, mean over queries and the group's heads, average-pooled); the window and
+// the sinks are kept plus the top-scoring rest, c_target tokens per (layer, KV head).
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "server/policies/policies.h"
+#include "server/policies/threshold.h"
+
+namespace karakv::server {
+
+absl::StatusOr<std::vector<float>> snapkv_all_scores(const SequenceView& seq, const kernels::PagedKV& kv,
+                                                     kernels::Backend& backend, int w_obs, int pool) {
+  const kernels::Geometry& g = *seq.geometry;
+  const int32_t n = seq.resident;
+  std::vector<float> scores(size_t(g.num_layers) * g.num_kv_heads * n);
+  std::vector<float> q(size_t(w_obs) * g.q_token_elems());
+  const float scale = 1.0f / std::sqrt(float(g.head_dim));
+  for (int l = 0; l < g.num_layers; ++l) {
+    policy_util::gather_queries(seq, n - w_obs, w_obs, l, q.data());
+    float* out = scores.data() + size_t(l) * g.num_kv_heads * n;
+    if (auto s = policy_util::check(backend.snapkv_scores(kv, 0, l, w_obs, q.data(), scale, pool, out)); !s.ok()) {
+      return s;
+    }
+  }
+  return scores;
+}
+
+namespace {
+
+class SnapKVPolicy final : public ThresholdPolicy {
+ public:
+  explicit SnapKVPolicy(const PolicyParams& p)
+      : ThresholdPolicy("snapkv", p), w_obs_(p.geti("w_obs")), pool_(p.geti("pool")) {}
+
+  int query_window() const override { return w_obs_; }
+
+  absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
+                                      kernels::Backend& backend) const override {
+    auto scores = snapkv_all_scores(seq, kv, backend, w_obs_, pool_);
+    if (!scores.ok()) return scores.status();
+    return policy_util::top_budget_plan(seq, *scores, c_target_, sinks_, w_obs_, backend);
+  }
+
+ protected:
+  bool has_inputs(const SequenceView& seq) const override {
+    return seq.resident > w_obs_ && seq.queries_first <= seq.resident - w_obs_ &&
+           seq.queries_first + seq.num_queries >= seq.resident;
+  }
+  std::string inputs_needed() const override {
+    return absl::StrCat("it needs the queries of the newest ", w_obs_,
+                        " tokens (Step sends them; for a prompt, Append q with num_query_tokens)");
+  }
+
+ private:
+  const int w_obs_, pool_;
+};
+
+}  // namespace
+
+std::vector<ParamSpec> snapkv_params(const kernels::Geometry&) {
+  auto p = threshold_params();
+  p.push_back({"w_obs", 32, 1, 4096, true, "observation window: newest tokens whose queries score the cache"});
+  p.push_back({"pool", 5, 1, 63, true, "width of the average pool over scores (odd)"});
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<Policy>> make_snapkv(const PolicyParams& p, const kernels::Geometry&) {
+  if (auto s = check_threshold("snapkv", p, p.geti("w_obs") + p.geti("sinks")); !s.ok()) return s;
+  if (p.geti("pool") % 2 == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("policy 'snapkv' parameter pool=", p.geti("pool"),
+                                                   " must be odd (same padding)"));
+  }
+  return std::make_unique<SnapKVPolicy>(p);
+}
+
+}  // namespace karakv::server

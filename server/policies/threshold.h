@@ -1,0 +1,63 @@
+// The baselines' common shape: when the cache reaches c_max tokens, compress the WHOLE cache
+// (earlier compressed parts included) to c_target tokens, keeping the first `sinks` positions.
+#pragma once
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "server/policy.h"
+
+namespace karakv::server {
+
+class ThresholdPolicy : public Policy {
+ public:
+  ThresholdPolicy(std::string name, const PolicyParams& p)
+      : name_(std::move(name)), c_max_(p.geti("c_max")), c_target_(p.geti("c_target")), sinks_(p.geti("sinks")) {}
+
+  const std::string& name() const override { return name_; }
+  Trigger trigger() const override { return Trigger::kThreshold; }
+  bool due(const SequenceView& seq, bool forced) const override {
+    return (forced ? seq.resident > c_target_ : seq.resident >= c_max_) && has_inputs(seq);
+  }
+  absl::Status ready(const SequenceView& seq) const override {
+    if (seq.resident <= c_target_ || has_inputs(seq)) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("policy '", name_, "' cannot score: ", inputs_needed()));
+  }
+
+ protected:
+  // Whether the policy's scores can be computed (queries or accumulated attention present).
+  virtual bool has_inputs(const SequenceView& seq) const { return true; }
+  virtual std::string inputs_needed() const { return ""; }
+
+  const std::string name_;
+  const int c_max_, c_target_, sinks_;
+};
+
+// c_max, c_target and sinks, shared by every threshold policy.
+inline std::vector<ParamSpec> threshold_params() {
+  return {
+      {"c_max", 1024, 2, 1 << 24, true, "cache length that triggers compression"},
+      {"c_target", 512, 1, 1 << 24, true, "cache length after compression"},
+      {"sinks", 4, 0, 1 << 20, true, "S: first positions always kept"},
+  };
+}
+
+// Checks c_target < c_max and that `reserved` forced tokens fit in c_target.
+inline absl::Status check_threshold(const std::string& name, const PolicyParams& p, int reserved) {
+  if (p.geti("c_target") >= p.geti("c_max")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy '", name, "': c_target=", p.geti("c_target"),
+                                                   " must be below c_max=", p.geti("c_max")));
+  }
+  if (reserved > p.geti("c_target")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy '", name, "': c_target=", p.geti("c_target"),
+                                                   " cannot hold the ", reserved,
+                                                   " tokens always kept (sinks + window)"));
+  }
+  return absl::OkStatus();
+}
+
+// SnapKV's per-slot scores for every layer and KV head: [num_layers][num_kv_heads][resident].
+absl::StatusOr<std::vector<float>> snapkv_all_scores(const SequenceView& seq, const kernels::PagedKV& kv,
+                                                     kernels::Backend& backend, int w_obs, int pool);
+
+}  // namespace karakv::server

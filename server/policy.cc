@@ -1,0 +1,74 @@
+// Parameter validation and helpers shared by every policy.
+#include "server/policy.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace karakv::server {
+
+absl::StatusOr<PolicyParams> resolve_params(const std::string& policy, const std::vector<ParamSpec>& specs,
+                                            const std::map<std::string, double>& given) {
+  PolicyParams out;
+  for (const ParamSpec& s : specs) out.set(s.name, s.default_value);
+  for (const auto& [name, value] : given) {
+    const ParamSpec* spec = nullptr;
+    for (const ParamSpec& s : specs) {
+      if (s.name == name) spec = &s;
+    }
+    if (spec == nullptr) {
+      std::vector<std::string> names;
+      for (const ParamSpec& s : specs) names.push_back(s.name);
+      return absl::InvalidArgumentError(absl::StrCat("policy '", policy, "' has no parameter '", name,
+                                                     "'; it takes: ", names.empty() ? "none" : absl::StrJoin(names, ", ")));
+    }
+    if (!(value >= spec->min && value <= spec->max) || (spec->integer && value != std::floor(value))) {
+      return absl::InvalidArgumentError(absl::StrCat("policy '", policy, "' parameter ", name, "=", value,
+                                                     " out of range: expected ", spec->integer ? "an integer " : "",
+                                                     "in [", spec->min, ", ", spec->max, "] (", spec->help, ")"));
+    }
+    out.set(name, value);
+  }
+  return out;
+}
+
+namespace policy_util {
+
+absl::Status check(const kernels::KernelStatus& s) {
+  if (s.is_ok()) return absl::OkStatus();
+  if (s.code == kernels::KernelStatus::Code::kUnsupported) return absl::UnimplementedError(s.message);
+  if (s.code == kernels::KernelStatus::Code::kInvalidArgument) return absl::InvalidArgumentError(s.message);
+  return absl::InternalError(s.message);
+}
+
+void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer, float* out) {
+  const size_t row = seq.geometry->q_token_elems();
+  for (int32_t i = 0; i < n; ++i) std::memcpy(out + i * row, seq.queries_of(first + i, layer), row * 4);
+}
+
+absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vector<float>& scores, int budget,
+                                               int sinks, int keep_last, kernels::Backend& backend) {
+  const kernels::Geometry& g = *seq.geometry;
+  const int32_t n = seq.resident;
+  CompactionPlan plan;
+  plan.begin = 0;
+  plan.end = n;
+  plan.num_kept = std::min(budget, n);
+  plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * plan.num_kept);
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      float* row = scores.data() + (size_t(l) * g.num_kv_heads + h) * n;
+      for (int32_t s = 0; s < n; ++s) {
+        if (seq.position(l, h, s) < sinks || s >= n - keep_last) row[s] = kMustKeep;
+      }
+      int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * plan.num_kept;
+      if (absl::Status st = check(backend.top_k(row, n, plan.num_kept, out)); !st.ok()) return st;
+    }
+  }
+  return plan;
+}
+
+}  // namespace policy_util
+}  // namespace karakv::server

@@ -1,0 +1,131 @@
+// The compression policy interface. A policy looks at one sequence's resident cache (through the
+// kernels) and returns a CompactionPlan: which slots of a slot range to keep, per layer and KV
+// head, the same count for every head. The registry applies plans; policies never touch the pool.
+// Adding a policy: its own file under policies/ plus one line in policies/registry.cc.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "karakv/kernels/backend.h"
+
+namespace karakv::server {
+
+// One tunable number of a policy: default and allowed range (docs/COMPRESSION.md).
+struct ParamSpec {
+  std::string name;
+  double default_value;
+  double min, max;
+  bool integer;
+  std::string help;
+};
+
+// Parameter values after validation, by name.
+class PolicyParams {
+ public:
+  double get(const std::string& name) const { return values_.at(name); }
+  int geti(const std::string& name) const { return static_cast<int>(values_.at(name)); }
+  const std::map<std::string, double>& values() const { return values_; }
+  void set(const std::string& name, double v) { values_[name] = v; }
+
+ private:
+  std::map<std::string, double> values_;
+};
+
+// Fills defaults and refuses unknown names or values out of range, naming the parameter and the
+// allowed range.
+absl::StatusOr<PolicyParams> resolve_params(const std::string& policy, const std::vector<ParamSpec>& specs,
+                                            const std::map<std::string, double>& given);
+
+// What a policy sees of a sequence. Slots are indices into the resident cache (0..resident-1).
+struct SequenceView {
+  const kernels::Geometry* geometry = nullptr;
+  int32_t resident = 0;        // tokens in the cache
+  int32_t logical = 0;         // tokens ever appended (next position)
+  int32_t prompt = 0;          // tokens appended before the first decode step
+  int32_t tail_start = 0;      // Kara: first slot of the tail (block-aligned, after the compressed region)
+  // Query cache: the queries of slots [queries_first, queries_first + num_queries), all layers:
+  //   [num_queries][num_layers][num_q_heads][head_dim] fp32
+  const float* queries = nullptr;
+  int32_t queries_first = 0;
+  int32_t num_queries = 0;
+  // Accumulated attention per slot (H2O), [num_layers * num_kv_heads][>= resident]; null when not kept.
+  const std::vector<std::vector<float>>* attention = nullptr;
+  // Position of slot `slot` for (layer, head).
+  std::function<int32_t(int layer, int head, int32_t slot)> position;
+
+  const float* queries_of(int32_t slot, int layer) const {
+    const kernels::Geometry& g = *geometry;
+    return queries + (size_t(slot - queries_first) * g.num_layers + layer) * g.q_token_elems();
+  }
+};
+
+// What to keep: slots [begin, end) of the cache are replaced by `num_kept` of them per (layer,
+// KV head). begin is block-aligned; end is block-aligned or equal to resident; when end < resident,
+// num_kept is a multiple of the block size so the slots after the range stay block-aligned.
+struct CompactionPlan {
+  int32_t begin = 0, end = 0;
+  int32_t num_kept = 0;
+  std::vector<int32_t> kept;  // [num_layers][num_kv_heads][num_kept] absolute slots, ascending per row
+  bool empty() const { return end <= begin; }
+};
+
+// When the scheduler asks a policy to run.
+enum class Trigger {
+  kNever,      // none
+  kPeriodic,   // Kara: at the global tick every `period` decode steps
+  kThreshold,  // baselines: when the cache reaches its limit
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual const std::string& name() const = 0;
+  virtual Trigger trigger() const = 0;
+  // Period of a periodic policy, in decode steps.
+  virtual int period() const { return 0; }
+  // How many of the newest tokens' queries the daemon must keep (Kara: the whole tail, -1).
+  virtual int query_window() const { return 0; }
+  // Whether the daemon must accumulate decode attention per slot (H2O).
+  virtual bool needs_attention() const { return false; }
+  // Whether the policy would compact now (Kara: a full window in the tail; threshold: the limit).
+  // `forced` (Compact RPC) asks whether there is anything to compact at all.
+  virtual bool due(const SequenceView& seq, bool forced) const = 0;
+  // Why the policy cannot run although the cache is over its budget (missing queries or scores);
+  // OK when it can, or when there is nothing to do.
+  virtual absl::Status ready(const SequenceView& seq) const { return absl::OkStatus(); }
+  // The plan for this sequence now. `kv` holds this one sequence as index 0.
+  virtual absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
+                                              kernels::Backend& backend) const = 0;
+};
+
+// Builds the named policy with the given parameters (defaults filled, ranges checked).
+// The geometry is needed to check block alignment of budgets.
+absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
+                                                    const std::map<std::string, double>& params,
+                                                    const kernels::Geometry& geometry);
+// Names of every registered policy, for error messages and --help.
+std::vector<std::string> policy_names();
+
+// Helpers shared by the policies (policy.cc).
+namespace policy_util {
+// Converts a KernelStatus into an absl::Status.
+absl::Status check(const kernels::KernelStatus& s);
+// Score that wins every top-k: for tokens a policy must keep (sinks, observation window).
+inline constexpr float kMustKeep = 3.0e38f;
+// Copies the queries of slots [first, first + n) at `layer` out of the query cache:
+//   out: [n][num_q_heads][head_dim] fp32
+void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer, float* out);
+// Whole-cache plan from per-(layer, head) slot scores: top `budget` slots of every row, after the
+// sinks (positions < sinks) and the last `keep_last` slots are forced in.
+//   scores: [num_layers][num_kv_heads][resident], modified in place
+absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vector<float>& scores, int budget,
+                                               int sinks, int keep_last, kernels::Backend& backend);
+}  // namespace policy_util
+
+}  // namespace karakv::server

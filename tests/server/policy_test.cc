@@ -1,0 +1,391 @@
+// Compression policies inside the registry, on random inputs over many seeds: the invariants of
+// docs/COMPRESSION.md, and a property test of random Step / Compact / Fork / Release sequences.
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+
+#include "common/synthetic.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/registry.h"
+
+namespace karakv::server {
+namespace {
+
+using ::testing::HasSubstr;
+using synthetic::Tensor;
+
+kernels::Geometry geometry() {
+  kernels::Geometry g;
+  g.num_layers = 2;
+  g.num_q_heads = 4;
+  g.num_kv_heads = 2;
+  g.head_dim = 8;
+  g.block_size = 4;
+  g.dtype = kernels::DType::kFloat16;
+  return g;
+}
+
+// Drives one registry with deterministic random K/V/Q.
+class Driver {
+ public:
+  explicit Driver(uint64_t seed, int blocks = 4096) : seed_(seed) {
+    RegistryConfig c;
+    c.geometry = geometry();
+    c.pool_bytes = int64_t(blocks) * c.geometry.block_bytes();
+    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    EXPECT_TRUE(r.ok()) << r.status();
+    reg = std::move(*r);
+    session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  }
+
+  absl::StatusOr<uint64_t> create(const SequenceOptions& o) { return reg->create_sequence(session, o); }
+
+  // Appends `n` prompt tokens of `seq` starting at position `pos0`, with the queries of the last nq.
+  absl::Status append(uint64_t seq, int64_t pos0, int n, int nq = 0) {
+    const auto& g = reg->geometry();
+    std::vector<uint8_t> k(reg->append_bytes(n)), v(k.size());
+    synthetic::fill_prompt(k.data(), g, seed_, Tensor::kKey, seq, pos0, n);
+    synthetic::fill_prompt(v.data(), g, seed_, Tensor::kValue, seq, pos0, n);
+    std::vector<float> q(size_t(g.num_layers) * nq * g.q_token_elems());
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int i = 0; i < nq; ++i)
+        synthetic::fill_query(q.data() + (size_t(l) * nq + i) * g.q_token_elems(), g, seed_, seq, l, pos0 + n - nq + i);
+    return reg->append(session, seq, n, k, v, ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4), nq)
+        .status();
+  }
+
+  // One whole decode step of every sequence in `seqs`, token positions from `logical`.
+  absl::Status step(const std::vector<uint64_t>& seqs, std::vector<int64_t>& logical) {
+    const auto& g = reg->geometry();
+    const size_t kvb = g.kv_token_elems() * 2;
+    for (int l = 0; l < g.num_layers; ++l) {
+      std::vector<uint8_t> k(kvb * seqs.size()), v(k.size());
+      std::vector<float> q(g.q_token_elems() * seqs.size()), out(q.size());
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        synthetic::fill_token(k.data() + i * kvb, g, seed_, Tensor::kKey, seqs[i], l, logical[i]);
+        synthetic::fill_token(v.data() + i * kvb, g, seed_, Tensor::kValue, seqs[i], l, logical[i]);
+        synthetic::fill_query(q.data() + i * g.q_token_elems(), g, seed_, seqs[i], l, logical[i]);
+      }
+      auto r = reg->step(session, l, seqs, k, v, ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
+                         MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
+      if (!r.ok()) return r.status();
+    }
+    for (auto& p : logical) ++p;
+    return absl::OkStatus();
+  }
+
+  std::vector<std::vector<int32_t>> positions(uint64_t seq) { return reg->inspect(seq)->second; }
+  SequenceInfo info(uint64_t seq) { return reg->inspect(seq)->first; }
+
+  std::unique_ptr<Registry> reg;
+  std::string session;
+
+ private:
+  uint64_t seed_;
+};
+
+// Every row sorted, unique, in range, all rows the same length, sinks present.
+void expect_well_formed(const std::vector<std::vector<int32_t>>& rows, int32_t logical, int sinks) {
+  ASSERT_FALSE(rows.empty());
+  for (const auto& r : rows) {
+    ASSERT_EQ(r.size(), rows[0].size());
+    for (size_t i = 0; i < r.size(); ++i) {
+      ASSERT_GE(r[i], 0);
+      ASSERT_LT(r[i], logical);
+      if (i > 0) ASSERT_LT(r[i - 1], r[i]) << "positions not strictly increasing";
+    }
+    for (int s = 0; s < std::min(sinks, logical); ++s) ASSERT_EQ(r[s], s) << "sink " << s << " evicted";
+  }
+}
+
+TEST(KaraPolicyTest, WindowsKeepExactlyBNeverTouchThePromptOrEarlierWindows) {
+  for (uint64_t seed = 1; seed <= 12; ++seed) {
+    Driver d(seed);
+    std::mt19937 rng(seed);
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}};  // B = 4
+    const uint64_t seq = *d.create(o);
+    const int prompt = 1 + rng() % 23;
+    ASSERT_TRUE(d.append(seq, 0, prompt).ok());
+    std::vector<int64_t> logical{prompt};
+    const int32_t tail_start = (prompt + 3) / 4 * 4;
+    std::vector<std::vector<int32_t>> frozen;  // the compressed region after each compaction
+    int compactions = 0;
+    for (int t = 0; t < 120; ++t) {
+      ASSERT_TRUE(d.step({seq}, logical).ok());
+      const SequenceInfo info = d.info(seq);
+      auto rows = d.positions(seq);
+      expect_well_formed(rows, int32_t(logical[0]), 4);
+      // The prompt and the tokens sharing its last block are never touched.
+      for (const auto& r : rows)
+        for (int p = 0; p < std::min<int>(tail_start, logical[0]); ++p) ASSERT_EQ(r[p], p);
+      if (int(info.compactions) > compactions) {
+        compactions = info.compactions;
+        // Exactly B = 4 kept per window: resident = logical - 12 * compactions.
+        EXPECT_EQ(int64_t(info.length), logical[0] - 12 * compactions);
+        // Earlier windows are unchanged by later compactions.
+        for (size_t r = 0; r < rows.size(); ++r) {
+          if (frozen.empty()) break;
+          for (size_t i = 0; i < frozen[r].size(); ++i) ASSERT_EQ(rows[r][i], frozen[r][i]);
+        }
+        frozen.assign(rows.size(), {});
+        for (size_t r = 0; r < rows.size(); ++r) frozen[r].assign(rows[r].begin(), rows[r].begin() + tail_start + 4 * compactions);
+      }
+      // The uncompressed tail (everything after the compressed region) is contiguous and at most W + P.
+      const int32_t tail = int32_t(info.length) - (tail_start + 4 * compactions);
+      EXPECT_LT(tail, 16 + 4 + 4) << "tail should be compressed at every tick once a window is full";
+    }
+    EXPECT_GE(compactions, 6) << "seed " << seed;
+    ASSERT_TRUE(d.reg->check_invariants().ok());
+  }
+}
+
+TEST(KaraPolicyTest, CompressesOnlyAtTicksLongestTailFirstWithCap) {
+  RegistryConfig c;
+  c.geometry = geometry();
+  c.pool_bytes = 4096ll * c.geometry.block_bytes();
+  c.max_sequences_per_tick = 1;
+  auto reg = *Registry::create(c, kernels::make_cpu_backend(1));
+  Driver d(5);
+  d.reg = std::move(reg);
+  d.session = d.reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 16}, {"period", 24}};
+  const uint64_t a = *d.create(o), b = *d.create(o);
+  ASSERT_TRUE(d.append(a, 0, 6).ok());  // tail starts at slot 8: after t steps, t - 2 tail tokens
+  ASSERT_TRUE(d.append(b, 0, 4).ok());  // tail starts at slot 4: t tail tokens, the longer tail
+  std::vector<int64_t> logical{6, 4};
+  for (int t = 0; t < 24; ++t) {
+    ASSERT_TRUE(d.step({a, b}, logical).ok());
+    const int ca = d.info(a).compactions, cb = d.info(b).compactions;
+    if (t + 1 < 24) {
+      // Full windows exist from step 16 (b) and 18 (a), but nothing runs between ticks.
+      EXPECT_EQ(ca + cb, 0) << "step " << t + 1;
+    } else {
+      EXPECT_EQ(cb, 1);  // longest tail first
+      EXPECT_EQ(ca, 0);  // the cap of one per tick
+    }
+  }
+}
+
+TEST(SnapKVPolicyTest, RecompressesTheWholeCacheAndKeepsTheObservationWindow) {
+  bool dropped_earlier_survivor = false;
+  for (uint64_t seed = 1; seed <= 10; ++seed) {
+    Driver d(seed);
+    SequenceOptions o;
+    o.policy = "snapkv";
+    o.params = {{"c_max", 40}, {"c_target", 24}, {"w_obs", 6}};
+    const uint64_t seq = *d.create(o);
+    ASSERT_TRUE(d.append(seq, 0, 10).ok());
+    std::vector<int64_t> logical{10};
+    std::vector<std::vector<int32_t>> before, last_kept;
+    for (int t = 0; t < 80; ++t) {
+      before = d.positions(seq);
+      const int c0 = d.info(seq).compactions;
+      ASSERT_TRUE(d.step({seq}, logical).ok());
+      auto rows = d.positions(seq);
+      expect_well_formed(rows, int32_t(logical[0]), 4);
+      if (int(d.info(seq).compactions) == c0) continue;
+      ASSERT_EQ(rows[0].size(), 24u);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        // The observation window: the newest 6 tokens, including this step's.
+        for (int i = 0; i < 6; ++i) {
+          const int32_t p = int32_t(logical[0]) - 6 + i;
+          EXPECT_TRUE(std::binary_search(rows[r].begin(), rows[r].end(), p)) << "window position " << p << " evicted";
+        }
+        if (!last_kept.empty()) {
+          for (int32_t p : last_kept[r]) {
+            if (p >= 4 && !std::binary_search(rows[r].begin(), rows[r].end(), p)) dropped_earlier_survivor = true;
+          }
+        }
+      }
+      last_kept = rows;
+    }
+    EXPECT_GE(d.info(seq).compactions, 3u);
+  }
+  // The behaviour the Kara paper criticises: tokens kept by one compaction are evicted by the next.
+  EXPECT_TRUE(dropped_earlier_survivor);
+}
+
+TEST(BaselinePolicyTest, StreamingH2OChunkKVKeepBudgetSinksAndRecent) {
+  for (const char* policy : {"streaming", "h2o", "chunkkv"}) {
+    for (uint64_t seed = 1; seed <= 6; ++seed) {
+      Driver d(seed);
+      SequenceOptions o;
+      o.policy = policy;
+      o.params = {{"c_max", 48}, {"c_target", 30}};
+      if (std::string(policy) == "chunkkv") o.params["w_obs"] = 6;
+      auto created = d.create(o);
+      ASSERT_TRUE(created.ok()) << created.status();
+      const uint64_t seq = *created;
+      ASSERT_TRUE(d.append(seq, 0, 20).ok());
+      std::vector<int64_t> logical{20};
+      for (int t = 0; t < 70; ++t) {
+        ASSERT_TRUE(d.step({seq}, logical).ok()) << policy;
+        auto rows = d.positions(seq);
+        expect_well_formed(rows, int32_t(logical[0]), 4);
+        ASSERT_LT(rows[0].size(), 48u);
+        if (std::string(policy) == "streaming") {
+          // Sinks plus a contiguous run of the newest tokens.
+          for (const auto& r : rows)
+            for (size_t i = 4; i + 1 < r.size(); ++i) ASSERT_EQ(r[i] + 1, r[i + 1]);
+        }
+        if (std::string(policy) == "chunkkv") {
+          const int hk = geometry().num_kv_heads;
+          for (size_t r = 0; r < rows.size(); ++r)
+            ASSERT_EQ(rows[r], rows[r / hk * hk]) << "chunkkv keeps the same slots for every head of a layer";
+        }
+      }
+      EXPECT_GE(d.info(seq).compactions, 2u) << policy;
+      ASSERT_TRUE(d.reg->check_invariants().ok());
+    }
+  }
+}
+
+TEST(PrefillPolicyTest, SnapKVCompressesThePromptOnceAtTheFirstStep) {
+  Driver d(3);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 16}};
+  o.prefill_policy = "snapkv";
+  o.prefill_params = {{"c_target", 20}, {"c_max", 21}, {"w_obs", 8}};
+  const uint64_t seq = *d.create(o);
+  ASSERT_TRUE(d.append(seq, 0, 50, 8).ok());
+  std::vector<int64_t> logical{50};
+  EXPECT_EQ(d.info(seq).length, 50u);
+  ASSERT_TRUE(d.step({seq}, logical).ok());
+  EXPECT_EQ(d.info(seq).length, 21u);  // 20 prompt tokens + this step's
+  EXPECT_EQ(d.info(seq).prompt_length, 50u);
+  auto rows = d.positions(seq);
+  expect_well_formed(rows, 51, 4);
+  for (const auto& r : rows) EXPECT_EQ(r.back(), 50);
+  // Without the prompt's queries the first Step is refused, naming what is missing.
+  const uint64_t other = *d.create(o);
+  ASSERT_TRUE(d.append(other, 0, 50, 0).ok());
+  std::vector<int64_t> lo{50};
+  absl::Status s = d.step({other}, lo);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("queries of the newest 8 tokens"));
+  EXPECT_EQ(d.info(other).length, 50u);
+  EXPECT_TRUE(d.reg->check_invariants().ok());
+}
+
+TEST(PolicyParamsTest, BadValuesAreRefusedNamingParameterAndRange) {
+  Driver d(1);
+  auto refused = [&](const std::string& policy, std::map<std::string, double> params, const std::string& words) {
+    SequenceOptions o;
+    o.policy = policy;
+    o.params = std::move(params);
+    auto r = d.create(o);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << policy;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(words));
+  };
+  refused("kara", {{"rho", 1.5}}, "rho=1.5 out of range: expected in [0.01, 0.99]");
+  refused("kara", {{"window", 18}}, "multiple of the block size 4");
+  refused("kara", {{"period", 0}}, "period=0 out of range");
+  refused("kara", {{"colour", 1}}, "has no parameter 'colour'");
+  refused("snapkv", {{"c_target", 2000}}, "must be below c_max=1024");
+  refused("snapkv", {{"pool", 4}}, "must be odd");
+  refused("snapkv", {{"w_obs", 2.5}}, "expected an integer");
+  refused("h2o", {{"recent_ratio", -1}}, "recent_ratio=-1 out of range");
+  refused("magic", {}, "unknown policy 'magic'; expected one of: none, kara, snapkv, chunkkv, streaming, h2o");
+  SequenceOptions o;
+  o.policy = "none";
+  o.prefill_policy = "kara";
+  EXPECT_THAT(std::string(d.create(o).status().message()), HasSubstr("not a one-shot policy"));
+}
+
+TEST(CompactTest, DryRunChangesNothingAndMatchesTheRealRun) {
+  Driver d(9);
+  SequenceOptions o;
+  o.policy = "snapkv";
+  o.params = {{"c_max", 1000}, {"c_target", 16}, {"w_obs", 4}};
+  const uint64_t seq = *d.create(o);
+  ASSERT_TRUE(d.append(seq, 0, 30, 4).ok());
+  const auto before = d.positions(seq);
+  auto dry = d.reg->compact(d.session, seq, true);
+  ASSERT_TRUE(dry.ok()) << dry.status();
+  EXPECT_EQ(d.positions(seq), before);
+  ASSERT_EQ((*dry)[0].tokens_after, 16);
+  auto real = d.reg->compact(d.session, seq, false);
+  ASSERT_TRUE(real.ok());
+  EXPECT_EQ(d.positions(seq), (*dry)[0].kept);
+  EXPECT_EQ(d.reg->stats().policies["snapkv"].compactions, 1u);
+  // Nothing left to do: reported as skipped, not as an error.
+  auto again = d.reg->compact(d.session, seq, false);
+  EXPECT_THAT((*again)[0].skipped, HasSubstr("nothing to compact"));
+}
+
+// Thousands of random operations over several policies, with the pool invariant and the
+// per-sequence position invariants checked after every one.
+TEST(PolicyPropertyTest, RandomStepCompactForkReleaseKeepInvariants) {
+  for (uint64_t seed : {11u, 22u, 33u, 44u}) {
+    Driver d(seed, 400);
+    std::mt19937 rng(seed);
+    struct Live {
+      uint64_t id;
+      int64_t logical;
+    };
+    std::vector<Live> live;
+    const char* policies[] = {"none", "kara", "snapkv", "streaming", "h2o", "chunkkv"};
+    int ops = 0, refused = 0;
+    for (int op = 0; op < 700; ++op) {
+      const int kind = rng() % 10;
+      if (kind == 0 || live.empty()) {
+        SequenceOptions o;
+        o.policy = policies[rng() % 6];
+        if (o.policy == "kara") o.params = {{"window", 8}, {"period", 2}};
+        else if (o.policy != "none") o.params = {{"c_max", 24}, {"c_target", 12}, {"sinks", 2}};
+        if (o.policy == "snapkv" || o.policy == "chunkkv") o.params["w_obs"] = 4;
+        auto id = d.create(o);
+        ASSERT_TRUE(id.ok()) << id.status();
+        const int n = 1 + rng() % 12;
+        if (d.append(*id, 0, n, std::min(n, 4)).ok()) live.push_back({*id, n});
+        else ++refused;
+      } else if (kind <= 5) {
+        std::vector<uint64_t> batch;
+        std::vector<int64_t> logical;
+        for (const Live& l : live) {
+          if (rng() % 2) batch.push_back(l.id), logical.push_back(l.logical);
+        }
+        if (batch.empty()) continue;
+        if (d.step(batch, logical).ok()) {
+          for (size_t i = 0; i < batch.size(); ++i)
+            for (Live& l : live)
+              if (l.id == batch[i]) l.logical = logical[i];
+        } else {
+          ++refused;
+        }
+      } else if (kind == 6) {
+        auto r = d.reg->compact(d.session, live[rng() % live.size()].id, rng() % 2);
+        ASSERT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kResourceExhausted) << r.status();
+      } else if (kind == 7) {
+        const Live parent = live[rng() % live.size()];
+        auto child = d.reg->fork_sequence(d.session, parent.id);
+        ASSERT_TRUE(child.ok());
+        live.push_back({*child, parent.logical});
+      } else {
+        const size_t i = rng() % live.size();
+        ASSERT_TRUE(d.reg->release_sequence(d.session, live[i].id).ok());
+        live.erase(live.begin() + i);
+      }
+      ++ops;
+      ASSERT_TRUE(d.reg->check_invariants().ok()) << d.reg->check_invariants() << " after op " << op;
+      for (const Live& l : live) {
+        const SequenceInfo info = d.info(l.id);
+        ASSERT_EQ(int64_t(info.logical_length), l.logical);
+        expect_well_formed(d.positions(l.id), info.logical_length, 0);
+      }
+    }
+    EXPECT_GT(ops, 600);
+    for (const Live& l : live) ASSERT_TRUE(d.reg->release_sequence(d.session, l.id).ok());
+    EXPECT_EQ(d.reg->stats().blocks_used, 0);
+  }
+}
+
+}  // namespace
+}  // namespace karakv::server
