@@ -91,7 +91,10 @@ int main(int argc, char** argv) {
     metrics_ptr->compaction(r.policy, r.tokens_before - r.tokens_after, r.seconds);
   });
   karakv::server::KaraKVService service(registry->get(), metrics->get(), config->check_invariants);
-  (*metrics)->update_state((*registry)->stats(), (*registry)->geometry().block_bytes(), (*registry)->geometry());
+  karakv::server::Registry* registry_ptr = registry->get();
+  metrics_ptr->set_refresher([metrics_ptr, registry_ptr] {
+    metrics_ptr->update_state(registry_ptr->stats(), registry_ptr->geometry().block_bytes(), registry_ptr->geometry());
+  });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -131,7 +134,6 @@ int main(int argc, char** argv) {
       if (n > 0) {
         spdlog::warn("lease expired for {} session(s); their sequences and staging were freed", n);
         (*metrics)->lease_expired(n);
-        (*metrics)->update_state((*registry)->stats(), g.block_bytes(), g);
       }
     }
   });

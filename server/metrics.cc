@@ -2,13 +2,42 @@
 // _bytes units, and only bounded labels (method and status code, never ids).
 #include "server/metrics.h"
 
+#include <mutex>
+
 #include "absl/strings/str_cat.h"
 
 namespace karakv::server {
 
+// The registry as the exposer sees it: runs the refresher, then collects.
+class Metrics::Refreshing : public prometheus::Collectable {
+ public:
+  explicit Refreshing(std::shared_ptr<prometheus::Registry> registry) : registry_(std::move(registry)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::function<void()> refresh;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      refresh = refresh_;
+    }
+    if (refresh) refresh();
+    return registry_->Collect();
+  }
+  void set(std::function<void()> f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refresh_ = std::move(f);
+  }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  mutable std::mutex mu_;
+  std::function<void()> refresh_;
+};
+
+void Metrics::set_refresher(std::function<void()> refresh) { collectable_->set(std::move(refresh)); }
+
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& listen) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
+  m->collectable_ = std::make_shared<Refreshing>(m->registry_);
   auto& reg = *m->registry_;
   m->rpc_latency_ = &prometheus::BuildHistogram()
                          .Name("karakv_rpc_duration_seconds")
@@ -58,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
     } catch (const std::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat("cannot serve metrics on ", listen, ": ", e.what()));
     }
-    m->exposer_->RegisterCollectable(m->registry_);
+    m->exposer_->RegisterCollectable(m->collectable_);
   }
   return m;
 }

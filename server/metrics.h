@@ -2,6 +2,7 @@
 // methods below, never by name.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,10 +32,15 @@ class Metrics {
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
   void compaction(const std::string& policy, int tokens_removed, double seconds);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // Called at every scrape, before the metrics are read: state gauges are refreshed then, not on
+  // the request path.
+  void set_refresher(std::function<void()> refresh);
 
  private:
   Metrics() = default;
+  class Refreshing;
   std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<Refreshing> collectable_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   prometheus::Family<prometheus::Histogram>* rpc_latency_ = nullptr;
   prometheus::Family<prometheus::Counter>* rpc_errors_ = nullptr;

@@ -33,10 +33,12 @@ absl::Status to_status(const kernels::KernelStatus& s) {
   }
 }
 
-absl::Status check_size(const char* what, size_t got, size_t want, const std::string& layout) {
+// `layout` is only formatted when the size is wrong: this runs on every Step.
+template <typename Layout>
+absl::Status check_size(const char* what, size_t got, size_t want, Layout&& layout) {
   if (got == want) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(what, " has ", got, " bytes, expected ", want, " (", layout, ")"));
+      absl::StrCat(what, " has ", got, " bytes, expected ", want, " (", layout(), ")"));
 }
 
 float default_scale(float scale, int head_dim) {
@@ -367,9 +369,10 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
   if (num_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens is ", num_tokens, ", expected >= 1"));
   }
-  const std::string layout = absl::StrFormat("[L=%d][T=%d][Hk=%d][D=%d] %s", g.num_layers,
-                                             num_tokens, g.num_kv_heads, g.head_dim,
-                                             kernels::dtype_name(g.dtype));
+  auto layout = [&] {
+    return absl::StrFormat("[L=%d][T=%d][Hk=%d][D=%d] %s", g.num_layers, num_tokens, g.num_kv_heads,
+                           g.head_dim, kernels::dtype_name(g.dtype));
+  };
   if (auto s = check_size("k", k.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
   if (auto s = check_size("v", v.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
   if (num_query_tokens < 0 || num_query_tokens > num_tokens) {
@@ -377,8 +380,10 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
                                                    ", expected 0..num_tokens (", num_tokens, ")"));
   }
   if (auto s = check_size("q", q.size(), size_t(g.num_layers) * q_bytes(num_query_tokens),
-                          absl::StrFormat("[L=%d][Nq=%d][Hq=%d][D=%d] fp32", g.num_layers, num_query_tokens,
-                                          g.num_q_heads, g.head_dim));
+                          [&] {
+                            return absl::StrFormat("[L=%d][Nq=%d][Hq=%d][D=%d] fp32", g.num_layers,
+                                                   num_query_tokens, g.num_q_heads, g.head_dim);
+                          });
       !s.ok()) {
     return s;
   }
@@ -478,9 +483,10 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " out of range, expected 0..", g.num_layers - 1));
   }
-  const std::string kv_layout = absl::StrFormat("[B=%d][Hk=%d][D=%d] %s", batch, g.num_kv_heads,
-                                                g.head_dim, kernels::dtype_name(g.dtype));
-  const std::string q_layout = absl::StrFormat("[B=%d][Hq=%d][D=%d] fp32", batch, g.num_q_heads, g.head_dim);
+  auto kv_layout = [&] {
+    return absl::StrFormat("[B=%d][Hk=%d][D=%d] %s", batch, g.num_kv_heads, g.head_dim, kernels::dtype_name(g.dtype));
+  };
+  auto q_layout = [&] { return absl::StrFormat("[B=%d][Hq=%d][D=%d] fp32", batch, g.num_q_heads, g.head_dim); };
   if (auto s = check_size("k", k.size(), step_kv_bytes(batch), kv_layout); !s.ok()) return s;
   if (auto s = check_size("v", v.size(), step_kv_bytes(batch), kv_layout); !s.ok()) return s;
   if (auto s = check_size("q", q.size(), q_bytes(batch), q_layout); !s.ok()) return s;
@@ -656,8 +662,7 @@ absl::Status Registry::attend(const std::string& session_id, uint64_t sequence_i
   if (num_queries < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_queries is ", num_queries, ", expected >= 1"));
   }
-  const std::string layout =
-      absl::StrFormat("[N=%d][Hq=%d][D=%d] fp32", num_queries, g.num_q_heads, g.head_dim);
+  auto layout = [&] { return absl::StrFormat("[N=%d][Hq=%d][D=%d] fp32", num_queries, g.num_q_heads, g.head_dim); };
   if (auto s = check_size("q", q.size(), q_bytes(num_queries), layout); !s.ok()) return s;
   if (auto s = check_size("out", out.size(), q_bytes(num_queries), layout); !s.ok()) return s;
 

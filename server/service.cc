@@ -141,7 +141,6 @@ grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx,
       metrics_->invariant_violation();
     }
   }
-  if (mutates) metrics_->update_state(registry_->stats(), registry_->geometry().block_bytes(), registry_->geometry());
   reactor->Finish(to_grpc(status));
   return reactor;
 }

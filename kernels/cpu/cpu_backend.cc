@@ -172,7 +172,9 @@ class CpuBackend final : public Backend {
     auto* pool = static_cast<char*>(kv.pool);
     const auto* ks = static_cast<const char*>(k);
     const auto* vs = static_cast<const char*>(v);
-#pragma omp parallel for num_threads(num_threads_) if (total >= kParallelCopyBytes) schedule(static)
+    // Split over (layer, token): one layer of many tokens (a Step, or a single-layer model) must
+    // still spread, and a tiny copy must not wake the thread team at all.
+#pragma omp parallel for collapse(2) num_threads(num_threads_) if (total >= kParallelCopyBytes) schedule(static)
     for (int l = 0; l < num_layers; ++l) {
       for (int i = 0; i < num_tokens; ++i) {
         const int pos = start_pos + i;

@@ -94,7 +94,9 @@ void expect_well_formed(const std::vector<std::vector<int32_t>>& rows, int32_t l
     for (size_t i = 0; i < r.size(); ++i) {
       ASSERT_GE(r[i], 0);
       ASSERT_LT(r[i], logical);
-      if (i > 0) ASSERT_LT(r[i - 1], r[i]) << "positions not strictly increasing";
+      if (i > 0) {
+        ASSERT_LT(r[i - 1], r[i]) << "positions not strictly increasing";
+      }
     }
     for (int s = 0; s < std::min(sinks, logical); ++s) ASSERT_EQ(r[s], s) << "sink " << s << " evicted";
   }

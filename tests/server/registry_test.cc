@@ -264,7 +264,9 @@ TEST_F(RegistryTest, MalformedRequestsGetPreciseCodesAndLeaveNoTrace) {
   EXPECT_THAT(std::string(wrong.message()), HasSubstr("expected"));
   EXPECT_EQ(code(reg_->append(session_, seq, 2, k, ConstBytes(v.data(), v.size() - 1)).status()),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(code(reg_->create_sequence(session_, SequenceOptions{"magic"}).status()), absl::StatusCode::kInvalidArgument);
+  SequenceOptions magic;
+  magic.policy = "magic";
+  EXPECT_EQ(code(reg_->create_sequence(session_, magic).status()), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(code(reg_->fork_sequence(session_, 12345).status()), absl::StatusCode::kNotFound);
   EXPECT_EQ(code(reg_->release_sequence(session_, 12345).status()), absl::StatusCode::kNotFound);
   // Step: out-of-range layer, duplicate ids, unknown id in an otherwise good batch.
