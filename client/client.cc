@@ -13,10 +13,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
+#include "karakv/v1/geometry.h"
 #include "karakv/v1/karakv.grpc.pb.h"
 
 namespace karakv {
 namespace v1 = ::karakv::v1;
+using v1::from_proto;
+using v1::to_proto;
 
 namespace {
 
@@ -24,32 +27,6 @@ absl::Status from_grpc(const grpc::Status& s, const char* method) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                       absl::StrCat(method, ": ", s.error_message()));
-}
-
-Geometry from_proto(const v1::Geometry& g) {
-  Geometry out;
-  out.num_layers = g.num_layers();
-  out.num_q_heads = g.num_q_heads();
-  out.num_kv_heads = g.num_kv_heads();
-  out.head_dim = g.head_dim();
-  out.block_size = g.block_size();
-  out.dtype = g.dtype() == v1::DTYPE_FP32   ? DType::kFloat32
-              : g.dtype() == v1::DTYPE_BF16 ? DType::kBFloat16
-                                            : DType::kFloat16;
-  return out;
-}
-
-v1::Geometry to_proto(const Geometry& g) {
-  v1::Geometry out;
-  out.set_num_layers(g.num_layers);
-  out.set_num_q_heads(g.num_q_heads);
-  out.set_num_kv_heads(g.num_kv_heads);
-  out.set_head_dim(g.head_dim);
-  out.set_block_size(g.block_size);
-  out.set_dtype(g.dtype == DType::kFloat32   ? v1::DTYPE_FP32
-                : g.dtype == DType::kBFloat16 ? v1::DTYPE_BF16
-                                              : v1::DTYPE_FP16);
-  return out;
 }
 
 }  // namespace

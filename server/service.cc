@@ -2,6 +2,8 @@
 // staging region before the registry (and so any kernel) sees it.
 #include "server/service.h"
 
+#include "karakv/v1/geometry.h"
+
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -10,6 +12,10 @@
 #include "spdlog/spdlog.h"
 
 namespace karakv::server {
+
+using v1::from_proto;
+using v1::to_proto;
+
 namespace {
 
 // An input tensor resolved to bytes. Inline bytes that are not 4-byte aligned are copied so the
@@ -84,36 +90,6 @@ absl::StatusOr<std::shared_ptr<StagingRegion>> staging_for(Registry* registry, c
 }
 
 }  // namespace
-
-kernels::Geometry from_proto(const v1::Geometry& g) {
-  kernels::Geometry out;
-  out.num_layers = g.num_layers();
-  out.num_q_heads = g.num_q_heads();
-  out.num_kv_heads = g.num_kv_heads();
-  out.head_dim = g.head_dim();
-  out.block_size = g.block_size();
-  switch (g.dtype()) {
-    case v1::DTYPE_FP32: out.dtype = kernels::DType::kFloat32; break;
-    case v1::DTYPE_BF16: out.dtype = kernels::DType::kBFloat16; break;
-    default: out.dtype = kernels::DType::kFloat16; break;
-  }
-  return out;
-}
-
-v1::Geometry to_proto(const kernels::Geometry& g) {
-  v1::Geometry out;
-  out.set_num_layers(g.num_layers);
-  out.set_num_q_heads(g.num_q_heads);
-  out.set_num_kv_heads(g.num_kv_heads);
-  out.set_head_dim(g.head_dim);
-  out.set_block_size(g.block_size);
-  switch (g.dtype) {
-    case kernels::DType::kFloat32: out.set_dtype(v1::DTYPE_FP32); break;
-    case kernels::DType::kBFloat16: out.set_dtype(v1::DTYPE_BF16); break;
-    case kernels::DType::kFloat16: out.set_dtype(v1::DTYPE_FP16); break;
-  }
-  return out;
-}
 
 grpc::Status to_grpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;

@@ -63,9 +63,6 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   const absl::Time started_ = absl::Now();
 };
 
-// Conversions between the proto and kernel descriptions of a geometry.
-kernels::Geometry from_proto(const v1::Geometry& g);
-v1::Geometry to_proto(const kernels::Geometry& g);
 grpc::Status to_grpc(const absl::Status& s);
 
 }  // namespace karakv::server

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "checks.h"
 #include "simd.h"
 
 namespace karakv::kernels::cpu {
@@ -21,64 +22,18 @@ namespace {
 // Below this many bytes a gather is not worth waking the thread team for.
 constexpr size_t kParallelGatherBytes = size_t(1) << 20;
 
-#define KARAKV_RETURN_IF_ERROR(expr)      \
-  do {                                    \
-    KernelStatus status_ = (expr);        \
-    if (!status_.is_ok()) return status_; \
-  } while (0)
-
-std::string out_of_range(std::string_view op, std::string_view what, long long value, long long lo,
-                         long long hi) {
-  return std::string(op) + ": " + std::string(what) + " " + std::to_string(value) + " out of range [" +
-         std::to_string(lo) + ", " + std::to_string(hi) + ")";
-}
-
 KernelStatus invalid(std::string_view op, const std::string& msg) {
   return KernelStatus::invalid(std::string(op) + ": " + msg);
 }
 
 // Geometry, tables and `seq`; on success *len is seq_len[seq].
 KernelStatus check_cache(std::string_view op, const PagedKV& kv, int seq, int* len) {
-  const Geometry& g = kv.geometry;
-  if (kv.pool == nullptr) return invalid(op, "pool is null");
-  if (g.num_layers < 1) return invalid(op, "num_layers " + std::to_string(g.num_layers) + " must be >= 1");
-  if (g.num_kv_heads < 1) return invalid(op, "num_kv_heads " + std::to_string(g.num_kv_heads) + " must be >= 1");
-  if (g.num_q_heads < 1 || g.num_q_heads % g.num_kv_heads != 0)
-    return invalid(op, "num_q_heads " + std::to_string(g.num_q_heads) + " must be a positive multiple of num_kv_heads " +
-                           std::to_string(g.num_kv_heads));
-  if (g.head_dim < 1) return invalid(op, "head_dim " + std::to_string(g.head_dim) + " must be >= 1");
-  if (g.block_size < 1) return invalid(op, "block_size " + std::to_string(g.block_size) + " must be >= 1");
-  if (g.dtype != DType::kFloat32 && g.dtype != DType::kFloat16 && g.dtype != DType::kBFloat16)
-    return invalid(op, "dtype " + std::to_string(int(g.dtype)) + " is not fp32, fp16 or bf16");
-  if (kv.block_table == nullptr || kv.table_offset == nullptr || kv.seq_len == nullptr)
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  if (kv.num_seqs == 0 || kv.block_table == nullptr || kv.table_offset == nullptr || kv.seq_len == nullptr)
     return invalid(op, "block_table, table_offset and seq_len must be non-null");
-  if (seq < 0 || seq >= kv.num_seqs) return KernelStatus::invalid(out_of_range(op, "seq", seq, 0, kv.num_seqs));
+  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
   *len = kv.seq_len[seq];
   if (*len < 0) return invalid(op, "seq_len[" + std::to_string(seq) + "] " + std::to_string(*len) + " must be >= 0");
-  return KernelStatus::ok();
-}
-
-KernelStatus check_layer(std::string_view op, const PagedKV& kv, int layer) {
-  if (layer < 0 || layer >= kv.geometry.num_layers)
-    return KernelStatus::invalid(out_of_range(op, "layer", layer, 0, kv.geometry.num_layers));
-  return KernelStatus::ok();
-}
-
-// Slots [begin, end) of `seq` must be covered by its block table with non-negative block ids.
-KernelStatus check_covered(std::string_view op, const PagedKV& kv, int seq, long long begin, long long end) {
-  if (end <= begin) return KernelStatus::ok();
-  const int bs = kv.geometry.block_size;
-  const long long first = kv.table_offset[seq];
-  const long long have = kv.table_offset[seq + 1] - first;
-  const long long need = (end + bs - 1) / bs;
-  if (have < need)
-    return invalid(op, "sequence " + std::to_string(seq) + " has " + std::to_string(have) +
-                           " blocks in its table but slots up to " + std::to_string(end) + " need " +
-                           std::to_string(need) + " (block_size " + std::to_string(bs) + ")");
-  for (long long b = begin / bs; b < need; ++b) {
-    const int32_t id = kv.block_table[first + b];
-    if (id < 0) return invalid(op, "block id " + std::to_string(id) + " of sequence " + std::to_string(seq) + " must be >= 0");
-  }
   return KernelStatus::ok();
 }
 
@@ -183,29 +138,6 @@ void score_rows(const float* query, int head_dim, const float* keys, int num_key
 #endif
 }
 
-// Replaces s[0, n) by exp(s - max(s)) and returns their sum (n >= 1).
-float exp_shifted_sum(float* s, int n) {
-  float max = s[0];
-  for (int i = 1; i < n; ++i) max = std::max(max, s[i]);
-  float sum = 0.0f;
-  int i = 0;
-#if KARAKV_CPU_AVX2
-  const __m256 mv = _mm256_set1_ps(max);
-  __m256 sv = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
-    _mm256_storeu_ps(s + i, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  sum = hsum(sv);
-#endif
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - max);
-    sum += s[i];
-  }
-  return sum;
-}
-
 // col_sums[s] = sum_r softmax(q_r . K^T * scale)[s] for query rows r in [0, num_rows), row r seeing
 // keys [0, visible(r)) (1 <= visible(r) <= num_keys, non-decreasing in r), keys in scratch.keys.
 //   q:        rows of head_dim fp32, row r at q + r * q_stride
@@ -229,7 +161,7 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
     for (int r = 0; r < pair; ++r) {
       float* row = scratch.rows.data() + r * stride;
       const int len = visible(r0 + r);
-      const float inv = 1.0f / exp_shifted_sum(row, len);
+      const float inv = 1.0f / softmax_numerators(row, len);
       for (int s = 0; s < len; ++s) col_sums[s] += row[s] * inv;
     }
   }

@@ -2,6 +2,9 @@
 // (8-wide loads that widen to fp32, horizontal sum, exp) when the compiler targets them.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+
 #include <cstdint>
 
 #include "karakv/kernels/half.h"
@@ -89,5 +92,43 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 #endif
+
+// Replaces s[0, n) by exp(s - max) and returns their sum; every s[i] <= max.
+inline float exp_shifted_sum(float* s, int n, float max) {
+  float sum = 0.0f;
+  int i = 0;
+#if KARAKV_CPU_AVX2
+  const __m256 mv = _mm256_set1_ps(max);
+  __m256 sv = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+inline float max_of(const float* s, int n) {
+  int i = 0;
+  float max = s[0];
+#if KARAKV_CPU_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    max = hmax(m);
+  }
+#endif
+  for (; i < n; ++i) max = std::max(max, s[i]);
+  return max;
+}
+
+// Replaces s[0, n) by exp(s - max) and returns their sum (n >= 1).
+inline float softmax_numerators(float* s, int n) { return exp_shifted_sum(s, n, max_of(s, n)); }
 
 }  // namespace karakv::kernels::cpu

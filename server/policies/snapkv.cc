@@ -60,17 +60,12 @@ class SnapKVPolicy final : public ThresholdPolicy {
 
 std::vector<ParamSpec> snapkv_params(const kernels::Geometry&) {
   auto p = threshold_params();
-  p.push_back({"w_obs", 32, 1, 4096, true, "observation window: newest tokens whose queries score the cache"});
-  p.push_back({"pool", 5, 1, 63, true, "width of the average pool over scores (odd)"});
+  for (ParamSpec& spec : snapkv_score_params()) p.push_back(std::move(spec));
   return p;
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> make_snapkv(const PolicyParams& p, const kernels::Geometry&) {
-  if (auto s = check_threshold("snapkv", p, p.geti("w_obs") + p.geti("sinks")); !s.ok()) return s;
-  if (p.geti("pool") % 2 == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("policy 'snapkv' parameter pool=", p.geti("pool"),
-                                                   " must be odd (same padding)"));
-  }
+  if (auto s = check_snapkv_scored("snapkv", p); !s.ok()) return s;
   return std::make_unique<SnapKVPolicy>(p);
 }
 

@@ -56,6 +56,24 @@ inline absl::Status check_threshold(const std::string& name, const PolicyParams&
   return absl::OkStatus();
 }
 
+// w_obs and pool, the SnapKV scoring parameters (snapkv, chunkkv).
+inline std::vector<ParamSpec> snapkv_score_params() {
+  return {
+      {"w_obs", 32, 1, 4096, true, "observation window: newest tokens whose queries score the cache"},
+      {"pool", 5, 1, 63, true, "width of the average pool over scores (odd)"},
+  };
+}
+
+// check_threshold with the observation window and sinks always kept, and an odd pool width.
+inline absl::Status check_snapkv_scored(const std::string& name, const PolicyParams& p) {
+  if (auto s = check_threshold(name, p, p.geti("w_obs") + p.geti("sinks")); !s.ok()) return s;
+  if (p.geti("pool") % 2 == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("policy '", name, "' parameter pool=", p.geti("pool"),
+                                                   " must be odd (same padding)"));
+  }
+  return absl::OkStatus();
+}
+
 // SnapKV's per-slot scores for every layer and KV head: [num_layers][num_kv_heads][resident].
 absl::StatusOr<std::vector<float>> snapkv_all_scores(const SequenceView& seq, const kernels::PagedKV& kv,
                                                      kernels::Backend& backend, int w_obs, int pool);
