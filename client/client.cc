@@ -216,6 +216,7 @@ absl::StatusOr<uint64_t> Client::CreateSequence(const SequenceOptions& options) 
   req.set_priority(options.priority);
   req.mutable_params()->insert(options.params.begin(), options.params.end());
   req.set_prefill_policy(options.prefill_policy);
+  req.set_storage(options.storage);
   req.mutable_prefill_params()->insert(options.prefill_params.begin(), options.prefill_params.end());
   v1::CreateSequenceReply reply;
   grpc::ClientContext ctx;
@@ -380,6 +381,10 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
     ps.tokens_removed = p.tokens_removed();
     ps.failures = p.compaction_failures();
     ps.compaction_seconds = p.compaction_seconds();
+    ps.kv_bytes = p.kv_bytes();
+    ps.fp16_bytes = p.fp16_bytes();
+    ps.nominal_ratio = p.nominal_ratio();
+    ps.actual_ratio = p.actual_ratio();
     out.policies.push_back(std::move(ps));
   }
   out.invariants_checked = r.invariants_checked();
@@ -405,6 +410,11 @@ absl::StatusOr<std::vector<SequenceInfo>> Client::ListSequences() {
     i.logical_length = s.logical_length();
     i.prompt_length = s.prompt_length();
     i.compactions = s.compactions();
+    i.storage = s.storage();
+    i.quantized_tokens = s.quantized_tokens();
+    i.kv_bytes = s.kv_bytes();
+    i.fp16_bytes = s.fp16_bytes();
+    i.nominal_ratio = s.nominal_ratio();
     i.length = s.length();
     i.blocks = s.blocks();
     i.shared_blocks = s.shared_blocks();

@@ -17,6 +17,9 @@ const char* op_name(Op op) {
     case Op::kToken2Chunk: return "token2chunk";
     case Op::kGatherTokens: return "gather_tokens";
     case Op::kDecodeAttentionAccumulate: return "decode_attention_accumulate";
+    case Op::kQuantize: return "quantize_tokens";
+    case Op::kDequantize: return "dequantize_block";
+    case Op::kQuantizedAttention: return "decode_attention_quantized";
   }
   return "unknown";
 }

@@ -49,6 +49,9 @@ struct SequenceView {
   int32_t logical = 0;         // tokens ever appended (next position)
   int32_t prompt = 0;          // tokens appended before the first decode step
   int32_t tail_start = 0;      // Kara: first slot of the tail (block-aligned, after the compressed region)
+  // Slots [0, fp_offset) are quantized; the PagedKV a policy gets holds slots from fp_offset on,
+  // so kernel slot indices are slot - fp_offset.
+  int32_t fp_offset = 0;
   // Query cache: the queries of slots [queries_first, queries_first + num_queries), all layers:
   //   [num_queries][num_layers][num_q_heads][head_dim] fp32
   const float* queries = nullptr;

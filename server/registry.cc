@@ -41,6 +41,20 @@ absl::Status check_size(const char* what, size_t got, size_t want, Layout&& layo
       absl::StrCat(what, " has ", got, " bytes, expected ", want, " (", layout(), ")"));
 }
 
+bool parse_quant_format(const std::string& name, kernels::QuantFormat* out) {
+  static const std::pair<const char*, kernels::QuantFormat> kFormats[] = {
+      {"kivi2", kernels::QuantFormat::kKivi2}, {"kivi4", kernels::QuantFormat::kKivi4},
+      {"tq2", kernels::QuantFormat::kTq2},     {"tq3", kernels::QuantFormat::kTq3},
+      {"tq4", kernels::QuantFormat::kTq4}};
+  for (const auto& [n, f] : kFormats) {
+    if (name == n) {
+      *out = f;
+      return true;
+    }
+  }
+  return false;
+}
+
 float default_scale(float scale, int head_dim) {
   return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 }
@@ -226,9 +240,48 @@ void Registry::end_session_locked(const std::string& session_id) {
 
 absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id,
                                                    const SequenceOptions& options) {
-  const std::string name = options.policy.empty() ? "none" : options.policy;
-  auto policy = make_policy(name, options.params, config_.geometry);
+  std::string name = options.policy.empty() ? "none" : options.policy;
+  std::string storage = options.storage;
+  if (const size_t plus = name.find('+'); plus != std::string::npos) {
+    if (!storage.empty() && storage != name.substr(plus + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("policy '", name, "' names storage '", name.substr(plus + 1),
+                                                     "' but storage is '", storage, "'"));
+    }
+    storage = name.substr(plus + 1);
+    name = name.substr(0, plus);
+    if (name.empty()) name = "none";
+  }
+  std::map<std::string, double> policy_params = options.params;
+  int32_t residual = 128;
+  if (auto it = policy_params.find("residual"); it != policy_params.end() && !storage.empty()) {
+    if (it->second < 0 || it->second > (1 << 20) || it->second != std::floor(it->second)) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter residual=", it->second,
+                                                     " out of range: expected an integer in [0, 1048576]"));
+    }
+    residual = static_cast<int32_t>(it->second);
+    policy_params.erase(it);
+  }
+  auto policy = make_policy(name, policy_params, config_.geometry);
   if (!policy.ok()) return policy.status();
+  kernels::QuantFormat format = kernels::QuantFormat::kKivi4;
+  int32_t tokens_per_qblock = 0;
+  if (!storage.empty() && storage != "fp16" && storage != kernels::dtype_name(config_.geometry.dtype)) {
+    if (!parse_quant_format(storage, &format)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown storage '", storage,
+                                                     "'; expected kivi2, kivi4, tq2, tq3 or tq4 (or none)"));
+    }
+    tokens_per_qblock = backend_->quantized_tokens_per_block(config_.geometry, format);
+    if (tokens_per_qblock == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "storage '", storage, "' cannot hold head_dim ", config_.geometry.head_dim, " on backend ",
+          std::string(backend_->name()), " (KIVI needs a multiple of 32, TurboQuant a power of two)"));
+    }
+    if ((*policy)->trigger() == Trigger::kThreshold) {
+      return absl::UnimplementedError(absl::StrCat(
+          "policy '", name, "' recompresses the whole cache, which quantized storage does not support yet; "
+          "quantized storage composes with none and kara"));
+    }
+  }
   std::shared_ptr<const Policy> prefill;
   if (!options.prefill_policy.empty() && options.prefill_policy != "none") {
     auto p = make_policy(options.prefill_policy, options.prefill_params, config_.geometry);
@@ -258,6 +311,14 @@ absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id
   seq.prefill = std::move(prefill);
   seq.prefill_name = seq.prefill ? options.prefill_policy : "";
   seq.priority = options.priority;
+  if (tokens_per_qblock > 0) {
+    seq.quantize = true;
+    seq.format = format;
+    seq.storage = storage;
+    seq.tokens_per_qblock = tokens_per_qblock;
+    seq.residual = residual;
+    seq.qseed = 0x6b617261ull ^ id;  // fixed per sequence: reproducible rotations
+  }
   if (seq.policy->needs_attention()) seq.attention.resize(size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads);
   (*session)->sequences.insert(id);
   return id;
@@ -279,6 +340,7 @@ absl::StatusOr<uint64_t> Registry::fork_sequence(const std::string& session_id, 
   child.id = id;
   child.session_id = session_id;
   for (int32_t b : child.blocks) pool_.add_ref(b);
+  for (int32_t b : child.qblocks) pool_.add_ref(b);
   sequences_[id] = std::move(child);
   (*session)->sequences.insert(id);
   return id;
@@ -300,17 +362,20 @@ absl::StatusOr<int> Registry::release_sequence(const std::string& session_id, ui
 int Registry::release_locked(Sequence& seq) {
   int freed = 0;
   for (int32_t b : seq.blocks) freed += pool_.release(b) ? 1 : 0;
+  for (int32_t b : seq.qblocks) freed += pool_.release(b) ? 1 : 0;
   seq.blocks.clear();
+  seq.qblocks.clear();
   return freed;
 }
 
 int32_t Registry::blocks_needed(const Sequence& seq, int32_t new_length) const {
   const int32_t b = config_.geometry.block_size;
   const int32_t have = static_cast<int32_t>(seq.blocks.size());
-  const int32_t want = (new_length + b - 1) / b;
+  const int32_t fp_new = new_length - seq.quantized();  // the block table covers unquantized slots
+  const int32_t want = (fp_new + b - 1) / b;
   int32_t n = want > have ? want - have : 0;
   // Writing into a partly filled block that a fork shares needs a private copy first.
-  const int32_t first = seq.length / b;
+  const int32_t first = seq.fp_length() / b;
   if (new_length > seq.length && first < have && pool_.refcount(seq.blocks[first]) > 1) ++n;
   return n;
 }
@@ -318,7 +383,7 @@ int32_t Registry::blocks_needed(const Sequence& seq, int32_t new_length) const {
 absl::Status Registry::reserve(Sequence& seq, int32_t new_length) {
   const int32_t b = config_.geometry.block_size;
   const int32_t have = static_cast<int32_t>(seq.blocks.size());
-  const int32_t first = seq.length / b;
+  const int32_t first = seq.fp_length() / b;
   if (new_length > seq.length && first < have && pool_.refcount(seq.blocks[first]) > 1) {
     std::vector<int32_t> fresh;
     if (absl::Status s = pool_.allocate(1, &fresh); !s.ok()) return s;
@@ -332,7 +397,7 @@ absl::Status Registry::reserve(Sequence& seq, int32_t new_length) {
     pool_.release(seq.blocks[first]);
     seq.blocks[first] = fresh[0];
   }
-  const int32_t want = (new_length + b - 1) / b;
+  const int32_t want = (new_length - seq.quantized() + b - 1) / b;
   if (want > have) {
     if (absl::Status s = pool_.allocate(want - static_cast<int32_t>(seq.blocks.size()), &seq.blocks);
         !s.ok()) {
@@ -416,9 +481,9 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
         need, " blocks, ", pool_.free_count(), " free of ", pool_.total()));
   }
   if (absl::Status s = reserve(seq, new_length); !s.ok()) return s;
-  std::vector<int32_t> table, offsets, lengths{new_length};
+  std::vector<int32_t> table, offsets, lengths{new_length - seq.quantized()};
   kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
-  if (auto s = backend_->write_kv(kv, 0, seq.length, num_tokens, 0, g.num_layers, k.data(), v.data());
+  if (auto s = backend_->write_kv(kv, 0, seq.fp_length(), num_tokens, 0, g.num_layers, k.data(), v.data());
       !s.is_ok()) {
     return to_status(s);
   }
@@ -436,6 +501,7 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
     }
   }
   trim_queries(seq);
+  quantize_aged(seq);
   return new_length;
 }
 
@@ -540,11 +606,11 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
   }
   std::vector<const Sequence*> view(seqs.begin(), seqs.end());
   std::vector<int32_t> lengths, table, offsets;
-  for (const Sequence* seq : seqs) lengths.push_back(seq->length + 1);
+  for (const Sequence* seq : seqs) lengths.push_back(seq->fp_length() + 1);
   kernels::PagedKV kv = paged_view(view, lengths, &table, &offsets);
   const size_t kv_stride = g.kv_token_elems() * kernels::dtype_size(g.dtype);
   for (size_t i = 0; i < batch; ++i) {
-    if (auto s = backend_->write_kv(kv, static_cast<int>(i), seqs[i]->length, 1, layer, 1,
+    if (auto s = backend_->write_kv(kv, static_cast<int>(i), seqs[i]->fp_length(), 1, layer, 1,
                                     k.data() + i * kv_stride, v.data() + i * kv_stride);
         !s.is_ok()) {
       return to_status(s);
@@ -553,18 +619,11 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
   const float* qf = reinterpret_cast<const float*>(q.data());
   float* of = reinterpret_cast<float*>(out.data());
   bool accumulate = false;
-  std::vector<float*> acc(batch * g.num_kv_heads, nullptr);
-  for (size_t i = 0; i < batch; ++i) {
-    if (seqs[i]->attention.empty()) continue;
-    accumulate = true;
-    for (int h = 0; h < g.num_kv_heads; ++h) {
-      acc[i * g.num_kv_heads + h] = seqs[i]->attention[size_t(layer) * g.num_kv_heads + h].data();
-    }
+  for (const Sequence* seq : seqs) accumulate |= !seq->attention.empty();
+  if (absl::Status s = batch_attention(seqs, lengths, layer, qf, of, default_scale(scale, g.head_dim), accumulate);
+      !s.ok()) {
+    return s;
   }
-  const float sc = default_scale(scale, g.head_dim);
-  kernels::KernelStatus ks = accumulate ? backend_->decode_attention_accumulate(kv, layer, qf, of, sc, acc.data())
-                                        : backend_->decode_attention(kv, layer, qf, of, sc);
-  if (!ks.is_ok()) return to_status(ks);
   const size_t row = g.q_token_elems();
   for (size_t i = 0; i < batch; ++i) {
     Sequence& seq = *seqs[i];
@@ -583,11 +642,111 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     seq->logical += 1;
     seq->pending_layer = -1;
     trim_queries(*seq);
+    quantize_aged(*seq);
   }
   ++decode_steps_;
   result.decode_step = decode_steps_;
   result.compactions = run_scheduler(seqs);
   return result;
+}
+
+kernels::QuantizedKV Registry::quantized_view(const std::vector<const Sequence*>& seqs, std::vector<int32_t>* table,
+                                              std::vector<int32_t>* offsets) const {
+  offsets->assign(1, 0);
+  table->clear();
+  for (const Sequence* s : seqs) {
+    table->insert(table->end(), s->qblocks.begin(), s->qblocks.end());
+    offsets->push_back(static_cast<int32_t>(table->size()));
+  }
+  kernels::QuantizedKV q;
+  q.format = seqs.front()->format;
+  q.tokens_per_block = seqs.front()->tokens_per_qblock;
+  q.seed = seqs.front()->qseed;
+  q.block_table = table->data();
+  q.table_offset = offsets->data();
+  return q;
+}
+
+absl::Status Registry::batch_attention(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& fp_lengths,
+                                       int layer, const float* q, float* out, float scale, bool accumulate) {
+  const Geometry& g = config_.geometry;
+  const size_t row = g.q_token_elems();
+  // Groups of sequences one kernel call can serve: unquantized ones together; each quantized
+  // sequence alone (its rotation seed is its own).
+  std::vector<std::vector<size_t>> groups;
+  std::vector<size_t> plain;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (seqs[i]->qblocks.empty()) plain.push_back(i);
+    else groups.push_back({i});
+  }
+  if (!plain.empty()) groups.insert(groups.begin(), plain);
+  for (const std::vector<size_t>& group : groups) {
+    const bool whole = group.size() == seqs.size();
+    std::vector<const Sequence*> members;
+    std::vector<int32_t> lengths;
+    std::vector<float> gq, gout;
+    for (size_t i : group) {
+      members.push_back(seqs[i]);
+      lengths.push_back(fp_lengths[i]);
+      if (!whole) gq.insert(gq.end(), q + i * row, q + (i + 1) * row);
+    }
+    if (!whole) gout.resize(gq.size());
+    const float* gqp = whole ? q : gq.data();
+    float* goutp = whole ? out : gout.data();
+    std::vector<float*> acc;
+    if (accumulate) {
+      acc.assign(group.size() * g.num_kv_heads, nullptr);
+      for (size_t j = 0; j < group.size(); ++j) {
+        Sequence* seq = seqs[group[j]];
+        if (seq->attention.empty()) continue;
+        for (int h = 0; h < g.num_kv_heads; ++h) {
+          acc[j * g.num_kv_heads + h] = seq->attention[size_t(layer) * g.num_kv_heads + h].data();
+        }
+      }
+    }
+    std::vector<int32_t> table, offsets, qtable, qoffsets;
+    kernels::PagedKV kv = paged_view(members, lengths, &table, &offsets);
+    kernels::KernelStatus ks;
+    if (!members.front()->qblocks.empty()) {
+      kernels::QuantizedKV qkv = quantized_view(members, &qtable, &qoffsets);
+      ks = backend_->decode_attention_quantized(kv, qkv, layer, gqp, goutp, scale, accumulate ? acc.data() : nullptr);
+    } else if (accumulate) {
+      ks = backend_->decode_attention_accumulate(kv, layer, gqp, goutp, scale, acc.data());
+    } else {
+      ks = backend_->decode_attention(kv, layer, gqp, goutp, scale);
+    }
+    if (!ks.is_ok()) return to_status(ks);
+    if (!whole) {
+      for (size_t j = 0; j < group.size(); ++j) std::copy_n(gout.data() + j * row, row, out + group[j] * row);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Registry::quantize_aged(Sequence& seq) {
+  if (!seq.quantize || seq.pending_layer >= 0) return;
+  // Tokens a policy may still rewrite stay in full precision: Kara's tail, and a prompt whose
+  // prefill policy has not run yet.
+  int32_t frozen_end = seq.length;
+  if (seq.policy->trigger() == Trigger::kPeriodic) frozen_end = seq.decoding ? seq.tail_start : seq.length;
+  if (!seq.decoding && seq.prefill) frozen_end = 0;
+  const int32_t limit = std::min(seq.length - seq.residual, frozen_end);
+  const int32_t b = config_.geometry.block_size;
+  while (seq.quantized() + seq.tokens_per_qblock <= limit) {
+    std::vector<int32_t> fresh;
+    if (!pool_.allocate(1, &fresh).ok()) return;  // retried after the next step
+    std::vector<int32_t> table, offsets, lengths{seq.fp_length()}, qtable, qoffsets;
+    kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
+    kernels::QuantizedKV qkv = quantized_view({&seq}, &qtable, &qoffsets);
+    if (!backend_->quantize_tokens(kv, 0, 0, qkv, fresh[0]).is_ok()) {
+      pool_.release(fresh[0]);
+      return;
+    }
+    const int32_t freed_blocks = seq.tokens_per_qblock / b;
+    for (int32_t i = 0; i < freed_blocks; ++i) pool_.release(seq.blocks[i]);
+    seq.blocks.erase(seq.blocks.begin(), seq.blocks.begin() + freed_blocks);
+    seq.qblocks.push_back(fresh[0]);
+  }
 }
 
 absl::Status Registry::begin_decode(Sequence& seq) {
@@ -680,12 +839,22 @@ absl::Status Registry::attend(const std::string& session_id, uint64_t sequence_i
     return absl::InvalidArgumentError(absl::StrCat("num_queries ", num_queries, " exceeds the ",
                                                    seq.length, " tokens cached in sequence ", sequence_id));
   }
-  std::vector<int32_t> lengths{seq.length}, table, offsets;
+  if (num_queries > seq.fp_length()) {
+    return absl::InvalidArgumentError(absl::StrCat("num_queries ", num_queries, " exceeds the ", seq.fp_length(),
+                                                   " unquantized tokens of sequence ", sequence_id,
+                                                   " (queries must sit in the full-precision window)"));
+  }
+  std::vector<int32_t> lengths{seq.fp_length()}, table, offsets;
   kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
-  return to_status(backend_->causal_attention(kv, 0, layer, num_queries,
-                                              reinterpret_cast<const float*>(q.data()),
-                                              reinterpret_cast<float*>(out.data()),
-                                              default_scale(scale, g.head_dim)));
+  const float* qf = reinterpret_cast<const float*>(q.data());
+  float* of = reinterpret_cast<float*>(out.data());
+  if (!seq.qblocks.empty()) {
+    std::vector<int32_t> qtable, qoffsets;
+    kernels::QuantizedKV qkv = quantized_view({&seq}, &qtable, &qoffsets);
+    return to_status(backend_->causal_attention_quantized(kv, qkv, 0, layer, num_queries, qf, of,
+                                                          default_scale(scale, g.head_dim)));
+  }
+  return to_status(backend_->causal_attention(kv, 0, layer, num_queries, qf, of, default_scale(scale, g.head_dim)));
 }
 
 absl::StatusOr<int32_t> Registry::read_kv(
@@ -707,9 +876,33 @@ absl::StatusOr<int32_t> Registry::read_kv(
                                                    " bytes each, positions ", rows * seq.length * 4));
   }
   if (seq.length > 0) {
-    std::vector<int32_t> lengths{seq.length}, table, offsets;
+    // Quantized blocks come back dequantized (what attention sees), then the unquantized slots.
+    const Geometry& g = config_.geometry;
+    const size_t tok = g.kv_token_elems() * kernels::dtype_size(g.dtype);  // one token, one layer
+    const int32_t nq = seq.quantized(), nf = seq.fp_length();
+    std::vector<int32_t> lengths{nf}, table, offsets, qtable, qoffsets;
     kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
-    if (auto s = backend_->read_kv(kv, 0, out->k.data(), out->v.data()); !s.is_ok()) return to_status(s);
+    auto place = [&](const uint8_t* src_k, const uint8_t* src_v, int32_t n, int32_t at) {
+      for (int l = 0; l < g.num_layers; ++l) {
+        std::memcpy(out->k.data() + (size_t(l) * seq.length + at) * tok, src_k + size_t(l) * n * tok, n * tok);
+        std::memcpy(out->v.data() + (size_t(l) * seq.length + at) * tok, src_v + size_t(l) * n * tok, n * tok);
+      }
+    };
+    if (nq > 0) {
+      kernels::QuantizedKV qkv = quantized_view({&seq}, &qtable, &qoffsets);
+      std::vector<uint8_t> bk(size_t(g.num_layers) * seq.tokens_per_qblock * tok), bv(bk.size());
+      for (size_t i = 0; i < seq.qblocks.size(); ++i) {
+        if (auto s = backend_->dequantize_block(kv, qkv, seq.qblocks[i], bk.data(), bv.data()); !s.is_ok()) {
+          return to_status(s);
+        }
+        place(bk.data(), bv.data(), seq.tokens_per_qblock, int32_t(i) * seq.tokens_per_qblock);
+      }
+    }
+    if (nf > 0) {
+      std::vector<uint8_t> fk(size_t(g.num_layers) * nf * tok), fv(fk.size());
+      if (auto s = backend_->read_kv(kv, 0, fk.data(), fv.data()); !s.is_ok()) return to_status(s);
+      place(fk.data(), fv.data(), nf, nq);
+    }
   }
   int32_t* pos = reinterpret_cast<int32_t*>(out->positions.data());
   for (size_t r = 0; r < rows; ++r) {
@@ -722,7 +915,7 @@ absl::StatusOr<CompactionResult> Registry::compact_locked(Sequence& seq, const P
   const auto start = absl::Now();
   CompactionResult result;
   result.sequence_id = seq.id;
-  result.policy = policy.name();
+  result.policy = &policy == seq.policy.get() ? seq.label() : policy.name();
   result.tokens_before = result.tokens_after = seq.length;
   const SequenceView view = view_of(seq);
   if (!policy.due(view, true)) {
@@ -735,7 +928,7 @@ absl::StatusOr<CompactionResult> Registry::compact_locked(Sequence& seq, const P
     if (dry_run) result.kept = positions_of(seq);
     return result;
   }
-  std::vector<int32_t> table, offsets, lengths{seq.length};
+  std::vector<int32_t> table, offsets, lengths{seq.fp_length()};
   kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
   auto plan = policy.plan(view, kv, *backend_);
   if (!plan.ok()) {
@@ -749,7 +942,7 @@ absl::StatusOr<CompactionResult> Registry::compact_locked(Sequence& seq, const P
   if (plan->begin % b != 0 || plan->begin < 0 || plan->end > seq.length || plan->begin > plan->end ||
       (plan->end < seq.length && (plan->end % b != 0 || plan->num_kept % b != 0)) ||
       plan->num_kept > plan->end - plan->begin || plan->kept.size() != rows * plan->num_kept ||
-      plan->end < seq.explicit_end) {
+      plan->end < seq.explicit_end || plan->begin < seq.quantized()) {
     record(result, seq, 0, true);
     return absl::InternalError(absl::StrCat("policy ", policy.name(), " produced an invalid plan [", plan->begin, ", ",
                                             plan->end, ") keeping ", plan->num_kept, " of ", seq.length));
@@ -793,9 +986,13 @@ absl::Status Registry::apply_plan(Sequence& seq, const Policy& policy, const Com
     return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", policy.name(),
                                                      " needs ", fresh_count, " fresh blocks: ", s.message()));
   }
-  std::vector<int32_t> table, offsets, lengths{seq.length};
+  std::vector<int32_t> table, offsets, lengths{seq.fp_length()};
   kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
-  if (auto s = backend_->gather_tokens(kv, 0, plan.kept.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
+  // Kernels address unquantized slots from 0; plans speak of all resident slots.
+  const int32_t q0 = seq.quantized();
+  std::vector<int32_t> local(plan.kept);
+  for (int32_t& slot : local) slot -= q0;
+  if (auto s = backend_->gather_tokens(kv, 0, local.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
     for (int32_t blk : fresh) pool_.release(blk);
     return to_status(s);
   }
@@ -817,8 +1014,8 @@ absl::Status Registry::apply_plan(Sequence& seq, const Policy& policy, const Com
       acc = std::move(next);
     }
   }
-  const int32_t first_old = plan.begin / b;
-  const int32_t end_old = (plan.end + b - 1) / b;
+  const int32_t first_old = (plan.begin - q0) / b;
+  const int32_t end_old = (plan.end - q0 + b - 1) / b;
   for (int32_t i = first_old; i < end_old; ++i) pool_.release(seq.blocks[i]);
   std::vector<int32_t> blocks(seq.blocks.begin(), seq.blocks.begin() + first_old);
   blocks.insert(blocks.end(), fresh.begin(), fresh.end());
@@ -885,7 +1082,7 @@ absl::StatusOr<std::vector<CompactionResult>> Registry::compact(const std::strin
     if (seq->pending_layer >= 0) {
       CompactionResult r;
       r.sequence_id = seq->id;
-      r.policy = seq->policy->name();
+      r.policy = seq->label();
       r.tokens_before = r.tokens_after = seq->length;
       r.skipped = absl::StrCat("in the middle of a step (expects layer ", seq->pending_layer, ")");
       out.push_back(std::move(r));
@@ -915,14 +1112,26 @@ SequenceInfo Registry::info_of(const Sequence& seq) const {
   info.id = seq.id;
   info.session_id = seq.session_id;
   info.tenant = seq.tenant;
-  info.policy = seq.policy->name();
+  info.policy = seq.label();
   info.prefill_policy = seq.prefill_name;
   info.length = seq.length;
   info.logical_length = seq.logical;
   info.prompt_length = seq.prompt;
   info.compactions = seq.compactions;
-  info.blocks = static_cast<int32_t>(seq.blocks.size());
+  info.storage = seq.storage;
+  info.quantized = seq.quantized();
+  info.quantized_blocks = static_cast<int32_t>(seq.qblocks.size());
+  info.blocks = static_cast<int32_t>(seq.blocks.size() + seq.qblocks.size());
   for (int32_t b : seq.blocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
+  for (int32_t b : seq.qblocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
+  const Geometry& g = config_.geometry;
+  info.kv_bytes = uint64_t(info.blocks) * g.block_bytes();
+  info.fp16_bytes = uint64_t(seq.logical) * g.num_layers * g.kv_token_elems() * 2 * 2;
+  const int bits = !seq.quantize ? 8 * int(kernels::dtype_size(g.dtype))
+                   : seq.format == kernels::QuantFormat::kKivi2 || seq.format == kernels::QuantFormat::kTq2 ? 2
+                   : seq.format == kernels::QuantFormat::kTq3                                               ? 3
+                                                                                                             : 4;
+  info.nominal_ratio = 16.0 / bits;
   info.priority = seq.priority;
   info.pending_layer = seq.pending_layer;
   return info;
@@ -945,10 +1154,14 @@ RegistryStats Registry::stats() const {
     s.logical_tokens += seq.logical;
     s.query_cache_bytes += seq.queries.size() * sizeof(float);
     for (const auto& row : seq.attention) s.score_bytes += row.size() * sizeof(float);
-    PolicyStats& ps = s.policies[seq.policy->name()];
+    const SequenceInfo info = info_of(seq);
+    PolicyStats& ps = s.policies[info.policy];
     ++ps.sequences;
     ps.resident_tokens += seq.length;
     ps.logical_tokens += seq.logical;
+    ps.kv_bytes += info.kv_bytes;
+    ps.fp16_bytes += info.fp16_bytes;
+    ps.nominal_ratio = info.nominal_ratio;
   }
   return s;
 }
@@ -970,10 +1183,16 @@ absl::Status Registry::check_invariants() const {
   std::vector<int32_t> references(pool_.total(), 0);
   const int32_t b = config_.geometry.block_size;
   for (const auto& [id, seq] : sequences_) {
-    const int32_t covered = seq.length + (seq.pending_layer >= 0 ? 1 : 0);
+    const int32_t covered = seq.fp_length() + (seq.pending_layer >= 0 ? 1 : 0);
     if (static_cast<int32_t>(seq.blocks.size()) != (covered + b - 1) / b) {
       return absl::InternalError(absl::StrCat("sequence ", id, " holds ", seq.blocks.size(),
-                                              " blocks for ", covered, " tokens"));
+                                              " blocks for ", covered, " unquantized tokens"));
+    }
+    for (int32_t block : seq.qblocks) {
+      if (block < 0 || block >= pool_.total()) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " holds bad quantized block id ", block));
+      }
+      ++references[block];
     }
     for (int32_t block : seq.blocks) {
       if (block < 0 || block >= pool_.total()) {

@@ -36,7 +36,11 @@ struct RegistryConfig {
 };
 
 struct SequenceOptions {
+  // "kara", or a policy with a storage format: "kara+kivi4". Formats: kivi2, kivi4, tq2, tq3, tq4.
   std::string policy = "none";
+  // The storage format alone (same as the "+format" suffix); params["residual"] sets its
+  // full-precision window (default 128 tokens).
+  std::string storage;
   std::map<std::string, double> params;
   std::string prefill_policy;
   std::map<std::string, double> prefill_params;
@@ -56,6 +60,8 @@ struct CompactionResult {
 struct PolicyStats {
   int32_t sequences = 0;
   uint64_t resident_tokens = 0, logical_tokens = 0;
+  uint64_t kv_bytes = 0, fp16_bytes = 0;  // actual compression ratio = fp16_bytes / kv_bytes
+  double nominal_ratio = 1.0;
   uint64_t compactions = 0, tokens_removed = 0, failures = 0;
   double seconds = 0;
 };
@@ -78,6 +84,13 @@ struct SequenceInfo {
   std::string prefill_policy;
   int32_t length = 0;          // resident
   int32_t logical_length = 0;  // ever appended
+  std::string storage;         // "" (the daemon's dtype) or a quantized format
+  int32_t quantized = 0;       // resident tokens held in quantized blocks
+  int32_t quantized_blocks = 0;
+  // docs/COMPRESSION.md section 4: bytes of the blocks the sequence holds (codes, scales, norms,
+  // the full-precision window, partly filled blocks) and what its logical tokens take in fp16.
+  uint64_t kv_bytes = 0, fp16_bytes = 0;
+  double nominal_ratio = 1.0;  // of the storage format alone: 16 / bits
   int32_t prompt_length = 0;
   int32_t compactions = 0;
   int32_t blocks = 0;
@@ -211,7 +224,20 @@ class Registry {
     // H2O accumulated attention per slot: [L * Hk][length (+1 while a token is pending)].
     std::vector<std::vector<float>> attention;
     int32_t compactions = 0;
+    // Quantized storage: the oldest quantized() slots live in qblocks, tokens_per_qblock each;
+    // the block table `blocks` holds the rest (slot quantized() is its slot 0).
+    bool quantize = false;
+    kernels::QuantFormat format = kernels::QuantFormat::kKivi4;
+    std::string storage;
+    int32_t tokens_per_qblock = 0;
+    int32_t residual = 128;
+    uint64_t qseed = 0;
+    std::vector<int32_t> qblocks;
 
+    // "kara+kivi4": what stats and metrics group by.
+    std::string label() const { return storage.empty() ? policy->name() : policy->name() + "+" + storage; }
+    int32_t quantized() const { return static_cast<int32_t>(qblocks.size()) * tokens_per_qblock; }
+    int32_t fp_length() const { return length - quantized(); }
     int32_t position(int lh, int32_t slot) const {
       return slot < explicit_end ? explicit_pos[lh][slot] : slot + (logical - length);
     }
@@ -231,6 +257,15 @@ class Registry {
   absl::Status reserve(Sequence& seq, int32_t new_length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int release_locked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void end_session_locked(const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Quantizes the oldest full-precision tokens that have aged out of the residual window and that
+  // the policy will never rewrite, a quantized block at a time.
+  void quantize_aged(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  kernels::QuantizedKV quantized_view(const std::vector<const Sequence*>& seqs, std::vector<int32_t>* table,
+                                      std::vector<int32_t>* offsets) const;
+  // Attention of a Step batch, split into groups that share a storage format.
+  absl::Status batch_attention(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& fp_lengths,
+                               int layer, const float* q, float* out, float scale, bool accumulate)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Query cache bookkeeping: make room for the queries of slot `slot` (dropping the cache if it
   // would not be contiguous), returns a pointer to its [L][Hq][D] entry.
   float* query_entry(Sequence& seq, int32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -161,6 +161,7 @@ absl::Status KaraKVService::DoCreateSequence(const v1::CreateSequenceRequest& re
   o.prefill_policy = req.prefill_policy();
   o.prefill_params.insert(req.prefill_params().begin(), req.prefill_params().end());
   o.priority = req.priority();
+  o.storage = req.storage();
   auto id = registry_->create_sequence(req.session_id(), o);
   if (!id.ok()) return id.status();
   reply->set_sequence_id(*id);
@@ -182,6 +183,11 @@ void fill_info(const SequenceInfo& info, v1::SequenceInfo* s) {
   s->set_shared_blocks(info.shared_blocks);
   s->set_priority(info.priority);
   s->set_pending_layer(info.pending_layer);
+  s->set_storage(info.storage);
+  s->set_quantized_tokens(info.quantized);
+  s->set_kv_bytes(info.kv_bytes);
+  s->set_fp16_bytes(info.fp16_bytes);
+  s->set_nominal_ratio(info.nominal_ratio);
 }
 
 void fill_heads(const std::vector<std::vector<int32_t>>& rows, int num_kv_heads,
@@ -315,6 +321,10 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
     ps->set_tokens_removed(p.tokens_removed);
     ps->set_compaction_seconds(p.seconds);
     ps->set_compaction_failures(p.failures);
+    ps->set_kv_bytes(p.kv_bytes);
+    ps->set_fp16_bytes(p.fp16_bytes);
+    ps->set_nominal_ratio(p.nominal_ratio);
+    ps->set_actual_ratio(p.kv_bytes ? double(p.fp16_bytes) / double(p.kv_bytes) : 0.0);
   }
   if (req.check_invariants()) {
     reply->set_invariants_checked(true);

@@ -116,11 +116,13 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
     for (int i = 0; i < r.policies_size(); ++i) {
       const auto& p = r.policies(i);
       std::printf("%s{\"policy\":\"%s\",\"sequences\":%u,\"resident_tokens\":%llu,\"logical_tokens\":%llu,"
-                  "\"compactions\":%llu,\"tokens_removed\":%llu,\"compaction_seconds\":%.6f,\"failures\":%llu}",
+                  "\"compactions\":%llu,\"tokens_removed\":%llu,\"compaction_seconds\":%.6f,\"failures\":%llu,"
+                  "\"kv_bytes\":%llu,\"fp16_bytes\":%llu,\"nominal_ratio\":%.3f,\"actual_ratio\":%.3f}",
                   i ? "," : "", json_escape(p.policy()).c_str(), p.sequences(), (unsigned long long)p.resident_tokens(),
                   (unsigned long long)p.logical_tokens(), (unsigned long long)p.compactions(),
                   (unsigned long long)p.tokens_removed(), p.compaction_seconds(),
-                  (unsigned long long)p.compaction_failures());
+                  (unsigned long long)p.compaction_failures(), (unsigned long long)p.kv_bytes(),
+                  (unsigned long long)p.fp16_bytes(), p.nominal_ratio(), p.actual_ratio());
     }
     std::printf("]}\n");
   } else {
@@ -146,13 +148,14 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
       std::printf("invariants       %s\n", r.invariant_error().empty() ? "ok" : r.invariant_error().c_str());
     }
     if (r.policies_size() > 0) {
-      std::printf("\n%-10s %5s %10s %10s %8s %12s %10s %6s\n", "POLICY", "SEQS", "RESIDENT", "LOGICAL", "COMPACT",
-                  "REMOVED", "TIME(s)", "FAILED");
+      std::printf("\n%-14s %5s %10s %10s %8s %12s %9s %6s %8s %8s\n", "POLICY", "SEQS", "RESIDENT", "LOGICAL",
+                  "COMPACT", "REMOVED", "TIME(s)", "FAILED", "NOMINAL", "ACTUAL");
       for (const auto& p : r.policies()) {
-        std::printf("%-10s %5u %10llu %10llu %8llu %12llu %10.3f %6llu\n", p.policy().c_str(), p.sequences(),
-                    (unsigned long long)p.resident_tokens(), (unsigned long long)p.logical_tokens(),
+        std::printf("%-14s %5u %10llu %10llu %8llu %12llu %9.3f %6llu %7.2fx %7.2fx\n", p.policy().c_str(),
+                    p.sequences(), (unsigned long long)p.resident_tokens(), (unsigned long long)p.logical_tokens(),
                     (unsigned long long)p.compactions(), (unsigned long long)p.tokens_removed(),
-                    p.compaction_seconds(), (unsigned long long)p.compaction_failures());
+                    p.compaction_seconds(), (unsigned long long)p.compaction_failures(), p.nominal_ratio(),
+                    p.actual_ratio());
       }
     }
   }

@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "checks.h"
 #include "compress.h"
+#include "quant_storage.h"
 #include "karakv/kernels/backend.h"
 
 namespace karakv::kernels {
@@ -264,6 +265,27 @@ class CpuBackend final : public Backend {
     }
     omp_set_num_threads(num_threads_);
     return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks);
+  }
+  int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const override {
+    return cpu::quantized_tokens_per_block(g, format);
+  }
+  KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q,
+                               int32_t dst) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::quantize_tokens(kv, seq, slot_begin, q, dst);
+  }
+  KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) override {
+    return cpu::dequantize_block(kv, q, block, k, v);
+  }
+  KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
+                                          float* out, float scale, float* const* score_acc) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc);
+  }
+  KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
+                                          int num_queries, const float* q, float* out, float scale) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale);
   }
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
                                            float* const* score_acc) override {

@@ -52,8 +52,8 @@ class KaraPolicy final : public Policy {
     const float scale = 1.0f / std::sqrt(float(g.head_dim));
     for (int l = 0; l < g.num_layers; ++l) {
       policy_util::gather_queries(seq, plan.begin, window_, l, q.data());
-      if (auto s = policy_util::check(backend.window_scores(kv, 0, l, plan.begin, window_, q.data(), scale,
-                                                            scores.data()));
+      if (auto s = policy_util::check(backend.window_scores(kv, 0, l, plan.begin - seq.fp_offset, window_, q.data(),
+                                                            scale, scores.data()));
           !s.ok()) {
         return s;
       }

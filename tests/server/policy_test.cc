@@ -391,3 +391,38 @@ TEST(PolicyPropertyTest, RandomStepCompactForkReleaseKeepInvariants) {
 
 }  // namespace
 }  // namespace karakv::server
+
+namespace karakv::server {
+namespace {
+
+// A compaction that cannot get its fresh blocks is refused and changes nothing; the sequence
+// compacts at a later trigger once blocks are free.
+TEST(CompactTest, FailedCompactionLeavesTheSequenceExactlyAsItWas) {
+  Driver d(4, /*blocks=*/12);
+  SequenceOptions o;
+  o.policy = "snapkv";
+  o.params = {{"c_max", 1000}, {"c_target", 16}, {"w_obs", 4}};
+  const uint64_t seq = *d.create(o);
+  ASSERT_TRUE(d.append(seq, 0, 32, 4).ok());  // 8 blocks
+  const uint64_t filler = *d.create(SequenceOptions{});
+  ASSERT_TRUE(d.append(filler, 0, 16).ok());  // the last 4 blocks: none free
+  const auto positions = d.positions(seq);
+  const SequenceInfo info = d.info(seq);
+  auto r = d.reg->compact(d.session, seq, false);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("needs 4 fresh blocks"));
+  EXPECT_EQ(d.positions(seq), positions);
+  EXPECT_EQ(d.info(seq).length, info.length);
+  EXPECT_EQ(d.info(seq).blocks, info.blocks);
+  EXPECT_EQ(d.reg->stats().policies["snapkv"].failures, 1u);
+  EXPECT_TRUE(d.reg->check_invariants().ok());
+  ASSERT_TRUE(d.reg->release_sequence(d.session, filler).ok());
+  r = d.reg->compact(d.session, seq, false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(d.info(seq).length, 16u);
+  EXPECT_EQ(d.info(seq).blocks, 4u);
+  EXPECT_TRUE(d.reg->check_invariants().ok());
+}
+
+}  // namespace
+}  // namespace karakv::server

@@ -63,7 +63,8 @@ class Buffer {
 // How a sequence is compressed (docs/COMPRESSION.md): the policy, parameter overrides by name,
 // and an optional one-time prefill policy for the prompt.
 struct SequenceOptions {
-  std::string policy = "none";
+  std::string policy = "none";  // or with a storage format: "kara+kivi4"
+  std::string storage;          // kivi2, kivi4, tq2, tq3, tq4; params["residual"] sets its window
   std::map<std::string, double> params;
   std::string prefill_policy;
   std::map<std::string, double> prefill_params;
@@ -75,6 +76,8 @@ struct PolicyStats {
   uint32_t sequences = 0;
   uint64_t resident_tokens = 0, logical_tokens = 0, compactions = 0, tokens_removed = 0, failures = 0;
   double compaction_seconds = 0;
+  uint64_t kv_bytes = 0, fp16_bytes = 0;
+  double nominal_ratio = 1, actual_ratio = 0;  // actual = fp16 bytes of the logical tokens / kv bytes
 };
 
 // One sequence's compaction (or, for a dry run, what it would be).
@@ -104,6 +107,10 @@ struct SequenceInfo {
   std::string session_id, tenant, policy, prefill_policy;
   uint32_t length = 0, blocks = 0, shared_blocks = 0;
   uint32_t logical_length = 0, prompt_length = 0, compactions = 0;
+  std::string storage;
+  uint32_t quantized_tokens = 0;
+  uint64_t kv_bytes = 0, fp16_bytes = 0;
+  double nominal_ratio = 1;
   int32_t priority = 0, pending_layer = -1;
 };
 

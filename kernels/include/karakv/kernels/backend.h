@@ -22,6 +22,9 @@ enum class Op : uint8_t {
   kToken2Chunk,
   kGatherTokens,
   kDecodeAttentionAccumulate,
+  kQuantize,
+  kDequantize,
+  kQuantizedAttention,
 };
 const char* op_name(Op op);
 
@@ -117,6 +120,43 @@ class Backend {
   virtual KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
                                    int32_t* out) {
     return KernelStatus::unsupported("token2chunk");
+  }
+
+  // ---- quantized storage (docs/COMPRESSION.md section 3) ----
+
+  // Bytes of the quantized run of n tokens of one (layer, K/V, head) in `format`, and the most
+  // tokens (a multiple of block_size and of the format's group) whose K and V runs both fit in
+  // one block's run; 0 when the format cannot hold the geometry (e.g. KIVI needs head_dim % 32 == 0).
+  virtual int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const { return 0; }
+
+  // Quantizes unquantized slots [slot_begin, slot_begin + q.tokens_per_block) of sequence `seq`
+  // (kv's blocks) into block `dst`, every layer and KV head.
+  virtual KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q,
+                                       int32_t dst) {
+    return KernelStatus::unsupported("quantize_tokens");
+  }
+
+  // Dequantizes quantized block `block` into dense K and V in the storage dtype.
+  //   k, v: [num_layers][tokens_per_block][num_kv_heads][head_dim]
+  virtual KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) {
+    return KernelStatus::unsupported("dequantize_block");
+  }
+
+  // decode_attention (and, with score_acc non-null, its accumulation) over each sequence's
+  // quantized tokens followed by its kv.seq_len[s] unquantized ones, straight from the codes.
+  //   q, out: [num_seqs][num_q_heads][head_dim] fp32; score_acc as decode_attention_accumulate,
+  //   each row covering quantized + unquantized slots
+  virtual KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer,
+                                                  const float* q, float* out, float scale,
+                                                  float* const* score_acc) {
+    return KernelStatus::unsupported("decode_attention_quantized");
+  }
+
+  // causal_attention over a sequence with a quantized prefix: query i sees every quantized token
+  // and unquantized slots 0..seq_len - num_queries + i.
+  virtual KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
+                                                  int num_queries, const float* q, float* out, float scale) {
+    return KernelStatus::unsupported("causal_attention_quantized");
   }
 
   // Gathers kept tokens of sequence `seq` into fresh blocks, every layer and KV head in one call:

@@ -85,4 +85,31 @@ struct PagedKV {
   }
 };
 
+// Quantized storage formats (docs/COMPRESSION.md section 3).
+enum class QuantFormat : uint8_t { kKivi2, kKivi4, kTq2, kTq3, kTq4 };
+
+// The quantized region of each sequence of a PagedKV batch: whole blocks, each holding
+// tokens_per_block tokens of every (layer, K/V, KV head) as a quantized run at the same run
+// offset an unquantized block uses (PagedKV::run_offset, in bytes of the storage dtype). A
+// sequence's quantized tokens come before its unquantized ones: slot t < quantized(s) lives in
+// block block_table[table_offset[s] + t / tokens_per_block]; later slots are the PagedKV's.
+struct QuantizedKV {
+  QuantFormat format = QuantFormat::kKivi4;
+  int tokens_per_block = 0;
+  uint64_t seed = 0;                      // TurboQuant rotations: head_seed(seed, layer, head)
+  const int32_t* block_table = nullptr;   // concatenated quantized block ids
+  const int32_t* table_offset = nullptr;  // [num_seqs + 1]
+
+  int quantized(int seq) const { return (table_offset[seq + 1] - table_offset[seq]) * tokens_per_block; }
+};
+
+// The rotation seed of one (layer, KV head): a splitmix64 step over the sequence-wide seed.
+inline uint64_t head_seed(uint64_t seed, int layer, int head) {
+  uint64_t z = seed ^ (uint64_t(layer) << 32 | uint64_t(uint32_t(head)));
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 }  // namespace karakv::kernels

@@ -1,0 +1,720 @@
+// KIVI and TurboQuant over one run, and CaM's merge (quant.h has the layouts and the math). The
+// format's bit width becomes a compile-time constant in one dispatch helper, so code packing and
+// the per-element loops are specialised per width. Codes are packed eight at a time (8 codes of b
+// bits are exactly b bytes, for b = 2, 3 and 4 alike) and decoded straight to floats (a byte table
+// for 2 and 4 bits), so the arithmetic loops run over plain float arrays.
+#include "quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "karakv/kernels/half.h"
+
+namespace karakv::kernels::cpu {
+namespace {
+
+constexpr int kKiviGroup = 32;         // tokens per key group, channels per value group
+constexpr float kHalfMax = 65504.0f;   // largest finite fp16
+
+bool is_kivi(QuantFormat f) { return f == QuantFormat::kKivi2 || f == QuantFormat::kKivi4; }
+
+// Lloyd-Max centroids of N(0, 1) (docs/COMPRESSION.md), ascending: code k is entry k.
+template <int B>
+struct Codebook;
+template <>
+struct Codebook<2> {
+  static constexpr float centroid[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+};
+template <>
+struct Codebook<3> {
+  static constexpr float centroid[8] = {-2.1519f, -1.3439f, -0.7560f, -0.2451f,
+                                        0.2451f,  0.7560f,  1.3439f,  2.1519f};
+};
+template <>
+struct Codebook<4> {
+  static constexpr float centroid[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f, -0.9423f, -0.6568f,
+                                         -0.3880f, -0.1284f, 0.1284f,  0.3880f,  0.6568f,  0.9423f,
+                                         1.2562f,  1.6180f,  2.0690f,  2.7326f};
+};
+
+// Decision thresholds of the nearest-centroid quantizer: midpoints of adjacent centroids.
+template <int B>
+struct Thresholds {
+  float value[(1 << B) - 1];
+  constexpr Thresholds() : value() {
+    for (int k = 0; k + 1 < (1 << B); ++k) value[k] = 0.5f * (Codebook<B>::centroid[k] + Codebook<B>::centroid[k + 1]);
+  }
+};
+
+// The one place a format's bit width turns into a compile-time constant.
+template <typename Fn>
+KernelStatus with_bits(QuantFormat f, Fn&& fn) {
+  switch (quant_bits(f)) {
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+  }
+  return KernelStatus::invalid("unknown quant format " + std::to_string(int(f)));
+}
+
+// codes[0, count) (each < 2^B) into count*B/8 bytes, LSB first; count a multiple of 8.
+template <int B>
+void pack_codes(const uint8_t* codes, int count, uint8_t* dst) {
+  for (int i = 0; i < count; i += 8) {
+    uint64_t word = 0;
+    for (int k = 0; k < 8; ++k) word |= uint64_t(codes[i + k]) << (k * B);
+    for (int byte = 0; byte < B; ++byte) *dst++ = uint8_t(word >> (8 * byte));
+  }
+}
+
+// The value a code decodes to: the code itself (KIVI) or its centroid (TurboQuant).
+template <int B, bool kCentroid>
+constexpr float code_value(int code) {
+  if constexpr (kCentroid) return Codebook<B>::centroid[code];
+  return float(code);
+}
+
+// Every byte of 2- or 4-bit codes holds whole codes: one table lookup yields 8 / B floats.
+template <int B, bool kCentroid>
+struct ByteTable {
+  static constexpr int kPerByte = 8 / B;
+  float value[256][kPerByte];
+  constexpr ByteTable() : value() {
+    for (int byte = 0; byte < 256; ++byte)
+      for (int k = 0; k < kPerByte; ++k) value[byte][k] = code_value<B, kCentroid>((byte >> (k * B)) & ((1 << B) - 1));
+  }
+};
+
+// out[i] = code_value(code i) for the codes [0, count) packed at src; count a multiple of 8.
+template <int B, bool kCentroid>
+void decode_codes(const uint8_t* src, int count, float* out) {
+  if constexpr (B == 3) {
+    for (int i = 0; i < count; i += 8) {
+      const uint32_t word = uint32_t(src[0]) | uint32_t(src[1]) << 8 | uint32_t(src[2]) << 16;
+      src += 3;
+      for (int k = 0; k < 8; ++k) out[i + k] = code_value<B, kCentroid>((word >> (3 * k)) & 7u);
+    }
+  } else {
+    static constexpr ByteTable<B, kCentroid> kTable;
+    constexpr int kPerByte = ByteTable<B, kCentroid>::kPerByte;
+    for (int i = 0; i < count / kPerByte; ++i) std::memcpy(out + i * kPerByte, kTable.value[src[i]], sizeof(kTable.value[0]));
+  }
+}
+
+// acc[i] += weight * code_value(code i), fused with the decode.
+template <int B, bool kCentroid>
+void accumulate_codes(const uint8_t* src, int count, float weight, float* acc) {
+  if constexpr (B == 3) {
+    float values[8];
+    for (int i = 0; i < count; i += 8) {
+      decode_codes<B, kCentroid>(src + i / 8 * 3, 8, values);
+      for (int k = 0; k < 8; ++k) acc[i + k] += weight * values[k];
+    }
+  } else {
+    static constexpr ByteTable<B, kCentroid> kTable;
+    constexpr int kPerByte = ByteTable<B, kCentroid>::kPerByte;
+    for (int i = 0; i < count / kPerByte; ++i)
+      for (int k = 0; k < kPerByte; ++k) acc[i * kPerByte + k] += weight * kTable.value[src[i]][k];
+  }
+}
+
+// sum_i x[i] * centroid(code i) over [0, count), count a multiple of 8, in 8 partial sums so the
+// loop vectorises without reassociating a single chain.
+template <int B>
+float dot_centroids(const uint8_t* src, int count, const float* x) {
+  float values[8];
+  float partial[8] = {};
+  for (int i = 0; i < count; i += 8) {
+    decode_codes<B, true>(src + i / 8 * B, 8, values);
+    for (int k = 0; k < 8; ++k) partial[k] += x[i + k] * values[k];
+  }
+  return ((partial[0] + partial[4]) + (partial[1] + partial[5])) + ((partial[2] + partial[6]) + (partial[3] + partial[7]));
+}
+
+uint16_t load_half_bits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+float load_half(const uint8_t* p) { return half_to_float(load_half_bits(p)); }
+void store_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
+
+// ---- sizes and validation --------------------------------------------------------------------
+
+bool head_dim_ok(QuantFormat f, int d) {
+  if (d < 1 || d > kMaxQuantHeadDim) return false;
+  if (is_kivi(f)) return d % kKiviGroup == 0;
+  return d >= 8 && (d & (d - 1)) == 0;
+}
+
+size_t kivi_key_group_bytes(int bits, int d) { return 4 * size_t(d) + size_t(4) * bits * d; }
+size_t kivi_value_token_bytes(int bits, int d) { return 4 * size_t(d / kKiviGroup) + size_t(d) * bits / 8; }
+size_t tq_token_bytes(int bits, int d) { return 2 + size_t(d) * bits / 8; }
+
+KernelStatus invalid(std::string_view op, const std::string& msg) {
+  return KernelStatus::invalid(std::string(op) + ": " + msg);
+}
+
+// Format, n and d of a key (is_key) or value run.
+KernelStatus check_run(std::string_view op, QuantFormat f, int n, int d, bool is_key) {
+  if (quant_bits(f) == 0)
+    return invalid(op, "format " + std::to_string(int(f)) + " is not one of kivi2, kivi4, tq2, tq3, tq4");
+  if (n < 0) return invalid(op, "n " + std::to_string(n) + " must be >= 0");
+  if (is_kivi(f) && is_key && n % kKiviGroup != 0)
+    return invalid(op, std::string("n ") + std::to_string(n) + " must be a multiple of " + std::to_string(kKiviGroup) +
+                           " for " + quant_format_name(f) + " keys");
+  if (!head_dim_ok(f, d)) {
+    if (is_kivi(f))
+      return invalid(op, "head_dim " + std::to_string(d) + " must be a multiple of 32 in [32, " +
+                             std::to_string(kMaxQuantHeadDim) + "] for " + quant_format_name(f));
+    return invalid(op, "head_dim " + std::to_string(d) + " must be a power of two in [8, " +
+                           std::to_string(kMaxQuantHeadDim) + "] for " + quant_format_name(f));
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus check_non_null(std::string_view op, std::initializer_list<std::pair<const char*, const void*>> pointers) {
+  for (const auto& [name, p] : pointers)
+    if (p == nullptr) return invalid(op, std::string(name) + " is null");
+  return KernelStatus::ok();
+}
+
+#define KARAKV_RETURN_IF_ERROR(expr)      \
+  do {                                    \
+    KernelStatus status_ = (expr);        \
+    if (!status_.is_ok()) return status_; \
+  } while (0)
+
+// ---- the rotation ----------------------------------------------------------------------------
+
+// Output i+1 of splitmix64 seeded with `seed`: the top bit is sign i of the rotation.
+uint64_t splitmix64_at(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Per-thread buffers reused across calls; the signs of the last (seed, d) are kept, since a
+// decode step calls with the same head's seed many times in a row.
+struct QuantScratch {
+  uint64_t seed = 0;
+  int d = 0;
+  std::vector<float> signs;    // [d] +-1
+  std::vector<float> vec;      // [d]
+  std::vector<float> acc;      // [d]
+  std::vector<uint8_t> codes;  // [max(d, 32) * 32]
+  std::vector<float> decoded;  // [max(d, 32)]
+};
+
+QuantScratch& scratch_for(int d) {
+  static thread_local QuantScratch scratch;
+  if (scratch.vec.size() < size_t(d)) {
+    scratch.vec.resize(d);
+    scratch.acc.resize(d);
+  }
+  const size_t codes = size_t(std::max(d, kKiviGroup)) * kKiviGroup;
+  if (scratch.codes.size() < codes) scratch.codes.resize(codes);
+  if (scratch.decoded.size() < size_t(std::max(d, kKiviGroup))) scratch.decoded.resize(std::max(d, kKiviGroup));
+  return scratch;
+}
+
+const float* signs_for(QuantScratch& scratch, uint64_t seed, int d) {
+  if (scratch.d != d || scratch.seed != seed || scratch.signs.size() != size_t(d)) {
+    scratch.signs.resize(d);
+    for (int i = 0; i < d; ++i) scratch.signs[i] = (splitmix64_at(seed, uint64_t(i)) >> 63) ? -1.0f : 1.0f;
+    scratch.seed = seed;
+    scratch.d = d;
+  }
+  return scratch.signs.data();
+}
+
+// In-place unnormalised Walsh-Hadamard transform (x <- H x), d a power of two.
+void fwht(float* x, int d) {
+  for (int h = 1; h < d; h <<= 1)
+    for (int i = 0; i < d; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j];
+        const float b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
+// ---- KIVI ------------------------------------------------------------------------------------
+
+struct KiviParams {
+  uint16_t scale_bits;
+  uint16_t zero_bits;
+  float scale;
+  float zero;
+};
+
+template <int B>
+KiviParams kivi_params(float lo, float hi) {
+  constexpr float kLevels = float((1 << B) - 1);
+  KiviParams p;
+  p.scale_bits = float_to_half((hi - lo) / kLevels);
+  p.zero_bits = float_to_half(lo);
+  p.scale = half_to_float(p.scale_bits);
+  p.zero = half_to_float(p.zero_bits);
+  return p;
+}
+
+template <int B>
+uint8_t kivi_code(float x, float scale, float zero) {
+  constexpr float kLevels = float((1 << B) - 1);
+  if (scale == 0.0f) return 0;
+  const float r = std::nearbyint((x - zero) / scale);
+  return uint8_t(std::clamp(r, 0.0f, kLevels));
+}
+
+KernelStatus check_half_range(std::string_view op, const float* x, int n, int d) {
+  for (size_t i = 0; i < size_t(n) * d; ++i)
+    if (!(std::fabs(x[i]) <= kHalfMax))
+      return invalid(op, "x[" + std::to_string(i / d) + "][" + std::to_string(i % d) + "] = " + std::to_string(x[i]) +
+                             " is outside the fp16 range [-65504, 65504]");
+  return KernelStatus::ok();
+}
+
+//   x: [n][d]; run: n / 32 group records
+template <int B>
+void kivi_quantize_keys(const float* x, int n, int d, uint8_t* run) {
+  QuantScratch& scratch = scratch_for(d);
+  float* lo = scratch.vec.data();
+  float* hi = scratch.acc.data();
+  uint8_t* codes = scratch.codes.data();  // [d][32]
+  std::vector<KiviParams> params(d);
+  const size_t record = kivi_key_group_bytes(B, d);
+  for (int g = 0; g < n / kKiviGroup; ++g) {
+    const float* xg = x + size_t(g) * kKiviGroup * d;
+    uint8_t* rec = run + g * record;
+    std::copy(xg, xg + d, lo);
+    std::copy(xg, xg + d, hi);
+    for (int t = 1; t < kKiviGroup; ++t)
+      for (int c = 0; c < d; ++c) {
+        lo[c] = std::min(lo[c], xg[size_t(t) * d + c]);
+        hi[c] = std::max(hi[c], xg[size_t(t) * d + c]);
+      }
+    for (int c = 0; c < d; ++c) {
+      params[c] = kivi_params<B>(lo[c], hi[c]);
+      store_half(rec + 2 * c, params[c].scale_bits);
+      store_half(rec + 2 * (d + c), params[c].zero_bits);
+    }
+    for (int t = 0; t < kKiviGroup; ++t)
+      for (int c = 0; c < d; ++c) codes[c * kKiviGroup + t] = kivi_code<B>(xg[size_t(t) * d + c], params[c].scale, params[c].zero);
+    uint8_t* packed = rec + 4 * d;
+    for (int c = 0; c < d; ++c) pack_codes<B>(codes + c * kKiviGroup, kKiviGroup, packed + c * (kKiviGroup * B / 8));
+  }
+}
+
+//   x: [n][d]; run: n token records
+template <int B>
+void kivi_quantize_values(const float* x, int n, int d, uint8_t* run) {
+  QuantScratch& scratch = scratch_for(d);
+  uint8_t* codes = scratch.codes.data();  // [d]
+  const int groups = d / kKiviGroup;
+  const size_t record = kivi_value_token_bytes(B, d);
+  for (int t = 0; t < n; ++t) {
+    const float* xt = x + size_t(t) * d;
+    uint8_t* rec = run + t * record;
+    for (int g = 0; g < groups; ++g) {
+      const float* xg = xt + g * kKiviGroup;
+      float lo = xg[0], hi = xg[0];
+      for (int c = 1; c < kKiviGroup; ++c) {
+        lo = std::min(lo, xg[c]);
+        hi = std::max(hi, xg[c]);
+      }
+      const KiviParams p = kivi_params<B>(lo, hi);
+      store_half(rec + 2 * g, p.scale_bits);
+      store_half(rec + 2 * (groups + g), p.zero_bits);
+      for (int c = 0; c < kKiviGroup; ++c) codes[g * kKiviGroup + c] = kivi_code<B>(xg[c], p.scale, p.zero);
+    }
+    pack_codes<B>(codes, d, rec + 4 * groups);
+  }
+}
+
+template <int B>
+void kivi_dequantize_keys(const uint8_t* run, int n, int d, float* x) {
+  float* codes = scratch_for(d).decoded.data();  // [32]: one channel of the group
+  const size_t record = kivi_key_group_bytes(B, d);
+  constexpr int kChannelBytes = kKiviGroup * B / 8;
+  for (int g = 0; g < n / kKiviGroup; ++g) {
+    const uint8_t* rec = run + g * record;
+    float* xg = x + size_t(g) * kKiviGroup * d;
+    for (int c = 0; c < d; ++c) {
+      const float scale = load_half(rec + 2 * c);
+      const float zero = load_half(rec + 2 * (d + c));
+      decode_codes<B, false>(rec + 4 * d + c * kChannelBytes, kKiviGroup, codes);
+      for (int t = 0; t < kKiviGroup; ++t) xg[size_t(t) * d + c] = codes[t] * scale + zero;
+    }
+  }
+}
+
+template <int B>
+void kivi_dequantize_values(const uint8_t* run, int n, int d, float* x) {
+  float* codes = scratch_for(d).decoded.data();  // [d]
+  const int groups = d / kKiviGroup;
+  const size_t record = kivi_value_token_bytes(B, d);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* rec = run + t * record;
+    decode_codes<B, false>(rec + 4 * groups, d, codes);
+    for (int g = 0; g < groups; ++g) {
+      const float scale = load_half(rec + 2 * g);
+      const float zero = load_half(rec + 2 * (groups + g));
+      for (int c = g * kKiviGroup; c < (g + 1) * kKiviGroup; ++c) x[size_t(t) * d + c] = codes[c] * scale + zero;
+    }
+  }
+}
+
+// Per group: acc[t] = sum_c (q_c s_c) code_tc, bias = sum_c q_c z_c, scores = scale * (acc + bias).
+template <int B>
+void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, float scale, float* scores) {
+  const size_t record = kivi_key_group_bytes(B, d);
+  constexpr int kChannelBytes = kKiviGroup * B / 8;
+  for (int g = 0; g < n / kKiviGroup; ++g) {
+    const uint8_t* rec = run + g * record;
+    alignas(32) float acc[kKiviGroup] = {};
+    float bias = 0.0f;
+    for (int c = 0; c < d; ++c) {
+      const float qs = q[c] * load_half(rec + 2 * c);
+      bias += q[c] * load_half(rec + 2 * (d + c));
+      accumulate_codes<B, false>(rec + 4 * d + c * kChannelBytes, kKiviGroup, qs, acc);
+    }
+    for (int t = 0; t < kKiviGroup; ++t) scores[g * kKiviGroup + t] = scale * (acc[t] + bias);
+  }
+}
+
+template <int B>
+void kivi_value_accumulate(const uint8_t* run, int n, int d, const float* p, float* out) {
+  float* codes = scratch_for(d).decoded.data();  // [d]
+  const int groups = d / kKiviGroup;
+  const size_t record = kivi_value_token_bytes(B, d);
+  for (int t = 0; t < n; ++t) {
+    if (p[t] == 0.0f) continue;
+    const uint8_t* rec = run + t * record;
+    decode_codes<B, false>(rec + 4 * groups, d, codes);
+    for (int g = 0; g < groups; ++g) {
+      const float ps = p[t] * load_half(rec + 2 * g);
+      const float pz = p[t] * load_half(rec + 2 * (groups + g));
+      for (int c = g * kKiviGroup; c < (g + 1) * kKiviGroup; ++c) out[c] += ps * codes[c] + pz;
+    }
+  }
+}
+
+// ---- TurboQuant ------------------------------------------------------------------------------
+
+// ||x|| as fp32 from an fp64 sum, so the stored norm does not depend on summation order.
+float norm_of(const float* x, int d) {
+  double sum = 0;
+  for (int c = 0; c < d; ++c) sum += double(x[c]) * double(x[c]);
+  return float(std::sqrt(sum));
+}
+
+KernelStatus check_norms(std::string_view op, const float* x, int n, int d) {
+  for (int t = 0; t < n; ++t) {
+    const float norm = norm_of(x + size_t(t) * d, d);
+    if (!(norm <= kHalfMax) || (float_to_half(norm) & 0x7c00u) == 0x7c00u)
+      return invalid(op, "||x[" + std::to_string(t) + "]|| = " + std::to_string(norm) +
+                             " is not finite in fp16 (must be <= 65504)");
+  }
+  return KernelStatus::ok();
+}
+
+// Since u * sqrt(d) = H D x / ||x||, the unit scaling of R cancels: v = fwht(D x) / norm is
+// compared with the N(0, 1) thresholds directly.
+//   x: [n][d]; run: n token records
+template <int B>
+void tq_quantize(const float* x, int n, int d, uint64_t seed, uint8_t* run) {
+  static constexpr Thresholds<B> kThresholds;
+  QuantScratch& scratch = scratch_for(d);
+  const float* signs = signs_for(scratch, seed, d);
+  float* v = scratch.vec.data();
+  uint8_t* codes = scratch.codes.data();
+  const size_t record = tq_token_bytes(B, d);
+  for (int t = 0; t < n; ++t) {
+    const float* xt = x + size_t(t) * d;
+    uint8_t* rec = run + t * record;
+    const float norm = norm_of(xt, d);
+    store_half(rec, float_to_half(norm));
+    if (norm == 0.0f) {
+      std::memset(rec + 2, 0, size_t(d) * B / 8);
+      continue;
+    }
+    for (int c = 0; c < d; ++c) v[c] = xt[c] * signs[c];
+    fwht(v, d);
+    for (int c = 0; c < d; ++c) {
+      const float u = v[c] / norm;
+      int code = 0;
+      for (float threshold : kThresholds.value) code += u > threshold;
+      codes[c] = uint8_t(code);
+    }
+    pack_codes<B>(codes, d, rec + 2);
+  }
+}
+
+// x' = norm * R^T c = D H (norm * centroid) / d: the centroids are in units of 1/sqrt(d) and R^T
+// carries another 1/sqrt(d).
+template <int B>
+void tq_dequantize(const uint8_t* run, int n, int d, uint64_t seed, float* x) {
+  QuantScratch& scratch = scratch_for(d);
+  const float* signs = signs_for(scratch, seed, d);
+  const size_t record = tq_token_bytes(B, d);
+  const float inv_d = 1.0f / float(d);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* rec = run + t * record;
+    float* xt = x + size_t(t) * d;
+    const float norm = load_half(rec);
+    decode_codes<B, true>(rec + 2, d, xt);
+    for (int c = 0; c < d; ++c) xt[c] *= norm;
+    fwht(xt, d);
+    for (int c = 0; c < d; ++c) xt[c] *= signs[c] * inv_d;
+  }
+}
+
+// q . R^T (norm c) = norm * (H D q) . centroid / d.
+template <int B>
+void tq_key_scores(const uint8_t* run, int n, int d, uint64_t seed, const float* q, float scale, float* scores) {
+  QuantScratch& scratch = scratch_for(d);
+  const float* signs = signs_for(scratch, seed, d);
+  float* hq = scratch.vec.data();
+  for (int c = 0; c < d; ++c) hq[c] = q[c] * signs[c];
+  fwht(hq, d);
+  const float factor = scale / float(d);
+  const size_t record = tq_token_bytes(B, d);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* rec = run + t * record;
+    scores[t] = factor * load_half(rec) * dot_centroids<B>(rec + 2, d, hq);
+  }
+}
+
+template <int B>
+void tq_value_accumulate(const uint8_t* run, int n, int d, uint64_t seed, const float* p, float* out) {
+  QuantScratch& scratch = scratch_for(d);
+  const float* signs = signs_for(scratch, seed, d);
+  float* acc = scratch.acc.data();
+  std::fill(acc, acc + d, 0.0f);
+  const size_t record = tq_token_bytes(B, d);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* rec = run + t * record;
+    const float weight = p[t] * load_half(rec);
+    if (weight == 0.0f) continue;
+    accumulate_codes<B, true>(rec + 2, d, weight, acc);
+  }
+  fwht(acc, d);
+  const float inv_d = 1.0f / float(d);
+  for (int c = 0; c < d; ++c) out[c] += acc[c] * signs[c] * inv_d;
+}
+
+KernelStatus check_rotation(std::string_view op, const char* in_name, const float* in, int d, const char* out_name,
+                            const float* out) {
+  KARAKV_RETURN_IF_ERROR(check_non_null(op, {{in_name, in}, {out_name, out}}));
+  if (d < 1 || d > kMaxQuantHeadDim || (d & (d - 1)) != 0)
+    return invalid(op, "d " + std::to_string(d) + " must be a power of two in [1, " + std::to_string(kMaxQuantHeadDim) +
+                           "]");
+  return KernelStatus::ok();
+}
+
+}  // namespace
+
+const char* quant_format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kKivi2: return "kivi2";
+    case QuantFormat::kKivi4: return "kivi4";
+    case QuantFormat::kTq2: return "tq2";
+    case QuantFormat::kTq3: return "tq3";
+    case QuantFormat::kTq4: return "tq4";
+  }
+  return "unknown";
+}
+
+int quant_bits(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kKivi2: return 2;
+    case QuantFormat::kKivi4: return 4;
+    case QuantFormat::kTq2: return 2;
+    case QuantFormat::kTq3: return 3;
+    case QuantFormat::kTq4: return 4;
+  }
+  return 0;
+}
+
+int token_multiple(QuantFormat f) {
+  if (quant_bits(f) == 0) return 0;
+  return is_kivi(f) ? kKiviGroup : 1;
+}
+
+size_t key_run_bytes(QuantFormat f, int n, int head_dim) {
+  if (!check_run("key_run_bytes", f, n, head_dim, /*is_key=*/true).is_ok()) return 0;
+  const int bits = quant_bits(f);
+  if (is_kivi(f)) return size_t(n / kKiviGroup) * kivi_key_group_bytes(bits, head_dim);
+  return size_t(n) * tq_token_bytes(bits, head_dim);
+}
+
+size_t value_run_bytes(QuantFormat f, int n, int head_dim) {
+  if (!check_run("value_run_bytes", f, n, head_dim, /*is_key=*/false).is_ok()) return 0;
+  const int bits = quant_bits(f);
+  if (is_kivi(f)) return size_t(n) * kivi_value_token_bytes(bits, head_dim);
+  return size_t(n) * tq_token_bytes(bits, head_dim);
+}
+
+KernelStatus quantize_keys(QuantFormat f, const float* x, int n, int d, uint64_t seed, uint8_t* run) {
+  constexpr std::string_view kOp = "quantize_keys";
+  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/true));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"x", x}, {"run", run}}));
+  if (is_kivi(f)) {
+    KARAKV_RETURN_IF_ERROR(check_half_range(kOp, x, n, d));
+    return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+      kivi_quantize_keys<B>(x, n, d, run);
+      return KernelStatus::ok();
+    });
+  }
+  KARAKV_RETURN_IF_ERROR(check_norms(kOp, x, n, d));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    tq_quantize<B>(x, n, d, seed, run);
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus quantize_values(QuantFormat f, const float* x, int n, int d, uint64_t seed, uint8_t* run) {
+  constexpr std::string_view kOp = "quantize_values";
+  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/false));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"x", x}, {"run", run}}));
+  if (is_kivi(f)) {
+    KARAKV_RETURN_IF_ERROR(check_half_range(kOp, x, n, d));
+    return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+      kivi_quantize_values<B>(x, n, d, run);
+      return KernelStatus::ok();
+    });
+  }
+  KARAKV_RETURN_IF_ERROR(check_norms(kOp, x, n, d));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    tq_quantize<B>(x, n, d, seed, run);
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus dequantize_keys(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, float* x) {
+  constexpr std::string_view kOp = "dequantize_keys";
+  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/true));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"x", x}}));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (is_kivi(f)) {
+      if constexpr (B != 3) kivi_dequantize_keys<B>(run, n, d, x);
+    } else {
+      tq_dequantize<B>(run, n, d, seed, x);
+    }
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus dequantize_values(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, float* x) {
+  constexpr std::string_view kOp = "dequantize_values";
+  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/false));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"x", x}}));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (is_kivi(f)) {
+      if constexpr (B != 3) kivi_dequantize_values<B>(run, n, d, x);
+    } else {
+      tq_dequantize<B>(run, n, d, seed, x);
+    }
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus quantized_key_scores(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, const float* q,
+                                  float scale, float* scores) {
+  constexpr std::string_view kOp = "quantized_key_scores";
+  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/true));
+  if (!std::isfinite(scale)) return invalid(kOp, "scale " + std::to_string(scale) + " must be finite");
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"q", q}, {"scores", scores}}));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (is_kivi(f)) {
+      if constexpr (B != 3) kivi_key_scores<B>(run, n, d, q, scale, scores);
+    } else {
+      tq_key_scores<B>(run, n, d, seed, q, scale, scores);
+    }
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus quantized_value_accumulate(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, const float* p,
+                                        float* out) {
+  constexpr std::string_view kOp = "quantized_value_accumulate";
+  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/false));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"p", p}, {"out", out}}));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (is_kivi(f)) {
+      if constexpr (B != 3) kivi_value_accumulate<B>(run, n, d, p, out);
+    } else {
+      tq_value_accumulate<B>(run, n, d, seed, p, out);
+    }
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus hadamard_rotate(const float* x, int d, uint64_t seed, float* y) {
+  KARAKV_RETURN_IF_ERROR(check_rotation("hadamard_rotate", "x", x, d, "y", y));
+  QuantScratch& scratch = scratch_for(d);
+  const float* signs = signs_for(scratch, seed, d);
+  for (int c = 0; c < d; ++c) y[c] = x[c] * signs[c];
+  fwht(y, d);
+  const float inv_sqrt_d = 1.0f / std::sqrt(float(d));
+  for (int c = 0; c < d; ++c) y[c] *= inv_sqrt_d;
+  return KernelStatus::ok();
+}
+
+KernelStatus hadamard_unrotate(const float* y, int d, uint64_t seed, float* x) {
+  KARAKV_RETURN_IF_ERROR(check_rotation("hadamard_unrotate", "y", y, d, "x", x));
+  QuantScratch& scratch = scratch_for(d);
+  const float* signs = signs_for(scratch, seed, d);
+  if (x != y) std::copy(y, y + d, x);
+  fwht(x, d);
+  const float inv_sqrt_d = 1.0f / std::sqrt(float(d));
+  for (int c = 0; c < d; ++c) x[c] *= signs[c] * inv_sqrt_d;
+  return KernelStatus::ok();
+}
+
+KernelStatus cam_merge(const float* evicted_v, float evicted_attention, float mean_window_attention, int merge_tokens,
+                       float* kept_v, int m, int d) {
+  constexpr std::string_view kOp = "cam_merge";
+  if (merge_tokens < 1) return invalid(kOp, "merge_tokens " + std::to_string(merge_tokens) + " must be >= 1");
+  if (m < 0 || m > merge_tokens)
+    return invalid(kOp, "m " + std::to_string(m) + " out of range [0, " + std::to_string(merge_tokens) + "]");
+  if (d < 1) return invalid(kOp, "d " + std::to_string(d) + " must be >= 1");
+  if (!std::isfinite(evicted_attention) || !std::isfinite(mean_window_attention))
+    return invalid(kOp, "attentions " + std::to_string(evicted_attention) + " and " +
+                            std::to_string(mean_window_attention) + " must be finite");
+  if (m == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"evicted_v", evicted_v}, {"kept_v", kept_v}}));
+  const float p =
+      mean_window_attention > 0.0f ? std::clamp(evicted_attention / mean_window_attention, 0.0f, 1.0f) : 0.0f;
+  const float weight = p / float(merge_tokens);
+  if (weight == 0.0f) return KernelStatus::ok();
+  for (int i = 0; i < m; ++i)
+    for (int c = 0; c < d; ++c) kept_v[size_t(i) * d + c] += weight * evicted_v[c];
+  return KernelStatus::ok();
+}
+
+}  // namespace karakv::kernels::cpu

@@ -1,0 +1,225 @@
+// Quantized blocks in the pool (quant_storage.h). Each (layer, K/V, head) run of a quantized block
+// sits where an unquantized block keeps that run, so one block layout serves both.
+#include "quant_storage.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "karakv/kernels/half.h"
+#include "quant.h"
+
+namespace karakv::kernels::cpu {
+namespace {
+
+float load(const void* base, size_t i, DType d) {
+  switch (d) {
+    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+void store(void* base, size_t i, float v, DType d) {
+  switch (d) {
+    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = float_to_half(v); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); break;
+    default: static_cast<float*>(base)[i] = v; break;
+  }
+}
+
+uint8_t* run_bytes(const PagedKV& kv, int32_t block, int layer, int kvi, int head) {
+  return static_cast<uint8_t*>(kv.pool) + kv.run_offset(block, layer, kvi, head) * dtype_size(kv.geometry.dtype);
+}
+
+// Element index of unquantized slot `slot` of (layer, kvi, head) of sequence `seq`.
+size_t slot_index(const PagedKV& kv, int seq, int slot, int layer, int kvi, int head) {
+  const Geometry& g = kv.geometry;
+  return kv.run_offset(kv.block_of(seq, slot), layer, kvi, head) + size_t(slot % g.block_size) * g.head_dim;
+}
+
+KernelStatus check_qkv(std::string_view op, const PagedKV& kv, const QuantizedKV& q) {
+  KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
+  if (q.tokens_per_block < 1 || q.tokens_per_block != quantized_tokens_per_block(kv.geometry, q.format))
+    return KernelStatus::invalid(std::string(op) + ": tokens_per_block " + std::to_string(q.tokens_per_block) +
+                                 " does not match the format's " +
+                                 std::to_string(quantized_tokens_per_block(kv.geometry, q.format)));
+  return KernelStatus::ok();
+}
+
+// One query head's attention over the quantized and the first `visible` unquantized slots.
+void attend_one(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, int head, const float* q, int visible,
+                float scale, float* out, float* acc, std::vector<float>& p) {
+  const Geometry& g = kv.geometry;
+  const int d = g.head_dim, tq = qkv.tokens_per_block;
+  const int nq = qkv.quantized(seq);
+  const QuantFormat f = qkv.format;
+  const uint64_t seed = head_seed(qkv.seed, layer, head);
+  p.resize(size_t(nq) + visible);
+  const int32_t* qblocks = qkv.block_table + qkv.table_offset[seq];
+  for (int b = 0; b < nq / tq; ++b) {
+    quantized_key_scores(f, run_bytes(kv, qblocks[b], layer, 0, head), tq, d, seed, q, scale, p.data() + size_t(b) * tq);
+  }
+  for (int t = 0; t < visible; ++t) {
+    const size_t base = slot_index(kv, seq, t, layer, 0, head);
+    float dot = 0.0f;
+    for (int c = 0; c < d; ++c) dot += q[c] * load(kv.pool, base + c, g.dtype);
+    p[size_t(nq) + t] = dot * scale;
+  }
+  const int n = nq + visible;
+  float mx = -INFINITY;
+  for (int i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) sum += (p[i] = std::exp(p[i] - mx));
+  const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
+  for (int i = 0; i < n; ++i) p[i] *= inv;
+  std::fill(out, out + d, 0.0f);
+  for (int b = 0; b < nq / tq; ++b) {
+    quantized_value_accumulate(f, run_bytes(kv, qblocks[b], layer, 1, head), tq, d, seed, p.data() + size_t(b) * tq, out);
+  }
+  for (int t = 0; t < visible; ++t) {
+    const size_t base = slot_index(kv, seq, t, layer, 1, head);
+    const float w = p[size_t(nq) + t];
+    for (int c = 0; c < d; ++c) out[c] += w * load(kv.pool, base + c, g.dtype);
+  }
+  if (acc != nullptr) {
+    for (int i = 0; i < n; ++i) acc[i] += p[i];
+  }
+}
+
+}  // namespace
+
+int quantized_tokens_per_block(const Geometry& g, kernels::QuantFormat format) {
+  const QuantFormat f = format;
+  const size_t run = size_t(g.block_size) * g.head_dim * dtype_size(g.dtype);
+  const int multiple = std::lcm(std::max(1, token_multiple(f)), g.block_size);
+  int best = 0;
+  for (int n = multiple; n <= 1 << 16; n += multiple) {
+    const size_t kb = key_run_bytes(f, n, g.head_dim), vb = value_run_bytes(f, n, g.head_dim);
+    if (kb == 0 || vb == 0 || kb > run || vb > run) break;
+    best = n;
+  }
+  return best;
+}
+
+KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q, int32_t dst) {
+  constexpr std::string_view op = "quantize_tokens";
+  KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, q));
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+  const int n = q.tokens_per_block;
+  if (slot_begin < 0 || slot_begin + n > kv.seq_len[seq])
+    return KernelStatus::invalid(std::string(op) + ": slots [" + std::to_string(slot_begin) + ", " +
+                                 std::to_string(slot_begin + n) + ") not within seq_len " +
+                                 std::to_string(kv.seq_len[seq]));
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, slot_begin, slot_begin + n));
+  if (dst < 0) return KernelStatus::invalid(out_of_range(op, "dst block", dst, 0, INT32_MAX));
+  const Geometry& g = kv.geometry;
+  const QuantFormat f = q.format;
+  const int rows = g.num_layers * g.num_kv_heads;
+  KernelStatus failed = KernelStatus::ok();
+#pragma omp parallel for schedule(dynamic)
+  for (int r = 0; r < rows; ++r) {
+    const int l = r / g.num_kv_heads, h = r % g.num_kv_heads;
+    std::vector<float> x(size_t(n) * g.head_dim);
+    for (int kvi = 0; kvi < 2; ++kvi) {
+      for (int t = 0; t < n; ++t) {
+        const size_t base = slot_index(kv, seq, slot_begin + t, l, kvi, h);
+        for (int c = 0; c < g.head_dim; ++c) x[size_t(t) * g.head_dim + c] = load(kv.pool, base + c, g.dtype);
+      }
+      uint8_t* run = run_bytes(kv, dst, l, kvi, h);
+      const uint64_t seed = head_seed(q.seed, l, h);
+      KernelStatus st = kvi == 0 ? quantize_keys(f, x.data(), n, g.head_dim, seed, run)
+                                 : quantize_values(f, x.data(), n, g.head_dim, seed, run);
+      if (!st.is_ok()) {
+#pragma omp critical
+        failed = st;
+      }
+    }
+  }
+  return failed;
+}
+
+KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) {
+  constexpr std::string_view op = "dequantize_block";
+  KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, q));
+  if (block < 0) return KernelStatus::invalid(out_of_range(op, "block", block, 0, INT32_MAX));
+  if (k == nullptr || v == nullptr) return KernelStatus::invalid(std::string(op) + ": k and v must be non-null");
+  const Geometry& g = kv.geometry;
+  const QuantFormat f = q.format;
+  const int n = q.tokens_per_block, d = g.head_dim;
+  std::vector<float> x(size_t(n) * d);
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      const uint64_t seed = head_seed(q.seed, l, h);
+      for (int kvi = 0; kvi < 2; ++kvi) {
+        const uint8_t* run = run_bytes(kv, block, l, kvi, h);
+        KARAKV_RETURN_IF_ERROR(kvi == 0 ? dequantize_keys(f, run, n, d, seed, x.data())
+                                        : dequantize_values(f, run, n, d, seed, x.data()));
+        void* dst = kvi == 0 ? k : v;
+        for (int t = 0; t < n; ++t)
+          for (int c = 0; c < d; ++c)
+            store(dst, ((size_t(l) * n + t) * g.num_kv_heads + h) * d + c, x[size_t(t) * d + c], g.dtype);
+      }
+    }
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
+                                        float* out, float scale, float* const* score_acc) {
+  constexpr std::string_view op = "decode_attention_quantized";
+  KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, qkv));
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
+  for (int s = 0; s < kv.num_seqs; ++s) KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, kv.seq_len[s]));
+  const Geometry& g = kv.geometry;
+  const int gs = g.group_size(), d = g.head_dim;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int s = 0; s < kv.num_seqs; ++s) {
+    for (int qh = 0; qh < g.num_q_heads; ++qh) {
+      static thread_local std::vector<float> p;
+      const int h = qh / gs;
+      float* acc = score_acc ? score_acc[size_t(s) * g.num_kv_heads + h] : nullptr;
+      attend_one(kv, qkv, s, layer, h, q + (size_t(s) * g.num_q_heads + qh) * d, kv.seq_len[s], scale,
+                 out + (size_t(s) * g.num_q_heads + qh) * d, nullptr, p);
+      if (acc != nullptr) {
+#pragma omp critical
+        for (size_t i = 0; i < p.size(); ++i) acc[i] += p[i];
+      }
+    }
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
+                                        int num_queries, const float* q, float* out, float scale) {
+  constexpr std::string_view op = "causal_attention_quantized";
+  KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, qkv));
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  const int len = kv.seq_len[seq];
+  if (num_queries < 1 || num_queries > len)
+    return KernelStatus::invalid(out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len));
+  const Geometry& g = kv.geometry;
+  const int gs = g.group_size(), d = g.head_dim;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int i = 0; i < num_queries; ++i) {
+    for (int qh = 0; qh < g.num_q_heads; ++qh) {
+      static thread_local std::vector<float> p;
+      attend_one(kv, qkv, seq, layer, qh / gs, q + (size_t(i) * g.num_q_heads + qh) * d, len - num_queries + i + 1,
+                 scale, out + (size_t(i) * g.num_q_heads + qh) * d, nullptr, p);
+    }
+  }
+  return KernelStatus::ok();
+}
+
+}  // namespace karakv::kernels::cpu

@@ -1,0 +1,253 @@
+// Quantized storage in the registry: tokens age out of the full-precision window into quantized
+// blocks, attention straight from the codes equals attention over the dequantized cache that
+// ReadKV returns, composition with Kara, and honest byte accounting.
+#include <cmath>
+#include <random>
+
+#include "common/synthetic.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "karakv/kernels/half.h"
+#include "server/registry.h"
+
+namespace karakv::server {
+namespace {
+
+using ::testing::HasSubstr;
+using synthetic::Tensor;
+
+kernels::Geometry geometry() {
+  kernels::Geometry g;
+  g.num_layers = 2;
+  g.num_q_heads = 4;
+  g.num_kv_heads = 2;
+  g.head_dim = 32;
+  g.block_size = 16;
+  g.dtype = kernels::DType::kFloat16;
+  return g;
+}
+
+class QuantStorageTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    RegistryConfig c;
+    c.geometry = geometry();
+    c.pool_bytes = 512ll * c.geometry.block_bytes();
+    reg_ = std::move(*Registry::create(c, kernels::make_cpu_backend(2)));
+    session_ = reg_->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  }
+
+  uint64_t create(const std::string& policy, std::map<std::string, double> params) {
+    SequenceOptions o;
+    o.policy = policy;
+    o.params = std::move(params);
+    auto id = reg_->create_sequence(session_, o);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return *id;
+  }
+
+  void append(uint64_t seq, int n) {
+    const auto& g = reg_->geometry();
+    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size());
+    synthetic::fill_prompt(k.data(), g, 7, Tensor::kKey, seq, 0, n);
+    synthetic::fill_prompt(v.data(), g, 7, Tensor::kValue, seq, 0, n);
+    ASSERT_TRUE(reg_->append(session_, seq, n, k, v).ok());
+  }
+
+  // Dense K/V as the model sees them (dequantized), [L][T][Hk][D] as doubles.
+  void read(uint64_t seq, std::vector<double>* k, std::vector<double>* v, int* n) {
+    const auto& g = reg_->geometry();
+    std::vector<uint8_t> kb, vb, pb;
+    auto r = reg_->read_kv(session_, seq, [&](int32_t t) -> absl::StatusOr<ReadKVTargets> {
+      kb.resize(reg_->append_bytes(t));
+      vb.resize(kb.size());
+      pb.resize(size_t(g.num_layers) * g.num_kv_heads * t * 4);
+      return ReadKVTargets{MutableBytes(kb), MutableBytes(vb), MutableBytes(pb)};
+    });
+    ASSERT_TRUE(r.ok()) << r.status();
+    *n = *r;
+    k->resize(kb.size() / 2);
+    v->resize(vb.size() / 2);
+    for (size_t i = 0; i < k->size(); ++i) {
+      (*k)[i] = kernels::half_to_float(reinterpret_cast<uint16_t*>(kb.data())[i]);
+      (*v)[i] = kernels::half_to_float(reinterpret_cast<uint16_t*>(vb.data())[i]);
+    }
+  }
+
+  // Decodes `steps` tokens of `seq` from position `pos`, comparing each layer's output with float64
+  // attention over the dequantized cache read just before (plus the new token).
+  double decode_and_compare(uint64_t seq, int64_t pos, int steps) {
+    const auto& g = reg_->geometry();
+    const int gs = g.group_size(), d = g.head_dim;
+    double max_err = 0;
+    for (int t = 0; t < steps; ++t, ++pos) {
+      std::vector<double> kd, vd;
+      int n = 0;
+      read(seq, &kd, &vd, &n);
+      for (int l = 0; l < g.num_layers; ++l) {
+        std::vector<uint16_t> k(g.kv_token_elems()), v(k.size());
+        std::vector<float> q(g.q_token_elems()), out(q.size());
+        synthetic::fill_token(k.data(), g, 7, Tensor::kKey, seq, l, pos);
+        synthetic::fill_token(v.data(), g, 7, Tensor::kValue, seq, l, pos);
+        synthetic::fill_query(q.data(), g, 7, seq, l, pos);
+        const uint64_t ids[] = {seq};
+        auto r = reg_->step(session_, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(k.data()), k.size() * 2),
+                            ConstBytes(reinterpret_cast<uint8_t*>(v.data()), v.size() * 2),
+                            ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
+                            MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
+        EXPECT_TRUE(r.ok()) << r.status();
+        for (int qh = 0; qh < g.num_q_heads; ++qh) {
+          const int h = qh / gs;
+          std::vector<double> s(n + 1);
+          auto key = [&](int i, int c) {
+            return i < n ? kd[((size_t(l) * n + i) * g.num_kv_heads + h) * d + c]
+                         : double(kernels::half_to_float(k[h * d + c]));
+          };
+          auto val = [&](int i, int c) {
+            return i < n ? vd[((size_t(l) * n + i) * g.num_kv_heads + h) * d + c]
+                         : double(kernels::half_to_float(v[h * d + c]));
+          };
+          double mx = -INFINITY, sum = 0;
+          for (int i = 0; i <= n; ++i) {
+            double dot = 0;
+            for (int c = 0; c < d; ++c) dot += q[qh * d + c] * key(i, c);
+            s[i] = dot / std::sqrt(double(d));
+            mx = std::max(mx, s[i]);
+          }
+          for (double& x : s) sum += (x = std::exp(x - mx));
+          for (int c = 0; c < d; ++c) {
+            double o = 0;
+            for (int i = 0; i <= n; ++i) o += s[i] / sum * val(i, c);
+            max_err = std::max(max_err, std::abs(o - out[qh * d + c]));
+          }
+        }
+      }
+    }
+    return max_err;
+  }
+
+  std::unique_ptr<Registry> reg_;
+  std::string session_;
+};
+
+TEST_P(QuantStorageTest, AttentionFromCodesEqualsAttentionOverDequantizedCache) {
+  const std::string format = GetParam();
+  const uint64_t seq = create("none+" + format, {{"residual", 16}});
+  append(seq, 150);
+  SequenceInfo info = reg_->inspect(seq)->first;
+  EXPECT_EQ(info.storage, format);
+  EXPECT_GT(info.quantized, 0);
+  EXPECT_LE(info.length - info.quantized, 16 + info.quantized_blocks * 0 + 160) << "window";
+  // ReadKV hands back the dequantized values rounded to the fp16 storage dtype (relative 2^-11),
+  // while attention uses them unrounded: with |v| <= 1 that bounds the difference near 5e-4; a
+  // mis-addressed block or code would be off by ~1e-1.
+  EXPECT_LE(decode_and_compare(seq, 150, 40), 1e-4);
+  info = reg_->inspect(seq)->first;
+  // Only tokens older than the residual window are quantized, a block at a time.
+  EXPECT_GE(info.length - info.quantized, 16);
+  EXPECT_EQ(info.length, 190);
+  EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+  // Honest accounting: every block counts whole; quantized blocks hold more tokens than full ones.
+  EXPECT_EQ(info.kv_bytes, uint64_t(info.blocks) * reg_->geometry().block_bytes());
+  EXPECT_EQ(info.fp16_bytes, 190ull * 2 * 2 * 32 * 2 * 2);
+  EXPECT_GT(double(info.fp16_bytes) / double(info.kv_bytes), 1.3);
+  ASSERT_TRUE(reg_->release_sequence(session_, seq).ok());
+  EXPECT_EQ(reg_->stats().blocks_used, 0);
+}
+
+TEST_P(QuantStorageTest, DequantizedCacheStaysCloseToWhatWasWritten) {
+  const std::string format = GetParam();
+  const uint64_t seq = create("none+" + format, {{"residual", 0}});
+  append(seq, 128);
+  std::vector<double> kd, vd;
+  int n = 0;
+  read(seq, &kd, &vd, &n);
+  ASSERT_EQ(n, 128);
+  const auto& g = reg_->geometry();
+  std::vector<uint16_t> want(reg_->append_bytes(n) / 2);
+  synthetic::fill_prompt(want.data(), g, 7, Tensor::kKey, seq, 0, n);
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double w = kernels::half_to_float(want[i]);
+    err += (kd[i] - w) * (kd[i] - w);
+    norm += w * w;
+  }
+  // Relative MSE bounds of the methods on uniform inputs: generous multiples of 4-bit (~0.01)
+  // and 2-bit (~0.12) distortions.
+  const double bound = format.back() == '4' ? 0.02 : format.back() == '3' ? 0.06 : 0.2;
+  EXPECT_LT(err / norm, bound) << format;
+  EXPECT_GT(err / norm, 0.0) << "quantized storage must not be lossless";
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantStorageTest, ::testing::Values("kivi2", "kivi4", "tq2", "tq3", "tq4"));
+
+TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTouch) {
+  RegistryConfig c;
+  c.geometry = geometry();
+  c.pool_bytes = 512ll * c.geometry.block_bytes();
+  auto reg = std::move(*Registry::create(c, kernels::make_cpu_backend(2)));
+  const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  SequenceOptions o;
+  o.policy = "kara+kivi4";
+  o.params = {{"window", 64}, {"period", 4}, {"residual", 16}};  // B = 16: one block per window
+  const uint64_t seq = *reg->create_sequence(session, o);
+  const auto& g = reg->geometry();
+  std::vector<uint8_t> k(reg->append_bytes(40)), v(k.size());
+  synthetic::fill_prompt(k.data(), g, 3, Tensor::kKey, seq, 0, 40);
+  synthetic::fill_prompt(v.data(), g, 3, Tensor::kValue, seq, 0, 40);
+  ASSERT_TRUE(reg->append(session, seq, 40, k, v).ok());
+  const uint64_t ids[] = {seq};
+  for (int64_t pos = 40; pos < 400; ++pos) {
+    for (int l = 0; l < g.num_layers; ++l) {
+      std::vector<uint16_t> sk(g.kv_token_elems()), sv(sk.size());
+      std::vector<float> q(g.q_token_elems()), out(q.size());
+      synthetic::fill_token(sk.data(), g, 3, Tensor::kKey, seq, l, pos);
+      synthetic::fill_token(sv.data(), g, 3, Tensor::kValue, seq, l, pos);
+      synthetic::fill_query(q.data(), g, 3, seq, l, pos);
+      ASSERT_TRUE(reg->step(session, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(sk.data()), sk.size() * 2),
+                            ConstBytes(reinterpret_cast<uint8_t*>(sv.data()), sv.size() * 2),
+                            ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
+                            MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f)
+                      .ok());
+    }
+    ASSERT_TRUE(reg->check_invariants().ok()) << reg->check_invariants();
+  }
+  const SequenceInfo info = reg->inspect(seq)->first;
+  EXPECT_EQ(info.policy, "kara+kivi4");
+  EXPECT_GE(info.compactions, 4);  // 360 decode steps, a 64-token window each ~64 steps
+  EXPECT_GT(info.quantized, 0);
+  // Kara's kept tokens (and the prompt) are what got quantized: the tail never is.
+  EXPECT_LT(info.quantized, info.length - 16);
+  EXPECT_LT(info.length, 400);
+  const RegistryStats st = reg->stats();
+  const PolicyStats& ps = st.policies.at("kara+kivi4");
+  EXPECT_GT(double(ps.fp16_bytes) / double(ps.kv_bytes), 2.0);
+  EXPECT_EQ(ps.nominal_ratio, 4.0);
+}
+
+TEST(QuantStorageCompositionTest, RefusesWhatItCannotServeNamingWhy) {
+  RegistryConfig c;
+  c.geometry = geometry();
+  c.pool_bytes = 64ll * c.geometry.block_bytes();
+  auto reg = std::move(*Registry::create(c, kernels::make_cpu_backend(1)));
+  const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  SequenceOptions o;
+  o.policy = "snapkv+kivi4";
+  EXPECT_EQ(reg->create_sequence(session, o).status().code(), absl::StatusCode::kUnimplemented);
+  o.policy = "none+kivi8";
+  EXPECT_THAT(std::string(reg->create_sequence(session, o).status().message()), HasSubstr("unknown storage 'kivi8'"));
+  o.policy = "none";
+  o.storage = "tq4";
+  o.params = {{"residual", -3}};
+  EXPECT_THAT(std::string(reg->create_sequence(session, o).status().message()), HasSubstr("residual=-3"));
+  // KIVI needs head_dim % 32 == 0.
+  c.geometry.head_dim = 24;
+  auto small = std::move(*Registry::create(c, kernels::make_cpu_backend(1)));
+  const std::string s2 = small->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  SequenceOptions k;
+  k.policy = "none+kivi4";
+  EXPECT_THAT(std::string(small->create_sequence(s2, k).status().message()), HasSubstr("cannot hold head_dim 24"));
+}
+
+}  // namespace
+}  // namespace karakv::server
