@@ -78,6 +78,15 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
                                 .Name("karakv_compaction_duration_seconds")
                                 .Help("Time of one compaction (scoring, selection, gather), by policy")
                                 .Register(reg);
+  m->compression_ratio_ = &prometheus::BuildGauge()
+                               .Name("karakv_compression_ratio")
+                               .Help("fp16 bytes of the logical tokens / bytes of the blocks held, by policy and "
+                                     "kind (actual, or nominal for the storage format alone)")
+                               .Register(reg);
+  m->policy_kv_bytes_ = &prometheus::BuildGauge()
+                             .Name("karakv_policy_kv_bytes")
+                             .Help("Bytes of the blocks held by the sequences of a policy")
+                             .Register(reg);
   m->logical_tokens_ = gauge("karakv_logical_tokens", "Tokens ever appended to live sequences");
   m->query_cache_bytes_ = gauge("karakv_query_cache_bytes", "Bytes of queries kept for scoring (Kara, SnapKV)");
   m->score_bytes_ = gauge("karakv_score_bytes", "Bytes of accumulated attention kept (H2O)");
@@ -113,6 +122,13 @@ void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const ker
   logical_tokens_->Set(double(s.logical_tokens));
   query_cache_bytes_->Set(double(s.query_cache_bytes));
   score_bytes_->Set(double(s.score_bytes));
+  for (const auto& [policy, p] : s.policies) {
+    if (p.sequences == 0) continue;
+    compression_ratio_->Add({{"policy", policy}, {"kind", "actual"}})
+        .Set(p.kv_bytes ? double(p.fp16_bytes) / double(p.kv_bytes) : 0.0);
+    compression_ratio_->Add({{"policy", policy}, {"kind", "nominal"}}).Set(p.nominal_ratio);
+    policy_kv_bytes_->Add({{"policy", policy}}).Set(double(p.kv_bytes));
+  }
 }
 
 void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {

@@ -62,6 +62,8 @@ class Metrics {
   prometheus::Gauge* logical_tokens_ = nullptr;
   prometheus::Gauge* query_cache_bytes_ = nullptr;
   prometheus::Gauge* score_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* compression_ratio_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* policy_kv_bytes_ = nullptr;
 };
 
 }  // namespace karakv::server

@@ -483,6 +483,9 @@ TEST(DaemonTest, MetricsEndpointReportsPoolRpcsAndErrors) {
   EXPECT_THAT(m, HasSubstr("karakv_resident_tokens 20\n"));
   EXPECT_THAT(m, HasSubstr("karakv_rpc_duration_seconds_count{method=\"Append\"} 1\n"));
   EXPECT_THAT(m, HasSubstr("karakv_rpc_errors_total{code=\"NOT_FOUND\",method=\"ReleaseSequence\"} 1\n"));
+  // 20 fp16 tokens in 2 blocks of 16: 20/32 of the bytes held are tokens.
+  EXPECT_THAT(m, HasSubstr("karakv_compression_ratio{kind=\"actual\",policy=\"none\"} 0.625\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_compression_ratio{kind=\"nominal\",policy=\"none\"} 1\n"));
 }
 
 }  // namespace
