@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/synthetic.h"
 #include "karakv/client.h"
@@ -26,6 +27,9 @@ ABSL_FLAG(bool, inline_tensors, false, "Send tensors inline in the RPCs instead 
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the synthetic K/V/Q");
 ABSL_FLAG(bool, release, true, "Release the sequences at the end");
 ABSL_FLAG(bool, json, false, "Print the summary as one JSON object");
+ABSL_FLAG(std::string, policy, "none",
+          "Compression policy of every sequence, optionally with a storage format (kara, kara+kivi4, snapkv, ...)");
+ABSL_FLAG(std::vector<std::string>, param, {}, "Policy parameters, name=value, comma separated (window=64,rho=0.25)");
 
 namespace {
 
@@ -79,11 +83,23 @@ int main(int argc, char** argv) {
   std::printf("geometry: layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d\n", g.num_layers,
               g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype), g.block_size);
 
+  karakv::SequenceOptions options;
+  options.policy = absl::GetFlag(FLAGS_policy);
+  for (const std::string& p : absl::GetFlag(FLAGS_param)) {
+    const size_t eq = p.find('=');
+    double value = 0;
+    if (eq == std::string::npos || !absl::SimpleAtod(p.substr(eq + 1), &value)) {
+      std::fprintf(stderr, "synthetic_worker: --param expects name=number, got '%s'\n", p.c_str());
+      return 2;
+    }
+    options.params[p.substr(0, eq)] = value;
+  }
+
   // Prefill: one Append per sequence.
   std::vector<uint64_t> seqs;
   const auto t_append = Clock::now();
   for (int s = 0; s < n; ++s) {
-    auto id = client.CreateSequence("none");
+    auto id = client.CreateSequence(options);
     if (!id.ok()) return die(id.status());
     seqs.push_back(*id);
     client.reset_staging();
@@ -109,6 +125,27 @@ int main(int argc, char** argv) {
   for (int t = 0; t < gen; ++t) {
     const int64_t pos = prompt + t;
     const bool check_now = check_every > 0 && (t % check_every == 0 || t == gen - 1);
+    // The reference is computed over the cache exactly as the daemon holds it before this step
+    // (ReadKV: resident tokens after any compaction, dequantized), plus this step's token.
+    std::vector<int> sample = n == 1 ? std::vector<int>{0} : std::vector<int>{0, n - 1};
+    std::vector<karakv::Buffer> cache_k, cache_v;
+    std::vector<int> cache_len;
+    if (check_now) {
+      for (int s : sample) {
+        auto info = client.ListSequences();
+        if (!info.ok()) return die(info.status());
+        uint32_t resident = 0;
+        for (const auto& i : *info) resident = i.id == seqs[s] ? i.length : resident;
+        karakv::Buffer ck = karakv::Client::alloc_heap(client.append_bytes(resident));
+        karakv::Buffer cv = karakv::Client::alloc_heap(ck.size());
+        karakv::Buffer cp = karakv::Client::alloc_heap(size_t(g.num_layers) * g.num_kv_heads * resident * 4);
+        auto got = client.ReadKV(seqs[s], ck, cv, cp);
+        if (!got.ok()) return die(got.status());
+        cache_k.push_back(ck);
+        cache_v.push_back(cv);
+        cache_len.push_back(*got);
+      }
+    }
     for (int l = 0; l < g.num_layers; ++l) {
       const auto t_fill = Clock::now();
       for (int s = 0; s < n; ++s) {
@@ -123,8 +160,11 @@ int main(int argc, char** argv) {
       if (!step.ok()) return die(step.status());
       if (check_now) {
         // Sample: the first and the last sequence of the batch at this layer.
-        for (int s : {0, n - 1}) {
-          const std::vector<double> ref = karakv::synthetic::dense_attention(g, seed, seqs[s], l, pos);
+        for (size_t j = 0; j < sample.size(); ++j) {
+          const int s = sample[j];
+          const std::vector<double> ref = karakv::synthetic::dense_attention_over_cache(
+              g, cache_k[j].data(), cache_v[j].data(), cache_len[j], l, k.data() + s * kv_tok, v.data() + s * kv_tok,
+              q.as<float>().data() + s * q_tok);
           const float* got = out.as<float>().data() + s * q_tok;
           double err = 0;
           for (size_t i = 0; i < q_tok; ++i) err = std::max(err, std::abs(double(got[i]) - ref[i]));
@@ -135,7 +175,6 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "\nMISMATCH sequence %llu layer %d position %lld: max |err| = %.3g\n",
                          (unsigned long long)seqs[s], l, (long long)pos, err);
           }
-          if (n == 1) break;
         }
       }
     }
@@ -174,7 +213,13 @@ int main(int argc, char** argv) {
                 (unsigned long long)stats->blocks_used, (unsigned long long)stats->blocks_total, used_pct,
                 (unsigned long long)stats->resident_tokens, stats->blocks_used * stats->block_bytes / 1048576.0,
                 stats->pool_bytes / 1048576.0, stats->invariant_error.empty() ? "ok" : stats->invariant_error.c_str());
-    std::printf("check   : %d attention outputs vs dense float64 reference: %s (max |err| %.2e, tolerance 1e-4)\n",
+    for (const auto& p : stats->policies) {
+      if (p.sequences == 0) continue;
+      std::printf("compress: %s: %llu resident of %llu logical tokens, %d compactions, actual ratio %.2fx (nominal %.2fx), %.1f MiB of KV\n",
+                  p.policy.c_str(), (unsigned long long)p.resident_tokens, (unsigned long long)p.logical_tokens,
+                  int(p.compactions), p.actual_ratio, p.nominal_ratio, p.kv_bytes / 1048576.0);
+    }
+    std::printf("check   : %d attention outputs vs dense float64 attention over the daemon's cache: %s (max |err| %.2e, tolerance 1e-4)\n",
                 checks, failures == 0 ? "ALL MATCHED" : "MISMATCHES", max_err);
   }
   if (absl::GetFlag(FLAGS_release)) {

@@ -802,6 +802,7 @@ SequenceView Registry::view_of(const Sequence& seq) const {
   v.logical = seq.logical;
   v.prompt = seq.prompt;
   v.tail_start = seq.tail_start;
+  v.fp_offset = seq.quantized();
   v.queries = seq.queries.data();
   v.queries_first = seq.q_first;
   v.num_queries = seq.q_count;

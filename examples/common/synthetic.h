@@ -132,4 +132,43 @@ inline std::vector<double> dense_attention_over(const kernels::Geometry& g, uint
   return out;
 }
 
+// Reads element i of a tensor in the storage dtype.
+inline double load(const void* src, size_t i, kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kFloat16: return kernels::half_to_float(static_cast<const uint16_t*>(src)[i]);
+    case kernels::DType::kBFloat16: return kernels::bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+    default: return static_cast<const float*>(src)[i];
+  }
+}
+
+// Dense float64 attention of one token's queries at `layer` over a cache as ReadKV returns it
+// (T resident tokens, whatever compression or quantization made of them) plus the token's own
+// K/V: what the daemon's Step must compute. Returns [Hq][D].
+//   cache_k, cache_v: [L][T][Hk][D] storage dtype; new_k, new_v: [Hk][D] storage dtype; q: [Hq][D]
+inline std::vector<double> dense_attention_over_cache(const kernels::Geometry& g, const void* cache_k,
+                                                      const void* cache_v, int num_tokens, int layer,
+                                                      const void* new_k, const void* new_v, const float* q) {
+  const int gs = g.group_size(), d = g.head_dim, hk = g.num_kv_heads;
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> out(size_t(g.num_q_heads) * d, 0.0), s(size_t(num_tokens) + 1);
+  auto at = [&](const void* cache, const void* fresh, int t, int h, int c) {
+    return t < num_tokens ? load(cache, ((size_t(layer) * num_tokens + t) * hk + h) * d + c, g.dtype)
+                          : load(fresh, size_t(h) * d + c, g.dtype);
+  };
+  for (int qh = 0; qh < g.num_q_heads; ++qh) {
+    const int h = qh / gs;
+    double mx = -INFINITY, sum = 0;
+    for (int t = 0; t <= num_tokens; ++t) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += double(q[qh * d + c]) * at(cache_k, new_k, t, h, c);
+      s[t] = dot * scale;
+      mx = std::max(mx, s[t]);
+    }
+    for (double& x : s) sum += (x = std::exp(x - mx));
+    for (int t = 0; t <= num_tokens; ++t)
+      for (int c = 0; c < d; ++c) out[size_t(qh) * d + c] += s[t] / sum * at(cache_v, new_v, t, h, c);
+  }
+  return out;
+}
+
 }  // namespace karakv::synthetic

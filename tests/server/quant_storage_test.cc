@@ -225,6 +225,50 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   EXPECT_EQ(ps.nominal_ratio, 4.0);
 }
 
+// The window Kara scores is never quantized, so quantizing the prompt and the compressed region
+// must not change which tokens Kara keeps.
+TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedStorage) {
+  std::vector<std::vector<int32_t>> kept[2];
+  for (int quantized = 0; quantized < 2; ++quantized) {
+    RegistryConfig c;
+    c.geometry = geometry();
+    c.pool_bytes = 512ll * c.geometry.block_bytes();
+    auto reg = std::move(*Registry::create(c, kernels::make_cpu_backend(1)));
+    const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+    SequenceOptions o;
+    o.policy = quantized ? "kara+tq4" : "kara";
+    o.params = {{"window", 64}, {"period", 4}};
+    if (quantized) o.params["residual"] = 0;
+    const uint64_t seq = *reg->create_sequence(session, o);
+    const auto& g = reg->geometry();
+    std::vector<uint8_t> k(reg->append_bytes(100)), v(k.size());
+    synthetic::fill_prompt(k.data(), g, 5, Tensor::kKey, 1, 0, 100);
+    synthetic::fill_prompt(v.data(), g, 5, Tensor::kValue, 1, 0, 100);
+    ASSERT_TRUE(reg->append(session, seq, 100, k, v).ok());
+    const uint64_t ids[] = {seq};
+    for (int64_t pos = 100; pos < 330; ++pos) {
+      for (int l = 0; l < g.num_layers; ++l) {
+        std::vector<uint16_t> sk(g.kv_token_elems()), sv(sk.size());
+        std::vector<float> q(g.q_token_elems()), out(q.size());
+        synthetic::fill_token(sk.data(), g, 5, Tensor::kKey, 1, l, pos);
+        synthetic::fill_token(sv.data(), g, 5, Tensor::kValue, 1, l, pos);
+        synthetic::fill_query(q.data(), g, 5, 1, l, pos);
+        ASSERT_TRUE(reg->step(session, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(sk.data()), sk.size() * 2),
+                              ConstBytes(reinterpret_cast<uint8_t*>(sv.data()), sv.size() * 2),
+                              ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
+                              MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f)
+                        .ok());
+      }
+    }
+    const SequenceInfo info = reg->inspect(seq)->first;
+    EXPECT_GE(info.compactions, 2);
+    if (quantized) EXPECT_GT(info.quantized, 100);
+    EXPECT_EQ(reg->stats().policies.begin()->second.failures, 0u);
+    kept[quantized] = reg->inspect(seq)->second;
+  }
+  EXPECT_EQ(kept[0], kept[1]);
+}
+
 TEST(QuantStorageCompositionTest, RefusesWhatItCannotServeNamingWhy) {
   RegistryConfig c;
   c.geometry = geometry();
