@@ -2,6 +2,7 @@
 # The main job: build karakv, start karakvd on its CPU default, drive a synthetic decode workload
 # through it with the example worker (attention outputs checked against a dense float64
 # reference), show the daemon's own view, and stop it with SIGTERM.
+# It runs the workload twice, without compression and with Kara, so the KV memory saved shows.
 # Tunables: SEQUENCES, PROMPT, GENERATE, POOL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +20,13 @@ for _ in $(seq 100); do
 done
 ./build/client/karakv --target="unix:$sock" health
 
-echo "==> driving the workload"
-./build/examples/synthetic_worker --target="unix:$sock" \
-  --sequences="${SEQUENCES:-16}" --prompt="${PROMPT:-512}" --generate="${GENERATE:-64}"
+workload=(--target="unix:$sock" --sequences="${SEQUENCES:-16}" --prompt="${PROMPT:-512}"
+          --generate="${GENERATE:-256}" --check_every=16)
+echo "==> driving the workload without compression"
+./build/examples/synthetic_worker "${workload[@]}" --policy=none
+echo
+echo "==> the same workload with Kara (periodic sliding-window compression of generated tokens)"
+./build/examples/synthetic_worker "${workload[@]}" --policy=kara
 
 echo "==> the daemon's view after the worker detached: every block back in the pool, invariant checked"
 ./build/client/karakv --target="unix:$sock" --check_invariants stats
