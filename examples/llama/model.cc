@@ -1,0 +1,392 @@
+#include "llama/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "karakv/kernels/half.h"
+
+namespace karakv::llama {
+namespace {
+
+constexpr size_t kHeaderBytes = 256;
+constexpr float kNormEps = 1e-5f;
+constexpr float kRopeTheta = 10000.0f;
+
+// Little-endian reads with bounds checks; every failure says what was being read.
+class Reader {
+ public:
+  explicit Reader(std::span<const uint8_t> b) : b_(b) {}
+  size_t pos() const { return pos_; }
+  size_t left() const { return b_.size() - pos_; }
+  bool read(void* dst, size_t n) {
+    if (n > left()) return false;
+    std::memcpy(dst, b_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  void seek(size_t p) { pos_ = p; }
+
+ private:
+  std::span<const uint8_t> b_;
+  size_t pos_ = 0;
+};
+
+absl::Status bad(const std::string& what) { return absl::InvalidArgumentError(absl::StrCat("model file: ", what)); }
+
+void rmsnorm(float* out, const float* x, const float* w, int n) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(float(ss / n) + kNormEps);
+  for (int i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// out[rows] = W[rows][cols] x[cols]
+void matvec(float* out, const float* w, const float* x, int rows, int cols) {
+  for (int r = 0; r < rows; ++r) {
+    const float* row = w + size_t(r) * cols;
+    float acc = 0;
+    for (int c = 0; c < cols; ++c) acc += row[c] * x[c];
+    out[r] = acc;
+  }
+}
+
+// llama2.c's rotary embedding: adjacent pairs (2i, 2i+1) of each head rotate by pos * theta^(-2i/D).
+void rope(float* v, int heads, int head_dim, int pos) {
+  for (int h = 0; h < heads; ++h) {
+    float* x = v + size_t(h) * head_dim;
+    for (int i = 0; i < head_dim; i += 2) {
+      const float freq = 1.0f / std::pow(kRopeTheta, float(i) / float(head_dim));
+      const float a = float(pos) * freq;
+      const float c = std::cos(a), s = std::sin(a);
+      const float x0 = x[i], x1 = x[i + 1];
+      x[i] = x0 * c - x1 * s;
+      x[i + 1] = x0 * s + x1 * c;
+    }
+  }
+}
+
+// The per-token computations around attention, shared by prefill and decode.
+struct Layer {
+  const Config& c;
+  const Weights& w;
+  int l;
+
+  // x -> q [Hq*D], k, v [Hk*D], RoPE applied at `pos`.
+  void qkv(const float* x, int pos, float* q, float* k, float* v) const {
+    std::vector<float> xb(c.dim);
+    rmsnorm(xb.data(), x, w.attn_norm.data() + size_t(l) * c.dim, c.dim);
+    matvec(q, w.wq.data() + size_t(l) * c.dim * c.dim, xb.data(), c.dim, c.dim);
+    matvec(k, w.wk.data() + size_t(l) * c.kv_dim() * c.dim, xb.data(), c.kv_dim(), c.dim);
+    matvec(v, w.wv.data() + size_t(l) * c.kv_dim() * c.dim, xb.data(), c.kv_dim(), c.dim);
+    rope(q, c.n_heads, c.head_dim(), pos);
+    rope(k, c.n_kv_heads, c.head_dim(), pos);
+  }
+
+  // x += Wo att; x += FFN(x).
+  void finish(float* x, const float* att) const {
+    const int d = c.dim, f = c.ffn_dim;
+    std::vector<float> tmp(d), xb(d), gate(f), up(f);
+    matvec(tmp.data(), w.wo.data() + size_t(l) * d * d, att, d, d);
+    for (int i = 0; i < d; ++i) x[i] += tmp[i];
+    rmsnorm(xb.data(), x, w.ffn_norm.data() + size_t(l) * d, d);
+    matvec(gate.data(), w.w_gate.data() + size_t(l) * f * d, xb.data(), f, d);
+    matvec(up.data(), w.w_up.data() + size_t(l) * f * d, xb.data(), f, d);
+    for (int i = 0; i < f; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    matvec(tmp.data(), w.w_down.data() + size_t(l) * d * f, gate.data(), d, f);
+    for (int i = 0; i < d; ++i) x[i] += tmp[i];
+  }
+};
+
+void output_logits(const Model& m, const float* x, float* logits) {
+  std::vector<float> xb(m.config.dim);
+  rmsnorm(xb.data(), x, m.weights.final_norm.data(), m.config.dim);
+  matvec(logits, m.weights.embedding.data(), xb.data(), m.config.vocab_size, m.config.dim);
+}
+
+}  // namespace
+
+absl::StatusOr<Model> parse_model(std::span<const uint8_t> bytes) {
+  if (bytes.size() < kHeaderBytes) {
+    return bad(absl::StrCat("truncated header: expected at least ", kHeaderBytes, " bytes, got ", bytes.size()));
+  }
+  Reader r(bytes);
+  uint8_t version = 0;
+  int32_t type_len = 0;
+  r.read(&version, 1);
+  r.read(&type_len, 4);
+  if (version != 1) return bad(absl::StrCat("bad version ", int(version), " (expected 1)"));
+  if (type_len < 1 || type_len > 64) return bad(absl::StrCat("bad model type length ", type_len, " (expected 1..64)"));
+  std::string type(size_t(type_len), '\0');
+  r.read(type.data(), type.size());
+  if (type != "llama") return bad(absl::StrCat("bad model type '", type, "' (expected 'llama')"));
+  int32_t dims[7];
+  uint8_t shared = 0;
+  r.read(dims, sizeof(dims));
+  r.read(&shared, 1);
+  Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6]};
+  const char* names[7] = {"hidden size", "FFN size", "max sequence length", "vocab size", "layers", "query heads",
+                          "KV heads"};
+  for (int i = 0; i < 7; ++i) {
+    if (dims[i] < 1 || dims[i] > (1 << 20)) return bad(absl::StrCat("bad ", names[i], " ", dims[i]));
+  }
+  if (c.dim % c.n_heads != 0 || c.head_dim() % 2 != 0) {
+    return bad(absl::StrCat("hidden size ", c.dim, " is not an even head dimension times ", c.n_heads, " heads"));
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    return bad(absl::StrCat(c.n_heads, " query heads are not a multiple of ", c.n_kv_heads, " KV heads"));
+  }
+  if (shared != 1) {
+    return bad(absl::StrCat("shared_output_weight is ", int(shared), "; only tied output weights (1) are supported"));
+  }
+
+  r.seek(kHeaderBytes);
+  std::vector<std::string> pieces(c.vocab_size);
+  std::vector<float> scores(c.vocab_size);
+  for (int i = 0; i < c.vocab_size; ++i) {
+    int32_t len = 0;
+    const size_t at = r.pos();
+    if (!r.read(&scores[i], 4) || !r.read(&len, 4)) {
+      return bad(absl::StrCat("vocab entry ", i, " at byte ", at, ": the entry runs past the end of the file (size ", bytes.size(),
+                              ")"));
+    }
+    if (!std::isfinite(scores[i])) return bad(absl::StrCat("vocab entry ", i, " at byte ", at, ": score is not finite"));
+    if (len < 1 || len > 256) {
+      return bad(absl::StrCat("bad vocab entry ", i, " at byte ", at, ": length ", len, " (expected 1..256)"));
+    }
+    pieces[i].resize(size_t(len));
+    if (!r.read(pieces[i].data(), size_t(len))) {
+      return bad(absl::StrCat("vocab entry ", i, " at byte ", at, ": ", len, " bytes run past the end of the file (size ",
+                              bytes.size(), ")"));
+    }
+  }
+
+  const size_t L = c.n_layers, d = c.dim, kv = c.kv_dim(), f = c.ffn_dim, V = c.vocab_size;
+  const size_t floats = V * d + L * d + L * d * d + 2 * L * kv * d + L * d * d + L * d + 3 * L * f * d + d;
+  const size_t expected = r.pos() + floats * 4;
+  if (bytes.size() != expected) {
+    return bad(absl::StrCat("wrong size: expected ", expected, " bytes, got ", bytes.size(), " (header ", kHeaderBytes,
+                            " + vocabulary ", r.pos() - kHeaderBytes, " + ", floats, " float32 weights)"));
+  }
+  Model m;
+  m.config = c;
+  Weights& w = m.weights;
+  struct Tensor {
+    std::vector<float>* dst;
+    size_t n;
+    const char* name;
+  };
+  const Tensor tensors[] = {
+      {&w.embedding, V * d, "embedding"}, {&w.attn_norm, L * d, "attention norm"}, {&w.wq, L * d * d, "Wq"},
+      {&w.wk, L * kv * d, "Wk"},          {&w.wv, L * kv * d, "Wv"},               {&w.wo, L * d * d, "Wo"},
+      {&w.ffn_norm, L * d, "FFN norm"},   {&w.w_gate, L * f * d, "W_gate"},        {&w.w_up, L * f * d, "W_up"},
+      {&w.w_down, L * d * f, "W_down"},   {&w.final_norm, d, "final norm"},
+  };
+  for (const Tensor& t : tensors) {
+    const size_t at = r.pos();
+    t.dst->resize(t.n);
+    r.read(t.dst->data(), t.n * 4);  // size checked above
+    for (size_t i = 0; i < t.n; ++i) {
+      if (!std::isfinite((*t.dst)[i])) {
+        return bad(absl::StrCat("tensor ", t.name, " (at byte ", at, ") element ", i, " is not finite"));
+      }
+    }
+  }
+  m.tokenizer = Tokenizer(std::move(pieces), std::move(scores));
+  return m;
+}
+
+absl::StatusOr<Model> load_model(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto m = parse_model(bytes);
+  if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat(path, ": ", m.status().message()));
+  return m;
+}
+
+void attend(const Config& c, const float* q, const float* k, const float* v, int len, size_t kv_stride,
+            float* out) {
+  const int D = c.head_dim(), group = c.n_heads / c.n_kv_heads;
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<float> s(len);
+  for (int h = 0; h < c.n_heads; ++h) {
+    const int kh = h / group;
+    const float* qh = q + size_t(h) * D;
+    float mx = -INFINITY;
+    for (int t = 0; t < len; ++t) {
+      const float* kt = k + t * kv_stride + size_t(kh) * D;
+      float dot = 0;
+      for (int i = 0; i < D; ++i) dot += qh[i] * kt[i];
+      s[t] = dot * scale;
+      mx = std::max(mx, s[t]);
+    }
+    float sum = 0;
+    for (int t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - mx));
+    float* oh = out + size_t(h) * D;
+    std::fill(oh, oh + D, 0.0f);
+    for (int t = 0; t < len; ++t) {
+      const float p = s[t] / sum;
+      const float* vt = v + t * kv_stride + size_t(kh) * D;
+      for (int i = 0; i < D; ++i) oh[i] += p * vt[i];
+    }
+  }
+}
+
+absl::StatusOr<std::vector<float>> Transformer::prefill(uint64_t seq, std::span<const int> tokens) {
+  const Config& c = model_.config;
+  const int T = int(tokens.size());
+  if (T < 1 || T > c.max_seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", T, " tokens; expected 1..", c.max_seq_len));
+  }
+  const size_t qd = c.q_dim(), kvd = c.kv_dim();
+  std::vector<float> x(size_t(T) * c.dim);
+  for (int t = 0; t < T; ++t) {
+    if (tokens[t] < 0 || tokens[t] >= c.vocab_size) return absl::InvalidArgumentError("token out of range");
+    std::memcpy(&x[size_t(t) * c.dim], &model_.weights.embedding[size_t(tokens[t]) * c.dim], c.dim * 4);
+  }
+  std::vector<float> K(size_t(c.n_layers) * T * kvd), V(K.size()), Q(size_t(c.n_layers) * T * qd);
+  std::vector<float> att(qd);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Layer layer{c, model_.weights, l};
+    float* k = &K[size_t(l) * T * kvd];
+    float* v = &V[size_t(l) * T * kvd];
+    float* q = &Q[size_t(l) * T * qd];
+    for (int t = 0; t < T; ++t) layer.qkv(&x[size_t(t) * c.dim], t, q + t * qd, k + t * kvd, v + t * kvd);
+    for (int t = 0; t < T; ++t) {
+      attend(c, q + t * qd, k, v, t + 1, kvd, att.data());
+      layer.finish(&x[size_t(t) * c.dim], att.data());
+    }
+  }
+  if (auto s = attention_.prefill(seq, T, K, V, Q); !s.ok()) return s;
+  std::vector<float> logits(c.vocab_size);
+  output_logits(model_, &x[size_t(T - 1) * c.dim], logits.data());
+  return logits;
+}
+
+absl::Status Transformer::decode(std::span<const uint64_t> seqs, std::span<const int> tokens,
+                                 std::span<const int> positions, std::span<float> logits) {
+  const Config& c = model_.config;
+  const size_t B = seqs.size();
+  if (tokens.size() != B || positions.size() != B || logits.size() != B * c.vocab_size) {
+    return absl::InvalidArgumentError("decode: seqs, tokens, positions and logits disagree on the batch size");
+  }
+  const size_t qd = c.q_dim(), kvd = c.kv_dim();
+  std::vector<float> x(B * c.dim), q(B * qd), k(B * kvd), v(B * kvd), att(B * qd);
+  for (size_t b = 0; b < B; ++b) {
+    if (tokens[b] < 0 || tokens[b] >= c.vocab_size) return absl::InvalidArgumentError("token out of range");
+    if (positions[b] < 0 || positions[b] >= c.max_seq_len) {
+      return absl::OutOfRangeError(absl::StrCat("position ", positions[b], " is past the model's context of ",
+                                                c.max_seq_len));
+    }
+    std::memcpy(&x[b * c.dim], &model_.weights.embedding[size_t(tokens[b]) * c.dim], c.dim * 4);
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Layer layer{c, model_.weights, l};
+    for (size_t b = 0; b < B; ++b) layer.qkv(&x[b * c.dim], positions[b], &q[b * qd], &k[b * kvd], &v[b * kvd]);
+    if (auto s = attention_.step(l, seqs, k, v, q, att); !s.ok()) return s;
+    for (size_t b = 0; b < B; ++b) layer.finish(&x[b * c.dim], &att[b * qd]);
+  }
+  for (size_t b = 0; b < B; ++b) output_logits(model_, &x[b * c.dim], &logits[b * c.vocab_size]);
+  return absl::OkStatus();
+}
+
+DenseAttention::DenseAttention(const Config& config, std::string dtype) : config_(config), dtype_(std::move(dtype)) {}
+
+float DenseAttention::round_stored(float x) const {
+  if (dtype_ == "fp16") return kernels::half_to_float(kernels::float_to_half(x));
+  if (dtype_ == "bf16") return kernels::bf16_to_float(kernels::float_to_bf16(x));
+  return x;
+}
+
+DenseAttention::History* DenseAttention::find(uint64_t seq) {
+  for (auto& [id, h] : histories_) {
+    if (id == seq) return &h;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<uint64_t> DenseAttention::create_sequence() {
+  History h;
+  h.k.resize(config_.n_layers);
+  h.v.resize(config_.n_layers);
+  histories_.emplace_back(next_id_, std::move(h));
+  return next_id_++;
+}
+
+absl::Status DenseAttention::prefill(uint64_t seq, int num_tokens, std::span<const float> k,
+                                     std::span<const float> v, std::span<const float> q) {
+  History* h = find(seq);
+  if (!h) return absl::NotFoundError(absl::StrCat("no sequence ", seq));
+  const size_t per_layer = size_t(num_tokens) * config_.kv_dim();
+  for (int l = 0; l < config_.n_layers; ++l) {
+    for (size_t i = 0; i < per_layer; ++i) {
+      h->k[l].push_back(round_stored(k[l * per_layer + i]));
+      h->v[l].push_back(round_stored(v[l * per_layer + i]));
+    }
+  }
+  h->length += num_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status DenseAttention::step(int layer, std::span<const uint64_t> seqs, std::span<const float> k,
+                                  std::span<const float> v, std::span<const float> q, std::span<float> out) {
+  const size_t kvd = config_.kv_dim(), qd = config_.q_dim();
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    History* h = find(seqs[b]);
+    if (!h) return absl::NotFoundError(absl::StrCat("no sequence ", seqs[b]));
+    for (size_t i = 0; i < kvd; ++i) {
+      h->k[layer].push_back(round_stored(k[b * kvd + i]));
+      h->v[layer].push_back(round_stored(v[b * kvd + i]));
+    }
+    const int len = int(h->k[layer].size() / kvd);
+    attend(config_, &q[b * qd], h->k[layer].data(), h->v[layer].data(), len, kvd, &out[b * qd]);
+    if (layer == config_.n_layers - 1) h->length = len;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DenseAttention::release(uint64_t seq) {
+  auto it = std::find_if(histories_.begin(), histories_.end(), [&](auto& p) { return p.first == seq; });
+  if (it == histories_.end()) return absl::NotFoundError(absl::StrCat("no sequence ", seq));
+  histories_.erase(it);
+  return absl::OkStatus();
+}
+
+int sample(std::span<const float> logits, float temperature, uint64_t* rng) {
+  const int n = int(logits.size());
+  int best = 0;
+  for (int i = 1; i < n; ++i) {
+    if (logits[i] > logits[best]) best = i;
+  }
+  if (temperature <= 0) return best;
+  std::vector<double> p(n);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) sum += (p[i] = std::exp(double(logits[i] - logits[best]) / temperature));
+  // xorshift64*: a uniform in [0, 1) from the caller's state.
+  uint64_t& s = *rng;
+  if (s == 0) s = 0x9E3779B97F4A7C15ull;  // xorshift never leaves 0
+  s ^= s >> 12;
+  s ^= s << 25;
+  s ^= s >> 27;
+  const double u = double((s * 0x2545F4914F6CDD1Dull) >> 11) / double(1ull << 53) * sum;
+  double acc = 0;
+  for (int i = 0; i < n; ++i) {
+    acc += p[i];
+    if (u < acc) return i;
+  }
+  return n - 1;
+}
+
+double log_prob(std::span<const float> logits, int token) {
+  double mx = logits[0];
+  for (float l : logits) mx = std::max(mx, double(l));
+  double sum = 0;
+  for (float l : logits) sum += std::exp(double(l) - mx);
+  return double(logits[token]) - mx - std::log(sum);
+}
+
+}  // namespace karakv::llama

@@ -1,0 +1,134 @@
+// A Llama-architecture model on the CPU for karakv's real-model worker: the loader for the
+// stories260K file format (../shared/data/SOURCES.md), and the forward pass with attention behind
+// an interface, so the same weights run against an in-process dense cache or against karakvd.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "llama/tokenizer.h"
+
+namespace karakv::llama {
+
+struct Config {
+  int dim = 0;         // hidden size
+  int ffn_dim = 0;     // SwiGLU inner size
+  int max_seq_len = 0;
+  int vocab_size = 0;
+  int n_layers = 0;
+  int n_heads = 0;     // query heads
+  int n_kv_heads = 0;
+
+  int head_dim() const { return dim / n_heads; }
+  int kv_dim() const { return n_kv_heads * head_dim(); }
+  int q_dim() const { return dim; }
+};
+
+// Float32 weights, row-major, out x in for every matrix.
+struct Weights {
+  std::vector<float> embedding;  // [vocab][dim]; also the output projection (tied)
+  std::vector<float> attn_norm;  // [L][dim]
+  std::vector<float> wq;         // [L][dim][dim]
+  std::vector<float> wk;         // [L][kv_dim][dim]
+  std::vector<float> wv;         // [L][kv_dim][dim]
+  std::vector<float> wo;         // [L][dim][dim]
+  std::vector<float> ffn_norm;   // [L][dim]
+  std::vector<float> w_gate;     // [L][ffn][dim]
+  std::vector<float> w_up;       // [L][ffn][dim]
+  std::vector<float> w_down;     // [L][dim][ffn]
+  std::vector<float> final_norm; // [dim]
+};
+
+struct Model {
+  Config config;
+  Weights weights;
+  Tokenizer tokenizer;
+};
+
+// Parses a stories260K-format file image. Every error names what was wrong and where: a bad
+// version or model type, an impossible geometry, a vocabulary entry running past the end, or the
+// wrong total size ("expected N bytes, got M").
+absl::StatusOr<Model> parse_model(std::span<const uint8_t> bytes);
+absl::StatusOr<Model> load_model(const std::string& path);
+
+// Attention over each sequence's history, as the forward pass sees it. Keys arrive after RoPE;
+// the implementation stores them (in-process, or in karakvd) and attends over what it holds.
+class Attention {
+ public:
+  virtual ~Attention() = default;
+  virtual absl::StatusOr<uint64_t> create_sequence() = 0;
+  // The prompt's K/V, whose attention the forward pass computed itself (causal, dense).
+  //   k, v: [L][T][Hk][D] fp32; q: [L][T][Hq][D] fp32, the prompt's queries (post-RoPE).
+  virtual absl::Status prefill(uint64_t seq, int num_tokens, std::span<const float> k,
+                               std::span<const float> v, std::span<const float> q) = 0;
+  // One decode token per sequence at `layer`: store k/v, attend with q over the history including
+  // this token. Layers come in order 0..L-1 for each token.
+  //   k, v: [B][Hk][D]; q, out: [B][Hq][D]; all fp32.
+  virtual absl::Status step(int layer, std::span<const uint64_t> seqs, std::span<const float> k,
+                            std::span<const float> v, std::span<const float> q, std::span<float> out) = 0;
+  virtual absl::Status release(uint64_t seq) = 0;
+};
+
+// The forward pass. Holds scratch buffers only; the KV history lives in the Attention.
+class Transformer {
+ public:
+  Transformer(const Model& model, Attention& attention) : model_(model), attention_(attention) {}
+
+  // Runs the prompt (positions 0..T-1) of a new history: computes every layer's causal attention
+  // over the prompt in-process, hands the K/V and queries to Attention::prefill, and returns the
+  // logits after the last prompt token ([vocab]).
+  absl::StatusOr<std::vector<float>> prefill(uint64_t seq, std::span<const int> tokens);
+
+  // One token per sequence: tokens[b] sits at position positions[b] of sequence seqs[b].
+  //   logits: [B][vocab]
+  absl::Status decode(std::span<const uint64_t> seqs, std::span<const int> tokens,
+                      std::span<const int> positions, std::span<float> logits);
+
+  const Model& model() const { return model_; }
+
+ private:
+  const Model& model_;
+  Attention& attention_;
+};
+
+// Dense reference attention with its own per-sequence cache. Rounds stored K/V through `dtype`
+// (fp32 | fp16 | bf16) so it sees exactly what a daemon with that storage dtype sees.
+class DenseAttention : public Attention {
+ public:
+  DenseAttention(const Config& config, std::string dtype = "fp32");
+  absl::StatusOr<uint64_t> create_sequence() override;
+  absl::Status prefill(uint64_t seq, int num_tokens, std::span<const float> k, std::span<const float> v,
+                       std::span<const float> q) override;
+  absl::Status step(int layer, std::span<const uint64_t> seqs, std::span<const float> k,
+                    std::span<const float> v, std::span<const float> q, std::span<float> out) override;
+  absl::Status release(uint64_t seq) override;
+
+ private:
+  struct History {
+    int length = 0;
+    std::vector<std::vector<float>> k, v;  // per layer: [T][Hk][D]
+  };
+  float round_stored(float x) const;
+  History* find(uint64_t seq);
+
+  Config config_;
+  std::string dtype_;
+  uint64_t next_id_ = 1;
+  std::vector<std::pair<uint64_t, History>> histories_;
+};
+
+// Causal softmax attention of one query token over `len` cached tokens, GQA.
+//   q, out: [Hq][D]; k, v: [len][Hk][D] with row stride `kv_stride` floats between tokens.
+void attend(const Config& c, const float* q, const float* k, const float* v, int len, size_t kv_stride,
+            float* out);
+
+// Sampling: greedy when temperature <= 0, else softmax(logits / temperature) with `rng` state.
+int sample(std::span<const float> logits, float temperature, uint64_t* rng);
+// Natural-log probability of `token` under softmax(logits).
+double log_prob(std::span<const float> logits, int token);
+
+}  // namespace karakv::llama

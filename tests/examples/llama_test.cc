@@ -1,0 +1,280 @@
+// The real-model worker's pieces against stories260K: loader errors, tokenizer round trips, and the
+// forward pass with attention in a real karakvd matching the in-process dense reference.
+// Skipped (never passed) when the model file is not there.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "llama/daemon_attention.h"
+#include "llama/model.h"
+#include "tests/integration/daemon.h"
+
+namespace karakv::llama {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::string_literals;
+
+std::vector<uint8_t> model_bytes() {
+  std::ifstream in(KARAKV_LLAMA_MODEL, std::ios::binary);
+  if (!in) return {};
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+#define REQUIRE_MODEL(bytes)                                          \
+  const std::vector<uint8_t> bytes = model_bytes();                    \
+  if (bytes.empty()) GTEST_SKIP() << "model file not found: " KARAKV_LLAMA_MODEL
+
+std::vector<std::string> daemon_args(const std::string& dtype) {
+  return {"--layers=5", "--q_heads=8", "--kv_heads=4", "--head_dim=8", "--dtype=" + dtype, "--pool_bytes=64MiB"};
+}
+
+TEST(LlamaLoaderTest, ReadsTheStories260kHeaderAndVocabulary) {
+  REQUIRE_MODEL(bytes);
+  auto m = parse_model(bytes);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const Config& c = m->config;
+  EXPECT_EQ(c.dim, 64);
+  EXPECT_EQ(c.ffn_dim, 172);
+  EXPECT_EQ(c.max_seq_len, 512);
+  EXPECT_EQ(c.vocab_size, 512);
+  EXPECT_EQ(c.n_layers, 5);
+  EXPECT_EQ(c.n_heads, 8);
+  EXPECT_EQ(c.n_kv_heads, 4);
+  EXPECT_EQ(c.head_dim(), 8);
+  EXPECT_EQ(m->tokenizer.piece(1), "<s>");
+  EXPECT_EQ(m->tokenizer.piece(3), "<0x00>");
+}
+
+TEST(LlamaLoaderTest, RefusesATruncatedFileSayingExpectedAndActualSize) {
+  REQUIRE_MODEL(bytes);
+  std::vector<uint8_t> cut(bytes.begin(), bytes.end() - 1000);
+  auto m = parse_model(cut);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()),
+              HasSubstr("wrong size: expected 1046785 bytes, got 1045785"));
+
+  std::vector<uint8_t> in_vocab(bytes.begin(), bytes.begin() + 3000);
+  m = parse_model(in_vocab);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("vocab entry"));
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("past the end of the file"));
+
+  m = parse_model(std::span<const uint8_t>(bytes.data(), 100));
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("truncated header"));
+
+  auto missing = load_model("/nonexistent/stories.bin");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(LlamaLoaderTest, RefusesACorruptedHeaderNamingTheField) {
+  REQUIRE_MODEL(bytes);
+  auto corrupt = [&](size_t at, uint8_t value) {
+    std::vector<uint8_t> b = bytes;
+    b[at] = value;
+    auto m = parse_model(b);
+    EXPECT_FALSE(m.ok());
+    return std::string(m.status().message());
+  };
+  EXPECT_THAT(corrupt(0, 2), HasSubstr("bad version 2 (expected 1)"));
+  EXPECT_THAT(corrupt(9, 'b'), HasSubstr("bad model type 'llamb'"));
+  // Layers (the fifth i32 after the type, byte 26) 5 -> 6: the weights no longer fit the file.
+  EXPECT_THAT(corrupt(26, 6), HasSubstr("wrong size: expected"));
+  // KV heads (byte 34) 4 -> 3: 8 query heads are not a multiple.
+  EXPECT_THAT(corrupt(34, 3), HasSubstr("not a multiple of 3 KV heads"));
+  EXPECT_THAT(corrupt(38, 0), HasSubstr("shared_output_weight is 0"));
+  // The first vocab entry's length (bytes 260..263) made huge.
+  EXPECT_THAT(corrupt(263, 0x7f), HasSubstr("bad vocab entry 0"));
+}
+
+TEST(LlamaTokenizerTest, RoundTripsTextExactly) {
+  REQUIRE_MODEL(bytes);
+  auto m = parse_model(bytes);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const Tokenizer& tok = m->tokenizer;
+
+  // The model's own words merge into whole pieces.
+  std::vector<int> ids = tok.encode("Once upon a time", true, false);
+  std::vector<std::string> pieces;
+  for (int id : ids) pieces.push_back(tok.piece(id));
+  EXPECT_THAT(pieces, ::testing::ElementsAre("<s>", "\xe2\x96\x81Once", "\xe2\x96\x81upon", "\xe2\x96\x81" "a",
+                                             "\xe2\x96\x81time"));
+
+  // Every byte string round-trips exactly (characters without a piece go through <0xXX>), except
+  // U+2581 itself, which is the tokenizer's space.
+  const std::vector<std::string> texts = {
+      "Once upon a time, there was a little girl named Lily.",
+      "Hello, world! (yes?) [x] {y} #$%&*+/<=>@^_`|~ \"quoted\" 'single' 3.14",
+      " leading, trailing and  double  spaces ",
+      "tabs\tand\nnewlines\r\n\n",
+      "na\xc3\xafve caf\xc3\xa9 \xe2\x80\x94 \xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e \xf0\x9f\x99\x82",  // naïve café — 日本語 🙂
+      "bytes \xff\xfe\x80 and a NUL \0 inside"s,
+      "",
+  };
+  for (const std::string& t : texts) {
+    const std::vector<int> enc = tok.encode(t, true, false);
+    EXPECT_EQ(tok.decode(enc), t) << "text: " << t;
+  }
+  // Characters with no piece become their UTF-8 bytes: 日 is E6 97 A5 -> <0xE6> <0x97> <0xA5>.
+  std::vector<int> cjk = tok.encode("\xe6\x97\xa5", false, false);
+  ASSERT_EQ(cjk.size(), 4u);  // dummy-prefix space, then three bytes
+  EXPECT_EQ(tok.piece(cjk[1]), "<0xE6>");
+  EXPECT_EQ(tok.piece(cjk[3]), "<0xA5>");
+  EXPECT_EQ(tok.decode(tok.encode("a\xe2\x96\x81" "b", true, false)), "a b");  // the one exception
+}
+
+// Runs `prompt` then `steps` greedy tokens for each prompt of a batch with `att`; returns every
+// step's logits ([step][b][vocab]) and the tokens.
+struct Trace {
+  std::vector<std::vector<float>> logits;
+  std::vector<std::vector<int>> tokens;
+};
+Trace greedy(const Model& m, Attention& att, const std::vector<std::vector<int>>& prompts, int steps) {
+  Transformer tf(m, att);
+  const int B = int(prompts.size()), V = m.config.vocab_size;
+  Trace tr;
+  tr.tokens.resize(B);
+  std::vector<uint64_t> seqs;
+  std::vector<int> next(B), pos(B);
+  std::vector<float> first(size_t(B) * V);
+  for (int b = 0; b < B; ++b) {
+    seqs.push_back(*att.create_sequence());
+    auto l = tf.prefill(seqs[b], prompts[b]);
+    EXPECT_TRUE(l.ok()) << l.status();
+    std::copy(l->begin(), l->end(), first.begin() + size_t(b) * V);
+    next[b] = sample(*l, 0, nullptr);
+    pos[b] = int(prompts[b].size());
+  }
+  tr.logits.push_back(first);
+  std::vector<float> logits(size_t(B) * V);
+  for (int s = 0; s < steps; ++s) {
+    for (int b = 0; b < B; ++b) tr.tokens[b].push_back(next[b]);
+    absl::Status st = tf.decode(seqs, next, pos, logits);
+    EXPECT_TRUE(st.ok()) << st;
+    tr.logits.push_back(logits);
+    for (int b = 0; b < B; ++b) {
+      next[b] = sample({&logits[size_t(b) * V], size_t(V)}, 0, nullptr);
+      ++pos[b];
+    }
+  }
+  return tr;
+}
+
+void expect_daemon_matches_dense(const std::string& dtype, float tolerance) {
+  auto m = load_model(KARAKV_LLAMA_MODEL);
+  ASSERT_TRUE(m.ok()) << m.status();
+  testing::Daemon d(daemon_args(dtype));
+  ASSERT_TRUE(d.ready());
+  auto client = Client::Attach(d.options(16 << 20));
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE(DaemonAttention::check_geometry(**client, m->config).ok());
+  DaemonAttention served(**client, SequenceOptions{});
+  DenseAttention dense(m->config, dtype);
+  // A batch of two sequences of different lengths, so positions and histories differ per row.
+  const std::vector<std::vector<int>> prompts = {m->tokenizer.encode("Once upon a time", true, false),
+                                                 m->tokenizer.encode("Tom and Sue went to the park. They saw", true, false)};
+  const Trace got = greedy(*m, served, prompts, 20);
+  const Trace want = greedy(*m, dense, prompts, 20);
+  EXPECT_EQ(got.tokens, want.tokens);
+  double max_err = 0;
+  for (size_t s = 0; s < got.logits.size(); ++s) {
+    for (size_t i = 0; i < got.logits[s].size(); ++i) {
+      max_err = std::max(max_err, double(std::abs(got.logits[s][i] - want.logits[s][i])));
+    }
+  }
+  EXPECT_LE(max_err, tolerance) << "max |logit difference| over 21 steps x 2 sequences x 512";
+  std::printf("%s storage: max |logit - reference| = %.3g (tolerance %.0e)\n", dtype.c_str(), max_err, tolerance);
+  // The text is the model's, not noise: greedy from "Once upon a time" tells of Lily.
+  EXPECT_THAT(m->tokenizer.decode(got.tokens[0]), HasSubstr("Lily"));
+}
+
+TEST(LlamaDaemonTest, Fp32LogitsAndGreedyTokensMatchTheDenseReference) {
+  REQUIRE_MODEL(bytes);
+  expect_daemon_matches_dense("fp32", 1e-4f);
+}
+
+TEST(LlamaDaemonTest, Fp16LogitsMatchTheDenseReferenceWithFp16Storage) {
+  REQUIRE_MODEL(bytes);
+  expect_daemon_matches_dense("fp16", 2e-4f);
+}
+
+// Per-token log-probabilities of stream[prompt..] with the prompt appended and the rest stepped.
+std::vector<double> score(const Model& m, Attention& att, const std::vector<int>& stream, int prompt) {
+  Transformer tf(m, att);
+  const uint64_t seq = *att.create_sequence();
+  auto first = tf.prefill(seq, std::span<const int>(stream.data(), prompt));
+  EXPECT_TRUE(first.ok()) << first.status();
+  std::vector<double> lp = {log_prob(*first, stream[prompt])};
+  std::vector<float> logits(m.config.vocab_size);
+  for (int t = prompt; t + 1 < int(stream.size()); ++t) {
+    const uint64_t seqs[1] = {seq};
+    const int tok[1] = {stream[t]}, pos[1] = {t};
+    EXPECT_TRUE(tf.decode(seqs, tok, pos, logits).ok());
+    lp.push_back(log_prob(logits, stream[t + 1]));
+  }
+  return lp;
+}
+
+TEST(LlamaDaemonTest, PerplexityWithPolicyNoneEqualsTheReference) {
+  REQUIRE_MODEL(bytes);
+  auto m = load_model(KARAKV_LLAMA_MODEL);
+  ASSERT_TRUE(m.ok()) << m.status();
+  testing::Daemon d(daemon_args("fp32"));
+  ASSERT_TRUE(d.ready());
+  auto client = Client::Attach(d.options(16 << 20));
+  ASSERT_TRUE(client.ok()) << client.status();
+  DaemonAttention served(**client, SequenceOptions{});
+  DenseAttention dense(m->config);
+  const std::vector<int> stream = m->tokenizer.encode(
+      "Once upon a time, there was a little dog named Max. Max liked to run in the big green park with his "
+      "friend Sam. One day, Sam found a red ball under a tree. \"Look, Max!\" said Sam. Max wagged his tail "
+      "and ran to get the ball. They played all day until the sun went down. Then they went home, happy and "
+      "tired, and Max slept by the warm fire.",
+      true, false);
+  ASSERT_GT(stream.size(), 80u);
+  const std::vector<double> got = score(*m, served, stream, 32);
+  const std::vector<double> want = score(*m, dense, stream, 32);
+  ASSERT_EQ(got.size(), want.size());
+  double nll_got = 0, nll_want = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 1e-4) << "token " << i;
+    nll_got -= got[i];
+    nll_want -= want[i];
+  }
+  const double ppl_got = std::exp(nll_got / got.size()), ppl_want = std::exp(nll_want / want.size());
+  EXPECT_NEAR(ppl_got, ppl_want, 1e-4 * ppl_want);
+  EXPECT_LT(ppl_want, 20.0) << "in-distribution text should be predictable for the model";
+}
+
+TEST(LlamaDaemonTest, KaraCompressesWhileDecodingAndStaysFinite) {
+  REQUIRE_MODEL(bytes);
+  auto m = load_model(KARAKV_LLAMA_MODEL);
+  ASSERT_TRUE(m.ok()) << m.status();
+  testing::Daemon d(daemon_args("fp32"));
+  ASSERT_TRUE(d.ready());
+  auto client = Client::Attach(d.options(16 << 20));
+  ASSERT_TRUE(client.ok()) << client.status();
+  SequenceOptions kara;
+  kara.policy = "kara";
+  kara.params = {{"window", 32}, {"period", 4}, {"rho", 0.5}};
+  DaemonAttention served(**client, kara);
+  const Trace tr = greedy(*m, served, {m->tokenizer.encode("Once upon a time", true, false)}, 120);
+  for (const auto& step : tr.logits) {
+    for (float x : step) ASSERT_TRUE(std::isfinite(x));
+  }
+  auto list = (*client)->ListSequences();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].logical_length, 5u + 120u);
+  EXPECT_LT((*list)[0].length, (*list)[0].logical_length);
+  EXPECT_GT((*list)[0].compactions, 0u);
+}
+
+}  // namespace
+}  // namespace karakv::llama
