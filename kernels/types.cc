@@ -20,6 +20,7 @@ const char* op_name(Op op) {
     case Op::kQuantize: return "quantize_tokens";
     case Op::kDequantize: return "dequantize_block";
     case Op::kQuantizedAttention: return "decode_attention_quantized";
+    case Op::kCamMerge: return "cam_merge_values";
   }
   return "unknown";
 }

@@ -48,11 +48,22 @@ void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer
   for (int32_t i = 0; i < n; ++i) std::memcpy(out + i * row, seq.queries_of(first + i, layer), row * 4);
 }
 
+std::vector<ParamSpec> cam_params() {
+  return {
+      {"cam", 0, 0, 1, true, "1: merge evicted values into the next kept tokens (CaM)"},
+      {"merge", 32, 1, 4096, true, "M: kept tokens each evicted value is merged into"},
+  };
+}
+
+int cam_merge_tokens(const PolicyParams& p) { return p.geti("cam") ? p.geti("merge") : 0; }
+
 absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vector<float>& scores, int budget,
-                                               int sinks, int keep_last, kernels::Backend& backend) {
+                                               int sinks, int keep_last, kernels::Backend& backend,
+                                               bool keep_scores) {
   const kernels::Geometry& g = *seq.geometry;
   const int32_t n = seq.resident;
   CompactionPlan plan;
+  if (keep_scores) plan.scores = scores;
   plan.begin = 0;
   plan.end = n;
   plan.num_kept = std::min(budget, n);

@@ -75,6 +75,9 @@ struct CompactionPlan {
   int32_t begin = 0, end = 0;
   int32_t num_kept = 0;
   std::vector<int32_t> kept;  // [num_layers][num_kv_heads][num_kept] absolute slots, ascending per row
+  // Attention mass of every slot of the range, [num_layers][num_kv_heads][end - begin], for CaM
+  // merging; empty when the policy has no scores (streaming) or merging is off.
+  std::vector<float> scores;
   bool empty() const { return end <= begin; }
 };
 
@@ -96,6 +99,8 @@ class Policy {
   virtual int query_window() const { return 0; }
   // Whether the daemon must accumulate decode attention per slot (H2O).
   virtual bool needs_attention() const { return false; }
+  // CaM: evicted values are merged into the next this-many kept tokens (0: no merging).
+  virtual int merge_tokens() const { return 0; }
   // Whether the policy would compact now (Kara: a full window in the tail; threshold: the limit).
   // `forced` (Compact RPC) asks whether there is anything to compact at all.
   virtual bool due(const SequenceView& seq, bool forced) const = 0;
@@ -127,8 +132,14 @@ void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer
 // Whole-cache plan from per-(layer, head) slot scores: top `budget` slots of every row, after the
 // sinks (positions < sinks) and the last `keep_last` slots are forced in.
 //   scores: [num_layers][num_kv_heads][resident], modified in place
+// With keep_scores, the plan carries the scores as they were before forcing (for CaM).
 absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vector<float>& scores, int budget,
-                                               int sinks, int keep_last, kernels::Backend& backend);
+                                               int sinks, int keep_last, kernels::Backend& backend,
+                                               bool keep_scores = false);
+// The CaM parameters every scoring policy takes: cam (0 or 1) and merge (M).
+std::vector<ParamSpec> cam_params();
+// merge width when the parameters turn CaM on, else 0.
+int cam_merge_tokens(const PolicyParams& p);
 }  // namespace policy_util
 
 }  // namespace karakv::server

@@ -997,6 +997,15 @@ absl::Status Registry::apply_plan(Sequence& seq, const Policy& policy, const Com
     for (int32_t blk : fresh) pool_.release(blk);
     return to_status(s);
   }
+  if (policy.merge_tokens() > 0 && !plan.scores.empty()) {
+    // CaM reads the evicted values from the old blocks, which are still the sequence's here.
+    if (auto s = backend_->cam_merge_values(kv, 0, plan.begin - q0, plan.end - q0, local.data(), plan.num_kept,
+                                            plan.scores.data(), policy.merge_tokens(), fresh.data());
+        !s.is_ok()) {
+      for (int32_t blk : fresh) pool_.release(blk);
+      return to_status(s);
+    }
+  }
   // From here on nothing can fail: rewrite positions, table, caches.
   const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
   const int32_t removed = plan.end - plan.begin - plan.num_kept;

@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "checks.h"
 #include "compress.h"
+#include "merge.h"
 #include "quant_storage.h"
 #include "karakv/kernels/backend.h"
 
@@ -265,6 +266,11 @@ class CpuBackend final : public Backend {
     }
     omp_set_num_threads(num_threads_);
     return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks);
+  }
+  KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
+                                const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks);
   }
   int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const override {
     return cpu::quantized_tokens_per_block(g, format);

@@ -26,6 +26,7 @@ class ChunkKVPolicy final : public ThresholdPolicy {
     auto scores = snapkv_all_scores(seq, kv, backend, w_obs_, pool_);
     if (!scores.ok()) return scores.status();
     CompactionPlan plan;
+    if (merge_ > 0) plan.scores = *scores;
     plan.begin = 0;
     plan.end = n;
     plan.num_kept = std::min(c_target_, n);
@@ -93,7 +94,7 @@ class ChunkKVPolicy final : public ThresholdPolicy {
 }  // namespace
 
 std::vector<ParamSpec> chunkkv_params(const kernels::Geometry&) {
-  auto p = threshold_params();
+  auto p = scored_threshold_params();
   for (ParamSpec& spec : snapkv_score_params()) p.push_back(std::move(spec));
   p.push_back({"chunk", 10, 1, 4096, true, "slots per chunk"});
   return p;

@@ -21,7 +21,7 @@ class H2OPolicy final : public ThresholdPolicy {
     std::vector<float> scores;
     scores.reserve(size_t(seq.geometry->num_layers) * seq.geometry->num_kv_heads * seq.resident);
     for (const std::vector<float>& row : *seq.attention) scores.insert(scores.end(), row.begin(), row.begin() + seq.resident);
-    return policy_util::top_budget_plan(seq, scores, c_target_, sinks_, recent_, backend);
+    return policy_util::top_budget_plan(seq, scores, c_target_, sinks_, recent_, backend, merge_ > 0);
   }
 
  protected:
@@ -35,7 +35,7 @@ class H2OPolicy final : public ThresholdPolicy {
 }  // namespace
 
 std::vector<ParamSpec> h2o_params(const kernels::Geometry&) {
-  auto p = threshold_params();
+  auto p = scored_threshold_params();
   p.push_back({"recent_ratio", 0.5, 0.0, 1.0, false, "share of c_target kept as the newest tokens"});
   return p;
 }

@@ -1,6 +1,7 @@
 // Kara: periodic sliding-window compression of generated tokens (docs/COMPRESSION.md section 1).
 // The oldest W tail tokens are scored with bidirectional attention among themselves and replaced
 // by B = rho * W of them chosen by Token2Chunk; the prompt and earlier windows are never touched.
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -17,7 +18,8 @@ class KaraPolicy final : public Policy {
         candidates_(static_cast<int>(std::ceil(p.get("alpha") * budget_))),
         max_gap_(p.geti("max_gap")),
         period_(p.geti("period")),
-        sinks_(p.geti("sinks")) {}
+        sinks_(p.geti("sinks")),
+        merge_(policy_util::cam_merge_tokens(p)) {}
 
   // B = round(rho * W), rounded to a multiple of the block size (at least one block).
   static int budget_for(double rho, int window, int block) {
@@ -29,6 +31,7 @@ class KaraPolicy final : public Policy {
   Trigger trigger() const override { return Trigger::kPeriodic; }
   int period() const override { return period_; }
   int query_window() const override { return -1; }
+  int merge_tokens() const override { return merge_; }
 
   bool due(const SequenceView& seq, bool) const override {
     return seq.resident - seq.tail_start >= window_ && seq.queries_first <= seq.tail_start &&
@@ -47,6 +50,7 @@ class KaraPolicy final : public Policy {
     plan.end = seq.tail_start + window_;
     plan.num_kept = budget_;
     plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * budget_);
+    if (merge_ > 0) plan.scores.resize(size_t(g.num_layers) * g.num_kv_heads * window_);
     std::vector<float> q(size_t(window_) * g.q_token_elems());
     std::vector<float> scores(size_t(g.num_kv_heads) * window_);
     const float scale = 1.0f / std::sqrt(float(g.head_dim));
@@ -56,6 +60,9 @@ class KaraPolicy final : public Policy {
                                                             scale, scores.data()));
           !s.ok()) {
         return s;
+      }
+      if (merge_ > 0) {
+        std::copy(scores.begin(), scores.end(), plan.scores.begin() + size_t(l) * g.num_kv_heads * window_);
       }
       for (int h = 0; h < g.num_kv_heads; ++h) {
         float* row = scores.data() + size_t(h) * window_;
@@ -76,13 +83,13 @@ class KaraPolicy final : public Policy {
 
  private:
   const std::string name_ = "kara";
-  const int window_, budget_, candidates_, max_gap_, period_, sinks_;
+  const int window_, budget_, candidates_, max_gap_, period_, sinks_, merge_;
 };
 
 }  // namespace
 
 std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
-  return {
+  std::vector<ParamSpec> p = {
       {"window", 128, double(g.block_size), 8192, true, "W: tail tokens per window, a multiple of the block size"},
       {"rho", 0.25, 0.01, 0.99, false, "kept fraction of a window"},
       {"alpha", 0.5, 0.01, 1.0, false, "fraction of the budget taken as top-scoring candidates"},
@@ -90,6 +97,8 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
       {"period", 16, 1, 1 << 20, true, "P: decode steps between compression ticks"},
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
   };
+  for (ParamSpec& spec : policy_util::cam_params()) p.push_back(std::move(spec));
+  return p;
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const kernels::Geometry& g) {

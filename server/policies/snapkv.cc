@@ -39,7 +39,7 @@ class SnapKVPolicy final : public ThresholdPolicy {
                                       kernels::Backend& backend) const override {
     auto scores = snapkv_all_scores(seq, kv, backend, w_obs_, pool_);
     if (!scores.ok()) return scores.status();
-    return policy_util::top_budget_plan(seq, *scores, c_target_, sinks_, w_obs_, backend);
+    return policy_util::top_budget_plan(seq, *scores, c_target_, sinks_, w_obs_, backend, merge_ > 0);
   }
 
  protected:
@@ -59,7 +59,7 @@ class SnapKVPolicy final : public ThresholdPolicy {
 }  // namespace
 
 std::vector<ParamSpec> snapkv_params(const kernels::Geometry&) {
-  auto p = threshold_params();
+  auto p = scored_threshold_params();
   for (ParamSpec& spec : snapkv_score_params()) p.push_back(std::move(spec));
   return p;
 }

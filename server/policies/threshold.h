@@ -12,7 +12,13 @@ namespace karakv::server {
 class ThresholdPolicy : public Policy {
  public:
   ThresholdPolicy(std::string name, const PolicyParams& p)
-      : name_(std::move(name)), c_max_(p.geti("c_max")), c_target_(p.geti("c_target")), sinks_(p.geti("sinks")) {}
+      : name_(std::move(name)),
+        c_max_(p.geti("c_max")),
+        c_target_(p.geti("c_target")),
+        sinks_(p.geti("sinks")),
+        merge_(p.values().count("cam") ? policy_util::cam_merge_tokens(p) : 0) {}
+
+  int merge_tokens() const override { return merge_; }
 
   const std::string& name() const override { return name_; }
   Trigger trigger() const override { return Trigger::kThreshold; }
@@ -30,7 +36,7 @@ class ThresholdPolicy : public Policy {
   virtual std::string inputs_needed() const { return ""; }
 
   const std::string name_;
-  const int c_max_, c_target_, sinks_;
+  const int c_max_, c_target_, sinks_, merge_;
 };
 
 // c_max, c_target and sinks, shared by every threshold policy.
@@ -72,6 +78,13 @@ inline absl::Status check_snapkv_scored(const std::string& name, const PolicyPar
                                                    " must be odd (same padding)"));
   }
   return absl::OkStatus();
+}
+
+// threshold_params() plus CaM's, for policies that score tokens.
+inline std::vector<ParamSpec> scored_threshold_params() {
+  auto p = threshold_params();
+  for (ParamSpec& spec : policy_util::cam_params()) p.push_back(std::move(spec));
+  return p;
 }
 
 // SnapKV's per-slot scores for every layer and KV head: [num_layers][num_kv_heads][resident].

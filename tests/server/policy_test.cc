@@ -426,3 +426,52 @@ TEST(CompactTest, FailedCompactionLeavesTheSequenceExactlyAsItWas) {
 
 }  // namespace
 }  // namespace karakv::server
+
+namespace karakv::server {
+namespace {
+
+// Returns V, and K in *keys.
+std::vector<uint8_t> read_values(Registry& reg, const std::string& session, uint64_t seq, std::vector<uint8_t>* keys) {
+  std::vector<uint8_t> k, v, p;
+  auto r = reg.read_kv(session, seq, [&](int32_t t) -> absl::StatusOr<ReadKVTargets> {
+    k.resize(reg.append_bytes(t));
+    v.resize(k.size());
+    p.resize(size_t(reg.geometry().num_layers) * reg.geometry().num_kv_heads * t * 4);
+    return ReadKVTargets{MutableBytes(k), MutableBytes(v), MutableBytes(p)};
+  });
+  EXPECT_TRUE(r.ok()) << r.status();
+  *keys = k;
+  return v;
+}
+
+// CaM changes the values of kept tokens, never which tokens are kept or the keys.
+TEST(CamPolicyTest, MergingKeepsTheSameTokensAndChangesOnlyValues) {
+  for (const char* policy : {"kara", "snapkv", "h2o"}) {
+    std::vector<std::vector<int32_t>> positions[2];
+    std::vector<uint8_t> values[2], keys[2];
+    for (int cam = 0; cam < 2; ++cam) {
+      Driver d(8);
+      SequenceOptions o;
+      o.policy = policy;
+      if (o.policy == "kara") o.params = {{"window", 16}, {"period", 4}};
+      else o.params = {{"c_max", 40}, {"c_target", 24}};
+      if (o.policy == "snapkv") o.params["w_obs"] = 4;
+      o.params["cam"] = cam;
+      o.params["merge"] = 4;
+      const uint64_t seq = *d.create(o);
+      ASSERT_TRUE(d.append(seq, 0, 10, 4).ok());
+      std::vector<int64_t> logical{10};
+      for (int t = 0; t < 60; ++t) ASSERT_TRUE(d.step({seq}, logical).ok()) << policy;
+      EXPECT_GE(d.info(seq).compactions, 2) << policy;
+      ASSERT_TRUE(d.reg->check_invariants().ok());
+      positions[cam] = d.positions(seq);
+      values[cam] = read_values(*d.reg, d.session, seq, &keys[cam]);
+    }
+    EXPECT_EQ(positions[0], positions[1]) << policy;
+    EXPECT_EQ(keys[0], keys[1]) << policy;
+    EXPECT_NE(values[0], values[1]) << policy << ": CaM merged nothing";
+  }
+}
+
+}  // namespace
+}  // namespace karakv::server

@@ -25,6 +25,7 @@ enum class Op : uint8_t {
   kQuantize,
   kDequantize,
   kQuantizedAttention,
+  kCamMerge,
 };
 const char* op_name(Op op);
 
@@ -120,6 +121,19 @@ class Backend {
   virtual KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
                                    int32_t* out) {
     return KernelStatus::unsupported("token2chunk");
+  }
+
+  // CaM (docs/COMPRESSION.md section 3), after gather_tokens wrote the kept tokens of slots
+  // [begin, end) to dst_blocks: for every (layer, KV head) row, each evicted slot e of the range
+  // (not in the row's kept list) is merged into the next merge_tokens kept tokens after it,
+  //   V_k += p * V_e / merge_tokens,  p = clamp(score[e] / mean(score over the range), 0, 1),
+  // reading V_e from the sequence's (still intact) blocks. Each kept value is written once.
+  //   kept:   [num_layers][num_kv_heads][num_kept] source slots, ascending per row
+  //   scores: [num_layers][num_kv_heads][end - begin] attention mass of the range's slots
+  virtual KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept,
+                                        int num_kept, const float* scores, int merge_tokens,
+                                        const int32_t* dst_blocks) {
+    return KernelStatus::unsupported("cam_merge_values");
   }
 
   // ---- quantized storage (docs/COMPRESSION.md section 3) ----

@@ -1,0 +1,95 @@
+// CaM over one compaction: per (layer, KV head) row, the kept values are widened to fp32 once,
+// every evicted value is merged into the next merge_tokens of them (quant.h's cam_merge, the
+// formula of COMPRESSION.md), and the row is written back once, so rounding happens once.
+#include "merge.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "karakv/kernels/half.h"
+#include "quant.h"
+
+namespace karakv::kernels::cpu {
+namespace {
+
+float load(const void* base, size_t i, DType d) {
+  switch (d) {
+    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+void store(void* base, size_t i, float v, DType d) {
+  switch (d) {
+    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = float_to_half(v); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); break;
+    default: static_cast<float*>(base)[i] = v; break;
+  }
+}
+
+}  // namespace
+
+KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
+                              const float* scores, int merge_tokens, const int32_t* dst_blocks) {
+  constexpr std::string_view op = "cam_merge_values";
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+  if (begin < 0 || end > kv.seq_len[seq] || begin > end)
+    return KernelStatus::invalid(std::string(op) + ": range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                 ") not within seq_len " + std::to_string(kv.seq_len[seq]));
+  if (num_kept < 0 || num_kept > end - begin)
+    return KernelStatus::invalid(out_of_range(op, "num_kept", num_kept, 0, (long long)end - begin + 1));
+  if (merge_tokens < 1) return KernelStatus::invalid(out_of_range(op, "merge_tokens", merge_tokens, 1, INT32_MAX));
+  if (kept == nullptr || scores == nullptr || dst_blocks == nullptr)
+    return KernelStatus::invalid(std::string(op) + ": kept, scores and dst_blocks must be non-null");
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, begin, end));
+  const Geometry& g = kv.geometry;
+  const int d = g.head_dim, n = end - begin, rows = g.num_layers * g.num_kv_heads;
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* row = kept + size_t(r) * num_kept;
+    for (int i = 0; i < num_kept; ++i) {
+      if (row[i] < begin || row[i] >= end || (i > 0 && row[i] <= row[i - 1]))
+        return KernelStatus::invalid(std::string(op) + ": kept row " + std::to_string(r) + " is not ascending within [" +
+                                     std::to_string(begin) + ", " + std::to_string(end) + ")");
+    }
+  }
+  KernelStatus failed = KernelStatus::ok();
+#pragma omp parallel for schedule(dynamic)
+  for (int r = 0; r < rows; ++r) {
+    const int l = r / g.num_kv_heads, h = r % g.num_kv_heads;
+    const int32_t* row = kept + size_t(r) * num_kept;
+    const float* score = scores + size_t(r) * n;
+    double total = 0;
+    for (int i = 0; i < n; ++i) total += score[i];
+    const float mean = float(total / n);
+    auto dst_index = [&](int i) {
+      return kv.run_offset(dst_blocks[i / g.block_size], l, 1, h) + size_t(i % g.block_size) * d;
+    };
+    std::vector<float> values(size_t(num_kept) * d), evicted(d);
+    for (int i = 0; i < num_kept; ++i)
+      for (int c = 0; c < d; ++c) values[size_t(i) * d + c] = load(kv.pool, dst_index(i) + c, g.dtype);
+    int next = 0;  // first kept index after the evicted slot
+    for (int slot = begin; slot < end; ++slot) {
+      while (next < num_kept && row[next] <= slot) ++next;
+      if (next > 0 && row[next - 1] == slot) continue;  // kept, not evicted
+      const int m = std::min(merge_tokens, num_kept - next);
+      if (m == 0) continue;
+      const size_t src = kv.run_offset(kv.block_of(seq, slot), l, 1, h) + size_t(slot % g.block_size) * d;
+      for (int c = 0; c < d; ++c) evicted[c] = load(kv.pool, src + c, g.dtype);
+      KernelStatus st = cam_merge(evicted.data(), score[slot - begin], mean, merge_tokens,
+                                  values.data() + size_t(next) * d, m, d);
+      if (!st.is_ok()) {
+#pragma omp critical
+        failed = st;
+      }
+    }
+    for (int i = 0; i < num_kept; ++i)
+      for (int c = 0; c < d; ++c) store(kv.pool, dst_index(i) + c, values[size_t(i) * d + c], g.dtype);
+  }
+  return failed;
+}
+
+}  // namespace karakv::kernels::cpu
