@@ -5,6 +5,9 @@
 //   p1  Append throughput (GB/s of K/V into the pool) vs Redis SET of the same payload   >= 3x
 //   p2  decode attention bandwidth vs this machine's streaming-read bandwidth            >= 60%
 //   p3  Step round-trip p50 vs an empty unary gRPC call (Ping) on the same server        <= 2x
+//   p5  Kara's compaction time as a share of decode time (32 seqs x 2048 steps)          <= 5%
+//       (with decode tokens/s of kara vs none, decoded side by side)
+//   memory  resident KV bytes per sequence over 3000 decode steps: none, kara, snapkv, streaming
 #include <emmintrin.h>
 #include <fcntl.h>
 #include <omp.h>
@@ -54,7 +57,9 @@
 
 ABSL_FLAG(std::string, karakvd, "", "karakvd binary (default: ../server/karakvd next to this binary)");
 ABSL_FLAG(std::string, redis_server, "redis-server", "redis-server binary for the P1 baseline (PATH is searched)");
-ABSL_FLAG(std::string, out_dir, "", "Write one CSV per mode (p1.csv, p2.csv, p3.csv) into this directory");
+ABSL_FLAG(std::string, out_dir, "",
+          "Write one CSV per mode (p1.csv, p2.csv, p3.csv, p5.csv, memory.csv; memory also memory_series.csv) "
+          "into this directory");
 ABSL_FLAG(bool, csv, false, "Also print the results as CSV on stdout");
 ABSL_FLAG(double, seconds, 1.0, "P1: seconds per measurement of one configuration in one round");
 ABSL_FLAG(int32_t, rounds, 5, "P1: interleaved rounds; the round with the median ratio is reported");
@@ -64,7 +69,15 @@ ABSL_FLAG(int32_t, p2_reps, 3, "P2: passes over all layers (best pass vs best st
 ABSL_FLAG(bool, p2_daemon, true, "P2: also measure decode end to end through karakvd Step (info row)");
 ABSL_FLAG(int32_t, p3_calls, 2000, "P3: timed Step and Ping calls each (interleaved)");
 ABSL_FLAG(int32_t, p3_warmup, 200, "P3: untimed warm-up calls each");
-ABSL_FLAG(int32_t, timeout_s, 900, "Abort (and stop the child processes) after this many seconds");
+ABSL_FLAG(int32_t, p5_sequences, 32, "P5: sequences in the decode batch (each policy)");
+ABSL_FLAG(int32_t, p5_prompt, 128, "P5: prompt tokens per sequence (Append)");
+ABSL_FLAG(int32_t, p5_steps, 2048, "P5: decode steps (each a Step per layer over the batch)");
+ABSL_FLAG(int32_t, memory_sequences, 4, "memory: sequences per policy");
+ABSL_FLAG(int32_t, memory_prompt, 256, "memory: prompt tokens per sequence (Append)");
+ABSL_FLAG(int32_t, memory_steps, 3000, "memory: decode steps");
+ABSL_FLAG(int32_t, memory_sample_every, 64, "memory: decode steps between samples (ListSequences)");
+ABSL_FLAG(int32_t, memory_print_every, 256, "memory: steps between the printed table's rows (the CSV has all)");
+ABSL_FLAG(int32_t, timeout_s, 2400, "Abort (and stop the child processes) after this many seconds");
 ABSL_FLAG(bool, strict, false, "Exit with status 3 when any target is missed");
 
 namespace {
@@ -403,12 +416,12 @@ std::string csv_field(const std::string& s) {
 }
 
 std::string to_csv(const std::vector<Row>& rows) {
-  std::string out = "mode,metric,karakv,baseline_name,baseline,unit,ratio,target,result\n";
+  std::string out = "mode,metric,karakv,baseline_name,baseline,unit,ratio,target,result,ratio_text\n";
   for (const Row& r : rows) {
     out += absl::StrCat(csv_field(r.mode), ",", csv_field(r.metric), ",", absl::StrFormat("%.6g", r.karakv), ",",
                         csv_field(r.baseline_name), ",", absl::StrFormat("%.6g", r.baseline), ",",
                         csv_field(r.unit), ",", absl::StrFormat("%.6g", r.ratio()), ",",
-                        csv_field(r.target_text()), ",", r.verdict(), "\n");
+                        csv_field(r.target_text()), ",", r.verdict(), ",", r.ratio_text(), "\n");
   }
   return out;
 }
@@ -1122,6 +1135,376 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   return rows;
 }
 
+// ---------------------------------------------------------------------------------------------
+// P5 and memory: decode workloads through karakvd with compression policies.
+
+// Per-mode text (tables) printed after the summary table.
+std::vector<std::string>& extra_reports() {
+  static std::vector<std::string> r;
+  return r;
+}
+
+// K/V/Q of one decode step for every layer and sequence, generated once and copied into each
+// client's staging buffers, so every policy decodes exactly the same tokens.
+struct StepTensors {
+  const kn::Geometry g;
+  const int seqs;
+  std::vector<uint8_t> k, v;  // [L][B][Hk][D] storage dtype
+  std::vector<float> q;       // [L][B][Hq][D]
+  StepTensors(const kn::Geometry& geometry, int batch)
+      : g(geometry),
+        seqs(batch),
+        k(size_t(g.num_layers) * batch * g.kv_token_elems() * kn::dtype_size(g.dtype)),
+        v(k.size()),
+        q(size_t(g.num_layers) * batch * g.q_token_elems()) {}
+  size_t kv_layer_bytes() const { return size_t(seqs) * g.kv_token_elems() * kn::dtype_size(g.dtype); }
+  size_t q_layer_elems() const { return size_t(seqs) * g.q_token_elems(); }
+  // Sequence s (0-based index, also its synthetic id) gets position `pos`'s token.
+  void fill(int64_t pos) {
+    const size_t kv_tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
+    for (int l = 0; l < g.num_layers; ++l) {
+      for (int s = 0; s < seqs; ++s) {
+        const size_t i = size_t(l) * seqs + s;
+        karakv::synthetic::fill_token(k.data() + i * kv_tok, g, 1, Tensor::kKey, s, l, pos);
+        karakv::synthetic::fill_token(v.data() + i * kv_tok, g, 1, Tensor::kValue, s, l, pos);
+        karakv::synthetic::fill_query(q.data() + i * g.q_token_elems(), g, 1, s, l, pos);
+      }
+    }
+  }
+};
+
+// One client's sequences (prefilled with the same synthetic prompt per index) and its Step buffers.
+struct DecodeSet {
+  std::string label;
+  karakv::Client* c = nullptr;
+  std::vector<uint64_t> ids;
+  karakv::Buffer sk, sv, q, out;
+  std::vector<double> step_s;  // wall time of the Step calls of each decode step
+  double decode_s = 0;
+
+  // One decode step: Step for every layer, timing only the calls.
+  absl::Status step(const StepTensors& t) {
+    double el = 0;
+    for (int l = 0; l < t.g.num_layers; ++l) {
+      std::memcpy(sk.data(), t.k.data() + l * t.kv_layer_bytes(), t.kv_layer_bytes());
+      std::memcpy(sv.data(), t.v.data() + l * t.kv_layer_bytes(), t.kv_layer_bytes());
+      std::memcpy(q.data(), t.q.data() + l * t.q_layer_elems(), t.q_layer_elems() * sizeof(float));
+      const auto start = Clock::now();
+      auto r = c->Step(l, ids, sk, sv, q, out);
+      el += seconds_since(start);
+      if (!r.ok()) return absl::Status(r.status().code(), absl::StrCat(label, ": ", r.status().message()));
+    }
+    step_s.push_back(el);
+    decode_s += el;
+    return absl::OkStatus();
+  }
+};
+
+// Staging for prompts of `prompt` tokens (appended in chunks of up to 256) and Steps of `batch`.
+uint64_t decode_staging_bytes(const kn::Geometry& g, int prompt, int batch) {
+  const int chunk = std::min(prompt, 256);
+  return 2 * append_tensor_bytes(g, chunk) + 2 * size_t(batch) * g.kv_token_elems() * kn::dtype_size(g.dtype) +
+         2 * size_t(batch) * g.q_token_elems() * sizeof(float) + (4 << 20);
+}
+
+// Creates one sequence per entry of `policies` in client `c`, appends the synthetic prompt of
+// index i (in chunks of up to 256 tokens) and allocates the Step buffers.
+absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<std::string>& policies, int prompt) {
+  karakv::Client& c = *set.c;
+  const int batch = int(policies.size());
+  const int chunk = std::min(prompt, 256);
+  auto k = c.alloc(c.append_bytes(chunk)), v = c.alloc(c.append_bytes(chunk));
+  auto sk = c.alloc(c.step_kv_bytes(batch)), sv = c.alloc(c.step_kv_bytes(batch));
+  auto q = c.alloc(c.q_bytes(batch)), out = c.alloc(c.q_bytes(batch));
+  for (auto* b : {&k, &v, &sk, &sv, &q, &out}) {
+    if (!b->ok()) return b->status();
+  }
+  set.sk = *sk, set.sv = *sv, set.q = *q, set.out = *out;
+  for (int s = 0; s < batch; ++s) {
+    karakv::SequenceOptions o;
+    o.policy = policies[s];
+    auto id = c.CreateSequence(o);
+    if (!id.ok()) return id.status();
+    set.ids.push_back(*id);
+    for (int done = 0; done < prompt; done += chunk) {
+      const int n = std::min(chunk, prompt - done);
+      // The layout is [L][T][Hk][D], so a shorter tail is filled at its own size.
+      karakv::synthetic::fill_prompt(k->data(), g, 1, Tensor::kKey, s, done, n);
+      karakv::synthetic::fill_prompt(v->data(), g, 1, Tensor::kValue, s, done, n);
+      if (n == chunk) {
+        if (auto r = c.Append(*id, n, *k, *v); !r.ok()) return r.status();
+      } else {
+        karakv::Buffer hk = karakv::Client::alloc_heap(c.append_bytes(n)), hv = karakv::Client::alloc_heap(c.append_bytes(n));
+        std::memcpy(hk.data(), k->data(), hk.size());
+        std::memcpy(hv.data(), v->data(), hv.size());
+        if (auto r = c.Append(*id, n, hk, hv); !r.ok()) return r.status();
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> smollm_flags(size_t pool_bytes) {
+  return {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16", "--block_size=16",
+          absl::StrCat("--pool_bytes=", pool_bytes)};
+}
+
+// Pool for `seqs` uncompressed sequences of `tokens` tokens each, plus slack for compaction.
+size_t decode_pool_bytes(const kn::Geometry& g, int seqs, int tokens) {
+  const size_t blocks = size_t(seqs) * ((tokens + g.block_size - 1) / g.block_size + 2) + 64;
+  return blocks * g.block_bytes();
+}
+
+absl::StatusOr<karakv::PolicyStats> policy_stats(karakv::Client& c, const std::string& policy) {
+  auto st = c.Stats();
+  if (!st.ok()) return st.status();
+  for (const karakv::PolicyStats& p : st->policies) {
+    if (p.policy == policy) return p;
+  }
+  karakv::PolicyStats empty;
+  empty.policy = policy;
+  return empty;
+}
+
+// P5: Kara's compaction time as a share of decode time, and decode throughput with Kara vs none.
+// Two daemons (one per policy, so each has its own decode-step counter and Kara's ticks fall every
+// 16 of its own steps); their steps alternate, so both see the machine as it is at that moment.
+absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
+  const kn::Geometry g = smollm_geometry();
+  const int seqs = std::max(1, absl::GetFlag(FLAGS_p5_sequences));
+  const int steps = std::max(1, absl::GetFlag(FLAGS_p5_steps));
+  const int prompt = std::max(1, absl::GetFlag(FLAGS_p5_prompt));
+  const size_t pool = decode_pool_bytes(g, seqs, prompt + steps);
+  struct Side {
+    std::string policy;
+    std::optional<Daemon> daemon;
+    std::unique_ptr<karakv::Client> client;
+    DecodeSet set;
+  };
+  std::vector<Side> sides(2);
+  sides[0].policy = "kara";
+  sides[1].policy = "none";
+  for (Side& s : sides) {
+    auto d = start_karakvd(dir, "karakvd-p5-" + s.policy, smollm_flags(pool));
+    if (!d.ok()) return d.status();
+    s.daemon = std::move(*d);
+    auto c = attach(*s.daemon, decode_staging_bytes(g, prompt, seqs), "karakv-bench-p5-" + s.policy);
+    if (!c.ok()) return c.status();
+    s.client = std::move(*c);
+    s.set.label = s.policy;
+    s.set.c = s.client.get();
+    const auto t = Clock::now();
+    if (absl::Status st = prefill(s.set, g, std::vector<std::string>(seqs, s.policy), prompt); !st.ok()) return st;
+    progress(absl::StrFormat("P5 %s: %d sequences x %d prompt tokens appended in %.2f s (pool %.2f GB)", s.policy,
+                             seqs, prompt, seconds_since(t), pool / 1e9));
+  }
+  StepTensors tensors(g, seqs);
+  const auto start = Clock::now();
+  auto last_report = start;
+  for (int step = 0; step < steps; ++step) {
+    tensors.fill(prompt + step);
+    for (int j = 0; j < 2; ++j) {
+      Side& s = sides[(j + step) % 2];  // alternate which policy goes first
+      if (absl::Status st = s.set.step(tensors); !st.ok()) return st;
+    }
+    if (seconds_since(last_report) >= 5 || step + 1 == steps) {
+      last_report = Clock::now();
+      auto ks = policy_stats(*sides[0].client, "kara");
+      if (!ks.ok()) return ks.status();
+      const int done = step + 1;
+      progress(absl::StrFormat(
+          "P5 step %d/%d (%.0f s): kara %.1f s in Step (%.0f tok/s, %d resident tokens/seq, compaction %.2f s = %.1f%%), "
+          "none %.1f s in Step (%.0f tok/s)",
+          done, steps, seconds_since(start), sides[0].set.decode_s, double(seqs) * done / sides[0].set.decode_s,
+          int(ks->resident_tokens / std::max<uint32_t>(1, ks->sequences)), ks->compaction_seconds,
+          100 * ks->compaction_seconds / sides[0].set.decode_s, sides[1].set.decode_s,
+          double(seqs) * done / sides[1].set.decode_s));
+    }
+  }
+  auto ks = policy_stats(*sides[0].client, "kara");
+  if (!ks.ok()) return ks.status();
+  auto ns = policy_stats(*sides[1].client, "none");
+  if (!ns.ok()) return ns.status();
+  const double kara_s = sides[0].set.decode_s, none_s = sides[1].set.decode_s;
+  const double tokens = double(seqs) * steps;
+  auto ms = [](std::vector<double> v, double p) {
+    for (double& x : v) x *= 1e3;
+    return percentile(std::move(v), p);
+  };
+  const double kara_p50 = ms(sides[0].set.step_s, 50), kara_p99 = ms(sides[0].set.step_s, 99);
+  const double none_p50 = ms(sides[1].set.step_s, 50), none_p99 = ms(sides[1].set.step_s, 99);
+  for (Side& s : sides) {
+    s.set = DecodeSet{};
+    s.client.reset();
+    stop_or_warn(*s.daemon);
+  }
+  const std::string what = absl::StrFormat(", %d seqs, prompt %d + %d steps", seqs, prompt, steps);
+  std::vector<Row> rows;
+  rows.push_back({"P5", "Kara compaction time / decode time" + what, ks->compaction_seconds,
+                  "time in Step, kara", kara_s, "s", true, Target{Target::Kind::kAtMost, 0.05}});
+  rows.push_back({"P5", "decode tokens/s, kara", tokens / kara_s, "decode tokens/s, none", tokens / none_s,
+                  "tok/s", false, std::nullopt});
+  rows.push_back({"P5", "resident tokens/seq at the end, kara", double(ks->resident_tokens) / seqs,
+                  "resident tokens/seq, none", double(ns->resident_tokens) / seqs, "tokens", true, std::nullopt});
+  rows.push_back({"P5", absl::StrFormat("Kara compactions (%llu) mean time", (unsigned long long)ks->compactions),
+                  ks->compactions ? 1e3 * ks->compaction_seconds / ks->compactions : 0, "decode step p50, kara",
+                  kara_p50, "ms", false, std::nullopt});
+  rows.push_back({"P5", "decode step p50 (all 30 layers), kara", kara_p50,
+                  "decode step p50, none", none_p50, "ms", false, std::nullopt});
+  rows.push_back({"P5", "decode step p99, kara", kara_p99, "decode step p99, none",
+                  none_p99, "ms", false, std::nullopt});
+  return rows;
+}
+
+// memory: resident KV bytes per sequence over decode steps, per policy. One daemon, one Step batch
+// holding every policy's sequences, so the daemon's decode-step counter (Kara's ticks) advances
+// once per step as in a real batch.
+absl::StatusOr<std::vector<Row>> run_memory(const TempDir& dir) {
+  const kn::Geometry g = smollm_geometry();
+  const std::vector<std::string> policies = {"none", "kara", "snapkv", "streaming"};
+  const int per = std::max(1, absl::GetFlag(FLAGS_memory_sequences));
+  const int steps = std::max(1, absl::GetFlag(FLAGS_memory_steps));
+  const int prompt = std::max(1, absl::GetFlag(FLAGS_memory_prompt));
+  const int every = std::max(1, absl::GetFlag(FLAGS_memory_sample_every));
+  const int batch = per * int(policies.size());
+  auto daemon = start_karakvd(dir, "karakvd-memory", smollm_flags(decode_pool_bytes(g, batch, prompt + steps)));
+  if (!daemon.ok()) return daemon.status();
+  auto client = attach(*daemon, decode_staging_bytes(g, prompt, batch), "karakv-bench-memory");
+  if (!client.ok()) return client.status();
+  std::vector<std::string> of_seq;  // policy of each sequence, in batch order
+  for (const std::string& p : policies) of_seq.insert(of_seq.end(), per, p);
+  DecodeSet set;
+  set.label = "memory";
+  set.c = client->get();
+  if (absl::Status s = prefill(set, g, of_seq, prompt); !s.ok()) return s;
+
+  // bytes of one resident token: K and V of every layer and KV head.
+  const double token_bytes = double(g.num_layers) * g.kv_token_elems() * 2 * kn::dtype_size(g.dtype);
+  struct Sample {
+    int step;
+    std::string policy;
+    double resident = 0, logical = 0, blocks = 0;  // means over the policy's sequences
+  };
+  std::vector<Sample> samples;
+  auto sample = [&](int step) -> absl::Status {
+    auto list = (*client)->ListSequences();
+    if (!list.ok()) return list.status();
+    for (const std::string& p : policies) {
+      Sample s{step, p};
+      int n = 0;
+      for (const karakv::SequenceInfo& info : *list) {
+        if (info.policy != p) continue;
+        s.resident += info.length;
+        s.logical += info.logical_length;
+        s.blocks += info.blocks;
+        ++n;
+      }
+      if (n != per) {
+        return absl::InternalError(absl::StrCat("ListSequences reported ", n, " ", p, " sequences, expected ", per));
+      }
+      s.resident /= n, s.logical /= n, s.blocks /= n;
+      samples.push_back(s);
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = sample(0); !s.ok()) return s;
+  StepTensors tensors(g, batch);
+  const auto start = Clock::now();
+  auto last_report = start;
+  for (int step = 1; step <= steps; ++step) {
+    tensors.fill(prompt + step - 1);
+    if (absl::Status s = set.step(tensors); !s.ok()) return s;
+    if (step % every == 0 || step == steps) {
+      if (absl::Status s = sample(step); !s.ok()) return s;
+    }
+    if (seconds_since(last_report) >= 5 || step == steps) {
+      last_report = Clock::now();
+      std::string now;
+      for (size_t i = samples.size() - policies.size(); i < samples.size(); ++i) {
+        absl::StrAppend(&now, now.empty() ? "" : ", ", samples[i].policy, " ", int(samples[i].resident));
+      }
+      progress(absl::StrFormat("memory step %d/%d (%.0f s); resident tokens/seq at step %d: %s", step, steps,
+                               seconds_since(start), samples.back().step, now));
+    }
+  }
+  auto stats = (*client)->Stats();
+  if (!stats.ok()) return stats.status();
+  set = DecodeSet{};
+  client->reset();
+  stop_or_warn(*daemon);
+
+  auto mib = [&](double tokens) { return tokens * token_bytes / double(1 << 20); };
+  // The series, one line per (step, policy).
+  std::string csv = "step,policy,sequences,resident_tokens,logical_tokens,blocks,kv_mib,block_mib\n";
+  for (const Sample& s : samples) {
+    absl::StrAppend(&csv, s.step, ",", s.policy, ",", per, ",", absl::StrFormat("%.2f", s.resident), ",",
+                    absl::StrFormat("%.2f", s.logical), ",", absl::StrFormat("%.2f", s.blocks), ",",
+                    absl::StrFormat("%.4f", mib(s.resident)), ",",
+                    absl::StrFormat("%.4f", s.blocks * g.block_bytes() / double(1 << 20)), "\n");
+  }
+  if (const std::string out = absl::GetFlag(FLAGS_out_dir); !out.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(out, ec);
+    std::ofstream f(out + "/memory_series.csv");
+    f << csv;
+    if (!f) return absl::InternalError(absl::StrCat("cannot write ", out, "/memory_series.csv"));
+  }
+  // The table: step rows x policy columns, MiB of resident K/V per sequence.
+  const int print_every = std::max(every, absl::GetFlag(FLAGS_memory_print_every));
+  std::vector<std::vector<std::string>> cells = {{"step"}};
+  for (const std::string& p : policies) cells[0].push_back(p);
+  for (size_t i = 0; i < samples.size(); i += policies.size()) {
+    const int step = samples[i].step;
+    if (step % print_every != 0 && step != steps) continue;
+    std::vector<std::string> line = {absl::StrCat(step)};
+    for (size_t j = 0; j < policies.size(); ++j) line.push_back(absl::StrFormat("%.1f", mib(samples[i + j].resident)));
+    cells.push_back(line);
+  }
+  std::string table = absl::StrFormat(
+      "memory: resident K/V MiB per sequence (mean of %d; resident tokens x %d layers x %d KV heads x %d dims x 2 "
+      "(K, V) x %d B), SmolLM2-135M geometry, prompt %d, every %d steps%s:\n",
+      per, g.num_layers, g.num_kv_heads, g.head_dim, int(kn::dtype_size(g.dtype)), prompt, print_every,
+      absl::GetFlag(FLAGS_out_dir).empty() ? "" : " (every sample in memory_series.csv)");
+  for (const auto& line : cells) {
+    std::string out;
+    for (size_t i = 0; i < line.size(); ++i) {
+      const size_t w = i == 0 ? 6 : std::max<size_t>(10, cells[0][i].size() + 1);
+      out += std::string(w > line[i].size() ? w - line[i].size() : 0, ' ') + line[i];
+    }
+    absl::StrAppend(&table, out, "\n");
+  }
+  extra_reports().push_back(table);
+
+  // Summary rows: each policy at the last step and its peak, against none.
+  auto last = [&](const std::string& p) {
+    for (auto it = samples.rbegin(); it != samples.rend(); ++it)
+      if (it->policy == p) return *it;
+    return Sample{};
+  };
+  auto peak = [&](const std::string& p) {
+    double m = 0;
+    for (const Sample& s : samples)
+      if (s.policy == p) m = std::max(m, s.resident);
+    return m;
+  };
+  const Sample none_last = last("none");
+  std::vector<Row> rows;
+  for (const std::string& p : policies) {
+    if (p == "none") continue;
+    rows.push_back({"memory", absl::StrFormat("resident KV/seq after %d steps, %s", steps, p), mib(last(p).resident),
+                    "none", mib(none_last.resident), "MiB", true, std::nullopt});
+    rows.push_back({"memory", absl::StrFormat("peak resident KV/seq, %s", p), mib(peak(p)), "none (peak)",
+                    mib(peak("none")), "MiB", true, std::nullopt});
+  }
+  for (const karakv::PolicyStats& p : stats->policies) {
+    if (p.policy == "none") continue;
+    progress(absl::StrFormat("memory: %s %llu compactions, %llu tokens removed, %.3f s compacting, %llu failures",
+                             p.policy, (unsigned long long)p.compactions, (unsigned long long)p.tokens_removed,
+                             p.compaction_seconds, (unsigned long long)p.failures));
+  }
+  return rows;
+}
+
 // Fraction of all CPUs busy over `window` (from /proc/stat), taken while this benchmark is idle:
 // what other processes are using. -1 when /proc/stat cannot be read.
 double busy_fraction(absl::Duration window) {
@@ -1149,25 +1532,32 @@ double busy_fraction(absl::Duration window) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
-      "  p1  Append throughput vs Redis SET (target >= 3x)\n"
-      "  p2  decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
-      "  p3  Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)");
+      "karakv-bench p1|p2|p3|p5|memory|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "  p1      Append throughput vs Redis SET (target >= 3x)\n"
+      "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
+      "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"
+      "  p5      Kara compaction time / decode time (target <= 5%), decode tokens/s kara vs none\n"
+      "  memory  resident KV per sequence over decode steps: none, kara, snapkv, streaming\n"
+      "  Several modes may be given: karakv-bench p5 memory");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) {
-    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|all [flags]  (--help for the flags)\n");
+  if (args.size() < 2) {
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|all... [flags]  (--help for the flags)\n");
     return 2;
   }
-  const std::string mode = args[1];
+  const std::vector<std::string> known = {"p1", "p2", "p3", "p5", "memory"};
   std::vector<std::string> modes;
-  if (mode == "all") {
-    modes = {"p1", "p2", "p3"};
-  } else if (mode == "p1" || mode == "p2" || mode == "p3") {
-    modes = {mode};
-  } else {
-    std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3 or all\n", mode.c_str());
-    return 2;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string m = args[i];
+    if (m == "all") {
+      modes.insert(modes.end(), known.begin(), known.end());
+    } else if (std::find(known.begin(), known.end(), m) != known.end()) {
+      modes.push_back(m);
+    } else {
+      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory or all\n", m.c_str());
+      return 2;
+    }
   }
+  const std::string mode = absl::StrJoin(std::vector<char*>(args.begin() + 1, args.end()), " ");
 
   struct sigaction sa{};
   sa.sa_handler = on_fatal_signal;
@@ -1187,7 +1577,11 @@ int main(int argc, char** argv) {
     const double b = busy_fraction(absl::Seconds(1));
     busy.push_back(b < 0 ? m + " ?" : absl::StrFormat("%s %.0f%%", m, 100 * b));
     const auto start = Clock::now();
-    absl::StatusOr<std::vector<Row>> rows = m == "p1" ? run_p1(*dir) : m == "p2" ? run_p2(*dir) : run_p3(*dir);
+    absl::StatusOr<std::vector<Row>> rows = m == "p1"     ? run_p1(*dir)
+                                            : m == "p2"     ? run_p2(*dir)
+                                            : m == "p3"     ? run_p3(*dir)
+                                            : m == "p5"     ? run_p5(*dir)
+                                                            : run_memory(*dir);
     if (!rows.ok()) {
       std::fprintf(stderr, "karakv-bench: %s failed: %s\n", m.c_str(), rows.status().ToString().c_str());
       return 1;
@@ -1213,12 +1607,21 @@ int main(int argc, char** argv) {
     if (m == "p2") how.push_back(absl::StrFormat("P2 SmolLM2-135M geometry fp16, best of %d passes vs best of the streaming "
                                               "reads sampled just before each", absl::GetFlag(FLAGS_p2_reps)));
     if (m == "p3") how.push_back(absl::StrFormat("P3 %d interleaved calls each", absl::GetFlag(FLAGS_p3_calls)));
+    if (m == "p5") how.push_back(absl::StrFormat("P5 SmolLM2-135M geometry fp16, %d seqs, prompt %d, %d decode steps; "
+                                              "kara and none in two daemons, steps alternating; time in Step calls",
+                                              absl::GetFlag(FLAGS_p5_sequences), absl::GetFlag(FLAGS_p5_prompt),
+                                              absl::GetFlag(FLAGS_p5_steps)));
+    if (m == "memory") how.push_back(absl::StrFormat("memory SmolLM2-135M geometry fp16, %d seqs per policy in one Step "
+                                                  "batch, prompt %d, %d decode steps, default policy parameters",
+                                                  absl::GetFlag(FLAGS_memory_sequences),
+                                                  absl::GetFlag(FLAGS_memory_prompt), absl::GetFlag(FLAGS_memory_steps)));
   }
   std::printf("\nkarakv-bench %s on %d hardware threads; CPU busy with other work in the second before each "
               "mode: %s (above a few %% the ratios are unreliable)\n%s\n\n",
               mode.c_str(), int(std::thread::hardware_concurrency()), absl::StrJoin(busy, ", ").c_str(),
               absl::StrJoin(how, "\n").c_str());
   print_table(all);
+  for (const std::string& r : extra_reports()) std::printf("\n%s", r.c_str());
   if (absl::GetFlag(FLAGS_csv)) std::printf("\n%s", to_csv(all).c_str());
   const bool missed = std::any_of(all.begin(), all.end(), [](const Row& r) { return r.verdict() == "MISS"; });
   return missed && absl::GetFlag(FLAGS_strict) ? 3 : 0;

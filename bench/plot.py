@@ -1,23 +1,35 @@
 #!/usr/bin/env python3
-"""Draws the ratios of a karakv-bench run (the p1/p2/p3 CSVs of --out_dir) as one bar chart PNG.
+"""Draws the charts of a karakv-bench run from the CSVs it wrote into --out_dir.
 
-Usage: bench/plot.py RESULTS_DIR [OUTPUT.png]   (default output: RESULTS_DIR/ratios.png)
-Needs matplotlib; without it, says so and exits 0 so that scripts/bench.sh carries on.
+  ratios.png  the ratio of every row of p1/p2/p3/p5.csv (karakv / its baseline), one panel per
+              mode, bars green (target met), red (missed) or grey (context), targets dashed
+  memory.png  memory_series.csv: resident K/V MiB per sequence over decode steps, one line per policy
+
+Usage: bench/plot.py RESULTS_DIR [OUTPUT_DIR]   (default OUTPUT_DIR: RESULTS_DIR)
+A chart whose CSVs are absent is skipped. Needs matplotlib; without it, says so and exits 0 so
+that scripts/bench.sh carries on.
 """
 import csv
 import os
 import re
 import sys
+import textwrap
+
+RATIO_MODES = ("p1", "p2", "p3", "p5")
+COLORS = {"PASS": "tab:green", "MISS": "tab:red", "info": "tab:gray"}
+POLICY_STYLE = {  # color, line style: distinguishable in greyscale too
+    "none": ("black", "-"),
+    "kara": ("tab:blue", "-"),
+    "snapkv": ("tab:orange", "--"),
+    "streaming": ("tab:green", ":"),
+}
 
 
-def read_rows(results_dir):
-    rows = []
-    for mode in ("p1", "p2", "p3"):
-        path = os.path.join(results_dir, mode + ".csv")
-        if os.path.exists(path):
-            with open(path, newline="") as f:
-                rows.extend(csv.DictReader(f))
-    return rows
+def read_csv(path):
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def target_value(text):
@@ -29,45 +41,132 @@ def target_value(text):
     return v / 100 if m.group(2) == "%" else v
 
 
+def is_percent(row):
+    """Whether karakv-bench prints this row's ratio as a percentage (its ratio_text column; older
+    CSVs lack it, then the target decides)."""
+    if row.get("ratio_text"):
+        return row["ratio_text"].endswith("%")
+    return "%" in row["target"]
+
+
+def ratio_label(row):
+    if row.get("ratio_text"):
+        return row["ratio_text"]
+    r = float(row["ratio"])
+    return f"{100 * r:.1f}%" if is_percent(row) else f"{r:.2f}x"
+
+
+def plot_ratios(results_dir, output, plt):
+    panels = []
+    for mode in RATIO_MODES:
+        rows = read_csv(os.path.join(results_dir, mode + ".csv"))
+        if rows:
+            panels.append((mode.upper(), rows))
+    if not panels:
+        return False
+    heights = [1.2 + 0.5 * len(rows) for _, rows in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), squeeze=False, layout="constrained",
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (mode, rows) in zip(axes[:, 0], panels):
+        ratios = [float(r["ratio"]) for r in rows]
+        percent = all(is_percent(r) for r in rows)  # the axis in %, when every row reads so
+        y = list(range(len(rows)))[::-1]  # first row on top
+        ax.barh(y, ratios, color=[COLORS.get(r["result"], "tab:gray") for r in rows], height=0.6)
+        labels = [textwrap.fill(r["metric"], 44) + "\nvs " + textwrap.fill(r["baseline_name"], 45) for r in rows]
+        ax.set_yticks(y)
+        ax.set_yticklabels(labels, fontsize=7)
+        positive = [v for v in ratios if v > 0]
+        log = bool(positive) and max(positive) / min(positive) > 30
+        top = max(ratios + [t for t in (target_value(r["target"]) for r in rows) if t is not None])
+        if log:
+            ax.set_xscale("log")
+            lo, hi = min(positive), top
+            ticks = [t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 3, 5, 10, 20, 50, 100, 200) if lo / 2 <= t <= hi * 3]
+            ax.set_xticks(ticks)
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        for yy, r, v in zip(y, rows, ratios):
+            ax.text(v * (1.05 if log else 1) + (0 if log else top * 0.01), yy, ratio_label(r),
+                    va="center", fontsize=7)
+        for r in rows:
+            t = target_value(r["target"])
+            if t is not None:
+                ax.axvline(t, color="black", linestyle="--", linewidth=1)
+                ax.text(t, len(rows) - 0.5, f" target {r['target']}", fontsize=7, va="bottom")
+        ax.set_xlim(right=top * (3 if log else 1.2))
+        if not log:
+            ax.set_xlim(left=0)
+        if percent:
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:.0f}%"))
+        ax.set_ylim(-0.6, len(rows) - 0.05)
+        ax.set_title(f"{mode}: karakv / baseline" + (" (log scale)" if log else ""), fontsize=9, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("karakv-bench ratios (green: target met, red: missed, grey: context)", fontsize=10)
+    fig.savefig(output, dpi=90)
+    return True
+
+
+def plot_memory(results_dir, output, plt):
+    rows = read_csv(os.path.join(results_dir, "memory_series.csv"))
+    if not rows:
+        return False
+    policies = []
+    for r in rows:
+        if r["policy"] not in policies:
+            policies.append(r["policy"])
+    series = {}
+    for p in policies:
+        mine = [r for r in rows if r["policy"] == p]
+        series[p] = ([int(r["step"]) for r in mine], [float(r["kv_mib"]) for r in mine])
+    # Policies whose curves are identical (snapkv and streaming share trigger and budget) share a line.
+    drawn = []
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for p in policies:
+        if any(series[p] == series[q] for q in drawn):
+            continue
+        same = [q for q in policies if q != p and series[q] == series[p]]
+        drawn.append(p)
+        color, style = POLICY_STYLE.get(p, (None, "-"))
+        label = p if not same else " = ".join([p] + same) + " (identical)"
+        ax.plot(*series[p], label=label, color=color, linestyle=style, linewidth=1.8)
+    seqs = rows[0]["sequences"]
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("resident K/V per sequence (MiB)")
+    ax.set_title(f"Resident KV cache per sequence (mean of {seqs}), SmolLM2-135M geometry, fp16", fontsize=10)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(title="policy", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=90)
+    return True
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     results_dir = sys.argv[1]
-    output = sys.argv[2] if len(sys.argv) > 2 else os.path.join(results_dir, "ratios.png")
+    out_dir = sys.argv[2] if len(sys.argv) > 2 else results_dir
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot.py: matplotlib is not installed; skipping the chart", file=sys.stderr)
+        print("plot.py: matplotlib is not installed; skipping the charts", file=sys.stderr)
         return 0
-    rows = read_rows(results_dir)
-    if not rows:
-        print(f"plot.py: no p1/p2/p3 CSV in {results_dir}", file=sys.stderr)
+    os.makedirs(out_dir, exist_ok=True)
+    drawn = 0
+    for name, draw in (("ratios.png", plot_ratios), ("memory.png", plot_memory)):
+        path = os.path.join(out_dir, name)
+        if draw(results_dir, path, plt):
+            print(f"plot.py: wrote {path}")
+            drawn += 1
+    if drawn == 0:
+        print(f"plot.py: no karakv-bench CSV in {results_dir}", file=sys.stderr)
         return 1
-
-    modes = [m for m in ("P1", "P2", "P3") if any(r["mode"] == m for r in rows)]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.5), squeeze=False)
-    colors = {"PASS": "tab:green", "MISS": "tab:red", "info": "tab:gray"}
-    for ax, mode in zip(axes[0], modes):
-        mine = [r for r in rows if r["mode"] == mode]
-        ratios = [float(r["ratio"]) for r in mine]
-        ax.bar(range(len(mine)), ratios, color=[colors.get(r["result"], "tab:gray") for r in mine])
-        ax.set_xticks(range(len(mine)))
-        ax.set_xticklabels([r["metric"] for r in mine], rotation=30, ha="right", fontsize=7)
-        for r in mine:
-            t = target_value(r["target"])
-            if t is not None:
-                ax.axhline(t, color="black", linestyle="--", linewidth=1)
-                ax.text(len(mine) - 0.5, t, " target " + r["target"], va="bottom", ha="right", fontsize=8)
-        ax.set_title(f"{mode}: karakv / {mine[0]['baseline_name']}", fontsize=9)
-        ax.set_ylabel("ratio")
-    fig.suptitle("karakv-bench ratios (green PASS, red MISS, grey context)")
-    fig.tight_layout()
-    fig.savefig(output, dpi=120)
-    print(f"plot.py: wrote {output}")
     return 0
 
 

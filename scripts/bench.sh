@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds karakv-bench and karakvd, installs redis-server (the P1 baseline) if it is missing, and
-# runs every benchmark; results go to build/bench-results/ (CSV, and a PNG when matplotlib exists).
+# runs every benchmark; results go to build/bench-results/ (CSV, and PNG charts drawn by bench/plot.py;
+# matplotlib is installed with pip when it is missing, and the charts are skipped if that fails).
 #   scripts/bench.sh [karakv-bench flags...]     e.g. scripts/bench.sh --rounds=3
 # Environment: BUILD_DIR (default build), JOBS (default 2), MODE (default all).
 set -euo pipefail
@@ -29,5 +30,10 @@ mkdir -p "$OUT_DIR"
 "$BUILD_DIR/bench/karakv-bench" "$MODE" --karakvd="$BUILD_DIR/server/karakvd" \
   --redis_server="$(command -v redis-server)" --out_dir="$OUT_DIR" "$@" | tee "$OUT_DIR/summary.txt"
 if command -v python3 >/dev/null; then
+  if ! python3 -c 'import matplotlib' 2>/dev/null; then
+    echo "bench.sh: installing matplotlib for the charts (python3 -m pip install matplotlib)" >&2
+    python3 -m pip install --quiet matplotlib ||
+      echo "bench.sh: could not install matplotlib; no charts (results are in $OUT_DIR)" >&2
+  fi
   python3 bench/plot.py "$OUT_DIR" || echo "bench.sh: plot failed (results are in $OUT_DIR)" >&2
 fi
