@@ -9,6 +9,7 @@
 // the perplexity gap measures exactly how far compression moves the model), and "shakespeare"
 // windows of ../shared/data/tinyshakespeare.txt (natural text the model never saw).
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,6 +89,7 @@ class Daemon {
                                      "--threads=1"};
     pid_ = fork();
     if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the harness
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +24,8 @@ class Daemon {
     args.insert(args.begin(), {KARAKVD_PATH, "--socket=" + socket_, "--log_level=warn", "--threads=2"});
     pid_ = fork();
     if (pid_ == 0) {
+      // A test that crashes must not leave its daemon running: it dies with its parent.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
