@@ -4,6 +4,8 @@
   ratios.png  the ratio of every row of p1/p2/p3/p5.csv (karakv / its baseline), one panel per
               mode, bars green (target met), red (missed) or grey (context), targets dashed
   memory.png  memory_series.csv: resident K/V MiB per sequence over decode steps, one line per policy
+  quant_ratio.png  quant_ratio.csv: actual compression ratio vs context length, one line per storage
+              format; the nominal ratios (16 / bits) dashed, labelled with their formats
 
 Usage: bench/plot.py RESULTS_DIR [OUTPUT_DIR]   (default OUTPUT_DIR: RESULTS_DIR)
 A chart whose CSVs are absent is skipped. Needs matplotlib; without it, says so and exits 0 so
@@ -143,6 +145,68 @@ def plot_memory(results_dir, output, plt):
     return True
 
 
+FORMAT_STYLE = {  # color, marker
+    "fp16": ("black", "o"),
+    "kivi2": ("tab:blue", "s"),
+    "kivi4": ("tab:cyan", "s"),
+    "tq2": ("tab:red", "^"),
+    "tq3": ("tab:orange", "^"),
+    "tq4": ("tab:olive", "^"),
+    "kara+kivi4": ("tab:purple", "D"),
+    "kara": ("tab:gray", "D"),
+}
+
+
+def plot_quant_ratio(results_dir, output, plt):
+    rows = read_csv(os.path.join(results_dir, "quant_ratio.csv"))
+    if not rows:
+        return False
+    formats = []
+    for r in rows:
+        if r["format"] not in formats:
+            formats.append(r["format"])
+    contexts = sorted({int(r["context"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    series = {}
+    for f in formats:
+        mine = sorted((r for r in rows if r["format"] == f), key=lambda r: int(r["context"]))
+        series[f] = ([int(r["context"]) for r in mine], [round(float(r["actual_ratio"]), 3) for r in mine], mine)
+    drawn = []
+    for f in formats:
+        x, y, mine = series[f]
+        if any(series[g][:2] == (x, y) for g in drawn):
+            continue  # drawn with the format it equals
+        same = [g for g in formats if g != f and series[g][:2] == (x, y)]
+        drawn.append(f)
+        color, marker = FORMAT_STYLE.get(f, (None, "o"))
+        label = f"{f} ({mine[0]['policy']})" + "".join(f" = {g}" for g in same) + (" (identical)" if same else "")
+        ax.plot(x, y, marker=marker, color=color, linewidth=1.8, label=label,
+                linestyle=":" if f == "kara" else "-")
+    # Nominal ratios: one dashed line per distinct value, labelled with the formats that have it.
+    nominal = {}
+    for f in formats:
+        v = float(next(r for r in rows if r["format"] == f)["nominal_ratio"])
+        if v > 1:
+            nominal.setdefault(round(v, 2), []).append(f)
+    for v, names in sorted(nominal.items()):
+        ax.axhline(v, linestyle="--", linewidth=1, color="dimgray", alpha=0.8)
+        ax.text(contexts[0], v, f" nominal {v:g}x: {', '.join(names)}", fontsize=7, va="bottom", color="dimgray")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts)
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"))
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_xlabel("context length (logical tokens)")
+    ax.set_ylabel("fp16 bytes / bytes held")
+    ax.set_ylim(0, max([9] + [float(r["actual_ratio"]) * 1.1 for r in rows]))
+    ax.set_title("Actual compression ratio (solid) vs the format's nominal 16/bits (dashed),\n"
+                 "SmolLM2-135M geometry, residual 128", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(output, dpi=90)
+    return True
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
@@ -159,7 +223,8 @@ def main():
         return 0
     os.makedirs(out_dir, exist_ok=True)
     drawn = 0
-    for name, draw in (("ratios.png", plot_ratios), ("memory.png", plot_memory)):
+    for name, draw in (("ratios.png", plot_ratios), ("memory.png", plot_memory),
+                       ("quant_ratio.png", plot_quant_ratio)):
         path = os.path.join(out_dir, name)
         if draw(results_dir, path, plt):
             print(f"plot.py: wrote {path}")
