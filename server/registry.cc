@@ -276,11 +276,6 @@ absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id
           "storage '", storage, "' cannot hold head_dim ", config_.geometry.head_dim, " on backend ",
           std::string(backend_->name()), " (KIVI needs a multiple of 32, TurboQuant a power of two)"));
     }
-    if ((*policy)->trigger() == Trigger::kThreshold) {
-      return absl::UnimplementedError(absl::StrCat(
-          "policy '", name, "' recompresses the whole cache, which quantized storage does not support yet; "
-          "quantized storage composes with none and kara"));
-    }
   }
   std::shared_ptr<const Policy> prefill;
   if (!options.prefill_policy.empty() && options.prefill_policy != "none") {
@@ -913,6 +908,54 @@ absl::StatusOr<int32_t> Registry::read_kv(
 }
 
 absl::StatusOr<CompactionResult> Registry::compact_locked(Sequence& seq, const Policy& policy, bool dry_run) {
+  if (seq.qblocks.empty() || policy.trigger() != Trigger::kThreshold) return compact_in_place(seq, policy, dry_run);
+  // The baselines rewrite the whole cache, quantized prefix included: they work on a copy of the
+  // sequence whose prefix is dequantized into fresh blocks, adopted only if the compaction ran.
+  // Kept tokens are re-quantized as they age out again, so their error compounds per compaction.
+  const Geometry& g = config_.geometry;
+  const int32_t fresh_count = seq.quantized() / g.block_size;
+  std::vector<int32_t> fresh;
+  if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
+    PolicyStats& ps = policy_stats_[seq.label()];
+    ++ps.failures;
+    return absl::ResourceExhaustedError(absl::StrCat("compaction of quantized sequence ", seq.id, " by ",
+                                                     policy.name(), " must first dequantize into ", fresh_count,
+                                                     " blocks: ", s.message()));
+  }
+  Sequence copy = seq;
+  copy.qblocks.clear();
+  copy.blocks = fresh;
+  copy.blocks.insert(copy.blocks.end(), seq.blocks.begin(), seq.blocks.end());
+  {
+    const size_t bytes = size_t(g.num_layers) * seq.tokens_per_qblock * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+    std::vector<uint8_t> k(bytes), v(bytes);
+    std::vector<int32_t> table, offsets, lengths{copy.length}, qtable, qoffsets;
+    kernels::PagedKV kv = paged_view({&copy}, lengths, &table, &offsets);
+    kernels::QuantizedKV qkv = quantized_view({&seq}, &qtable, &qoffsets);
+    for (size_t i = 0; i < seq.qblocks.size(); ++i) {
+      kernels::KernelStatus ks = backend_->dequantize_block(kv, qkv, seq.qblocks[i], k.data(), v.data());
+      if (ks.is_ok()) {
+        ks = backend_->write_kv(kv, 0, int(i) * seq.tokens_per_qblock, seq.tokens_per_qblock, 0, g.num_layers,
+                                k.data(), v.data());
+      }
+      if (!ks.is_ok()) {
+        for (int32_t blk : fresh) pool_.release(blk);
+        return to_status(ks);
+      }
+    }
+  }
+  auto r = compact_in_place(copy, policy, dry_run);
+  if (r.ok() && !dry_run && r->skipped.empty()) {
+    // The copy's table now holds the sequence's references (compaction released what it replaced).
+    for (int32_t blk : seq.qblocks) pool_.release(blk);
+    seq = std::move(copy);
+  } else {
+    for (int32_t blk : fresh) pool_.release(blk);
+  }
+  return r;
+}
+
+absl::StatusOr<CompactionResult> Registry::compact_in_place(Sequence& seq, const Policy& policy, bool dry_run) {
   const auto start = absl::Now();
   CompactionResult result;
   result.sequence_id = seq.id;

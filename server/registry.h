@@ -274,6 +274,9 @@ class Registry {
   // Plans and (unless dry_run) applies `policy` to `seq`. A failure leaves the sequence unchanged.
   absl::StatusOr<CompactionResult> compact_locked(Sequence& seq, const Policy& policy, bool dry_run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // compact_locked for a sequence whose slots the plan may take from are all unquantized.
+  absl::StatusOr<CompactionResult> compact_in_place(Sequence& seq, const Policy& policy, bool dry_run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status apply_plan(Sequence& seq, const Policy& policy, const CompactionPlan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Prompt is complete: runs the prefill policy, fixes the prompt and the Kara tail.
