@@ -97,6 +97,9 @@ class Policy {
   virtual int period() const { return 0; }
   // How many of the newest tokens' queries the daemon must keep (Kara: the whole tail, -1).
   virtual int query_window() const { return 0; }
+  // Tokens of queries the cache typically holds at most (reserved up front, so the cache does not
+  // reallocate and copy itself on the decode path).
+  virtual int query_capacity_hint() const { return query_window() > 0 ? query_window() + 1 : 0; }
   // Whether the daemon must accumulate decode attention per slot (H2O).
   virtual bool needs_attention() const { return false; }
   // CaM: evicted values are merged into the next this-many kept tokens (0: no merging).

@@ -511,6 +511,7 @@ float* Registry::query_entry(Sequence& seq, int32_t slot) {
     seq.q_count = 0;
     seq.queries.clear();
   }
+  if (seq.queries.capacity() == 0) seq.queries.reserve(size_t(std::max(1, seq.policy->query_capacity_hint())) * entry);
   seq.queries.resize((size_t(seq.q_count) + 1) * entry);
   return seq.queries.data() + size_t(seq.q_count++) * entry;
 }

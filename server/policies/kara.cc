@@ -31,6 +31,8 @@ class KaraPolicy final : public Policy {
   Trigger trigger() const override { return Trigger::kPeriodic; }
   int period() const override { return period_; }
   int query_window() const override { return -1; }
+  // A window, the steps until the next tick, and the tokens sharing the prompt's last block.
+  int query_capacity_hint() const override { return window_ + 2 * period_ + 16; }
   int merge_tokens() const override { return merge_; }
 
   bool due(const SequenceView& seq, bool) const override {
