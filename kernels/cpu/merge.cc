@@ -12,26 +12,6 @@
 #include "quant.h"
 
 namespace karakv::kernels::cpu {
-namespace {
-
-float load(const void* base, size_t i, DType d) {
-  switch (d) {
-    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
-
-void store(void* base, size_t i, float v, DType d) {
-  switch (d) {
-    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = float_to_half(v); break;
-    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); break;
-    default: static_cast<float*>(base)[i] = v; break;
-  }
-}
-
-}  // namespace
-
 KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                               const float* scores, int merge_tokens, const int32_t* dst_blocks) {
   constexpr std::string_view op = "cam_merge_values";
@@ -70,7 +50,7 @@ KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, co
     };
     std::vector<float> values(size_t(num_kept) * d), evicted(d);
     for (int i = 0; i < num_kept; ++i)
-      for (int c = 0; c < d; ++c) values[size_t(i) * d + c] = load(kv.pool, dst_index(i) + c, g.dtype);
+      for (int c = 0; c < d; ++c) values[size_t(i) * d + c] = load_element(kv.pool, dst_index(i) + c, g.dtype);
     int next = 0;  // first kept index after the evicted slot
     for (int slot = begin; slot < end; ++slot) {
       while (next < num_kept && row[next] <= slot) ++next;
@@ -78,7 +58,7 @@ KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, co
       const int m = std::min(merge_tokens, num_kept - next);
       if (m == 0) continue;
       const size_t src = kv.run_offset(kv.block_of(seq, slot), l, 1, h) + size_t(slot % g.block_size) * d;
-      for (int c = 0; c < d; ++c) evicted[c] = load(kv.pool, src + c, g.dtype);
+      for (int c = 0; c < d; ++c) evicted[c] = load_element(kv.pool, src + c, g.dtype);
       KernelStatus st = cam_merge(evicted.data(), score[slot - begin], mean, merge_tokens,
                                   values.data() + size_t(next) * d, m, d);
       if (!st.is_ok()) {
@@ -87,7 +67,7 @@ KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, co
       }
     }
     for (int i = 0; i < num_kept; ++i)
-      for (int c = 0; c < d; ++c) store(kv.pool, dst_index(i) + c, values[size_t(i) * d + c], g.dtype);
+      for (int c = 0; c < d; ++c) store_element(kv.pool, dst_index(i) + c, values[size_t(i) * d + c], g.dtype);
   }
   return failed;
 }

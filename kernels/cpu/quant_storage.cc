@@ -17,21 +17,6 @@
 namespace karakv::kernels::cpu {
 namespace {
 
-float load(const void* base, size_t i, DType d) {
-  switch (d) {
-    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
-
-void store(void* base, size_t i, float v, DType d) {
-  switch (d) {
-    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = float_to_half(v); break;
-    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); break;
-    default: static_cast<float*>(base)[i] = v; break;
-  }
-}
 
 uint8_t* run_bytes(const PagedKV& kv, int32_t block, int layer, int kvi, int head) {
   return static_cast<uint8_t*>(kv.pool) + kv.run_offset(block, layer, kvi, head) * dtype_size(kv.geometry.dtype);
@@ -68,7 +53,7 @@ void attend_one(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, i
   for (int t = 0; t < visible; ++t) {
     const size_t base = slot_index(kv, seq, t, layer, 0, head);
     float dot = 0.0f;
-    for (int c = 0; c < d; ++c) dot += q[c] * load(kv.pool, base + c, g.dtype);
+    for (int c = 0; c < d; ++c) dot += q[c] * load_element(kv.pool, base + c, g.dtype);
     p[size_t(nq) + t] = dot * scale;
   }
   const int n = nq + visible;
@@ -85,7 +70,7 @@ void attend_one(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, i
   for (int t = 0; t < visible; ++t) {
     const size_t base = slot_index(kv, seq, t, layer, 1, head);
     const float w = p[size_t(nq) + t];
-    for (int c = 0; c < d; ++c) out[c] += w * load(kv.pool, base + c, g.dtype);
+    for (int c = 0; c < d; ++c) out[c] += w * load_element(kv.pool, base + c, g.dtype);
   }
   if (acc != nullptr) {
     for (int i = 0; i < n; ++i) acc[i] += p[i];
@@ -130,7 +115,7 @@ KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const Q
     for (int kvi = 0; kvi < 2; ++kvi) {
       for (int t = 0; t < n; ++t) {
         const size_t base = slot_index(kv, seq, slot_begin + t, l, kvi, h);
-        for (int c = 0; c < g.head_dim; ++c) x[size_t(t) * g.head_dim + c] = load(kv.pool, base + c, g.dtype);
+        for (int c = 0; c < g.head_dim; ++c) x[size_t(t) * g.head_dim + c] = load_element(kv.pool, base + c, g.dtype);
       }
       uint8_t* run = run_bytes(kv, dst, l, kvi, h);
       const uint64_t seed = head_seed(q.seed, l, h);
@@ -164,7 +149,7 @@ KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t b
         void* dst = kvi == 0 ? k : v;
         for (int t = 0; t < n; ++t)
           for (int c = 0; c < d; ++c)
-            store(dst, ((size_t(l) * n + t) * g.num_kv_heads + h) * d + c, x[size_t(t) * d + c], g.dtype);
+            store_element(dst, ((size_t(l) * n + t) * g.num_kv_heads + h) * d + c, x[size_t(t) * d + c], g.dtype);
       }
     }
   }

@@ -12,12 +12,9 @@
 namespace karakv::server {
 namespace {
 
-class ChunkKVPolicy final : public ThresholdPolicy {
+class ChunkKVPolicy final : public SnapKVScoredPolicy {
  public:
-  explicit ChunkKVPolicy(const PolicyParams& p)
-      : ThresholdPolicy("chunkkv", p), w_obs_(p.geti("w_obs")), pool_(p.geti("pool")), chunk_(p.geti("chunk")) {}
-
-  int query_window() const override { return w_obs_; }
+  explicit ChunkKVPolicy(const PolicyParams& p) : SnapKVScoredPolicy("chunkkv", p), chunk_(p.geti("chunk")) {}
 
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
                                       kernels::Backend& backend) const override {
@@ -77,18 +74,8 @@ class ChunkKVPolicy final : public ThresholdPolicy {
     return plan;
   }
 
- protected:
-  bool has_inputs(const SequenceView& seq) const override {
-    return seq.resident > w_obs_ && seq.queries_first <= seq.resident - w_obs_ &&
-           seq.queries_first + seq.num_queries >= seq.resident;
-  }
-  std::string inputs_needed() const override {
-    return absl::StrCat("it needs the queries of the newest ", w_obs_,
-                        " tokens (Step sends them; for a prompt, Append q with num_query_tokens)");
-  }
-
  private:
-  const int w_obs_, pool_, chunk_;
+  const int chunk_;
 };
 
 }  // namespace

@@ -28,12 +28,9 @@ absl::StatusOr<std::vector<float>> snapkv_all_scores(const SequenceView& seq, co
 
 namespace {
 
-class SnapKVPolicy final : public ThresholdPolicy {
+class SnapKVPolicy final : public SnapKVScoredPolicy {
  public:
-  explicit SnapKVPolicy(const PolicyParams& p)
-      : ThresholdPolicy("snapkv", p), w_obs_(p.geti("w_obs")), pool_(p.geti("pool")) {}
-
-  int query_window() const override { return w_obs_; }
+  explicit SnapKVPolicy(const PolicyParams& p) : SnapKVScoredPolicy("snapkv", p) {}
 
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
                                       kernels::Backend& backend) const override {
@@ -41,19 +38,6 @@ class SnapKVPolicy final : public ThresholdPolicy {
     if (!scores.ok()) return scores.status();
     return policy_util::top_budget_plan(seq, *scores, c_target_, sinks_, w_obs_, backend, merge_ > 0);
   }
-
- protected:
-  bool has_inputs(const SequenceView& seq) const override {
-    return seq.resident > w_obs_ && seq.queries_first <= seq.resident - w_obs_ &&
-           seq.queries_first + seq.num_queries >= seq.resident;
-  }
-  std::string inputs_needed() const override {
-    return absl::StrCat("it needs the queries of the newest ", w_obs_,
-                        " tokens (Step sends them; for a prompt, Append q with num_query_tokens)");
-  }
-
- private:
-  const int w_obs_, pool_;
 };
 
 }  // namespace

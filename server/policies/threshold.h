@@ -87,6 +87,27 @@ inline std::vector<ParamSpec> scored_threshold_params() {
   return p;
 }
 
+// A threshold policy scored by SnapKV (snapkv, chunkkv): it needs the queries of the newest w_obs
+// tokens, which the daemon keeps from Step (and a prompt's Append).
+class SnapKVScoredPolicy : public ThresholdPolicy {
+ public:
+  SnapKVScoredPolicy(std::string name, const PolicyParams& p)
+      : ThresholdPolicy(std::move(name), p), w_obs_(p.geti("w_obs")), pool_(p.geti("pool")) {}
+  int query_window() const override { return w_obs_; }
+
+ protected:
+  bool has_inputs(const SequenceView& seq) const override {
+    return seq.resident > w_obs_ && seq.queries_first <= seq.resident - w_obs_ &&
+           seq.queries_first + seq.num_queries >= seq.resident;
+  }
+  std::string inputs_needed() const override {
+    return absl::StrCat("it needs the queries of the newest ", w_obs_,
+                        " tokens (Step sends them; for a prompt, Append q with num_query_tokens)");
+  }
+
+  const int w_obs_, pool_;
+};
+
 // SnapKV's per-slot scores for every layer and KV head: [num_layers][num_kv_heads][resident].
 absl::StatusOr<std::vector<float>> snapkv_all_scores(const SequenceView& seq, const kernels::PagedKV& kv,
                                                      kernels::Backend& backend, int w_obs, int pool);

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
+
+#include "karakv/kernels/types.h"
 
 namespace karakv::kernels {
 
@@ -57,6 +60,23 @@ inline uint16_t float_to_bf16(float f) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // quiet NaN
   x += 0x7fffu + ((x >> 16) & 1u);
   return uint16_t(x >> 16);
+}
+
+// Element i of a tensor in storage dtype `d`, widened to float, and the reverse.
+inline float load_element(const void* base, size_t i, DType d) {
+  switch (d) {
+    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+inline void store_element(void* base, size_t i, float v, DType d) {
+  switch (d) {
+    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = float_to_half(v); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); break;
+    default: static_cast<float*>(base)[i] = v; break;
+  }
 }
 
 }  // namespace karakv::kernels
