@@ -3,10 +3,18 @@
 # through it with the example worker (attention outputs checked against a dense float64
 # reference), show the daemon's own view, and stop it with SIGTERM.
 # It runs the workload twice, without compression and with Kara, so the KV memory saved shows.
+# Then, when SmolLM2-135M-Instruct can be fetched (scripts/fetch_smollm2.sh), it answers a question
+# with the real model through the same daemon, again without compression and with Kara.
 # Tunables: SEQUENCES, PROMPT, GENERATE, POOL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+smollm2=""
+if bash scripts/fetch_smollm2.sh; then
+  smollm2="${KARAKV_MODEL_DIR:-$HOME/.cache/karakv}/smollm2-135m-instruct.karakv"
+else
+  echo "WARNING: scripts/fetch_smollm2.sh failed; skipping the SmolLM2 part of the demo" >&2
+fi
 
 sock=$(mktemp -u /tmp/karakv-demo-XXXXXX.sock)
 log=$(mktemp /tmp/karakvd-demo-XXXXXX.log)
@@ -27,6 +35,16 @@ echo "==> driving the workload without compression"
 echo
 echo "==> the same workload with Kara (periodic sliding-window compression of generated tokens)"
 ./build/examples/synthetic_worker "${workload[@]}" --policy=kara
+
+if [ -n "$smollm2" ]; then
+  question="Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+  for policy in none kara; do
+    echo
+    echo "==> SmolLM2-135M-Instruct answering through karakvd, --policy=$policy"
+    ./build/examples/llama/llama_worker --model="$smollm2" --target="unix:$sock" --chat --tokens=60 \
+      --policy="$policy" --prompt="$question"
+  done
+fi
 
 echo "==> the daemon's view after the worker detached: every block back in the pool, invariant checked"
 ./build/client/karakv --target="unix:$sock" --check_invariants stats

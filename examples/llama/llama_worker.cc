@@ -1,8 +1,10 @@
-// llama_worker: generates text with a real model (stories260K format) whose attention runs in
-// karakvd. The prompt's attention is computed in this process and its K/V (with queries) sent in
+// llama_worker: generates text with a real model (stories260K, or SmolLM2-135M-Instruct converted
+// by scripts/fetch_smollm2.sh; told apart by the file's magic) whose attention runs in karakvd. The prompt's attention is computed in this process and its K/V (with queries) sent in
 // one Append; every generated token then costs one Step per layer, batched over --sequences.
 // Streams the first sequence's text, then prints throughput and the daemon's resident vs logical
 // tokens. --dense runs the same thing with in-process attention (no daemon) for comparison.
+// --chat wraps the prompt in SmolLM2's chat template; a BPE model stops at a control token
+// (<|im_end|>, <|endoftext|>).
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -18,7 +20,8 @@
 #include "llama/daemon_attention.h"
 #include "llama/model.h"
 
-ABSL_FLAG(std::string, model, "../shared/data/stories260k.bin", "Model file (stories260K format)");
+ABSL_FLAG(std::string, model, "../shared/data/stories260k.bin",
+          "Model file: stories260K format, or a converted SmolLM2 file (scripts/fetch_smollm2.sh)");
 ABSL_FLAG(std::string, target, "unix:/tmp/karakv.sock", "karakvd address");
 ABSL_FLAG(std::string, prompt, "Once upon a time", "Prompt text");
 ABSL_FLAG(int, tokens, 200, "Tokens to generate per sequence (capped by the model's context)");
@@ -29,6 +32,9 @@ ABSL_FLAG(std::vector<std::string>, prefill_param, {}, "Prefill policy parameter
 ABSL_FLAG(int, sequences, 1, "Sequences generated together (decode batch size)");
 ABSL_FLAG(double, temperature, 0.0, "Sampling temperature; 0 is greedy");
 ABSL_FLAG(uint64_t, seed, 1, "Sampling seed (sequence b uses seed + b)");
+ABSL_FLAG(bool, chat, false, "Apply the chat template (converted SmolLM2 models): the prompt is the user's turn");
+ABSL_FLAG(std::string, system, "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+          "With --chat: the system turn (the template's default); empty leaves it out");
 ABSL_FLAG(bool, dense, false, "Attend in this process instead of in karakvd (reference, no daemon)");
 
 namespace {
@@ -75,10 +81,18 @@ absl::StatusOr<std::map<std::string, double>> parse_params(const std::vector<std
   return out;
 }
 
+// SmolLM2's chat template (tokenizer.chat_template in the GGUF) for one user turn, with the
+// assistant's turn opened for generation.
+std::string chat_prompt(const std::string& system, const std::string& user) {
+  std::string s;
+  if (!system.empty()) s += "<|im_start|>system\n" + system + "<|im_end|>\n";
+  return s + "<|im_start|>user\n" + user + "<|im_end|>\n<|im_start|>assistant\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("llama_worker: generate text with a stories260K model whose KV cache lives in karakvd");
+  absl::SetProgramUsageMessage("llama_worker: generate text with a Llama-architecture model whose KV cache lives in karakvd");
   std::vector<std::string> raw_params = take_repeated(argc, argv, "param");
   std::vector<std::string> raw_prefill = take_repeated(argc, argv, "prefill_param");
   absl::ParseCommandLine(argc, argv);
@@ -92,7 +106,14 @@ int main(int argc, char** argv) {
   const karakv::llama::Config& c = model->config;
   const int B = absl::GetFlag(FLAGS_sequences);
   if (B < 1) return die("--sequences must be >= 1");
-  const std::vector<int> prompt = model->tokenizer.encode(absl::GetFlag(FLAGS_prompt), /*bos=*/true, false);
+  const bool bpe = model->is_bpe();
+  if (absl::GetFlag(FLAGS_chat) && !bpe) return die("--chat needs a converted SmolLM2 model (scripts/fetch_smollm2.sh)");
+  const std::string prompt_text = absl::GetFlag(FLAGS_chat)
+                                      ? chat_prompt(absl::GetFlag(FLAGS_system), absl::GetFlag(FLAGS_prompt))
+                                      : absl::GetFlag(FLAGS_prompt);
+  const std::vector<int> prompt =
+      bpe ? model->bpe.encode(prompt_text) : model->tokenizer.encode(prompt_text, /*bos=*/true, false);
+  if (prompt.empty()) return die("empty prompt");
   if (int(prompt.size()) >= c.max_seq_len) return die("prompt longer than the model's context");
   int gen = absl::GetFlag(FLAGS_tokens);
   if (int(prompt.size()) + gen > c.max_seq_len) {
@@ -139,19 +160,32 @@ int main(int argc, char** argv) {
   }
   const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
 
-  std::printf("%s", absl::GetFlag(FLAGS_prompt).c_str());
+  std::printf("%s", prompt_text.c_str());
   std::fflush(stdout);
   std::vector<float> logits(size_t(B) * c.vocab_size);
   const auto t1 = Clock::now();
   int prev0 = prompt.back();
+  // A BPE model's sequence ends at a control token; the batch stops when every sequence has.
+  std::vector<bool> ended(B, false);
+  int steps = 0;
   for (int t = 0; t < gen; ++t) {
-    for (int b = 0; b < B; ++b) generated[b].push_back(next[b]);
-    // Stream sequence 0; a BOS starts a new story, shown as a blank line.
-    std::printf("%s", next[0] == karakv::llama::Tokenizer::kBos ? "\n\n"
-                                                                 : model->tokenizer.decode(prev0, next[0]).c_str());
-    std::fflush(stdout);
+    bool all_ended = true;
+    for (int b = 0; b < B; ++b) {
+      if (ended[b]) continue;
+      generated[b].push_back(next[b]);
+      ended[b] = bpe && model->bpe.is_control(next[b]);
+      all_ended = all_ended && ended[b];
+    }
+    // Stream sequence 0; in stories260K a BOS starts a new story, shown as a blank line.
+    if (generated[0].size() == size_t(t) + 1) {
+      std::printf("%s", bpe ? model->bpe.decode(next[0]).c_str()
+                            : next[0] == karakv::llama::Tokenizer::kBos ? "\n\n"
+                                                                         : model->tokenizer.decode(prev0, next[0]).c_str());
+      std::fflush(stdout);
+    }
     prev0 = next[0];
-    if (t == gen - 1) break;  // the last sampled token needs no forward pass
+    if (t == gen - 1 || all_ended) break;  // the last sampled token needs no forward pass
+    ++steps;
     if (auto s = model_run.decode(seqs, next, pos, logits); !s.ok()) return die(s);
     for (int b = 0; b < B; ++b) {
       ++pos[b];
@@ -162,10 +196,9 @@ int main(int argc, char** argv) {
   const double decode_s = std::chrono::duration<double>(Clock::now() - t1).count();
   std::printf("\n");
   for (int b = 1; b < B; ++b) {
-    std::printf("--- sequence %d ---\n%s%s\n", b, absl::GetFlag(FLAGS_prompt).c_str(),
-                model->tokenizer.decode(generated[b]).c_str());
+    std::printf("--- sequence %d ---\n%s%s\n", b, prompt_text.c_str(),
+                bpe ? model->bpe.decode(generated[b]).c_str() : model->tokenizer.decode(generated[b]).c_str());
   }
-  const int steps = std::max(0, gen - 1);
   std::printf("\nprompt %zu tokens x %d sequences, prefill %.3f s; decode %d steps x %d sequences in %.3f s = %.1f tokens/s\n",
               prompt.size(), B, prefill_s, steps, B, decode_s, decode_s > 0 ? steps * double(B) / decode_s : 0.0);
   if (client) {

@@ -13,8 +13,6 @@ namespace karakv::llama {
 namespace {
 
 constexpr size_t kHeaderBytes = 256;
-constexpr float kNormEps = 1e-5f;
-constexpr float kRopeTheta = 10000.0f;
 
 // Little-endian reads with bounds checks; every failure says what was being read.
 class Reader {
@@ -37,10 +35,10 @@ class Reader {
 
 absl::Status bad(const std::string& what) { return absl::InvalidArgumentError(absl::StrCat("model file: ", what)); }
 
-void rmsnorm(float* out, const float* x, const float* w, int n) {
+void rmsnorm(float* out, const float* x, const float* w, int n, float eps) {
   double ss = 0;
   for (int i = 0; i < n; ++i) ss += double(x[i]) * x[i];
-  const float inv = 1.0f / std::sqrt(float(ss / n) + kNormEps);
+  const float inv = 1.0f / std::sqrt(float(ss / n) + eps);
   for (int i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
@@ -55,11 +53,13 @@ void matvec(float* out, const float* w, const float* x, int rows, int cols) {
 }
 
 // llama2.c's rotary embedding: adjacent pairs (2i, 2i+1) of each head rotate by pos * theta^(-2i/D).
-void rope(float* v, int heads, int head_dim, int pos) {
+// GGUF files store Llama's Q/K rows permuted into this same adjacent-pair layout (llama.cpp's
+// converter undoes Hugging Face's rotate-half order), so converted SmolLM2 weights use it as well.
+void rope(float* v, int heads, int head_dim, int pos, float theta) {
   for (int h = 0; h < heads; ++h) {
     float* x = v + size_t(h) * head_dim;
     for (int i = 0; i < head_dim; i += 2) {
-      const float freq = 1.0f / std::pow(kRopeTheta, float(i) / float(head_dim));
+      const float freq = 1.0f / std::pow(theta, float(i) / float(head_dim));
       const float a = float(pos) * freq;
       const float c = std::cos(a), s = std::sin(a);
       const float x0 = x[i], x1 = x[i + 1];
@@ -78,12 +78,12 @@ struct Layer {
   // x -> q [Hq*D], k, v [Hk*D], RoPE applied at `pos`.
   void qkv(const float* x, int pos, float* q, float* k, float* v) const {
     std::vector<float> xb(c.dim);
-    rmsnorm(xb.data(), x, w.attn_norm.data() + size_t(l) * c.dim, c.dim);
+    rmsnorm(xb.data(), x, w.attn_norm.data() + size_t(l) * c.dim, c.dim, c.norm_eps);
     matvec(q, w.wq.data() + size_t(l) * c.dim * c.dim, xb.data(), c.dim, c.dim);
     matvec(k, w.wk.data() + size_t(l) * c.kv_dim() * c.dim, xb.data(), c.kv_dim(), c.dim);
     matvec(v, w.wv.data() + size_t(l) * c.kv_dim() * c.dim, xb.data(), c.kv_dim(), c.dim);
-    rope(q, c.n_heads, c.head_dim(), pos);
-    rope(k, c.n_kv_heads, c.head_dim(), pos);
+    rope(q, c.n_heads, c.head_dim(), pos, c.rope_theta);
+    rope(k, c.n_kv_heads, c.head_dim(), pos, c.rope_theta);
   }
 
   // x += Wo att; x += FFN(x).
@@ -92,7 +92,7 @@ struct Layer {
     std::vector<float> tmp(d), xb(d), gate(f), up(f);
     matvec(tmp.data(), w.wo.data() + size_t(l) * d * d, att, d, d);
     for (int i = 0; i < d; ++i) x[i] += tmp[i];
-    rmsnorm(xb.data(), x, w.ffn_norm.data() + size_t(l) * d, d);
+    rmsnorm(xb.data(), x, w.ffn_norm.data() + size_t(l) * d, d, c.norm_eps);
     matvec(gate.data(), w.w_gate.data() + size_t(l) * f * d, xb.data(), f, d);
     matvec(up.data(), w.w_up.data() + size_t(l) * f * d, xb.data(), f, d);
     for (int i = 0; i < f; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
@@ -103,13 +103,140 @@ struct Layer {
 
 void output_logits(const Model& m, const float* x, float* logits) {
   std::vector<float> xb(m.config.dim);
-  rmsnorm(xb.data(), x, m.weights.final_norm.data(), m.config.dim);
-  matvec(logits, m.weights.embedding.data(), xb.data(), m.config.vocab_size, m.config.dim);
+  rmsnorm(xb.data(), x, m.weights.final_norm.data(), m.config.dim, m.config.norm_eps);
+  const std::vector<float>& out = m.weights.output.empty() ? m.weights.embedding : m.weights.output;
+  matvec(logits, out.data(), xb.data(), m.config.vocab_size, m.config.dim);
+}
+
+absl::Status check_geometry(const Config& c) {
+  if (c.dim % c.n_heads != 0 || c.head_dim() % 2 != 0) {
+    return bad(absl::StrCat("hidden size ", c.dim, " is not an even head dimension times ", c.n_heads, " heads"));
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    return bad(absl::StrCat(c.n_heads, " query heads are not a multiple of ", c.n_kv_heads, " KV heads"));
+  }
+  return absl::OkStatus();
+}
+
+// Reads float32 tensors in order after `r`'s position; the caller checked the total size.
+struct Tensor {
+  std::vector<float>* dst;
+  size_t n;
+  const char* name;
+};
+absl::Status read_tensors(Reader& r, std::span<const Tensor> tensors) {
+  for (const Tensor& t : tensors) {
+    const size_t at = r.pos();
+    t.dst->resize(t.n);
+    r.read(t.dst->data(), t.n * 4);
+    for (size_t i = 0; i < t.n; ++i) {
+      if (!std::isfinite((*t.dst)[i])) {
+        return bad(absl::StrCat("tensor ", t.name, " (at byte ", at, ") element ", i, " is not finite"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The converted format; its layout is documented in convert_gguf.py.
+absl::StatusOr<Model> parse_converted(std::span<const uint8_t> bytes) {
+  constexpr size_t kFixed = 8 + 4 + 7 * 4 + 2 * 4 + 3 * 4;
+  if (bytes.size() < kFixed) {
+    return bad(absl::StrCat("truncated header: expected at least ", kFixed, " bytes, got ", bytes.size()));
+  }
+  Reader r(bytes);
+  r.seek(8);
+  uint32_t version = 0;
+  int32_t dims[7], tied = 0, bos = 0, eos = 0;
+  float theta = 0, eps = 0;
+  r.read(&version, 4);
+  r.read(dims, sizeof(dims));
+  r.read(&theta, 4);
+  r.read(&eps, 4);
+  r.read(&tied, 4);
+  r.read(&bos, 4);
+  r.read(&eos, 4);
+  if (version != 1) return bad(absl::StrCat("bad converted-format version ", version, " (expected 1)"));
+  const char* names[7] = {"layers", "hidden size", "FFN size", "query heads", "KV heads", "vocab size",
+                          "max context"};
+  for (int i = 0; i < 7; ++i) {
+    if (dims[i] < 1 || dims[i] > (1 << 20)) return bad(absl::StrCat("bad ", names[i], " ", dims[i]));
+  }
+  Config c;
+  c.n_layers = dims[0];
+  c.dim = dims[1];
+  c.ffn_dim = dims[2];
+  c.n_heads = dims[3];
+  c.n_kv_heads = dims[4];
+  c.vocab_size = dims[5];
+  c.max_seq_len = dims[6];
+  c.rope_theta = theta;
+  c.norm_eps = eps;
+  if (auto s = check_geometry(c); !s.ok()) return s;
+  if (!(theta > 1) || !std::isfinite(theta)) return bad(absl::StrCat("bad RoPE theta ", theta));
+  if (!(eps > 0) || !(eps < 1)) return bad(absl::StrCat("bad RMS norm epsilon ", eps));
+  if (tied != 0 && tied != 1) return bad(absl::StrCat("bad tied_output flag ", tied, " (expected 0 or 1)"));
+  if (bos < 0 || bos >= c.vocab_size || eos < 0 || eos >= c.vocab_size) {
+    return bad(absl::StrCat("BOS ", bos, " or EOS ", eos, " outside the vocabulary of ", c.vocab_size));
+  }
+
+  // A length-prefixed string, refusing one that runs past the end.
+  auto read_string = [&](const std::string& what, std::string& s) -> absl::Status {
+    const size_t at = r.pos();
+    uint32_t len = 0;
+    if (!r.read(&len, 4) || len > r.left()) {
+      return bad(absl::StrCat(what, " at byte ", at, ": runs past the end of the file (size ", bytes.size(), ")"));
+    }
+    s.resize(len);
+    r.read(s.data(), len);
+    return absl::OkStatus();
+  };
+  std::vector<std::string> tokens(c.vocab_size);
+  std::vector<uint8_t> types(c.vocab_size);
+  for (int i = 0; i < c.vocab_size; ++i) {
+    const std::string what = absl::StrCat("vocab entry ", i);
+    if (auto s = read_string(what, tokens[i]); !s.ok()) return s;
+    if (tokens[i].empty() || tokens[i].size() > 256) return bad(absl::StrCat("bad ", what, ": length ", tokens[i].size()));
+    if (!r.read(&types[i], 1)) return bad(absl::StrCat(what, ": type runs past the end of the file"));
+  }
+  uint32_t n_merges = 0;
+  if (!r.read(&n_merges, 4) || n_merges > r.left() / 4) {
+    return bad(absl::StrCat("merge count at byte ", r.pos(), " runs past the end of the file"));
+  }
+  std::vector<std::string> merges(n_merges);
+  for (uint32_t i = 0; i < n_merges; ++i) {
+    if (auto s = read_string(absl::StrCat("merge ", i), merges[i]); !s.ok()) return s;
+  }
+  Model m;
+  if (auto s = read_string("chat template", m.chat_template); !s.ok()) return s;
+
+  const size_t L = c.n_layers, d = c.dim, kv = c.kv_dim(), f = c.ffn_dim, V = c.vocab_size;
+  const size_t floats =
+      V * d + L * d + L * d * d + 2 * L * kv * d + L * d * d + L * d + 3 * L * f * d + d + (tied ? 0 : V * d);
+  const size_t expected = r.pos() + floats * 4;
+  if (bytes.size() != expected) {
+    return bad(absl::StrCat("wrong size: expected ", expected, " bytes, got ", bytes.size(), " (header and tokenizer ",
+                            r.pos(), " + ", floats, " float32 weights)"));
+  }
+  m.config = c;
+  Weights& w = m.weights;
+  std::vector<Tensor> tensors = {
+      {&w.embedding, V * d, "token_embd"}, {&w.attn_norm, L * d, "attn_norm"},   {&w.wq, L * d * d, "attn_q"},
+      {&w.wk, L * kv * d, "attn_k"},       {&w.wv, L * kv * d, "attn_v"},        {&w.wo, L * d * d, "attn_output"},
+      {&w.ffn_norm, L * d, "ffn_norm"},    {&w.w_gate, L * f * d, "ffn_gate"},   {&w.w_up, L * f * d, "ffn_up"},
+      {&w.w_down, L * d * f, "ffn_down"},  {&w.final_norm, d, "output_norm"},
+  };
+  if (!tied) tensors.push_back({&w.output, V * d, "output"});
+  if (auto s = read_tensors(r, tensors); !s.ok()) return s;
+  m.bpe = BpeTokenizer(std::move(tokens), std::move(types), merges, bos, eos);
+  if (!m.bpe.covers_text_bytes()) return bad("the vocabulary lacks a token for a text byte (not byte-level BPE)");
+  return m;
 }
 
 }  // namespace
 
 absl::StatusOr<Model> parse_model(std::span<const uint8_t> bytes) {
+  if (bytes.size() >= 8 && std::memcmp(bytes.data(), kConvertedMagic, 8) == 0) return parse_converted(bytes);
   if (bytes.size() < kHeaderBytes) {
     return bad(absl::StrCat("truncated header: expected at least ", kHeaderBytes, " bytes, got ", bytes.size()));
   }
@@ -133,12 +260,7 @@ absl::StatusOr<Model> parse_model(std::span<const uint8_t> bytes) {
   for (int i = 0; i < 7; ++i) {
     if (dims[i] < 1 || dims[i] > (1 << 20)) return bad(absl::StrCat("bad ", names[i], " ", dims[i]));
   }
-  if (c.dim % c.n_heads != 0 || c.head_dim() % 2 != 0) {
-    return bad(absl::StrCat("hidden size ", c.dim, " is not an even head dimension times ", c.n_heads, " heads"));
-  }
-  if (c.n_heads % c.n_kv_heads != 0) {
-    return bad(absl::StrCat(c.n_heads, " query heads are not a multiple of ", c.n_kv_heads, " KV heads"));
-  }
+  if (auto s = check_geometry(c); !s.ok()) return s;
   if (shared != 1) {
     return bad(absl::StrCat("shared_output_weight is ", int(shared), "; only tied output weights (1) are supported"));
   }
@@ -174,27 +296,13 @@ absl::StatusOr<Model> parse_model(std::span<const uint8_t> bytes) {
   Model m;
   m.config = c;
   Weights& w = m.weights;
-  struct Tensor {
-    std::vector<float>* dst;
-    size_t n;
-    const char* name;
-  };
   const Tensor tensors[] = {
       {&w.embedding, V * d, "embedding"}, {&w.attn_norm, L * d, "attention norm"}, {&w.wq, L * d * d, "Wq"},
       {&w.wk, L * kv * d, "Wk"},          {&w.wv, L * kv * d, "Wv"},               {&w.wo, L * d * d, "Wo"},
       {&w.ffn_norm, L * d, "FFN norm"},   {&w.w_gate, L * f * d, "W_gate"},        {&w.w_up, L * f * d, "W_up"},
       {&w.w_down, L * d * f, "W_down"},   {&w.final_norm, d, "final norm"},
   };
-  for (const Tensor& t : tensors) {
-    const size_t at = r.pos();
-    t.dst->resize(t.n);
-    r.read(t.dst->data(), t.n * 4);  // size checked above
-    for (size_t i = 0; i < t.n; ++i) {
-      if (!std::isfinite((*t.dst)[i])) {
-        return bad(absl::StrCat("tensor ", t.name, " (at byte ", at, ") element ", i, " is not finite"));
-      }
-    }
-  }
+  if (auto s = read_tensors(r, tensors); !s.ok()) return s;
   m.tokenizer = Tokenizer(std::move(pieces), std::move(scores));
   return m;
 }

@@ -1,6 +1,7 @@
-// A Llama-architecture model on the CPU for karakv's real-model worker: the loader for the
-// stories260K file format (../shared/data/SOURCES.md), and the forward pass with attention behind
-// an interface, so the same weights run against an in-process dense cache or against karakvd.
+// A Llama-architecture model on the CPU for karakv's real-model worker: the loaders for the
+// stories260K file format (../shared/data/SOURCES.md) and for karakv's converted format (magic
+// "KARAKVLM", written by convert_gguf.py from SmolLM2's GGUF), and the forward pass with attention
+// behind an interface, so the same weights run against an in-process dense cache or against karakvd.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "llama/bpe_tokenizer.h"
 #include "llama/tokenizer.h"
 
 namespace karakv::llama {
@@ -22,6 +24,8 @@ struct Config {
   int n_layers = 0;
   int n_heads = 0;     // query heads
   int n_kv_heads = 0;
+  float rope_theta = 10000.0f;
+  float norm_eps = 1e-5f;
 
   int head_dim() const { return dim / n_heads; }
   int kv_dim() const { return n_kv_heads * head_dim(); }
@@ -30,7 +34,7 @@ struct Config {
 
 // Float32 weights, row-major, out x in for every matrix.
 struct Weights {
-  std::vector<float> embedding;  // [vocab][dim]; also the output projection (tied)
+  std::vector<float> embedding;  // [vocab][dim]; also the output projection when `output` is empty
   std::vector<float> attn_norm;  // [L][dim]
   std::vector<float> wq;         // [L][dim][dim]
   std::vector<float> wk;         // [L][kv_dim][dim]
@@ -41,17 +45,26 @@ struct Weights {
   std::vector<float> w_up;       // [L][ffn][dim]
   std::vector<float> w_down;     // [L][dim][ffn]
   std::vector<float> final_norm; // [dim]
+  std::vector<float> output;     // [vocab][dim], or empty (tied to the embedding)
 };
 
 struct Model {
   Config config;
   Weights weights;
-  Tokenizer tokenizer;
+  Tokenizer tokenizer;     // stories260K: sentencepiece-style
+  BpeTokenizer bpe;        // converted (SmolLM2): byte-level BPE; empty for stories260K
+  std::string chat_template;  // converted files only (Jinja, for reference)
+
+  bool is_bpe() const { return !bpe.empty(); }
 };
 
-// Parses a stories260K-format file image. Every error names what was wrong and where: a bad
-// version or model type, an impossible geometry, a vocabulary entry running past the end, or the
-// wrong total size ("expected N bytes, got M").
+// Magic of the converted format (the first 8 bytes of the file).
+inline constexpr char kConvertedMagic[] = "KARAKVLM";
+
+// Parses a model file image: the converted format when it starts with kConvertedMagic, else
+// stories260K. Every error names what was wrong and where: a bad version or model type, an
+// impossible geometry, a vocabulary entry running past the end, or the wrong total size
+// ("expected N bytes, got M").
 absl::StatusOr<Model> parse_model(std::span<const uint8_t> bytes);
 absl::StatusOr<Model> load_model(const std::string& path);
 
