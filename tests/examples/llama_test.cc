@@ -199,9 +199,13 @@ TEST(LlamaDaemonTest, Fp32LogitsAndGreedyTokensMatchTheDenseReference) {
   expect_daemon_matches_dense("fp32", 1e-4f);
 }
 
+// With fp16 storage both sides round K/V to fp16, but their attention sums differ in the last fp32
+// bits (different order); a K/V value next to an fp16 rounding boundary then rounds the other way
+// (a 2^-11 relative step) and that step propagates through the later layers. So the bound is a few
+// fp16 steps of the logits (|logits| < 20 here), not fp32 noise; the greedy tokens must still agree.
 TEST(LlamaDaemonTest, Fp16LogitsMatchTheDenseReferenceWithFp16Storage) {
   REQUIRE_MODEL(bytes);
-  expect_daemon_matches_dense("fp16", 2e-4f);
+  expect_daemon_matches_dense("fp16", 1e-2f);
 }
 
 // Per-token log-probabilities of stream[prompt..] with the prompt appended and the rest stepped.
