@@ -565,78 +565,63 @@ size_t value_run_bytes(QuantFormat f, int n, int head_dim) {
   return size_t(n) * tq_token_bytes(bits, head_dim);
 }
 
+namespace {
+
+// quantize_keys and quantize_values: the same checks, then the format's key or value layout.
+KernelStatus quantize_run(std::string_view op, bool is_key, QuantFormat f, const float* x, int n, int d,
+                          uint64_t seed, uint8_t* run) {
+  KARAKV_RETURN_IF_ERROR(check_run(op, f, n, d, is_key));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(op, {{"x", x}, {"run", run}}));
+  if (is_kivi(f)) {
+    KARAKV_RETURN_IF_ERROR(check_half_range(op, x, n, d));
+    return with_bits(f, [&](auto bits) {
+      constexpr int B = decltype(bits)::value;
+      if (is_key) kivi_quantize_keys<B>(x, n, d, run);
+      else kivi_quantize_values<B>(x, n, d, run);
+      return KernelStatus::ok();
+    });
+  }
+  KARAKV_RETURN_IF_ERROR(check_norms(op, x, n, d));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    tq_quantize<B>(x, n, d, seed, run);
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus dequantize_run(std::string_view op, bool is_key, QuantFormat f, const uint8_t* run, int n, int d,
+                            uint64_t seed, float* x) {
+  KARAKV_RETURN_IF_ERROR(check_run(op, f, n, d, is_key));
+  if (n == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(check_non_null(op, {{"run", run}, {"x", x}}));
+  return with_bits(f, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    if (is_kivi(f)) {
+      if constexpr (B != 3) {
+        if (is_key) kivi_dequantize_keys<B>(run, n, d, x);
+        else kivi_dequantize_values<B>(run, n, d, x);
+      }
+    } else {
+      tq_dequantize<B>(run, n, d, seed, x);
+    }
+    return KernelStatus::ok();
+  });
+}
+
+}  // namespace
+
 KernelStatus quantize_keys(QuantFormat f, const float* x, int n, int d, uint64_t seed, uint8_t* run) {
-  constexpr std::string_view kOp = "quantize_keys";
-  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/true));
-  if (n == 0) return KernelStatus::ok();
-  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"x", x}, {"run", run}}));
-  if (is_kivi(f)) {
-    KARAKV_RETURN_IF_ERROR(check_half_range(kOp, x, n, d));
-    return with_bits(f, [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-      kivi_quantize_keys<B>(x, n, d, run);
-      return KernelStatus::ok();
-    });
-  }
-  KARAKV_RETURN_IF_ERROR(check_norms(kOp, x, n, d));
-  return with_bits(f, [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-    tq_quantize<B>(x, n, d, seed, run);
-    return KernelStatus::ok();
-  });
+  return quantize_run("quantize_keys", true, f, x, n, d, seed, run);
 }
-
 KernelStatus quantize_values(QuantFormat f, const float* x, int n, int d, uint64_t seed, uint8_t* run) {
-  constexpr std::string_view kOp = "quantize_values";
-  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/false));
-  if (n == 0) return KernelStatus::ok();
-  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"x", x}, {"run", run}}));
-  if (is_kivi(f)) {
-    KARAKV_RETURN_IF_ERROR(check_half_range(kOp, x, n, d));
-    return with_bits(f, [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-      kivi_quantize_values<B>(x, n, d, run);
-      return KernelStatus::ok();
-    });
-  }
-  KARAKV_RETURN_IF_ERROR(check_norms(kOp, x, n, d));
-  return with_bits(f, [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-    tq_quantize<B>(x, n, d, seed, run);
-    return KernelStatus::ok();
-  });
+  return quantize_run("quantize_values", false, f, x, n, d, seed, run);
 }
-
 KernelStatus dequantize_keys(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, float* x) {
-  constexpr std::string_view kOp = "dequantize_keys";
-  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/true));
-  if (n == 0) return KernelStatus::ok();
-  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"x", x}}));
-  return with_bits(f, [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-    if (is_kivi(f)) {
-      if constexpr (B != 3) kivi_dequantize_keys<B>(run, n, d, x);
-    } else {
-      tq_dequantize<B>(run, n, d, seed, x);
-    }
-    return KernelStatus::ok();
-  });
+  return dequantize_run("dequantize_keys", true, f, run, n, d, seed, x);
 }
-
 KernelStatus dequantize_values(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, float* x) {
-  constexpr std::string_view kOp = "dequantize_values";
-  KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/false));
-  if (n == 0) return KernelStatus::ok();
-  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"x", x}}));
-  return with_bits(f, [&](auto bits) {
-    constexpr int B = decltype(bits)::value;
-    if (is_kivi(f)) {
-      if constexpr (B != 3) kivi_dequantize_values<B>(run, n, d, x);
-    } else {
-      tq_dequantize<B>(run, n, d, seed, x);
-    }
-    return KernelStatus::ok();
-  });
+  return dequantize_run("dequantize_values", false, f, run, n, d, seed, x);
 }
 
 KernelStatus quantized_key_scores(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, const float* q,
