@@ -27,6 +27,29 @@ kernels::Geometry geometry() {
   return g;
 }
 
+// One whole decode step of token `pos` of `seq` (values keyed by `key`, seeded by `seed`).
+// Fills `outs` with each layer's attention output ([L][Hq][D]) when given.
+absl::Status step_token(Registry& reg, const std::string& session, uint64_t seq, uint64_t key, uint64_t seed,
+                        int64_t pos, std::vector<float>* outs = nullptr) {
+  const auto& g = reg.geometry();
+  const uint64_t ids[] = {seq};
+  if (outs) outs->assign(size_t(g.num_layers) * g.q_token_elems(), 0.0f);
+  for (int l = 0; l < g.num_layers; ++l) {
+    std::vector<uint16_t> k(g.kv_token_elems()), v(k.size());
+    std::vector<float> q(g.q_token_elems()), out(q.size());
+    synthetic::fill_token(k.data(), g, seed, Tensor::kKey, key, l, pos);
+    synthetic::fill_token(v.data(), g, seed, Tensor::kValue, key, l, pos);
+    synthetic::fill_query(q.data(), g, seed, key, l, pos);
+    auto r = reg.step(session, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(k.data()), k.size() * 2),
+                      ConstBytes(reinterpret_cast<uint8_t*>(v.data()), v.size() * 2),
+                      ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
+                      MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
+    if (!r.ok()) return r.status();
+    if (outs) std::copy(out.begin(), out.end(), outs->begin() + size_t(l) * g.q_token_elems());
+  }
+  return absl::OkStatus();
+}
+
 class QuantStorageTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
@@ -84,18 +107,17 @@ class QuantStorageTest : public ::testing::TestWithParam<const char*> {
       std::vector<double> kd, vd;
       int n = 0;
       read(seq, &kd, &vd, &n);
+      std::vector<float> outs;
+      absl::Status st = step_token(*reg_, session_, seq, seq, 7, pos, &outs);
+      EXPECT_TRUE(st.ok()) << st;
       for (int l = 0; l < g.num_layers; ++l) {
+        // The token the step appended, regenerated for the reference.
         std::vector<uint16_t> k(g.kv_token_elems()), v(k.size());
-        std::vector<float> q(g.q_token_elems()), out(q.size());
+        std::vector<float> q(g.q_token_elems());
         synthetic::fill_token(k.data(), g, 7, Tensor::kKey, seq, l, pos);
         synthetic::fill_token(v.data(), g, 7, Tensor::kValue, seq, l, pos);
         synthetic::fill_query(q.data(), g, 7, seq, l, pos);
-        const uint64_t ids[] = {seq};
-        auto r = reg_->step(session_, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(k.data()), k.size() * 2),
-                            ConstBytes(reinterpret_cast<uint8_t*>(v.data()), v.size() * 2),
-                            ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
-                            MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
-        EXPECT_TRUE(r.ok()) << r.status();
+        const float* out = outs.data() + size_t(l) * g.q_token_elems();
         for (int qh = 0; qh < g.num_q_heads; ++qh) {
           const int h = qh / gs;
           std::vector<double> s(n + 1);
@@ -196,20 +218,8 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   synthetic::fill_prompt(k.data(), g, 3, Tensor::kKey, seq, 0, 40);
   synthetic::fill_prompt(v.data(), g, 3, Tensor::kValue, seq, 0, 40);
   ASSERT_TRUE(reg->append(session, seq, 40, k, v).ok());
-  const uint64_t ids[] = {seq};
   for (int64_t pos = 40; pos < 400; ++pos) {
-    for (int l = 0; l < g.num_layers; ++l) {
-      std::vector<uint16_t> sk(g.kv_token_elems()), sv(sk.size());
-      std::vector<float> q(g.q_token_elems()), out(q.size());
-      synthetic::fill_token(sk.data(), g, 3, Tensor::kKey, seq, l, pos);
-      synthetic::fill_token(sv.data(), g, 3, Tensor::kValue, seq, l, pos);
-      synthetic::fill_query(q.data(), g, 3, seq, l, pos);
-      ASSERT_TRUE(reg->step(session, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(sk.data()), sk.size() * 2),
-                            ConstBytes(reinterpret_cast<uint8_t*>(sv.data()), sv.size() * 2),
-                            ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
-                            MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f)
-                      .ok());
-    }
+    ASSERT_TRUE(step_token(*reg, session, seq, seq, 3, pos).ok());
     ASSERT_TRUE(reg->check_invariants().ok()) << reg->check_invariants();
   }
   const SequenceInfo info = reg->inspect(seq)->first;
@@ -245,21 +255,7 @@ TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedSt
     synthetic::fill_prompt(k.data(), g, 5, Tensor::kKey, 1, 0, 100);
     synthetic::fill_prompt(v.data(), g, 5, Tensor::kValue, 1, 0, 100);
     ASSERT_TRUE(reg->append(session, seq, 100, k, v).ok());
-    const uint64_t ids[] = {seq};
-    for (int64_t pos = 100; pos < 330; ++pos) {
-      for (int l = 0; l < g.num_layers; ++l) {
-        std::vector<uint16_t> sk(g.kv_token_elems()), sv(sk.size());
-        std::vector<float> q(g.q_token_elems()), out(q.size());
-        synthetic::fill_token(sk.data(), g, 5, Tensor::kKey, 1, l, pos);
-        synthetic::fill_token(sv.data(), g, 5, Tensor::kValue, 1, l, pos);
-        synthetic::fill_query(q.data(), g, 5, 1, l, pos);
-        ASSERT_TRUE(reg->step(session, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(sk.data()), sk.size() * 2),
-                              ConstBytes(reinterpret_cast<uint8_t*>(sv.data()), sv.size() * 2),
-                              ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
-                              MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f)
-                        .ok());
-      }
-    }
+    for (int64_t pos = 100; pos < 330; ++pos) ASSERT_TRUE(step_token(*reg, session, seq, 1, 5, pos).ok());
     const SequenceInfo info = reg->inspect(seq)->first;
     EXPECT_GE(info.compactions, 2);
     if (quantized) EXPECT_GT(info.quantized, 100);
