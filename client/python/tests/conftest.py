@@ -1,0 +1,71 @@
+"""Fixtures: real karakvd processes (the binary named by $KARAKVD) on temporary Unix sockets."""
+import ctypes
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+import karakv
+
+# A small model geometry so the tests are fast; every test daemon serves it unless told otherwise.
+GEOMETRY = ["--layers=2", "--q_heads=4", "--kv_heads=2", "--head_dim=16", "--dtype=fp16", "--block_size=4"]
+
+
+def _die_with_parent():
+    # A test run that crashes must not leave its daemons behind (PR_SET_PDEATHSIG = 1).
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class Daemon:
+    def __init__(self, binary, args, workdir):
+        self.socket = os.path.join(workdir, f"karakvd-{len(os.listdir(workdir))}.sock")
+        self.target = "unix:" + self.socket
+        self.proc = subprocess.Popen([binary, "--socket=" + self.socket, "--log_level=warn", "--threads=2",
+                                      *args], preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"karakvd exited with {self.proc.returncode} (args {args})")
+            if os.path.exists(self.socket):
+                try:
+                    if karakv.health(self.target, timeout=1) == "SERVING":
+                        return
+                except karakv.KaraKVError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("karakvd did not start serving within 20 s")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def start_daemon():
+    """start_daemon(*extra_flags) -> Daemon serving GEOMETRY; stopped after the test."""
+    binary = os.environ.get("KARAKVD")
+    if not binary or not os.access(binary, os.X_OK):
+        pytest.skip("KARAKVD is not set to the karakvd binary (ctest sets it: ctest -R python_sdk)")
+    started = []
+    with tempfile.TemporaryDirectory(prefix="karakv-py-") as workdir:
+        def start(*args, geometry=GEOMETRY):
+            d = Daemon(binary, [*geometry, *args], workdir)
+            started.append(d)
+            return d
+        yield start
+        for d in started:
+            d.stop()
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    return start_daemon("--pool_bytes=4MiB")
