@@ -34,6 +34,7 @@ rm -rf "$copy"
 mkdir -p "$copy/client"
 cp -r "$src/client/python" "$copy/client/python"
 cp -r "$src/proto" "$copy/proto"
+rm -rf "$copy/client/python/build" "$copy/client/python"/*.egg-info  # from a manual install
 "$venv/bin/pip" install --disable-pip-version-check -q --no-build-isolation --no-deps --force-reinstall \
   "$copy/client/python" || { echo "FAILED: pip install of the karakv Python SDK (client/python)"; exit 1; }
 "$venv/bin/python" -c "import karakv.v1.karakv_pb2_grpc, karakv; print('karakv SDK', karakv.__version__, 'installed in', '$venv'.split('/')[-1])"
