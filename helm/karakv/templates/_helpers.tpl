@@ -1,0 +1,136 @@
+{{/* Names, labels and the pieces the sidecar and DaemonSet pods share. */}}
+{{- define "karakv.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "karakv.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "karakv.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{ include "karakv.selectorLabels" . }}
+{{- end -}}
+
+{{- define "karakv.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "karakv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: {{ .Values.mode }}
+{{- end -}}
+
+{{- define "karakv.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "karakv.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "karakv.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "karakv.socket" -}}
+{{- printf "%s/karakv.sock" .Values.socketDir -}}
+{{- end -}}
+
+{{/* Probe handler: exec of the CLI on the Unix socket, or the kubelet's gRPC probe on TCP. */}}
+{{- define "karakv.probeHandler" -}}
+{{- if eq .Values.probes.type "grpc" }}
+grpc:
+  port: {{ .Values.probes.grpcPort }}
+{{- else if eq .Values.probes.type "exec" }}
+exec:
+  command: ["karakv", "--target=unix:{{ include "karakv.socket" . }}", "--timeout={{ .Values.probes.timeoutSeconds }}", "health"]
+{{- else }}
+{{- fail (printf "probes.type=%s unknown; expected exec or grpc" .Values.probes.type) }}
+{{- end }}
+timeoutSeconds: {{ .Values.probes.timeoutSeconds }}
+{{- end -}}
+
+{{/* The karakvd container (also the native sidecar). */}}
+{{- define "karakv.daemonContainer" -}}
+name: karakvd
+image: {{ include "karakv.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+command: ["karakvd"]
+args: ["--config=/etc/karakv/karakvd.conf"]
+{{- if and .Values.sidecar.native (eq .Values.mode "sidecar") }}
+restartPolicy: Always
+{{- end }}
+ports:
+{{- if .Values.metrics.enabled }}
+  - name: metrics
+    containerPort: {{ .Values.metrics.port }}
+    protocol: TCP
+{{- end }}
+{{- if eq .Values.probes.type "grpc" }}
+  - name: grpc
+    containerPort: {{ .Values.probes.grpcPort }}
+    protocol: TCP
+{{- end }}
+startupProbe:
+  {{- include "karakv.probeHandler" . | trim | nindent 2 }}
+  periodSeconds: 1
+  failureThreshold: 60
+livenessProbe:
+  {{- include "karakv.probeHandler" . | trim | nindent 2 }}
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: {{ .Values.probes.failureThreshold }}
+readinessProbe:
+  {{- include "karakv.probeHandler" . | trim | nindent 2 }}
+  periodSeconds: {{ .Values.probes.periodSeconds }}
+  failureThreshold: 1
+resources:
+  {{- toYaml .Values.resources | nindent 2 }}
+securityContext:
+  {{- include "karakv.containerSecurityContext" . | nindent 2 }}
+volumeMounts:
+  - name: karakv-socket
+    mountPath: {{ .Values.socketDir }}
+  - name: dshm
+    mountPath: /dev/shm
+  - name: config
+    mountPath: /etc/karakv
+    readOnly: true
+{{- end -}}
+
+{{- define "karakv.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "karakv.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "karakv.podCommon" -}}
+serviceAccountName: {{ include "karakv.serviceAccountName" . }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+terminationGracePeriodSeconds: {{ add (int .Values.config.drain_seconds) 10 }}
+{{- end -}}
