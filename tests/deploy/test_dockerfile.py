@@ -13,7 +13,8 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
-TEST_ONLY_PACKAGES = {"libgtest-dev", "libgmock-dev", "libbenchmark-dev", "redis-server", "ccache"}
+TEST_ONLY_PACKAGES = {"libgtest-dev", "libgmock-dev", "libbenchmark-dev", "redis-server", "ccache",
+                      "python3-venv"}
 
 
 def hadolint(path):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import karakv
+from conftest import GEOMETRY
 
 L, HQ, HK, D = 2, 4, 2, 16  # conftest.GEOMETRY
 
@@ -170,3 +171,24 @@ def test_detach_frees_the_session(daemon):
     c.close()
     with karakv.Client.attach(daemon.target) as other:
         assert other.stats().sequences == 0
+
+
+def test_bf16_storage_rounds_to_nearest_even(start_daemon):
+    geometry = [a.replace("fp16", "bf16") for a in GEOMETRY]
+    d = start_daemon("--pool_bytes=4MiB", geometry=geometry)
+    with karakv.Client.attach(d.target) as c:
+        assert c.geometry.dtype == "bf16"
+        seq = c.create_sequence()
+        k = np.full((L, 2, HK, D), 1.0, np.float32)
+        k[:, 0] = 1 + 2.0 ** -8       # half an ulp above 1.0: ties to even, 1.0 (0x3f80)
+        k[:, 1] = 1 + 3 * 2.0 ** -8   # 1.5 ulp: ties to even, 1 + 2 ulp (0x3f82)
+        v = np.arange(L * 2 * HK * D, dtype=np.float32).reshape(k.shape)  # integers < 256: exact
+        c.append(seq, k, v)
+        rk, rv, _ = c.read_kv(seq)
+        assert rk.dtype == np.uint16
+        assert (rk[:, 0] == 0x3F80).all() and (rk[:, 1] == 0x3F82).all()
+        np.testing.assert_array_equal((rv.astype(np.uint32) << 16).view(np.float32), v)
+        # uint16 bit patterns go through unchanged.
+        c.append(seq, rk[:, :1], rv[:, :1])
+        rk2, _, _ = c.read_kv(seq)
+        np.testing.assert_array_equal(rk2[:, 2], rk[:, 0])
