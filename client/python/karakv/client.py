@@ -245,6 +245,7 @@ class Client:
             reply = self._call("Attach", req)
         except BaseException:
             self._channel.close()
+            self._channel = self._stub = None
             raise
         self.session_id = reply.session_id
         self.geometry = Geometry.from_proto(reply.geometry)
