@@ -174,6 +174,8 @@ def test_servicemonitor_scrapes_the_metrics_service():
 
 
 def test_chart_refuses_bad_values():
+    with pytest.raises(helm.HelmError, match="mode=deployment unknown; expected sidecar or daemonset"):
+        render({"mode": "deployment"})
     with pytest.raises(helm.HelmError, match="probes.type=tcp unknown"):
         render({"probes": {"type": "tcp"}})
     with pytest.raises(helm.HelmError, match="config.socket is set by the chart"):

@@ -192,3 +192,18 @@ def test_bf16_storage_rounds_to_nearest_even(start_daemon):
         c.append(seq, rk[:, :1], rv[:, :1])
         rk2, _, _ = c.read_kv(seq)
         np.testing.assert_array_equal(rk2[:, 2], rk[:, 0])
+
+
+def test_compact_dry_run_changes_nothing_then_compacts(daemon):
+    with karakv.Client.attach(daemon.target) as c:
+        seq = c.create_sequence("streaming", params={"c_max": 24, "c_target": 12, "sinks": 2})
+        c.append(seq, *kv(20))
+        (dry,) = c.compact(seq, dry_run=True)
+        assert (dry.sequence_id, dry.policy, dry.tokens_before, dry.tokens_after) == (seq, "streaming", 20, 12)
+        # StreamingLLM keeps the sinks and the newest tokens, in every (layer, KV head) row.
+        assert dry.kept == [[0, 1] + list(range(10, 20))] * (L * HK)
+        assert c.list_sequences()[0].length == 20
+        (done,) = c.compact(seq)
+        assert done.tokens_after == 12 and done.kept == []
+        _, _, positions = c.read_kv(seq)
+        np.testing.assert_array_equal(positions[1, 1], [0, 1] + list(range(10, 20)))
