@@ -33,7 +33,7 @@ ABSL_FLAG(int, sequences, 1, "Sequences generated together (decode batch size)")
 ABSL_FLAG(double, temperature, 0.0, "Sampling temperature; 0 is greedy");
 ABSL_FLAG(uint64_t, seed, 1, "Sampling seed (sequence b uses seed + b)");
 ABSL_FLAG(bool, chat, false, "Apply the chat template (converted SmolLM2 models): the prompt is the user's turn");
-ABSL_FLAG(std::string, system, "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+ABSL_FLAG(std::string, system, karakv::llama::kSmolLM2System,
           "With --chat: the system turn (the template's default); empty leaves it out");
 ABSL_FLAG(bool, dense, false, "Attend in this process instead of in karakvd (reference, no daemon)");
 
@@ -81,14 +81,6 @@ absl::StatusOr<std::map<std::string, double>> parse_params(const std::vector<std
   return out;
 }
 
-// SmolLM2's chat template (tokenizer.chat_template in the GGUF) for one user turn, with the
-// assistant's turn opened for generation.
-std::string chat_prompt(const std::string& system, const std::string& user) {
-  std::string s;
-  if (!system.empty()) s += "<|im_start|>system\n" + system + "<|im_end|>\n";
-  return s + "<|im_start|>user\n" + user + "<|im_end|>\n<|im_start|>assistant\n";
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,7 +101,7 @@ int main(int argc, char** argv) {
   const bool bpe = model->is_bpe();
   if (absl::GetFlag(FLAGS_chat) && !bpe) return die("--chat needs a converted SmolLM2 model (scripts/fetch_smollm2.sh)");
   const std::string prompt_text = absl::GetFlag(FLAGS_chat)
-                                      ? chat_prompt(absl::GetFlag(FLAGS_system), absl::GetFlag(FLAGS_prompt))
+                                      ? karakv::llama::chat_prompt(absl::GetFlag(FLAGS_system), absl::GetFlag(FLAGS_prompt))
                                       : absl::GetFlag(FLAGS_prompt);
   const std::vector<int> prompt =
       bpe ? model->bpe.encode(prompt_text) : model->tokenizer.encode(prompt_text, /*bos=*/true, false);

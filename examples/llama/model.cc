@@ -42,20 +42,55 @@ void rmsnorm(float* out, const float* x, const float* w, int n, float eps) {
   for (int i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-// out[rows] = W[rows][cols] x[cols]. Eight partial sums per row let the compiler use vector
-// registers (a single running sum would pin float addition order); rows split over OpenMP
-// threads when the matrix is large enough to pay for waking them.
-void matvec(float* out, const float* w, const float* x, int rows, int cols) {
-#pragma omp parallel for schedule(static) if (size_t(rows) * cols >= (size_t(1) << 18))
+// out[b][rows] = W[rows][cols] x[b][cols] for b < B. Each row of W is read once for the whole
+// batch (decoding B sequences, or a prompt's T tokens, costs about one pass over the weights rather
+// than B), and every dot product sums in the same order whatever B is: eight partial sums per row,
+// which lets the compiler use vector registers, combined pairwise. Rows split over OpenMP threads
+// when the work pays for waking them.
+// Eight floats in one vector register (GCC/Clang vector extension); `V8u` loads from any float
+// address. Lane j of an accumulator holds the partial sum of columns c + j, c + 8 + j, ..., exactly
+// as an eight-element array would, so vectorising does not change the summation order.
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V8u __attribute__((vector_size(32), aligned(4)));
+
+inline float dot_finish(V8 acc, const float* row, const float* xb, int c, int cols) {
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; c < cols; ++c) sum += row[c] * xb[c];
+  return sum;
+}
+
+void matmul(float* out, const float* w, const float* x, int rows, int cols, int B) {
+  const int main_cols = cols / 8 * 8;
+#pragma omp parallel for schedule(static) if (size_t(rows) * cols * B >= (size_t(1) << 18))
   for (int r = 0; r < rows; ++r) {
     const float* row = w + size_t(r) * cols;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int c = 0;
-    for (; c + 8 <= cols; c += 8)
-      for (int j = 0; j < 8; ++j) acc[j] += row[c + j] * x[c + j];
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; c < cols; ++c) sum += row[c] * x[c];
-    out[r] = sum;
+    int b = 0;
+    // Four batch entries at a time share each load of the row.
+    for (; b + 4 <= B; b += 4) {
+      const float* x0 = x + size_t(b) * cols;
+      const float* x1 = x0 + cols;
+      const float* x2 = x1 + cols;
+      const float* x3 = x2 + cols;
+      V8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int c = 0; c < main_cols; c += 8) {
+        const V8 wv = *reinterpret_cast<const V8u*>(row + c);
+        a0 += wv * *reinterpret_cast<const V8u*>(x0 + c);
+        a1 += wv * *reinterpret_cast<const V8u*>(x1 + c);
+        a2 += wv * *reinterpret_cast<const V8u*>(x2 + c);
+        a3 += wv * *reinterpret_cast<const V8u*>(x3 + c);
+      }
+      out[size_t(b) * rows + r] = dot_finish(a0, row, x0, main_cols, cols);
+      out[size_t(b + 1) * rows + r] = dot_finish(a1, row, x1, main_cols, cols);
+      out[size_t(b + 2) * rows + r] = dot_finish(a2, row, x2, main_cols, cols);
+      out[size_t(b + 3) * rows + r] = dot_finish(a3, row, x3, main_cols, cols);
+    }
+    for (; b < B; ++b) {
+      const float* xb = x + size_t(b) * cols;
+      V8 acc = {};
+      for (int c = 0; c < main_cols; c += 8)
+        acc += *reinterpret_cast<const V8u*>(row + c) * *reinterpret_cast<const V8u*>(xb + c);
+      out[size_t(b) * rows + r] = dot_finish(acc, row, xb, main_cols, cols);
+    }
   }
 }
 
@@ -76,43 +111,52 @@ void rope(float* v, int heads, int head_dim, int pos, float theta) {
   }
 }
 
-// The per-token computations around attention, shared by prefill and decode.
+// The per-token computations around attention, shared by prefill and decode, for B tokens at once
+// (B sequences' next tokens, or one prompt's tokens).
 struct Layer {
   const Config& c;
   const Weights& w;
   int l;
 
-  // x -> q [Hq*D], k, v [Hk*D], RoPE applied at `pos`.
-  void qkv(const float* x, int pos, float* q, float* k, float* v) const {
-    std::vector<float> xb(c.dim);
-    rmsnorm(xb.data(), x, w.attn_norm.data() + size_t(l) * c.dim, c.dim, c.norm_eps);
-    matvec(q, w.wq.data() + size_t(l) * c.dim * c.dim, xb.data(), c.dim, c.dim);
-    matvec(k, w.wk.data() + size_t(l) * c.kv_dim() * c.dim, xb.data(), c.kv_dim(), c.dim);
-    matvec(v, w.wv.data() + size_t(l) * c.kv_dim() * c.dim, xb.data(), c.kv_dim(), c.dim);
-    rope(q, c.n_heads, c.head_dim(), pos, c.rope_theta);
-    rope(k, c.n_kv_heads, c.head_dim(), pos, c.rope_theta);
+  // x [B][dim] -> q [B][Hq*D], k, v [B][Hk*D], RoPE applied at pos[b].
+  void qkv(const float* x, const int* pos, int B, float* q, float* k, float* v) const {
+    const int d = c.dim, kvd = c.kv_dim();
+    std::vector<float> xb(size_t(B) * d);
+    for (int b = 0; b < B; ++b)
+      rmsnorm(&xb[size_t(b) * d], x + size_t(b) * d, w.attn_norm.data() + size_t(l) * d, d, c.norm_eps);
+    matmul(q, w.wq.data() + size_t(l) * d * d, xb.data(), d, d, B);
+    matmul(k, w.wk.data() + size_t(l) * kvd * d, xb.data(), kvd, d, B);
+    matmul(v, w.wv.data() + size_t(l) * kvd * d, xb.data(), kvd, d, B);
+    for (int b = 0; b < B; ++b) {
+      rope(q + size_t(b) * d, c.n_heads, c.head_dim(), pos[b], c.rope_theta);
+      rope(k + size_t(b) * kvd, c.n_kv_heads, c.head_dim(), pos[b], c.rope_theta);
+    }
   }
 
-  // x += Wo att; x += FFN(x).
-  void finish(float* x, const float* att) const {
+  // x += Wo att; x += FFN(x), for x, att [B][dim].
+  void finish(float* x, const float* att, int B) const {
     const int d = c.dim, f = c.ffn_dim;
-    std::vector<float> tmp(d), xb(d), gate(f), up(f);
-    matvec(tmp.data(), w.wo.data() + size_t(l) * d * d, att, d, d);
-    for (int i = 0; i < d; ++i) x[i] += tmp[i];
-    rmsnorm(xb.data(), x, w.ffn_norm.data() + size_t(l) * d, d, c.norm_eps);
-    matvec(gate.data(), w.w_gate.data() + size_t(l) * f * d, xb.data(), f, d);
-    matvec(up.data(), w.w_up.data() + size_t(l) * f * d, xb.data(), f, d);
-    for (int i = 0; i < f; ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-    matvec(tmp.data(), w.w_down.data() + size_t(l) * d * f, gate.data(), d, f);
-    for (int i = 0; i < d; ++i) x[i] += tmp[i];
+    std::vector<float> tmp(size_t(B) * d), xb(size_t(B) * d), gate(size_t(B) * f), up(size_t(B) * f);
+    matmul(tmp.data(), w.wo.data() + size_t(l) * d * d, att, d, d, B);
+    for (size_t i = 0; i < tmp.size(); ++i) x[i] += tmp[i];
+    for (int b = 0; b < B; ++b)
+      rmsnorm(&xb[size_t(b) * d], x + size_t(b) * d, w.ffn_norm.data() + size_t(l) * d, d, c.norm_eps);
+    matmul(gate.data(), w.w_gate.data() + size_t(l) * f * d, xb.data(), f, d, B);
+    matmul(up.data(), w.w_up.data() + size_t(l) * f * d, xb.data(), f, d, B);
+    for (size_t i = 0; i < gate.size(); ++i) gate[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    matmul(tmp.data(), w.w_down.data() + size_t(l) * d * f, gate.data(), d, f, B);
+    for (size_t i = 0; i < tmp.size(); ++i) x[i] += tmp[i];
   }
 };
 
-void output_logits(const Model& m, const float* x, float* logits) {
-  std::vector<float> xb(m.config.dim);
-  rmsnorm(xb.data(), x, m.weights.final_norm.data(), m.config.dim, m.config.norm_eps);
+// logits [B][vocab] from the last hidden states x [B][dim].
+void output_logits(const Model& m, const float* x, int B, float* logits) {
+  const int d = m.config.dim;
+  std::vector<float> xb(size_t(B) * d);
+  for (int b = 0; b < B; ++b)
+    rmsnorm(&xb[size_t(b) * d], x + size_t(b) * d, m.weights.final_norm.data(), d, m.config.norm_eps);
   const std::vector<float>& out = m.weights.output.empty() ? m.weights.embedding : m.weights.output;
-  matvec(logits, out.data(), xb.data(), m.config.vocab_size, m.config.dim);
+  matmul(logits, out.data(), xb.data(), m.config.vocab_size, d, B);
 }
 
 absl::Status check_geometry(const Config& c) {
@@ -364,21 +408,21 @@ absl::StatusOr<std::vector<float>> Transformer::prefill(uint64_t seq, std::span<
     std::memcpy(&x[size_t(t) * c.dim], &model_.weights.embedding[size_t(tokens[t]) * c.dim], c.dim * 4);
   }
   std::vector<float> K(size_t(c.n_layers) * T * kvd), V(K.size()), Q(size_t(c.n_layers) * T * qd);
-  std::vector<float> att(qd);
+  std::vector<float> att(size_t(T) * qd);
+  std::vector<int> positions(T);
+  for (int t = 0; t < T; ++t) positions[t] = t;
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer layer{c, model_.weights, l};
     float* k = &K[size_t(l) * T * kvd];
     float* v = &V[size_t(l) * T * kvd];
     float* q = &Q[size_t(l) * T * qd];
-    for (int t = 0; t < T; ++t) layer.qkv(&x[size_t(t) * c.dim], t, q + t * qd, k + t * kvd, v + t * kvd);
-    for (int t = 0; t < T; ++t) {
-      attend(c, q + t * qd, k, v, t + 1, kvd, att.data());
-      layer.finish(&x[size_t(t) * c.dim], att.data());
-    }
+    layer.qkv(x.data(), positions.data(), T, q, k, v);
+    for (int t = 0; t < T; ++t) attend(c, q + t * qd, k, v, t + 1, kvd, &att[t * qd]);
+    layer.finish(x.data(), att.data(), T);
   }
   if (auto s = attention_.prefill(seq, T, K, V, Q); !s.ok()) return s;
   std::vector<float> logits(c.vocab_size);
-  output_logits(model_, &x[size_t(T - 1) * c.dim], logits.data());
+  output_logits(model_, &x[size_t(T - 1) * c.dim], 1, logits.data());
   return logits;
 }
 
@@ -401,11 +445,11 @@ absl::Status Transformer::decode(std::span<const uint64_t> seqs, std::span<const
   }
   for (int l = 0; l < c.n_layers; ++l) {
     const Layer layer{c, model_.weights, l};
-    for (size_t b = 0; b < B; ++b) layer.qkv(&x[b * c.dim], positions[b], &q[b * qd], &k[b * kvd], &v[b * kvd]);
+    layer.qkv(x.data(), positions.data(), int(B), q.data(), k.data(), v.data());
     if (auto s = attention_.step(l, seqs, k, v, q, att); !s.ok()) return s;
-    for (size_t b = 0; b < B; ++b) layer.finish(&x[b * c.dim], &att[b * qd]);
+    layer.finish(x.data(), att.data(), int(B));
   }
-  for (size_t b = 0; b < B; ++b) output_logits(model_, &x[b * c.dim], &logits[b * c.vocab_size]);
+  output_logits(model_, x.data(), int(B), logits.data());
   return absl::OkStatus();
 }
 
@@ -469,6 +513,12 @@ absl::Status DenseAttention::release(uint64_t seq) {
   if (it == histories_.end()) return absl::NotFoundError(absl::StrCat("no sequence ", seq));
   histories_.erase(it);
   return absl::OkStatus();
+}
+
+std::string chat_prompt(const std::string& system, const std::string& user) {
+  std::string s;
+  if (!system.empty()) s += "<|im_start|>system\n" + system + "<|im_end|>\n";
+  return s + "<|im_start|>user\n" + user + "<|im_end|>\n<|im_start|>assistant\n";
 }
 
 int sample(std::span<const float> logits, float temperature, uint64_t* rng) {

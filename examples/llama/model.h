@@ -139,6 +139,11 @@ class DenseAttention : public Attention {
 void attend(const Config& c, const float* q, const float* k, const float* v, int len, size_t kv_stride,
             float* out);
 
+// SmolLM2's chat template (tokenizer.chat_template in the GGUF) for one user turn, with the
+// assistant's turn opened for generation; an empty `system` leaves the system turn out.
+inline constexpr char kSmolLM2System[] = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+std::string chat_prompt(const std::string& system, const std::string& user);
+
 // Sampling: greedy when temperature <= 0, else softmax(logits / temperature) with `rng` state.
 int sample(std::span<const float> logits, float temperature, uint64_t* rng);
 // Natural-log probability of `token` under softmax(logits).

@@ -256,6 +256,58 @@ TEST(LlamaDaemonTest, PerplexityWithPolicyNoneEqualsTheReference) {
   EXPECT_LT(ppl_want, 20.0) << "in-distribution text should be predictable for the model";
 }
 
+// The forward pass reads each weight row once for a whole batch (B sequences, or a prompt's tokens)
+// and must sum every dot product in the same order whatever the batch: a prompt prefilled at once
+// gives bitwise the logits of the same tokens fed one at a time, and sequences decoded in a batch of
+// five (four entries share each row load, the fifth goes alone) give bitwise the logits of each
+// decoded on its own.
+TEST(LlamaForwardTest, BatchingDoesNotChangeAnyLogit) {
+  REQUIRE_MODEL(bytes);
+  auto m = load_model(KARAKV_LLAMA_MODEL);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const int V = m->config.vocab_size;
+  const std::vector<int> text = m->tokenizer.encode("Once upon a time, there was a little dog named Max.", true, false);
+  ASSERT_GT(text.size(), 8u);
+
+  DenseAttention whole(m->config), incremental(m->config);
+  Transformer tw(*m, whole), ti(*m, incremental);
+  auto at_once = tw.prefill(*whole.create_sequence(), text);
+  ASSERT_TRUE(at_once.ok()) << at_once.status();
+  const uint64_t seq = *incremental.create_sequence();
+  auto one = ti.prefill(seq, std::span<const int>(text.data(), 1));
+  ASSERT_TRUE(one.ok());
+  std::vector<float> logits(V);
+  for (size_t t = 1; t < text.size(); ++t) {
+    const uint64_t seqs[1] = {seq};
+    const int tok[1] = {text[t]}, pos[1] = {int(t)};
+    ASSERT_TRUE(ti.decode(seqs, tok, pos, logits).ok());
+  }
+  EXPECT_EQ(*at_once, logits) << "prefilling at once vs one token at a time";
+
+  const int B = 5;
+  DenseAttention batched(m->config), alone(m->config);
+  Transformer tb(*m, batched), ta(*m, alone);
+  std::vector<uint64_t> bseqs(B), aseqs(B);
+  std::vector<int> tok(B), pos(B);
+  for (int b = 0; b < B; ++b) {
+    const std::span<const int> prompt(text.data(), 2 + b);
+    bseqs[b] = *batched.create_sequence();
+    aseqs[b] = *alone.create_sequence();
+    ASSERT_TRUE(tb.prefill(bseqs[b], prompt).ok());
+    ASSERT_TRUE(ta.prefill(aseqs[b], prompt).ok());
+    tok[b] = text[2 + b];
+    pos[b] = 2 + b;
+  }
+  std::vector<float> all(size_t(B) * V);
+  ASSERT_TRUE(tb.decode(bseqs, tok, pos, all).ok());
+  for (int b = 0; b < B; ++b) {
+    ASSERT_TRUE(ta.decode(std::span<const uint64_t>(&aseqs[b], 1), std::span<const int>(&tok[b], 1),
+                          std::span<const int>(&pos[b], 1), logits)
+                    .ok());
+    EXPECT_TRUE(std::equal(logits.begin(), logits.end(), all.begin() + size_t(b) * V)) << "sequence " << b;
+  }
+}
+
 TEST(LlamaDaemonTest, KaraCompressesWhileDecodingAndStaysFinite) {
   REQUIRE_MODEL(bytes);
   auto m = load_model(KARAKV_LLAMA_MODEL);
