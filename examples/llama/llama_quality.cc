@@ -1,18 +1,29 @@
-// llama_quality: what KV compression costs a real model. For each policy, on a fresh karakvd per
-// policy (so Kara's global tick counter starts at 0 every time):
-//   perplexity: a 128-token prompt goes in by Append, then the next 384 held-out tokens are fed one
-//     at a time through Step, each scored by the logits before it (384 predictions per stream);
-//   agreement: 384 tokens of the same text as context (128 Append + 256 Step), then 128 greedy
-//     tokens, compared position by position with the uncompressed run.
-// Held-out text: "stories" are the model's own samples at temperature 1 (in-distribution for a
-// TinyStories model; cross-entropy on them = the full model's entropy + KL(full || compressed), so
-// the perplexity gap measures exactly how far compression moves the model), and "shakespeare"
-// windows of ../shared/data/tinyshakespeare.txt (natural text the model never saw).
+// llama_quality: what KV compression costs a real model whose cache lives in karakvd. For each
+// policy and storage format, on a fresh karakvd per (task, policy) (so Kara's decode-step counter
+// starts at 0 every time), two kinds of task:
+//
+//   perplexity: a prompt of P tokens goes in by Append (the worker computes its causal attention
+//     itself and sends K/V plus the prompt's queries); the next F tokens are fed one at a time
+//     through Step, so decode-time compression runs, and each is scored by the logits before it
+//     (F predictions per stream, the first from the prompt's logits).
+//   greedy agreement: each prompt's first tokens go in by Append, the rest (if any) through Step,
+//     then up to G greedy tokens (a BPE model stops at a control token such as <|im_end|>);
+//     compared with the uncompressed (`none`) run position by position, and by common prefix.
+//
+// Sources by model:
+//   stories260K (context 512): perplexity on "stories" (the model's own temperature-1 samples:
+//     cross-entropy on them = the full model's entropy + KL(full || compressed)) and "shakespeare"
+//     (../shared/data/tinyshakespeare.txt), P=128, F=384; agreement on the stories, 128 by Append +
+//     256 by Step, then 128 greedy tokens.
+//   SmolLM2-135M-Instruct (a converted BPE model): perplexity on "shakespeare", P=512, F=2048;
+//     agreement on GSM8K test questions (../shared/data/gsm8k_test.jsonl) in the chat template,
+//     the whole prompt by Append, 256 greedy tokens.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +31,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -32,20 +44,30 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "karakv/client.h"
 #include "llama/daemon_attention.h"
 #include "llama/model.h"
 
-ABSL_FLAG(std::string, model, "../shared/data/stories260k.bin", "Model file (stories260K format)");
-ABSL_FLAG(std::string, shakespeare, "../shared/data/tinyshakespeare.txt",
-          "Natural text for a second perplexity source (empty: skip)");
-ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per policy");
-ABSL_FLAG(std::string, dtype, "fp32", "Storage dtype of the daemons: fp32 | fp16 | bf16");
-ABSL_FLAG(int, streams, 8, "Held-out streams per text source (decoded together as one batch)");
+ABSL_FLAG(std::string, model, "../shared/data/stories260k.bin",
+          "Model file: stories260K, or a converted SmolLM2 file (scripts/fetch_smollm2.sh)");
+ABSL_FLAG(std::string, text, "../shared/data/tinyshakespeare.txt", "Natural text for perplexity (empty: skip)");
+ABSL_FLAG(std::string, gsm8k, "../shared/data/gsm8k_test.jsonl", "GSM8K questions for BPE models' agreement");
+ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per task and policy");
+ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of the daemons: fp32 | fp16 | bf16");
+ABSL_FLAG(int, streams, 0, "Perplexity streams per source (decoded together); 0: 8 for stories260K, 2 for BPE");
+ABSL_FLAG(int, prompt_tokens, 0, "Perplexity prompt P (by Append); 0: 128 for stories260K, 512 for BPE");
+ABSL_FLAG(int, fed_tokens, 0, "Perplexity tokens F fed by Step and scored; 0: 384 for stories260K, 2048 for BPE");
+ABSL_FLAG(int, prompts, 20, "GSM8K prompts for agreement (BPE models)");
+ABSL_FLAG(int, gen_tokens, 0, "Greedy tokens per agreement prompt; 0: 128 for stories260K, 256 for BPE");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the self-generated stories");
-ABSL_FLAG(bool, quick, false, "2 streams per source, stories only");
+ABSL_FLAG(bool, quick, false,
+          "A few minutes: fewer streams, prompts and tokens, and only none, kara-0.50, kara-0.25, snapkv, kivi4");
+ABSL_FLAG(bool, reference, true, "Also run the in-process dense reference on the perplexity sources");
 ABSL_FLAG(std::string, csv, "quality.csv", "Where to write the results as CSV");
-ABSL_FLAG(std::string, only, "", "Comma-separated policy labels to run (default: all)");
+ABSL_FLAG(std::string, only, "", "Comma-separated policy labels to run (default: all; none always runs)");
+ABSL_FLAG(std::string, tasks, "", "Comma-separated task names to run (default: all), e.g. shakespeare,gsm8k");
 
 namespace {
 
@@ -53,11 +75,6 @@ using karakv::llama::Config;
 using karakv::llama::Model;
 using karakv::llama::Transformer;
 using Clock = std::chrono::steady_clock;
-
-constexpr int kContext = 512;
-constexpr int kPrompt = 128;        // appended with Append
-constexpr int kAgreeContext = 384;  // context before the greedy continuation
-constexpr int kGreedy = 128;
 
 [[noreturn]] void die(const std::string& what) {
   std::fprintf(stderr, "llama_quality: %s\n", what.c_str());
@@ -71,11 +88,12 @@ T check(absl::StatusOr<T> v) {
 void check(const absl::Status& s) {
   if (!s.ok()) die(std::string(s.ToString()));
 }
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// A karakvd for one policy, on its own socket, stopped with SIGTERM.
+// A karakvd for one run, on its own socket, stopped with SIGTERM.
 class Daemon {
  public:
-  Daemon(const std::string& binary, const Config& c, const std::string& dtype) {
+  Daemon(const std::string& binary, const Config& c, const std::string& dtype, size_t pool_mib) {
     socket_ = absl::StrCat("/tmp/karakv-quality-", getpid(), "-", counter_++, ".sock");
     std::vector<std::string> args = {binary,
                                      "--socket=" + socket_,
@@ -84,7 +102,7 @@ class Daemon {
                                      absl::StrCat("--kv_heads=", c.n_kv_heads),
                                      absl::StrCat("--head_dim=", c.head_dim()),
                                      "--dtype=" + dtype,
-                                     "--pool_bytes=256MiB",
+                                     absl::StrCat("--pool_bytes=", pool_mib, "MiB"),
                                      "--log_level=warn",
                                      "--threads=1"};
     pid_ = fork();
@@ -118,7 +136,7 @@ class Daemon {
     karakv::ClientOptions o;
     o.target = "unix:" + socket_;
     o.worker_id = "llama_quality";
-    o.staging_bytes = 16 << 20;
+    o.staging_bytes = 64 << 20;
     return o;
   }
 
@@ -128,29 +146,46 @@ class Daemon {
   pid_t pid_ = -1;
 };
 
-struct Source {
+// ---- Tasks ----------------------------------------------------------------------------------
+
+struct PplTask {
   std::string name;
-  std::vector<std::vector<int>> streams;  // each kContext tokens, starting with BOS
+  std::vector<std::vector<int>> streams;  // each prompt + fed tokens long
+  int prompt = 0, fed = 0;
 };
+
+struct GreedyTask {
+  std::string name;
+  std::vector<std::vector<int>> prompts;
+  std::vector<int> appended;  // tokens of each prompt given by Append; the rest go through Step
+  int gen = 0;
+  bool stop_at_control = false;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) die("cannot open " + path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
 
 // The model's own text: temperature-1 samples from BOS with the dense reference, crossing story
 // boundaries (BOS) as the TinyStories training stream does.
-Source sample_stories(const Model& m, int n, uint64_t seed) {
+std::vector<std::vector<int>> sample_stories(const Model& m, int n, int length, uint64_t seed) {
   karakv::llama::DenseAttention dense(m.config);
   Transformer tf(m, dense);
-  Source src{"stories", std::vector<std::vector<int>>(n)};
+  std::vector<std::vector<int>> streams(n);
   std::vector<uint64_t> seqs(n), rng(n);
   std::vector<int> next(n), pos(n, 1);
   for (int b = 0; b < n; ++b) {
     seqs[b] = check(dense.create_sequence());
     rng[b] = seed * 1000003 + b;
-    src.streams[b] = {karakv::llama::Tokenizer::kBos};
-    next[b] = karakv::llama::sample(check(tf.prefill(seqs[b], src.streams[b])), 1.0f, &rng[b]);
+    streams[b] = {karakv::llama::Tokenizer::kBos};
+    next[b] = karakv::llama::sample(check(tf.prefill(seqs[b], streams[b])), 1.0f, &rng[b]);
   }
   std::vector<float> logits(size_t(n) * m.config.vocab_size);
-  for (int t = 1; t < kContext; ++t) {
-    for (int b = 0; b < n; ++b) src.streams[b].push_back(next[b]);
-    if (t == kContext - 1) break;
+  for (int t = 1; t < length; ++t) {
+    for (int b = 0; b < n; ++b) streams[b].push_back(next[b]);
+    if (t == length - 1) break;
     check(tf.decode(seqs, next, pos, logits));
     for (int b = 0; b < n; ++b) {
       ++pos[b];
@@ -158,245 +193,476 @@ Source sample_stories(const Model& m, int n, uint64_t seed) {
                                       &rng[b]);
     }
   }
-  return src;
+  return streams;
 }
 
-// n windows spread evenly over the file, each starting at a paragraph, tokenized with BOS.
-Source shakespeare(const Model& m, const std::string& path, int n) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) die("cannot open " + path);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  Source src{"shakespeare", {}};
+std::vector<int> encode(const Model& m, const std::string& text) {
+  return m.is_bpe() ? m.bpe.encode(text) : m.tokenizer.encode(text, /*bos=*/true, false);
+}
+
+// n windows spread evenly over the text, each starting at a paragraph, `length` tokens each.
+std::vector<std::vector<int>> text_windows(const Model& m, const std::string& path, int n, int length) {
+  const std::string text = read_file(path);
+  std::vector<std::vector<int>> out;
   for (int i = 0; i < n; ++i) {
     size_t at = text.find("\n\n", text.size() / n * i);
     if (at == std::string::npos) die("text too short: " + path);
-    std::vector<int> toks = m.tokenizer.encode(text.substr(at + 2, 8000), true, false);
-    if (toks.size() < size_t(kContext)) die("a window of " + path + " has fewer than 512 tokens");
-    toks.resize(kContext);
-    src.streams.push_back(std::move(toks));
+    // ~3 characters per token for either tokenizer; take generously and cut.
+    std::vector<int> toks = encode(m, text.substr(at + 2, size_t(length) * 8));
+    if (toks.size() < size_t(length)) die(absl::StrFormat("a window of %s has fewer than %d tokens", path, length));
+    toks.resize(length);
+    out.push_back(std::move(toks));
   }
-  return src;
+  return out;
 }
 
-struct RunResult {
+// The first n questions of a GSM8K JSONL file, each parsed with protobuf's JSON reader.
+std::vector<std::string> gsm8k_questions(const std::string& path, int n) {
+  std::vector<std::string> out;
+  for (absl::string_view line : absl::StrSplit(read_file(path), '\n', absl::SkipWhitespace())) {
+    if (int(out.size()) == n) break;
+    google::protobuf::Struct row;
+    auto s = google::protobuf::util::JsonStringToMessage(std::string(line), &row);
+    if (!s.ok() || !row.fields().count("question")) {
+      die(absl::StrFormat("%s line %d: not a {\"question\": ...} JSON object", path, int(out.size()) + 1));
+    }
+    out.push_back(row.fields().at("question").string_value());
+  }
+  if (int(out.size()) < n) die(absl::StrFormat("%s has %d questions; %d wanted", path, int(out.size()), n));
+  return out;
+}
+
+// ---- Runs -----------------------------------------------------------------------------------
+
+// Per-sequence residency of this client's sequences (means over sequences).
+struct Residency {
+  double resident = 0, logical = 0, kv_bytes = 0, fp16_bytes = 0;
+};
+Residency residency(karakv::Client* client) {
+  Residency r;
+  if (!client) return r;
+  auto list = check(client->ListSequences());
+  for (const auto& s : list) {
+    r.resident += s.length;
+    r.logical += s.logical_length;
+    r.kv_bytes += double(s.kv_bytes);
+    r.fp16_bytes += double(s.fp16_bytes);
+  }
+  const double n = std::max<size_t>(1, list.size());
+  r.resident /= n;
+  r.logical /= n;
+  r.kv_bytes /= n;
+  r.fp16_bytes /= n;
+  return r;
+}
+
+struct PplResult {
   double nll = 0;  // summed over every scored token
   int scored = 0;
-  double resident_mean = 0, resident_final = 0, logical_final = 0;  // per sequence
-  std::vector<std::vector<int>> greedy;                            // per stream
-  std::vector<std::vector<double>> logp;                           // per stream, per scored token
+  Residency end;
+  double resident_mean = 0;                // over the decode steps
+  std::vector<std::vector<double>> logp;   // per stream, per scored token
+  double seconds = 0;
 };
 
-// Resident and logical tokens per sequence of this client (mean over its sequences).
-std::pair<double, double> residency(karakv::Client* client) {
-  if (!client) return {0, 0};
-  auto list = check(client->ListSequences());
-  double r = 0, l = 0;
-  for (const auto& s : list) {
-    r += s.length;
-    l += s.logical_length;
+// Progress on stderr: redrawn in place on a terminal, a line per tenth of the work otherwise.
+void progress(const std::string& what, int done, int total, Clock::time_point t0) {
+  static const bool tty = isatty(STDERR_FILENO);
+  if (tty) {
+    std::fprintf(stderr, "\r  %-40s %5d/%d  %6.0f s%s", what.c_str(), done, total, seconds_since(t0),
+                 done == total ? "\n" : "");
+  } else if (done == total || done * 10 / total != (done - 32) * 10 / total) {
+    std::fprintf(stderr, "  %-40s %5d/%d  %6.0f s\n", what.c_str(), done, total, seconds_since(t0));
   }
-  return {r / std::max<size_t>(1, list.size()), l / std::max<size_t>(1, list.size())};
+  std::fflush(stderr);
 }
 
-// The perplexity pass and the greedy pass over every stream of `src`, batched.
-RunResult run(const Model& m, karakv::llama::Attention& att, karakv::Client* client, const Source& src) {
-  const int n = int(src.streams.size());
+PplResult perplexity(const Model& m, karakv::llama::Attention& att, karakv::Client* client, const PplTask& task,
+                     const std::string& label) {
+  const int n = int(task.streams.size());
   const int V = m.config.vocab_size;
+  const auto t0 = Clock::now();
   Transformer tf(m, att);
-  RunResult res;
+  PplResult res;
   res.logp.resize(n);
   std::vector<uint64_t> seqs(n);
   std::vector<float> logits(size_t(n) * V);
-
-  // Perplexity: tokens kPrompt..kContext-1 are predicted, 384 per stream.
-  double resident_sum = 0;
-  int samples = 0;
   for (int b = 0; b < n; ++b) {
     seqs[b] = check(att.create_sequence());
-    const std::vector<int>& s = src.streams[b];
-    auto first = check(tf.prefill(seqs[b], std::span<const int>(s.data(), kPrompt)));
-    res.logp[b].push_back(karakv::llama::log_prob(first, s[kPrompt]));
+    const std::vector<int>& s = task.streams[b];
+    auto first = check(tf.prefill(seqs[b], std::span<const int>(s.data(), task.prompt)));
+    res.logp[b].push_back(karakv::llama::log_prob(first, s[task.prompt]));
   }
+  double resident_sum = 0;
+  int samples = 0;
   std::vector<int> tok(n), pos(n);
-  for (int t = kPrompt; t < kContext - 1; ++t) {
+  const int steps = task.fed - 1;
+  for (int i = 0; i < steps; ++i) {
+    const int t = task.prompt + i;
     for (int b = 0; b < n; ++b) {
-      tok[b] = src.streams[b][t];
+      tok[b] = task.streams[b][t];
       pos[b] = t;
     }
     check(tf.decode(seqs, tok, pos, logits));
     for (int b = 0; b < n; ++b) {
-      res.logp[b].push_back(
-          karakv::llama::log_prob({&logits[size_t(b) * V], size_t(V)}, src.streams[b][t + 1]));
+      res.logp[b].push_back(karakv::llama::log_prob({&logits[size_t(b) * V], size_t(V)}, task.streams[b][t + 1]));
     }
-    if (client) {
-      resident_sum += residency(client).first;
+    if (client && (i % 8 == 7 || i == steps - 1)) {
+      resident_sum += residency(client).resident;
       ++samples;
     }
+    if (i % 32 == 31 || i == steps - 1) progress(task.name + " ppl, " + label, i + 1, steps, t0);
   }
-  for (auto& lp : res.logp) {
+  for (const auto& lp : res.logp) {
     for (double x : lp) {
       res.nll -= x;
       ++res.scored;
     }
   }
-  std::tie(res.resident_final, res.logical_final) = residency(client);
+  res.end = residency(client);
   res.resident_mean = samples ? resident_sum / samples : 0;
   for (uint64_t id : seqs) check(att.release(id));
-
-  // Agreement: kAgreeContext tokens of context, then kGreedy greedy tokens.
-  res.greedy.assign(n, {});
-  std::vector<int> next(n);
-  for (int b = 0; b < n; ++b) {
-    seqs[b] = check(att.create_sequence());
-    auto first = check(tf.prefill(seqs[b], std::span<const int>(src.streams[b].data(), kPrompt)));
-    (void)first;
-  }
-  for (int t = kPrompt; t < kAgreeContext; ++t) {
-    for (int b = 0; b < n; ++b) {
-      tok[b] = src.streams[b][t];
-      pos[b] = t;
-    }
-    check(tf.decode(seqs, tok, pos, logits));
-  }
-  for (int b = 0; b < n; ++b) next[b] = karakv::llama::sample({&logits[size_t(b) * V], size_t(V)}, 0, nullptr);
-  for (int g = 0; g < kGreedy; ++g) {
-    for (int b = 0; b < n; ++b) res.greedy[b].push_back(next[b]);
-    if (g == kGreedy - 1) break;
-    for (int b = 0; b < n; ++b) pos[b] = kAgreeContext + g;
-    check(tf.decode(seqs, next, pos, logits));
-    for (int b = 0; b < n; ++b) next[b] = karakv::llama::sample({&logits[size_t(b) * V], size_t(V)}, 0, nullptr);
-  }
-  for (uint64_t id : seqs) check(att.release(id));
+  res.seconds = seconds_since(t0);
   return res;
 }
+
+struct GreedyResult {
+  std::vector<std::vector<int>> outputs;  // per prompt
+  Residency end;                          // before release
+  double seconds = 0;
+};
+
+// All prompts together: every step feeds each unfinished sequence its next prompt token or its last
+// greedy token; a sequence leaves the batch when it has `gen` tokens or (stop_at_control) emitted a
+// control token.
+GreedyResult greedy(const Model& m, karakv::llama::Attention& att, karakv::Client* client, const GreedyTask& task,
+                    const std::string& label) {
+  const int n = int(task.prompts.size());
+  const int V = m.config.vocab_size;
+  const auto t0 = Clock::now();
+  Transformer tf(m, att);
+  GreedyResult res;
+  res.outputs.assign(n, {});
+  std::vector<uint64_t> ids(n);
+  std::vector<int> cursor(n), len(n);  // next prompt token to feed; tokens in the cache
+  for (int b = 0; b < n; ++b) {
+    ids[b] = check(att.create_sequence());
+    const auto& p = task.prompts[b];
+    auto logits = check(tf.prefill(ids[b], std::span<const int>(p.data(), task.appended[b])));
+    cursor[b] = len[b] = task.appended[b];
+    if (cursor[b] == int(p.size())) res.outputs[b].push_back(karakv::llama::sample(logits, 0, nullptr));
+  }
+  auto finished = [&](int b) {
+    const auto& o = res.outputs[b];
+    if (cursor[b] < int(task.prompts[b].size()) || o.empty()) return false;
+    return int(o.size()) >= task.gen || (task.stop_at_control && m.bpe.is_control(o.back()));
+  };
+  for (int step = 1;; ++step) {
+    std::vector<uint64_t> seqs;
+    std::vector<int> tok, pos, who;
+    for (int b = 0; b < n; ++b) {
+      if (finished(b)) continue;
+      const bool feeding = cursor[b] < int(task.prompts[b].size());
+      tok.push_back(feeding ? task.prompts[b][cursor[b]++] : res.outputs[b].back());
+      pos.push_back(len[b]++);
+      seqs.push_back(ids[b]);
+      who.push_back(b);
+    }
+    if (seqs.empty()) break;
+    std::vector<float> logits(seqs.size() * V);
+    check(tf.decode(seqs, tok, pos, logits));
+    for (size_t i = 0; i < who.size(); ++i) {
+      const int b = who[i];
+      // Logits after the last prompt token give the first greedy token; earlier ones are unused.
+      if (cursor[b] == int(task.prompts[b].size())) {
+        res.outputs[b].push_back(karakv::llama::sample({&logits[i * V], size_t(V)}, 0, nullptr));
+      }
+    }
+    if (step % 32 == 0) {
+      std::fprintf(stderr, "%s  %-40s step %4d, %2zu of %d decoding  %6.0f s%s", isatty(STDERR_FILENO) ? "\r" : "",
+                   (task.name + " greedy, " + label).c_str(), step, seqs.size(), n, seconds_since(t0),
+                   isatty(STDERR_FILENO) ? "" : "\n");
+      std::fflush(stderr);
+    }
+  }
+  if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
+  res.end = residency(client);
+  for (uint64_t id : ids) check(att.release(id));
+  res.seconds = seconds_since(t0);
+  return res;
+}
+
+// ---- Policies -------------------------------------------------------------------------------
 
 struct PolicySpec {
   std::string label;
   karakv::SequenceOptions options;
+  bool matched = false;  // a threshold baseline sized from Kara rho=0.25's memory
 };
 
 std::string params_text(const karakv::SequenceOptions& o) {
   std::vector<std::string> parts;
   for (const auto& [k, v] : o.params) parts.push_back(absl::StrFormat("%s=%g", k, v));
-  return absl::StrJoin(parts, " ");
+  if (!o.storage.empty()) parts.push_back("storage=" + o.storage);
+  return parts.empty() ? "-" : absl::StrJoin(parts, " ");
+}
+
+// Every policy and format of the comparison, in run order: none first (the baseline of agreement),
+// then Kara (rho=0.25 sizes the matched baselines), then the rest.
+std::vector<PolicySpec> all_policies(int window, int period) {
+  auto kara = [&](double rho, const std::string& storage = "", bool cam = false) {
+    karakv::SequenceOptions o;
+    o.policy = "kara";
+    o.storage = storage;
+    o.params = {{"window", window}, {"period", period}, {"rho", rho}};
+    if (cam) o.params["cam"] = 1;
+    std::string label = absl::StrFormat("kara-%.2f", rho);
+    if (!storage.empty()) label += "+" + storage;
+    if (cam) label += "+cam";
+    return PolicySpec{label, o};
+  };
+  auto threshold = [](const std::string& name, bool cam = false) {
+    PolicySpec s{name + (cam ? "+cam" : ""), {}, true};
+    s.options.policy = name;
+    if (cam) s.options.params["cam"] = 1;
+    return s;
+  };
+  auto format = [](const std::string& storage) {
+    PolicySpec s{storage, {}};
+    s.options.storage = storage;
+    return s;
+  };
+  // The goals first (Kara vs the eviction baselines, KIVI-4 and TurboQuant-4), so that a run cut
+  // short still answers them.
+  return {PolicySpec{"none", {}}, kara(0.5),          kara(0.25),         threshold("snapkv"),
+          threshold("streaming"), threshold("h2o"),   format("kivi4"),    format("tq4"),
+          threshold("chunkkv"),   kara(0.25, "kivi4"), format("kivi2"),   format("tq2"),
+          format("tq3"),          kara(0.25, "", true), threshold("snapkv", true)};
+}
+
+struct Row {
+  std::string task, kind, label, params;
+  int sequences = 0, scored = 0;
+  double ppl = NAN, vs_none = NAN, dlogp = NAN;
+  Residency end;
+  double resident_mean = NAN;
+  double agree = NAN, prefix = NAN;
+  double seconds = 0;
+};
+
+double ratio_vs_fp16(const Residency& r) { return r.kv_bytes > 0 ? r.fp16_bytes / r.kv_bytes : NAN; }
+
+void write_row(std::FILE* csv, const Row& r) {
+  auto num = [](double x, const char* fmt) { return std::isnan(x) ? std::string() : absl::StrFormat(fmt, x); };
+  std::fprintf(csv, "%s,%s,%s,%s,%d,%d,%s,%s,%.1f,%s,%.1f,%.4f,%s,%s,%s,%s,%.1f\n", r.task.c_str(), r.kind.c_str(),
+               r.label.c_str(), r.params.c_str(), r.sequences, r.scored, num(r.ppl, "%.6f").c_str(),
+               num(r.vs_none, "%.4f").c_str(), r.end.resident, num(r.resident_mean, "%.2f").c_str(), r.end.logical,
+               r.end.kv_bytes / (1 << 20), num(ratio_vs_fp16(r.end), "%.3f").c_str(), num(r.agree, "%.4f").c_str(),
+               num(r.prefix, "%.2f").c_str(), num(r.dlogp, "%.3g").c_str(), r.seconds);
+  std::fflush(csv);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("llama_quality: perplexity and greedy agreement of stories260K under each KV policy");
+  absl::SetProgramUsageMessage(
+      "llama_quality: perplexity and greedy agreement of a real model under each KV policy and format, "
+      "with its cache in karakvd");
   absl::ParseCommandLine(argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
-  const int n = quick ? 2 : absl::GetFlag(FLAGS_streams);
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   const Model model = check(karakv::llama::load_model(absl::GetFlag(FLAGS_model)));
   const Config& c = model.config;
-  if (c.max_seq_len < kContext) die("the model's context is below 512");
-
-  std::vector<Source> sources = {sample_stories(model, n, absl::GetFlag(FLAGS_seed))};
-  if (!quick && !absl::GetFlag(FLAGS_shakespeare).empty()) {
-    sources.push_back(shakespeare(model, absl::GetFlag(FLAGS_shakespeare), n));
-  }
-
-  // Kara with a window sized for a 512-token context: W=64 (B = rho*W = 16 or 32 tokens, whole
-  // blocks), tick every P=8 steps, so ~5 windows compress during the 384 fed tokens.
-  auto kara = [](double rho) {
-    karakv::SequenceOptions o;
-    o.policy = "kara";
-    o.params = {{"window", 64}, {"period", 8}, {"rho", rho}};
-    return PolicySpec{absl::StrFormat("kara-%.2f", rho), o};
+  const bool bpe = model.is_bpe();
+  auto pick = [&](int flag, int stories, int bpe_default, int quick_value) {
+    if (flag > 0) return flag;
+    if (quick) return quick_value;
+    return bpe ? bpe_default : stories;
   };
-  std::vector<PolicySpec> fixed = {{"none", {}}, kara(0.5), kara(0.25)};
-  std::set<std::string> only;
+  const int streams = pick(absl::GetFlag(FLAGS_streams), 8, 2, bpe ? 1 : 2);
+  const int P = pick(absl::GetFlag(FLAGS_prompt_tokens), 128, 512, bpe ? 256 : 128);
+  const int F = pick(absl::GetFlag(FLAGS_fed_tokens), 384, 2048, bpe ? 384 : 384);
+  const int G = pick(absl::GetFlag(FLAGS_gen_tokens), 128, 256, bpe ? 96 : 128);
+  const int n_prompts = quick ? 4 : absl::GetFlag(FLAGS_prompts);
+  if (P + F > c.max_seq_len) die(absl::StrFormat("prompt %d + fed %d exceeds the model's context %d", P, F, c.max_seq_len));
+  std::set<std::string> only, tasks;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_only), ',', absl::SkipEmpty())) only.insert(std::string(s));
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_tasks), ',', absl::SkipEmpty())) tasks.insert(std::string(s));
+  if (quick && only.empty()) only = {"none", "kara-0.50", "kara-0.25", "snapkv", "kivi4"};
+  auto wanted_task = [&](const std::string& name) { return tasks.empty() || tasks.count(name); };
+
+  // Kara's window by task length: the defaults (W=128, P=16) for the 2048-token run; W=64, P=8 for
+  // the few hundred decoded tokens of the other tasks (a 128-window would compress once or twice).
+  const bool long_run = F >= 1024;
+
+  std::vector<PplTask> ppl_tasks;
+  std::optional<GreedyTask> greedy_task;
+  const auto prep0 = Clock::now();
+  if (!bpe) {
+    std::vector<std::vector<int>> stories = sample_stories(model, streams, P + F, absl::GetFlag(FLAGS_seed));
+    if (wanted_task("stories")) ppl_tasks.push_back({"stories", stories, P, F});
+    if (!quick && !absl::GetFlag(FLAGS_text).empty() && wanted_task("shakespeare")) {
+      ppl_tasks.push_back({"shakespeare", text_windows(model, absl::GetFlag(FLAGS_text), streams, P + F), P, F});
+    }
+    if (wanted_task("stories-greedy")) {
+      GreedyTask g{"stories-greedy", {}, {}, G, false};
+      const int context = std::min(P + 256, P + F);
+      for (const auto& s : stories) {
+        g.prompts.emplace_back(s.begin(), s.begin() + context);
+        g.appended.push_back(P);
+      }
+      greedy_task = std::move(g);
+    }
+  } else {
+    if (!absl::GetFlag(FLAGS_text).empty() && wanted_task("shakespeare")) {
+      ppl_tasks.push_back({"shakespeare", text_windows(model, absl::GetFlag(FLAGS_text), streams, P + F), P, F});
+    }
+    if (!absl::GetFlag(FLAGS_gsm8k).empty() && wanted_task("gsm8k")) {
+      GreedyTask g{"gsm8k", {}, {}, G, true};
+      for (const std::string& q : gsm8k_questions(absl::GetFlag(FLAGS_gsm8k), n_prompts)) {
+        g.prompts.push_back(model.bpe.encode(karakv::llama::chat_prompt(karakv::llama::kSmolLM2System, q)));
+        g.appended.push_back(int(g.prompts.back().size()));
+      }
+      greedy_task = std::move(g);
+    }
+  }
+  std::fprintf(stderr, "prepared the tasks in %.1f s\n", seconds_since(prep0));
 
   std::FILE* csv = std::fopen(absl::GetFlag(FLAGS_csv).c_str(), "w");
   if (!csv) die("cannot write " + absl::GetFlag(FLAGS_csv));
   std::fprintf(csv,
-               "source,policy,params,streams,scored_tokens,perplexity,ppl_vs_none_pct,resident_final,resident_mean,"
-               "logical_final,greedy_agreement,mean_common_prefix,max_abs_dlogp_vs_dense\n");
-  std::printf("llama_quality: %s, dtype %s, %d streams per source; prompt %d (Append) + %d scored (Step); "
-              "agreement: %d context + %d greedy\n",
-              absl::GetFlag(FLAGS_model).c_str(), dtype.c_str(), n, kPrompt, kContext - kPrompt, kAgreeContext,
-              kGreedy);
+               "task,kind,policy,params,sequences,scored_tokens,perplexity,ppl_vs_none_pct,resident_final,"
+               "resident_mean,logical_final,kv_mib_final,ratio_vs_fp16,greedy_agreement,mean_common_prefix,"
+               "max_abs_dlogp_vs_dense,seconds\n");
+  std::printf("llama_quality: %s (%d layers, %d/%d heads, head dim %d), dtype %s\n", absl::GetFlag(FLAGS_model).c_str(),
+              c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), dtype.c_str());
 
-  for (const Source& src : sources) {
-    // The in-process dense reference, with the daemon's storage rounding.
-    karakv::llama::DenseAttention dense(c, dtype);
-    const RunResult ref = run(model, dense, nullptr, src);
-    const double ref_ppl = std::exp(ref.nll / ref.scored);
-    std::printf("\n[%s] dense in-process reference: perplexity %.4f over %d tokens\n", src.name.c_str(), ref_ppl,
-                ref.scored);
-    std::printf("%-14s %-34s %10s %8s %10s %10s %8s %8s %9s\n", "policy", "params", "perplexity", "vs none",
-                "resident", "mean res.", "logical", "agree", "prefix");
+  // Pool: room for every sequence of a task uncompressed at the storage dtype, twice over.
+  const size_t dtype_bytes = dtype == "fp32" ? 4 : 2;
+  const size_t token_bytes = size_t(c.n_layers) * c.kv_dim() * 2 * dtype_bytes;
+  auto pool_mib = [&](size_t sequences, size_t tokens) {
+    return std::max<size_t>(64, 2 * sequences * (tokens + 64) * token_bytes / (1 << 20) + 16);
+  };
 
-    std::vector<PolicySpec> specs = fixed;
-    double none_ppl = 0;
-    const RunResult* none_run = nullptr;
-    RunResult none_holder;
-    auto run_one = [&](const PolicySpec& spec) -> RunResult {
-      Daemon daemon(absl::GetFlag(FLAGS_karakvd), c, dtype);
+  // One task over every policy: `run(spec, client or null)` runs it on a fresh daemon.
+  auto sweep = [&](const std::string& task, int window, int period, size_t pool, auto&& run_task, auto&& report) {
+    std::vector<PolicySpec> specs = all_policies(window, period);
+    double kara25_final = 0;
+    for (PolicySpec spec : specs) {
+      if (!only.empty() && !only.count(spec.label) && spec.label != "none") continue;
+      if (spec.matched) {
+        if (kara25_final == 0) {
+          std::fprintf(stderr, "  %s: skipped (sized from kara-0.25, which did not run)\n", spec.label.c_str());
+          continue;
+        }
+        // Between compactions a threshold policy holds c_target..c_max tokens: centred on Kara
+        // rho=0.25's resident length R at the end of the run, the same memory.
+        const double R = std::round(kara25_final);
+        const double half = std::max(8.0, std::round(R / 32));
+        spec.options.params["c_target"] = R - half;
+        spec.options.params["c_max"] = R + half;
+      }
+      Daemon daemon(absl::GetFlag(FLAGS_karakvd), c, dtype, pool);
       auto client = check(karakv::Client::Attach(daemon.options()));
       check(karakv::llama::DaemonAttention::check_geometry(*client, c));
       karakv::llama::DaemonAttention att(*client, spec.options);
-      return run(model, att, client.get(), src);
-    };
-    auto report = [&](const PolicySpec& spec, const RunResult& r) {
-      const double ppl = std::exp(r.nll / r.scored);
-      if (spec.label == "none") none_ppl = ppl;
-      double agree = 0, prefix = 0, dlogp = 0;
-      const auto& base = none_run ? none_run->greedy : r.greedy;
-      for (size_t b = 0; b < r.greedy.size(); ++b) {
-        int same = 0, pre = 0;
-        bool diverged = false;
-        for (size_t i = 0; i < r.greedy[b].size(); ++i) {
-          const bool eq = r.greedy[b][i] == base[b][i];
-          same += eq;
-          if (!eq) diverged = true;
-          if (!diverged) ++pre;
-        }
-        agree += double(same) / r.greedy[b].size();
-        prefix += pre;
-        for (size_t i = 0; i < r.logp[b].size(); ++i) dlogp = std::max(dlogp, std::abs(r.logp[b][i] - ref.logp[b][i]));
-      }
-      agree /= r.greedy.size();
-      prefix /= r.greedy.size();
-      const double vs_none = none_ppl > 0 ? 100.0 * (ppl / none_ppl - 1) : 0.0;
-      const std::string params = spec.options.params.empty() ? "-" : params_text(spec.options);
-      std::printf("%-14s %-34s %10.4f %+7.2f%% %10.1f %10.1f %8.1f %7.1f%% %9.1f\n", spec.label.c_str(),
-                  params.c_str(), ppl, vs_none, r.resident_final, r.resident_mean, r.logical_final, 100 * agree,
-                  prefix);
-      std::fflush(stdout);
-      std::fprintf(csv, "%s,%s,%s,%d,%d,%.6f,%.4f,%.1f,%.2f,%.1f,%.4f,%.2f,%.3g\n", src.name.c_str(),
-                   spec.label.c_str(), params.c_str(), int(r.greedy.size()), r.scored, ppl, vs_none,
-                   r.resident_final, r.resident_mean, r.logical_final, agree, prefix, dlogp);
-    };
-
-    // none first (the baseline of agreement), then Kara; the threshold baselines are sized from
-    // Kara rho=0.25's final resident length R: c_target = R - 16, c_max = R + 16, so between
-    // compactions they hold R tokens on average, the same memory as Kara at the end of the run.
-    double kara25_final = 0;
-    for (const PolicySpec& spec : specs) {
-      if (!only.empty() && !only.count(spec.label) && spec.label != "none") continue;
-      RunResult r = run_one(spec);
-      if (spec.label == "none") {
-        none_holder = std::move(r);
-        none_run = &none_holder;
-        report(spec, *none_run);
+      // A format the model's geometry cannot hold (KIVI needs head_dim % 32 == 0) is reported
+      // and skipped, not run.
+      if (auto probe = att.create_sequence(); !probe.ok()) {
+        std::printf("%-16s skipped: %s\n", spec.label.c_str(), std::string(probe.status().message()).c_str());
         continue;
+      } else {
+        check(att.release(*probe));
       }
-      if (spec.label == "kara-0.25") kara25_final = r.resident_final;
-      report(spec, r);
+      const double final_resident = report(spec, run_task(att, client.get(), spec.label));
+      if (spec.label == "kara-0.25") kara25_final = final_resident;
     }
-    if (kara25_final == 0) kara25_final = 272;  // when --only skipped it: the value a full run measures
-    const double R = std::round(kara25_final);
-    for (const char* name : {"snapkv", "streaming", "h2o", "chunkkv"}) {
-      PolicySpec spec{name, {}};
-      spec.options.policy = name;
-      spec.options.params = {{"c_target", R - 16}, {"c_max", R + 16}};
-      if (!only.empty() && !only.count(name)) continue;
-      report(spec, run_one(spec));
+    (void)task;
+  };
+
+  for (const PplTask& task : ppl_tasks) {
+    std::printf("\n[%s] perplexity: %zu streams, prompt %d by Append + %d tokens by Step, all %d scored\n",
+                task.name.c_str(), task.streams.size(), task.prompt, task.fed - 1, task.fed);
+    std::printf("%-16s %-36s %10s %8s %9s %9s %8s %8s %7s\n", "policy", "params", "perplexity", "vs none", "resident",
+                "mean res", "logical", "KV MiB", "ratio");
+    std::optional<PplResult> ref;
+    if (absl::GetFlag(FLAGS_reference)) {
+      karakv::llama::DenseAttention dense(c, dtype);
+      ref = perplexity(model, dense, nullptr, task, "dense reference");
+      std::printf("%-16s %-36s %10.4f   (in process, no daemon)\n", "dense-ref", "-", std::exp(ref->nll / ref->scored));
     }
+    double none_ppl = 0;
+    const int window = long_run ? 128 : 64, period = long_run ? 16 : 8;
+    sweep(
+        task.name, window, period, pool_mib(task.streams.size(), task.prompt + task.fed),
+        [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
+          return perplexity(model, att, client, task, label);
+        },
+        [&](const PolicySpec& spec, const PplResult& r) {
+          Row row{task.name, "perplexity", spec.label, params_text(spec.options), int(task.streams.size()), r.scored, NAN, NAN, NAN, {}};
+          row.ppl = std::exp(r.nll / r.scored);
+          if (spec.label == "none") none_ppl = row.ppl;
+          row.vs_none = none_ppl > 0 ? 100.0 * (row.ppl / none_ppl - 1) : NAN;
+          row.end = r.end;
+          row.resident_mean = r.resident_mean;
+          row.seconds = r.seconds;
+          if (ref) {
+            row.dlogp = 0;
+            for (size_t b = 0; b < r.logp.size(); ++b)
+              for (size_t i = 0; i < r.logp[b].size(); ++i)
+                row.dlogp = std::max(row.dlogp, std::abs(r.logp[b][i] - ref->logp[b][i]));
+          }
+          std::printf("%-16s %-36s %10.4f %+7.2f%% %9.1f %9.1f %8.1f %8.2f %6.2fx\n", spec.label.c_str(),
+                      row.params.c_str(), row.ppl, row.vs_none, r.end.resident, r.resident_mean, r.end.logical,
+                      r.end.kv_bytes / (1 << 20), ratio_vs_fp16(r.end));
+          std::fflush(stdout);
+          write_row(csv, row);
+          return r.end.resident;
+        });
+  }
+
+  if (greedy_task) {
+    const GreedyTask& task = *greedy_task;
+    size_t longest = 0;
+    for (const auto& p : task.prompts) longest = std::max(longest, p.size());
+    std::printf("\n[%s] greedy agreement with none: %zu prompts, up to %d greedy tokens%s\n", task.name.c_str(),
+                task.prompts.size(), task.gen, task.stop_at_control ? " (stopping at <|im_end|>)" : "");
+    std::printf("%-16s %-36s %9s %9s %8s %8s %7s\n", "policy", "params", "agreement", "prefix", "resident", "logical",
+                "ratio");
+    std::vector<std::vector<int>> base;
+    sweep(
+        task.name, 64, 8, pool_mib(task.prompts.size(), longest + task.gen),
+        [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
+          return greedy(model, att, client, task, label);
+        },
+        [&](const PolicySpec& spec, const GreedyResult& r) {
+          if (spec.label == "none") base = r.outputs;
+          Row row{task.name, "greedy", spec.label, params_text(spec.options), int(task.prompts.size()), 0, NAN, NAN, NAN, {}};
+          double agree = 0, prefix = 0;
+          for (size_t b = 0; b < r.outputs.size(); ++b) {
+            const auto &x = r.outputs[b], &y = base[b];
+            const size_t common = std::min(x.size(), y.size());
+            size_t same = 0, pre = 0;
+            bool diverged = false;
+            for (size_t i = 0; i < common; ++i) {
+              same += x[i] == y[i];
+              diverged = diverged || x[i] != y[i];
+              pre += !diverged;
+            }
+            agree += double(same) / std::max<size_t>(1, std::max(x.size(), y.size()));
+            prefix += double(pre);
+            row.scored += int(x.size());
+          }
+          row.agree = agree / r.outputs.size();
+          row.prefix = prefix / r.outputs.size();
+          row.end = r.end;
+          row.seconds = r.seconds;
+          std::printf("%-16s %-36s %8.1f%% %9.1f %8.1f %8.1f %6.2fx\n", spec.label.c_str(), row.params.c_str(),
+                      100 * row.agree, row.prefix, r.end.resident, r.end.logical, ratio_vs_fp16(r.end));
+          std::fflush(stdout);
+          write_row(csv, row);
+          return r.end.resident;
+        });
   }
   std::fclose(csv);
   std::printf("\nwrote %s\n", absl::GetFlag(FLAGS_csv).c_str());
