@@ -3,10 +3,12 @@
 // refused request leaves no trace. One mutex serialises state changes and the kernels they run.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -155,6 +157,11 @@ class Registry {
   struct StepResult {
     uint64_t decode_step = 0;
     int compactions = 0;
+    // Set when this call completed a decode step (last layer): seconds since the batch's earliest
+    // layer-0 Step began (the worker's compute between layers included), and, for each sequence
+    // whose first decode step this was, seconds since its first Append (TTFT as the daemon sees it).
+    double step_seconds = 0;
+    std::vector<double> first_step_seconds;
   };
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
   // When this completes a decode step (last layer), the scheduler runs: threshold policies of the
@@ -224,6 +231,10 @@ class Registry {
     // H2O accumulated attention per slot: [L * Hk][length (+1 while a token is pending)].
     std::vector<std::vector<float>> attention;
     int32_t compactions = 0;
+    // Metrics only: when the first Append arrived (cleared once the first decode step completes)
+    // and when the current step's layer-0 Step began.
+    std::optional<std::chrono::steady_clock::time_point> first_append;
+    std::chrono::steady_clock::time_point step_started;
     // Quantized storage: the oldest quantized() slots live in qblocks, tokens_per_qblock each;
     // the block table `blocks` holds the rest (slot quantized() is its slot 0).
     bool quantize = false;

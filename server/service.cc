@@ -245,7 +245,9 @@ absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* re
   }
   reply->set_decode_step(r->decode_step);
   reply->set_compactions(r->compactions);
-  if (req.layer() + 1 == registry_->geometry().num_layers) metrics_->decode_step(req.sequence_ids_size());
+  if (req.layer() + 1 == registry_->geometry().num_layers) {
+    metrics_->decode_step(req.sequence_ids_size(), r->step_seconds, r->first_step_seconds);
+  }
   return absl::OkStatus();
 }
 
