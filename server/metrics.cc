@@ -2,7 +2,9 @@
 // _bytes units, and only bounded labels (method and status code, never ids).
 #include "server/metrics.h"
 
+#include <algorithm>
 #include <mutex>
+#include <tuple>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -165,6 +167,25 @@ void Metrics::compaction(const std::string& policy, int tokens_removed, double s
   compactions_->Add({{"policy", policy}}).Increment();
   tokens_removed_->Add({{"policy", policy}}).Increment(tokens_removed);
   compaction_seconds_->Add({{"policy", policy}}, kBuckets).Observe(seconds);
+}
+
+std::vector<RpcErrorCount> Metrics::rpc_errors() const {
+  std::vector<RpcErrorCount> out;
+  for (const prometheus::MetricFamily& family : rpc_errors_->Collect()) {
+    for (const prometheus::ClientMetric& m : family.metric) {
+      RpcErrorCount e;
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == "method") e.method = l.value;
+        if (l.name == "code") e.code = l.value;
+      }
+      e.count = static_cast<uint64_t>(m.counter.value);
+      out.push_back(std::move(e));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const RpcErrorCount& a, const RpcErrorCount& b) {
+    return std::tie(a.method, a.code) < std::tie(b.method, b.code);
+  });
+  return out;
 }
 
 void Metrics::invariant_violation() { invariant_violations_->Increment(); }

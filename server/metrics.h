@@ -20,6 +20,11 @@
 
 namespace karakv::server {
 
+struct RpcErrorCount {
+  std::string method, code;
+  uint64_t count = 0;
+};
+
 class Metrics {
  public:
   // `listen` is "host:port"; empty keeps metrics in memory without serving /metrics.
@@ -34,6 +39,8 @@ class Metrics {
   // batch's first-layer Step, and the time to first step of the sequences it was the first for.
   void decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds);
   void invariant_violation();
+  // Failed RPCs so far by method and code, read back from the counters (for the Stats RPC).
+  std::vector<RpcErrorCount> rpc_errors() const;
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
   void compaction(const std::string& policy, int tokens_removed, double seconds);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }

@@ -654,6 +654,7 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
   }
   result.step_seconds = std::chrono::duration<double>(finished - earliest).count();
   ++decode_steps_;
+  decode_tokens_ += batch;
   result.decode_step = decode_steps_;
   result.compactions = run_scheduler(seqs);
   return result;
@@ -1215,6 +1216,7 @@ RegistryStats Registry::stats() const {
   s.sessions = static_cast<int32_t>(sessions_.size());
   s.decode_steps = decode_steps_;
   s.tokens_appended = tokens_appended_;
+  s.decode_tokens = decode_tokens_;
   s.lease_expiries = lease_expiries_;
   s.policies = policy_stats_;
   for (const auto& [id, seq] : sequences_) {

@@ -110,6 +110,7 @@ struct RegistryStats {
   int32_t sessions = 0;
   uint64_t decode_steps = 0;
   uint64_t tokens_appended = 0;
+  uint64_t decode_tokens = 0;  // tokens added by completed decode steps (one per sequence per step)
   uint64_t lease_expiries = 0;
   uint64_t logical_tokens = 0;
   uint64_t query_cache_bytes = 0;
@@ -314,6 +315,7 @@ class Registry {
   uint64_t next_sequence_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_appended_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t decode_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t lease_expiries_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, PolicyStats> policy_stats_ ABSL_GUARDED_BY(mu_);
   std::function<void(const CompactionResult&)> observer_ ABSL_GUARDED_BY(mu_);

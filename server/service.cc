@@ -308,6 +308,13 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
   reply->set_sessions(s.sessions);
   reply->set_decode_steps(s.decode_steps);
   reply->set_tokens_appended(s.tokens_appended);
+  reply->set_decode_tokens(s.decode_tokens);
+  for (const RpcErrorCount& e : metrics_->rpc_errors()) {
+    v1::RpcErrorCount* out = reply->add_rpc_errors();
+    out->set_method(e.method);
+    out->set_code(e.code);
+    out->set_count(e.count);
+  }
   reply->set_lease_expiries(s.lease_expiries);
   reply->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   reply->set_logical_tokens(s.logical_tokens);
