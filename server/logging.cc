@@ -4,8 +4,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpc/support/log.h"
 #include "spdlog/pattern_formatter.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 namespace karakv::server {
@@ -56,6 +58,13 @@ void grpc_log_to_spdlog(gpr_log_func_args* args) {
   spdlog::log(level, "grpc {}:{}: {}", args->file, args->line, args->message);
 }
 
+void protobuf_log_to_spdlog(google::protobuf::LogLevel severity, const char* file, int line, const std::string& message) {
+  const auto level = severity == google::protobuf::LOGLEVEL_INFO      ? spdlog::level::info
+                     : severity == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                                      : spdlog::level::err;
+  spdlog::log(level, "protobuf {}:{}: {}", file, line, message);
+}
+
 }  // namespace
 
 void append_json_escaped(std::string_view text, std::string* out) {
@@ -102,9 +111,13 @@ absl::StatusOr<std::unique_ptr<spdlog::formatter>> make_log_formatter(const std:
 absl::Status setup_logging(const std::string& format, const std::string& level) {
   auto f = make_log_formatter(format);
   if (!f.ok()) return f.status();
+  // stderr, like every line the libraries below might print, so one stream holds the whole log.
+  auto logger = std::make_shared<spdlog::logger>("karakvd", std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  spdlog::set_default_logger(logger);
   spdlog::set_formatter(std::move(*f));
   spdlog::set_level(spdlog::level::from_str(level));
   gpr_set_log_function(grpc_log_to_spdlog);
+  google::protobuf::SetLogHandler(protobuf_log_to_spdlog);
   return absl::OkStatus();
 }
 

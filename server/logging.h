@@ -1,5 +1,5 @@
 // karakvd's log output: spdlog with a text pattern, or one JSON object per line for log shippers
-// (--log_format=json); gRPC's own log lines go through the same sink.
+// (--log_format=json), on stderr; gRPC's and protobuf's own log lines go through the same sink.
 #pragma once
 
 #include <memory>

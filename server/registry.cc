@@ -638,12 +638,12 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     result.decode_step = decode_steps_;
     return result;
   }
-  const auto finished = std::chrono::steady_clock::now();
   auto earliest = started;
+  std::vector<std::chrono::steady_clock::time_point> first_appends;
   for (Sequence* seq : seqs) {
     earliest = std::min(earliest, seq->step_started);
     if (seq->first_append) {
-      result.first_step_seconds.push_back(std::chrono::duration<double>(finished - *seq->first_append).count());
+      first_appends.push_back(*seq->first_append);
       seq->first_append.reset();
     }
     seq->length += 1;
@@ -652,11 +652,16 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     trim_queries(*seq);
     quantize_aged(*seq);
   }
-  result.step_seconds = std::chrono::duration<double>(finished - earliest).count();
   ++decode_steps_;
   decode_tokens_ += batch;
   result.decode_step = decode_steps_;
   result.compactions = run_scheduler(seqs);
+  // The reply follows the scheduler, so the step's compactions count in its latency.
+  const auto finished = std::chrono::steady_clock::now();
+  result.step_seconds = std::chrono::duration<double>(finished - earliest).count();
+  for (const auto& t : first_appends) {
+    result.first_step_seconds.push_back(std::chrono::duration<double>(finished - t).count());
+  }
   return result;
 }
 

@@ -111,6 +111,9 @@ grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx,
   --in_flight_;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   metrics_->observe_rpc(method, seconds, status.code());
+  if (!status.ok() && spdlog::should_log(spdlog::level::debug)) {
+    spdlog::debug("{} refused: {}: {}", method, absl::StatusCodeToString(status.code()), std::string(status.message()));
+  }
   if (mutates && check_invariants_) {
     if (absl::Status inv = registry_->check_invariants(); !inv.ok()) {
       spdlog::critical("pool invariant broken after {}: {}", method, std::string(inv.message()));
@@ -135,6 +138,8 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   *reply->mutable_geometry() = to_proto(registry_->geometry());
   reply->set_staging_name(r->staging_name);
   reply->set_staging_bytes(r->staging_bytes);
+  spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of staging", r->session_id, req.worker_id(),
+               req.tenant().empty() ? "default" : req.tenant(), r->staging_bytes);
   return absl::OkStatus();
 }
 
@@ -352,6 +357,7 @@ grpc::ServerUnaryReactor* KaraKVService::Detach(grpc::CallbackServerContext* ctx
   return serve(ctx, "Detach", true, [&]() -> absl::Status {
     auto n = registry_->detach(req->session_id());
     if (!n.ok()) return n.status();
+    spdlog::info("session {} detached: {} sequence(s) released", req->session_id(), *n);
     reply->set_sequences_released(static_cast<uint32_t>(*n));
     return absl::OkStatus();
   });
