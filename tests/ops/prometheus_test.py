@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.parse
 
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from opslib import Daemon, free_port, http_get, skip, wait_for  # noqa: E402
 
@@ -195,6 +196,14 @@ def with_prometheus(args, promtool, prometheus, daemon, metrics_port, workdir):
         ratio = query(prom, 'karakv_compression_ratio{kind="actual",policy="kara"}')["data"]["result"]
         check(ratio and float(ratio[0]["value"][1]) > 1,
               f"Kara's actual compression ratio is above 1 once it has compacted: {ratio}")
+        # Every family is present now (errors, live Kara sequences, compactions): the documented
+        # list must be exactly what the daemon exports.
+        scraped = set(re.findall(r"^# TYPE (karakv_\w+) (\w+)$", http_get(f"http://127.0.0.1:{metrics_port}/metrics"),
+                                 re.M))
+        with open(os.path.join(args.deploy, "README.md")) as f:
+            documented = set(re.findall(r"^\| `(karakv_\w+)` \| (\w+) \|", f.read(), re.M))
+        check(scraped == documented, f"deploy/README.md lists exactly the exported metrics and types; only scraped: "
+              f"{sorted(scraped - documented)}, only documented: {sorted(documented - scraped)}")
 
         # A killed worker stops heartbeating: its lease (2 s) expires and the counter reaches Prometheus.
         worker.send_signal(signal.SIGKILL)
