@@ -365,6 +365,7 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
   out.resident_tokens = r.resident_tokens();
   out.decode_steps = r.decode_steps();
   out.tokens_appended = r.tokens_appended();
+  out.decode_tokens = r.decode_tokens();
   out.lease_expiries = r.lease_expiries();
   out.sequences = r.sequences();
   out.sessions = r.sessions();

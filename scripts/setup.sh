@@ -9,7 +9,10 @@ cd "$(dirname "$0")/.."
 packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libabsl-dev libspdlog-dev prometheus-cpp-dev
-          libgtest-dev libgmock-dev libbenchmark-dev redis-server)
+          libgtest-dev libgmock-dev libbenchmark-dev redis-server
+          # tests/ops: promtool and a real Prometheus server check the metrics, the alert rules and
+          # every query of the Grafana dashboard; python3 runs those script tests.
+          prometheus python3)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -19,21 +19,13 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "karakv/kernels/backend.h"
 #include "server/config.h"
+#include "server/logging.h"
 #include "server/metrics.h"
 #include "server/registry.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
 
 namespace {
-
-void setup_logging(const karakv::server::DaemonConfig& c) {
-  if (c.log_format == "json") {
-    spdlog::set_pattern(R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l","logger":"karakvd","msg":"%v"})");
-  } else {
-    spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ karakvd: %v");
-  }
-  spdlog::set_level(spdlog::level::from_str(c.log_level));
-}
 
 int fail(const absl::Status& s) {
   spdlog::error("{}", std::string(s.message()));
@@ -71,7 +63,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
-  setup_logging(*config);
+  if (absl::Status s = karakv::server::setup_logging(config->log_format, config->log_level); !s.ok()) {
+    std::fprintf(stderr, "karakvd: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
 
   // Signals are taken synchronously by sigwait below; block them before any thread starts.
   sigset_t signals;

@@ -2,7 +2,10 @@
 // _bytes units, and only bounded labels (method and status code, never ids).
 #include "server/metrics.h"
 
+#include <algorithm>
 #include <mutex>
+#include <tuple>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -64,6 +67,22 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->lease_expiries_ = counter("karakv_lease_expiries_total", "Sessions freed because their lease ran out");
   m->decode_tokens_ = counter("karakv_decode_tokens_total", "Tokens produced by completed decode steps");
   m->decode_steps_ = counter("karakv_decode_steps_total", "Completed decode steps (last layer's Step)");
+  m->decode_step_seconds_ = &prometheus::BuildHistogram()
+                                 .Name("karakv_decode_step_duration_seconds")
+                                 .Help("One decode step of a batch: from its layer-0 Step request to its last "
+                                       "layer's Step reply (the worker's compute between layers included)")
+                                 .Register(reg)
+                                 .Add({}, prometheus::Histogram::BucketBoundaries{
+                                              100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+                                              100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0});
+  m->first_step_seconds_ = &prometheus::BuildHistogram()
+                                .Name("karakv_time_to_first_token_seconds")
+                                .Help("TTFT as the daemon sees it: from a sequence's first Append to the reply of "
+                                      "its first completed decode step")
+                                .Register(reg)
+                                .Add({}, prometheus::Histogram::BucketBoundaries{
+                                             1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0,
+                                             2.5, 5.0, 10.0, 30.0});
   m->invariant_violations_ = counter("karakv_invariant_violations_total",
                                      "Pool invariant check failures (--check_invariants)");
   m->compactions_ = &prometheus::BuildCounter()
@@ -122,13 +141,24 @@ void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const ker
   logical_tokens_->Set(double(s.logical_tokens));
   query_cache_bytes_->Set(double(s.query_cache_bytes));
   score_bytes_->Set(double(s.score_bytes));
+  // A policy's gauges exist while it has live sequences; a stale ratio would outlive them otherwise.
+  std::lock_guard<std::mutex> lock(policy_mu_);
+  std::set<std::string> live;
   for (const auto& [policy, p] : s.policies) {
     if (p.sequences == 0) continue;
+    live.insert(policy);
     compression_ratio_->Add({{"policy", policy}, {"kind", "actual"}})
         .Set(p.kv_bytes ? double(p.fp16_bytes) / double(p.kv_bytes) : 0.0);
     compression_ratio_->Add({{"policy", policy}, {"kind", "nominal"}}).Set(p.nominal_ratio);
     policy_kv_bytes_->Add({{"policy", policy}}).Set(double(p.kv_bytes));
   }
+  for (const std::string& policy : exported_policies_) {
+    if (live.count(policy)) continue;
+    compression_ratio_->Remove(&compression_ratio_->Add({{"policy", policy}, {"kind", "actual"}}));
+    compression_ratio_->Remove(&compression_ratio_->Add({{"policy", policy}, {"kind", "nominal"}}));
+    policy_kv_bytes_->Remove(&policy_kv_bytes_->Add({{"policy", policy}}));
+  }
+  exported_policies_ = std::move(live);
 }
 
 void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {
@@ -139,13 +169,34 @@ void Metrics::compaction(const std::string& policy, int tokens_removed, double s
   compaction_seconds_->Add({{"policy", policy}}, kBuckets).Observe(seconds);
 }
 
+std::vector<RpcErrorCount> Metrics::rpc_errors() const {
+  std::vector<RpcErrorCount> out;
+  for (const prometheus::MetricFamily& family : rpc_errors_->Collect()) {
+    for (const prometheus::ClientMetric& m : family.metric) {
+      RpcErrorCount e;
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        if (l.name == "method") e.method = l.value;
+        if (l.name == "code") e.code = l.value;
+      }
+      e.count = static_cast<uint64_t>(m.counter.value);
+      out.push_back(std::move(e));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const RpcErrorCount& a, const RpcErrorCount& b) {
+    return std::tie(a.method, a.code) < std::tie(b.method, b.code);
+  });
+  return out;
+}
+
 void Metrics::invariant_violation() { invariant_violations_->Increment(); }
 
 void Metrics::lease_expired(int n) { lease_expiries_->Increment(n); }
 
-void Metrics::decode_step(int tokens) {
+void Metrics::decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds) {
   decode_steps_->Increment();
   decode_tokens_->Increment(tokens);
+  decode_step_seconds_->Observe(step_seconds);
+  for (double s : first_step_seconds) first_step_seconds_->Observe(s);
 }
 
 }  // namespace karakv::server

@@ -4,7 +4,10 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "prometheus/counter.h"
@@ -17,6 +20,11 @@
 
 namespace karakv::server {
 
+struct RpcErrorCount {
+  std::string method, code;
+  uint64_t count = 0;
+};
+
 class Metrics {
  public:
   // `listen` is "host:port"; empty keeps metrics in memory without serving /metrics.
@@ -27,8 +35,12 @@ class Metrics {
   // Pool, sequence and session gauges from a registry snapshot.
   void update_state(const RegistryStats& stats, size_t block_bytes, const kernels::Geometry& g);
   void lease_expired(int n);
-  void decode_step(int tokens);
+  // A completed decode step (the last layer's Step) of `tokens` sequences: its duration from the
+  // batch's first-layer Step, and the time to first step of the sequences it was the first for.
+  void decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds);
   void invariant_violation();
+  // Failed RPCs so far by method and code, read back from the counters (for the Stats RPC).
+  std::vector<RpcErrorCount> rpc_errors() const;
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
   void compaction(const std::string& policy, int tokens_removed, double seconds);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -55,6 +67,8 @@ class Metrics {
   prometheus::Counter* lease_expiries_ = nullptr;
   prometheus::Counter* decode_tokens_ = nullptr;
   prometheus::Counter* decode_steps_ = nullptr;
+  prometheus::Histogram* decode_step_seconds_ = nullptr;
+  prometheus::Histogram* first_step_seconds_ = nullptr;
   prometheus::Counter* invariant_violations_ = nullptr;
   prometheus::Family<prometheus::Counter>* compactions_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_removed_ = nullptr;
@@ -64,6 +78,8 @@ class Metrics {
   prometheus::Gauge* score_bytes_ = nullptr;
   prometheus::Family<prometheus::Gauge>* compression_ratio_ = nullptr;
   prometheus::Family<prometheus::Gauge>* policy_kv_bytes_ = nullptr;
+  std::mutex policy_mu_;                       // scrapes may refresh concurrently
+  std::set<std::string> exported_policies_;    // policies whose gauges are exported now
 };
 
 }  // namespace karakv::server

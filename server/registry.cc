@@ -334,6 +334,7 @@ absl::StatusOr<uint64_t> Registry::fork_sequence(const std::string& session_id, 
   Sequence child = **parent;  // copies the table; the blocks are now shared
   child.id = id;
   child.session_id = session_id;
+  child.first_append.reset();  // the parent's TTFT is the parent's
   for (int32_t b : child.blocks) pool_.add_ref(b);
   for (int32_t b : child.qblocks) pool_.add_ref(b);
   sequences_[id] = std::move(child);
@@ -425,6 +426,7 @@ kernels::PagedKV Registry::paged_view(const std::vector<const Sequence*>& seqs,
 absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t sequence_id,
                                          int32_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q,
                                          int32_t num_query_tokens) {
+  const auto received = std::chrono::steady_clock::now();
   const Geometry& g = config_.geometry;
   if (num_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens is ", num_tokens, ", expected >= 1"));
@@ -483,6 +485,7 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
     return to_status(s);
   }
   const int32_t first_q = new_length - num_query_tokens;
+  if (seq.logical == 0) seq.first_append = received;
   seq.length = new_length;
   seq.logical += num_tokens;
   for (auto& row : seq.attention) row.resize(seq.length, 0.0f);
@@ -538,6 +541,7 @@ void Registry::trim_queries(Sequence& seq) {
 absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_id, int32_t layer,
                                                     absl::Span<const uint64_t> sequence_ids, ConstBytes k,
                                                     ConstBytes v, ConstBytes q, MutableBytes out, float scale) {
+  const auto started = std::chrono::steady_clock::now();
   const Geometry& g = config_.geometry;
   const size_t batch = sequence_ids.size();
   if (batch == 0) return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
@@ -598,6 +602,7 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
       }
       if (absl::Status s = reserve(*seq, seq->length + 1); !s.ok()) return s;  // counted above
       for (auto& row : seq->attention) row.resize(seq->length + 1, 0.0f);
+      seq->step_started = started;
     }
   }
   std::vector<const Sequence*> view(seqs.begin(), seqs.end());
@@ -633,7 +638,14 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     result.decode_step = decode_steps_;
     return result;
   }
+  auto earliest = started;
+  std::vector<std::chrono::steady_clock::time_point> first_appends;
   for (Sequence* seq : seqs) {
+    earliest = std::min(earliest, seq->step_started);
+    if (seq->first_append) {
+      first_appends.push_back(*seq->first_append);
+      seq->first_append.reset();
+    }
     seq->length += 1;
     seq->logical += 1;
     seq->pending_layer = -1;
@@ -641,8 +653,15 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     quantize_aged(*seq);
   }
   ++decode_steps_;
+  decode_tokens_ += batch;
   result.decode_step = decode_steps_;
   result.compactions = run_scheduler(seqs);
+  // The reply follows the scheduler, so the step's compactions count in its latency.
+  const auto finished = std::chrono::steady_clock::now();
+  result.step_seconds = std::chrono::duration<double>(finished - earliest).count();
+  for (const auto& t : first_appends) {
+    result.first_step_seconds.push_back(std::chrono::duration<double>(finished - t).count());
+  }
   return result;
 }
 
@@ -1202,6 +1221,7 @@ RegistryStats Registry::stats() const {
   s.sessions = static_cast<int32_t>(sessions_.size());
   s.decode_steps = decode_steps_;
   s.tokens_appended = tokens_appended_;
+  s.decode_tokens = decode_tokens_;
   s.lease_expiries = lease_expiries_;
   s.policies = policy_stats_;
   for (const auto& [id, seq] : sequences_) {

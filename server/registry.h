@@ -3,10 +3,12 @@
 // refused request leaves no trace. One mutex serialises state changes and the kernels they run.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,6 +110,7 @@ struct RegistryStats {
   int32_t sessions = 0;
   uint64_t decode_steps = 0;
   uint64_t tokens_appended = 0;
+  uint64_t decode_tokens = 0;  // tokens added by completed decode steps (one per sequence per step)
   uint64_t lease_expiries = 0;
   uint64_t logical_tokens = 0;
   uint64_t query_cache_bytes = 0;
@@ -155,6 +158,11 @@ class Registry {
   struct StepResult {
     uint64_t decode_step = 0;
     int compactions = 0;
+    // Set when this call completed a decode step (last layer): seconds since the batch's earliest
+    // layer-0 Step began (the worker's compute between layers included), and, for each sequence
+    // whose first decode step this was, seconds since its first Append (TTFT as the daemon sees it).
+    double step_seconds = 0;
+    std::vector<double> first_step_seconds;
   };
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
   // When this completes a decode step (last layer), the scheduler runs: threshold policies of the
@@ -224,6 +232,10 @@ class Registry {
     // H2O accumulated attention per slot: [L * Hk][length (+1 while a token is pending)].
     std::vector<std::vector<float>> attention;
     int32_t compactions = 0;
+    // Metrics only: when the first Append arrived (cleared once the first decode step completes)
+    // and when the current step's layer-0 Step began.
+    std::optional<std::chrono::steady_clock::time_point> first_append;
+    std::chrono::steady_clock::time_point step_started;
     // Quantized storage: the oldest quantized() slots live in qblocks, tokens_per_qblock each;
     // the block table `blocks` holds the rest (slot quantized() is its slot 0).
     bool quantize = false;
@@ -303,6 +315,7 @@ class Registry {
   uint64_t next_sequence_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_appended_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t decode_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t lease_expiries_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, PolicyStats> policy_stats_ ABSL_GUARDED_BY(mu_);
   std::function<void(const CompactionResult&)> observer_ ABSL_GUARDED_BY(mu_);

@@ -111,6 +111,9 @@ grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx,
   --in_flight_;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   metrics_->observe_rpc(method, seconds, status.code());
+  if (!status.ok() && spdlog::should_log(spdlog::level::debug)) {
+    spdlog::debug("{} refused: {}: {}", method, absl::StatusCodeToString(status.code()), std::string(status.message()));
+  }
   if (mutates && check_invariants_) {
     if (absl::Status inv = registry_->check_invariants(); !inv.ok()) {
       spdlog::critical("pool invariant broken after {}: {}", method, std::string(inv.message()));
@@ -135,6 +138,8 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   *reply->mutable_geometry() = to_proto(registry_->geometry());
   reply->set_staging_name(r->staging_name);
   reply->set_staging_bytes(r->staging_bytes);
+  spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of staging", r->session_id, req.worker_id(),
+               req.tenant().empty() ? "default" : req.tenant(), r->staging_bytes);
   return absl::OkStatus();
 }
 
@@ -245,7 +250,9 @@ absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* re
   }
   reply->set_decode_step(r->decode_step);
   reply->set_compactions(r->compactions);
-  if (req.layer() + 1 == registry_->geometry().num_layers) metrics_->decode_step(req.sequence_ids_size());
+  if (req.layer() + 1 == registry_->geometry().num_layers) {
+    metrics_->decode_step(req.sequence_ids_size(), r->step_seconds, r->first_step_seconds);
+  }
   return absl::OkStatus();
 }
 
@@ -306,6 +313,13 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
   reply->set_sessions(s.sessions);
   reply->set_decode_steps(s.decode_steps);
   reply->set_tokens_appended(s.tokens_appended);
+  reply->set_decode_tokens(s.decode_tokens);
+  for (const RpcErrorCount& e : metrics_->rpc_errors()) {
+    v1::RpcErrorCount* out = reply->add_rpc_errors();
+    out->set_method(e.method);
+    out->set_code(e.code);
+    out->set_count(e.count);
+  }
   reply->set_lease_expiries(s.lease_expiries);
   reply->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   reply->set_logical_tokens(s.logical_tokens);
@@ -343,6 +357,7 @@ grpc::ServerUnaryReactor* KaraKVService::Detach(grpc::CallbackServerContext* ctx
   return serve(ctx, "Detach", true, [&]() -> absl::Status {
     auto n = registry_->detach(req->session_id());
     if (!n.ok()) return n.status();
+    spdlog::info("session {} detached: {} sequence(s) released", req->session_id(), *n);
     reply->set_sequences_released(static_cast<uint32_t>(*n));
     return absl::OkStatus();
   });

@@ -1,14 +1,20 @@
-// karakv: the operator's command line for karakvd. `karakv health | stats | sequences`, text or
-// --json. Exit status: 0 ok, 1 the daemon answered with an error or is not serving, 2 usage.
+// karakv: the operator's command line for karakvd. `karakv health | stats | sequences | inspect |
+// compact | top`, text or --json. Exit status: 0 ok, 1 the daemon answered with an error or is not serving, 2 usage.
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -21,6 +27,9 @@ ABSL_FLAG(bool, check_invariants, false, "stats: also run the pool invariant che
 ABSL_FLAG(std::string, session, "", "sequences: only this session's sequences");
 ABSL_FLAG(std::string, tenant, "default", "compact: the tenant whose sequences to compact");
 ABSL_FLAG(bool, dry_run, false, "compact: show what would be kept, change nothing");
+ABSL_FLAG(int, iterations, 0, "top: frames to show before exiting (0: until interrupted)");
+ABSL_FLAG(double, interval, 1.0, "top: seconds between frames");
+ABSL_FLAG(int, rows, 20, "top: most sequences listed (largest first)");
 
 namespace {
 
@@ -324,17 +333,154 @@ int cmd_compact(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
   return rc;
 }
 
+
+// One frame of `karakv top`: what Stats and ListSequences say now, with rates over the time since
+// the previous frame (`prev`, absent on the first).
+struct TopSample {
+  v1::StatsReply stats;
+  std::chrono::steady_clock::time_point at;
+};
+
+std::string top_frame(const TopSample& now, const TopSample* prev, const v1::ListSequencesReply& seqs,
+                      const std::string& target, int max_rows) {
+  const v1::StatsReply& r = now.stats;
+  std::string out;
+  const double used_pct = r.blocks_total() ? 100.0 * r.blocks_used() / r.blocks_total() : 0.0;
+  constexpr int kBar = 40;
+  const int filled = static_cast<int>(used_pct / 100.0 * kBar + 0.5);
+  uint64_t compactions = 0, failures = 0;
+  double compaction_seconds = 0;
+  for (const auto& p : r.policies()) {
+    compactions += p.compactions();
+    failures += p.compaction_failures();
+    compaction_seconds += p.compaction_seconds();
+  }
+  uint64_t errors = 0;
+  for (const auto& e : r.rpc_errors()) errors += e.count();
+  absl::StrAppendFormat(&out, "karakv top  %s  backend %s  uptime %.0f s\n", target, r.backend(), r.uptime_seconds());
+  absl::StrAppendFormat(&out, "pool        [%s%s] %.1f%%  blocks used %llu / %llu, free %llu  (%.1f of %.1f MiB)\n",
+                        std::string(filled, '#'), std::string(kBar - filled, '.'), used_pct,
+                        (unsigned long long)r.blocks_used(), (unsigned long long)r.blocks_total(),
+                        (unsigned long long)r.blocks_free(), r.blocks_used() * double(r.block_bytes()) / 1048576.0,
+                        r.pool_bytes() / 1048576.0);
+  absl::StrAppendFormat(&out, "tokens      resident %llu  logical %llu  (resident/logical %.3f)\n",
+                        (unsigned long long)r.resident_tokens(), (unsigned long long)r.logical_tokens(),
+                        r.logical_tokens() ? double(r.resident_tokens()) / r.logical_tokens() : 1.0);
+  absl::StrAppendFormat(&out, "sessions    %u  sequences %u  lease expiries %llu\n", r.sessions(), r.sequences(),
+                        (unsigned long long)r.lease_expiries());
+  if (prev != nullptr) {
+    const double dt = std::max(1e-9, std::chrono::duration<double>(now.at - prev->at).count());
+    double prev_seconds = 0;
+    uint64_t prev_compactions = 0;
+    for (const auto& p : prev->stats.policies()) {
+      prev_compactions += p.compactions();
+      prev_seconds += p.compaction_seconds();
+    }
+    uint64_t prev_errors = 0;
+    for (const auto& e : prev->stats.rpc_errors()) prev_errors += e.count();
+    // Counters only grow while the daemon lives; a restart between frames would make these negative.
+    auto rate = [dt](uint64_t a, uint64_t b) { return a >= b ? double(a - b) / dt : 0.0; };
+    absl::StrAppendFormat(&out, "throughput  steps/s %.1f  tokens/s %.1f  (decode steps %llu, tokens %llu)\n",
+                          rate(r.decode_steps(), prev->stats.decode_steps()),
+                          rate(r.decode_tokens(), prev->stats.decode_tokens()),
+                          (unsigned long long)r.decode_steps(), (unsigned long long)r.decode_tokens());
+    absl::StrAppendFormat(&out,
+                          "compaction  %llu total, %.1f/s, %.1f%% of wall time  (%.3f s total, %llu failed)\n",
+                          (unsigned long long)compactions, rate(compactions, prev_compactions),
+                          100.0 * std::max(0.0, compaction_seconds - prev_seconds) / dt, compaction_seconds,
+                          (unsigned long long)failures);
+    absl::StrAppendFormat(&out, "errors      %llu total, %.1f/s", (unsigned long long)errors, rate(errors, prev_errors));
+  } else {
+    absl::StrAppendFormat(&out, "throughput  steps/s -  tokens/s -  (decode steps %llu, tokens %llu)\n",
+                          (unsigned long long)r.decode_steps(), (unsigned long long)r.decode_tokens());
+    absl::StrAppendFormat(&out, "compaction  %llu total, -/s  (%.3f s total, %llu failed)\n",
+                          (unsigned long long)compactions, compaction_seconds, (unsigned long long)failures);
+    absl::StrAppendFormat(&out, "errors      %llu total", (unsigned long long)errors);
+  }
+  for (const auto& e : r.rpc_errors()) {
+    absl::StrAppendFormat(&out, "  %s %s=%llu", e.method(), e.code(), (unsigned long long)e.count());
+  }
+  out += "\n";
+  if (r.policies_size() > 0) {
+    absl::StrAppendFormat(&out, "\n%-14s %5s %10s %10s %8s %8s\n", "POLICY", "SEQS", "RESIDENT", "LOGICAL", "COMPACT",
+                          "RATIO");
+    for (const auto& p : r.policies()) {
+      if (p.sequences() == 0) continue;
+      absl::StrAppendFormat(&out, "%-14s %5u %10llu %10llu %8llu %7.2fx\n", p.policy(), p.sequences(),
+                            (unsigned long long)p.resident_tokens(), (unsigned long long)p.logical_tokens(),
+                            (unsigned long long)p.compactions(), p.actual_ratio());
+    }
+  }
+  // The largest sequences first: they are what fills the pool.
+  std::vector<const v1::SequenceInfo*> rows;
+  for (const auto& q : seqs.sequences()) rows.push_back(&q);
+  std::sort(rows.begin(), rows.end(), [](const v1::SequenceInfo* a, const v1::SequenceInfo* b) {
+    return a->blocks() != b->blocks() ? a->blocks() > b->blocks() : a->sequence_id() < b->sequence_id();
+  });
+  absl::StrAppendFormat(&out, "\n%-8s %-10s %-12s %8s %8s %7s %7s %7s\n", "ID", "TENANT", "POLICY", "RESIDENT",
+                        "LOGICAL", "BLOCKS", "SHARED", "COMPACT");
+  for (size_t i = 0; i < rows.size() && int(i) < max_rows; ++i) {
+    const v1::SequenceInfo& q = *rows[i];
+    absl::StrAppendFormat(&out, "%-8llu %-10s %-12s %8u %8u %7u %7u %7u\n", (unsigned long long)q.sequence_id(),
+                          q.tenant(), q.policy() + (q.storage().empty() ? "" : "+" + q.storage()), q.length(),
+                          q.logical_length(), q.blocks(), q.shared_blocks(), q.compactions());
+  }
+  if (int(rows.size()) > max_rows) absl::StrAppendFormat(&out, "... and %d more\n", int(rows.size()) - max_rows);
+  return out;
+}
+
+// A live view refreshed every --interval seconds, --iterations times (0: until interrupted). On a
+// terminal each frame replaces the last; otherwise frames follow each other, separated by a blank line.
+int cmd_top(const std::shared_ptr<grpc::Channel>& ch) {
+  auto stub = v1::KaraKV::NewStub(ch);
+  const int iterations = absl::GetFlag(FLAGS_iterations);
+  const double interval = absl::GetFlag(FLAGS_interval);
+  if (iterations < 0 || !(interval > 0)) {
+    std::fprintf(stderr, "karakv: top needs --iterations >= 0 (0: forever) and --interval > 0, got %d and %g\n",
+                 iterations, interval);
+    return 2;
+  }
+  const bool tty = isatty(STDOUT_FILENO);
+  std::optional<TopSample> prev;
+  for (int i = 0; iterations == 0 || i < iterations; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::duration<double>(interval));
+    TopSample now;
+    {
+      grpc::ClientContext ctx;
+      set_deadline(&ctx);
+      grpc::Status s = stub->Stats(&ctx, v1::StatsRequest(), &now.stats);
+      if (!s.ok()) return report_error("Stats", s);
+    }
+    now.at = std::chrono::steady_clock::now();
+    v1::ListSequencesReply seqs;
+    {
+      grpc::ClientContext ctx;
+      set_deadline(&ctx);
+      grpc::Status s = stub->ListSequences(&ctx, v1::ListSequencesRequest(), &seqs);
+      if (!s.ok()) return report_error("ListSequences", s);
+    }
+    const std::string frame = top_frame(now, prev ? &*prev : nullptr, seqs, absl::GetFlag(FLAGS_target),
+                                        absl::GetFlag(FLAGS_rows));
+    if (tty) std::fputs("\033[H\033[2J", stdout);  // home and clear: the new frame replaces the old
+    else if (i > 0) std::fputs("\n", stdout);
+    std::fputs(frame.c_str(), stdout);
+    std::fflush(stdout);
+    prev = std::move(now);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "karakv: talk to a running karakvd.\n"
       "  karakv [--target=unix:/tmp/karakv.sock] [--json] health | stats | sequences | inspect SEQ |\n"
-      "         compact [SEQ] [--dry_run] [--tenant=T]");
+      "         compact [SEQ] [--dry_run] [--tenant=T] | top [--iterations=N] [--interval=S]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2 || args.size() > 3) {
     std::fprintf(stderr,
-                 "usage: karakv [flags] health | stats | sequences | inspect SEQ | compact [SEQ]   (karakv --help for flags)\n");
+                 "usage: karakv [flags] health | stats | sequences | inspect SEQ | compact [SEQ] | top   (karakv --help for flags)\n");
     return 2;
   }
   const std::string cmd = args[1];
@@ -345,7 +491,8 @@ int main(int argc, char** argv) {
   if (cmd == "sequences") return cmd_sequences(channel);
   if (cmd == "inspect") return cmd_inspect(channel, arg);
   if (cmd == "compact") return cmd_compact(channel, arg);
-  std::fprintf(stderr, "karakv: unknown command '%s'; expected health, stats, sequences, inspect or compact\n",
+  if (cmd == "top") return cmd_top(channel);
+  std::fprintf(stderr, "karakv: unknown command '%s'; expected health, stats, sequences, inspect, compact or top\n",
                cmd.c_str());
   return 2;
 }

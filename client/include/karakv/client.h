@@ -95,6 +95,7 @@ struct DaemonStats {
   std::string backend;
   uint64_t blocks_total = 0, blocks_used = 0, blocks_free = 0, block_bytes = 0, pool_bytes = 0;
   uint64_t resident_tokens = 0, decode_steps = 0, tokens_appended = 0, lease_expiries = 0;
+  uint64_t decode_tokens = 0;  // one per sequence per completed decode step
   uint32_t sequences = 0, sessions = 0;
   uint64_t logical_tokens = 0, query_cache_bytes = 0, score_bytes = 0;
   std::vector<PolicyStats> policies;
