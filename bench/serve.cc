@@ -38,7 +38,7 @@ ABSL_FLAG(bool, quick, false,
 ABSL_FLAG(std::string, serve_policies, "none,snapkv,kara,streaming,kara+kivi4",
           "serve: policies swept, comma separated (policy names as CreateSequence takes them)");
 ABSL_FLAG(std::string, serve_batches, "8,16,32,64,128,256", "serve: max decode batch sizes swept");
-ABSL_FLAG(int32_t, serve_steps, 1200,
+ABSL_FLAG(int32_t, serve_steps, 1600,
           "serve: engine decode steps per (policy, max batch) run; every run covers the same steps, so contexts "
           "reach the same lengths whatever the batch");
 ABSL_FLAG(double, serve_seconds, 150, "serve: a run also ends after this many seconds (a safety cap)");
@@ -688,7 +688,9 @@ class Scheduler {
       }
     }
     result_.seconds = now();
+    // Requests still running, or preempted and waiting, count with the tokens they produced.
     for (const Running& r : running_) record_tpot(r.req);
+    for (const Request& r : waiting_) record_tpot(r);
     auto st = client_->Stats();
     if (!st.ok()) return st.status();
     for (const karakv::PolicyStats& p : st->policies) {
@@ -840,7 +842,7 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   if (!out_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(out_dir, ec);
-    for (auto [name, text] : {std::pair<std::string, std::string>{"serve.csv", run_csv(runs)},
+    for (auto [name, text] : {std::pair<std::string, std::string>{"serve_runs.csv", run_csv(runs)},
                               std::pair<std::string, std::string>{"serve_series.csv", series_csv(runs)}}) {
       std::ofstream f(out_dir + "/" + name);
       f << text;

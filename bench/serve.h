@@ -27,7 +27,7 @@ struct ServeResult {
   std::string how;     // one line: the exact workload
 };
 
-// Runs the sweep (--serve_* flags, or --quick); writes serve.csv and serve_series.csv into
+// Runs the sweep (--serve_* flags, or --quick); writes serve_runs.csv and serve_series.csv into
 // `out_dir` when it is not empty.
 absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out_dir);
 

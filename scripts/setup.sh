@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 packages=(cmake ninja-build g++ ccache pkg-config
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libabsl-dev libspdlog-dev prometheus-cpp-dev
-          libgtest-dev libgmock-dev libbenchmark-dev redis-server)
+          libgtest-dev libgmock-dev libbenchmark-dev redis-server
+          python3)  # python3: the karakv-bench serve smoke test parses its CSVs
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
