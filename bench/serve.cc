@@ -406,7 +406,7 @@ struct RunResult {
   int steps = 0, preemptions = 0, admitted = 0, finished = 0, prefill_refusals = 0;
   double tpot_mean_ms = 0, tpot_p99_ms = 0, ttft_mean_ms = 0;
   double mean_decoding = 0, mean_kv_mib = 0, peak_kv_mib = 0;
-  double step_rpc_share = 0;  // of the workers' step time, the part inside Step calls
+  double step_call_ms = 0;  // per engine step, the workers' time inside Step calls, summed
   double compaction_s = 0;
   uint64_t compactions = 0;
   double ratio[kBuckets] = {};
@@ -698,6 +698,7 @@ class Scheduler {
       result_.compactions += p.compactions;
     }
     result_.mean_decoding = result_.steps ? decoding_sum / result_.steps : 0;
+    result_.step_call_ms = result_.steps ? 1e3 * step_rpc_s_ / result_.steps : 0;
     result_.mean_kv_mib = result_.steps ? kv_sum / result_.steps : 0;
     result_.tpot_mean_ms = tpot_.empty() ? 0 : 1e3 * std::accumulate(tpot_.begin(), tpot_.end(), 0.0) / tpot_.size();
     result_.tpot_p99_ms = 1e3 * percentile(tpot_, 99);
@@ -829,8 +830,10 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
         return absl::Status(r.status().code(),
                             absl::StrCat("serve ", policy, " max batch ", batch, ": ", r.status().message()));
       }
-      progress(absl::StrFormat("serve %s max batch %d: %.0f tok/s, %.1f decoding on average, %d preemptions",
-                               policy, batch, r->throughput(), r->mean_decoding, r->preemptions));
+      progress(absl::StrFormat("serve %s max batch %d: %.0f tok/s, %.1f decoding on average, %d preemptions, "
+                               "%.1f ms per step in Step calls (all workers) vs %.1f ms modeled model compute",
+                               policy, batch, r->throughput(), r->mean_decoding, r->preemptions, r->step_call_ms,
+                               model_step_us(int(std::lround(r->mean_decoding))) / 1e3));
       runs.push_back(std::move(*r));
     }
   }
