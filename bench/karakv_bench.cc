@@ -10,6 +10,7 @@
 //   memory  resident KV bytes per sequence over 3000 decode steps: none, kara, snapkv, streaming
 //   quant   quantized storage (kivi2/4, tq2/3/4, kara+kivi4): actual vs nominal compression ratio at
 //           1k/4k/16k tokens, attention error vs fp16, quantized attention time vs fp16
+//   serve   a continuous-batching serving sweep (serve.cc): output throughput vs max batch per policy (P4)
 #include <emmintrin.h>
 #include <fcntl.h>
 #include <omp.h>
@@ -53,6 +54,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/synthetic.h"
+#include "harness.h"
+#include "serve.h"
 #include "karakv/client.h"
 #include "karakv/kernels/backend.h"
 #include "karakv/kernels/half.h"
@@ -92,265 +95,8 @@ ABSL_FLAG(bool, strict, false, "Exit with status 3 when any target is missed");
 namespace {
 
 namespace kn = karakv::kernels;
-using Clock = std::chrono::steady_clock;
+using namespace karakv::bench;  // the process harness (harness.h)
 using karakv::synthetic::Tensor;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-void progress(const std::string& line) { std::fprintf(stderr, "karakv-bench: %s\n", line.c_str()); }
-
-// ---------------------------------------------------------------------------------------------
-// Child processes. Children are tracked in async-signal-safe globals so that SIGINT, SIGTERM and
-// the --timeout_s alarm stop them too; PR_SET_PDEATHSIG covers the bench dying outright.
-
-constexpr int kMaxChildren = 4;
-constexpr int kMaxCleanupPaths = 16;
-std::atomic<pid_t> g_children[kMaxChildren];
-char g_cleanup_paths[kMaxCleanupPaths][512];  // files to unlink, then the temp dir (last) to rmdir
-std::atomic<int> g_cleanup_count{0};
-
-void register_cleanup_path(const std::string& path) {
-  const int i = g_cleanup_count.load();
-  if (i >= kMaxCleanupPaths || path.size() >= sizeof(g_cleanup_paths[0])) return;
-  std::memcpy(g_cleanup_paths[i], path.c_str(), path.size() + 1);
-  g_cleanup_count.store(i + 1);
-}
-
-void sleep_ms(int ms) {
-  timespec ts{ms / 1000, (ms % 1000) * 1000000L};
-  nanosleep(&ts, nullptr);
-}
-
-// Only async-signal-safe calls: kill, waitpid, nanosleep, unlink, rmdir, write, _exit.
-void on_fatal_signal(int sig) {
-  static const char kMsg[] = "\nkarakv-bench: interrupted or timed out; stopping child processes\n";
-  ssize_t ignored = write(STDERR_FILENO, kMsg, sizeof(kMsg) - 1);
-  (void)ignored;
-  for (auto& c : g_children) {
-    if (pid_t p = c.load(); p > 0) kill(p, SIGTERM);
-  }
-  for (int waited = 0; waited < 3000; waited += 50) {
-    bool any = false;
-    for (auto& c : g_children) {
-      if (pid_t p = c.load(); p > 0) {
-        if (waitpid(p, nullptr, WNOHANG) == p) c.store(0); else any = true;
-      }
-    }
-    if (!any) break;
-    sleep_ms(50);
-  }
-  for (auto& c : g_children) {
-    if (pid_t p = c.load(); p > 0) kill(p, SIGKILL);
-  }
-  const int n = g_cleanup_count.load();
-  for (int i = 0; i < n; ++i) {
-    if (i == 0) continue;  // the directory, removed last
-    unlink(g_cleanup_paths[i]);
-  }
-  if (n > 0) rmdir(g_cleanup_paths[0]);
-  _exit(sig == SIGALRM ? 124 : 128 + sig);
-}
-
-class ChildProcess {
- public:
-  // Starts argv[0] (PATH searched) with stdout and stderr going to `log_path`.
-  static absl::StatusOr<std::unique_ptr<ChildProcess>> start(std::string name, std::vector<std::string> argv,
-                                                            std::string log_path) {
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    register_cleanup_path(log_path);
-    const pid_t parent = getpid();
-    const pid_t pid = fork();
-    if (pid < 0) return absl::InternalError(absl::StrCat("fork for ", name, ": ", std::strerror(errno)));
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (getppid() != parent) _exit(127);
-      const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      if (fd >= 0) {
-        dup2(fd, STDOUT_FILENO);
-        dup2(fd, STDERR_FILENO);
-        close(fd);
-      }
-      execvp(cargv[0], cargv.data());
-      std::fprintf(stderr, "exec %s: %s\n", cargv[0], std::strerror(errno));
-      _exit(127);
-    }
-    auto child = std::unique_ptr<ChildProcess>(new ChildProcess(std::move(name), pid, std::move(log_path)));
-    for (auto& c : g_children) {
-      pid_t empty = 0;
-      if (c.compare_exchange_strong(empty, pid)) break;
-    }
-    return child;
-  }
-
-  ~ChildProcess() {
-    if (pid_ > 0) stop();
-  }
-
-  const std::string& name() const { return name_; }
-
-  bool running() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      exit_ = describe(status);
-      forget();
-      return false;
-    }
-    return true;
-  }
-
-  // SIGTERM, up to `grace` to exit, then SIGKILL. Returns how it ended ("exit 0", "signal 9").
-  std::string stop(absl::Duration grace = absl::Seconds(10)) {
-    if (!running()) return exit_;
-    kill(pid_, SIGTERM);
-    const auto start = Clock::now();
-    int status = 0;
-    while (true) {
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exit_ = describe(status);
-        break;
-      }
-      if (seconds_since(start) > absl::ToDoubleSeconds(grace)) {
-        kill(pid_, SIGKILL);
-        waitpid(pid_, &status, 0);
-        exit_ = describe(status) + " (did not exit within " + absl::FormatDuration(grace) + " of SIGTERM)";
-        break;
-      }
-      sleep_ms(20);
-    }
-    forget();
-    return exit_;
-  }
-
-  std::string log_tail(size_t bytes = 2000) const {
-    std::ifstream in(log_path_);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::string s = ss.str();
-    return s.size() > bytes ? s.substr(s.size() - bytes) : s;
-  }
-
- private:
-  ChildProcess(std::string name, pid_t pid, std::string log_path)
-      : name_(std::move(name)), pid_(pid), log_path_(std::move(log_path)) {}
-
-  static std::string describe(int status) {
-    if (WIFEXITED(status)) return absl::StrCat("exit ", WEXITSTATUS(status));
-    if (WIFSIGNALED(status)) return absl::StrCat("signal ", WTERMSIG(status));
-    return "unknown";
-  }
-  void forget() {
-    for (auto& c : g_children) {
-      pid_t p = pid_;
-      c.compare_exchange_strong(p, 0);
-    }
-    pid_ = -1;
-  }
-
-  std::string name_;
-  pid_t pid_;
-  std::string log_path_;
-  std::string exit_;
-};
-
-// The run's private directory for sockets and logs; removed at exit.
-class TempDir {
- public:
-  static absl::StatusOr<TempDir> make() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "karakv-bench.XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
-    register_cleanup_path(tmpl);  // slot 0: the directory itself
-    return TempDir(tmpl);
-  }
-  TempDir(TempDir&& o) noexcept : path_(std::move(o.path_)) { o.path_.clear(); }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  explicit TempDir(std::string p) : path_(std::move(p)) {}
-  std::string path_;
-};
-
-std::string default_karakvd() {
-  std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return "karakvd";
-  const auto candidate = exe.parent_path().parent_path() / "server" / "karakvd";
-  return std::filesystem::exists(candidate) ? candidate.string() : "karakvd";
-}
-
-// A karakvd on its own socket, with a client attached once it answers.
-struct Daemon {
-  std::unique_ptr<ChildProcess> process;
-  std::string target;  // "unix:/..."
-
-  // Stops the daemon and checks that it honoured SIGTERM with exit status 0.
-  absl::Status stop() {
-    if (!process) return absl::OkStatus();
-    const std::string how = process->stop();
-    if (how != "exit 0") {
-      return absl::InternalError(absl::StrCat("karakvd ended with ", how, " after SIGTERM; log tail:\n",
-                                              process->log_tail()));
-    }
-    process.reset();
-    return absl::OkStatus();
-  }
-};
-
-// A daemon that does not exit 0 on SIGTERM is a bug worth seeing, but not worth the numbers.
-void stop_or_warn(Daemon& d) {
-  if (absl::Status s = d.stop(); !s.ok()) progress(absl::StrCat("WARNING: ", s.message()));
-}
-
-absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name,
-                                     const std::vector<std::string>& geometry_flags) {
-  const std::string socket = dir.file(name + ".sock");
-  register_cleanup_path(socket);
-  std::vector<std::string> argv = {absl::GetFlag(FLAGS_karakvd).empty() ? default_karakvd()
-                                                                        : absl::GetFlag(FLAGS_karakvd),
-                                   "--socket=" + socket, "--log_level=warn", "--drain_seconds=2"};
-  argv.insert(argv.end(), geometry_flags.begin(), geometry_flags.end());
-  progress(absl::StrCat("starting ", absl::StrJoin(argv, " ")));
-  auto child = ChildProcess::start(name, argv, dir.file(name + ".log"));
-  if (!child.ok()) return child.status();
-  Daemon d{std::move(*child), "unix:" + socket};
-  // Ready when it accepts a session; Attach fails fast (no wait_for_ready) until then.
-  const auto start = Clock::now();
-  while (true) {
-    if (!d.process->running()) {
-      return absl::FailedPreconditionError(absl::StrCat(argv[0], " exited at startup; log tail:\n",
-                                                        d.process->log_tail()));
-    }
-    karakv::ClientOptions probe;
-    probe.target = d.target;
-    probe.staging_bytes = 0;
-    probe.heartbeat = false;
-    probe.rpc_timeout = absl::Seconds(2);
-    probe.worker_id = "karakv-bench-probe";
-    auto c = karakv::Client::Attach(probe);
-    if (c.ok()) return d;
-    if (seconds_since(start) > 30) {
-      return absl::DeadlineExceededError(absl::StrCat("karakvd did not answer within 30 s: ",
-                                                      c.status().ToString(), "; log tail:\n",
-                                                      d.process->log_tail()));
-    }
-    sleep_ms(50);
-  }
-}
-
-absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
-                                                       const std::string& worker) {
-  karakv::ClientOptions o;
-  o.target = d.target;
-  o.staging_bytes = staging_bytes;
-  o.worker_id = worker;
-  return karakv::Client::Attach(o);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Results.
@@ -433,14 +179,6 @@ std::string to_csv(const std::vector<Row>& rows) {
                         csv_field(r.target_text()), ",", r.verdict(), ",", r.ratio_text(), "\n");
   }
   return out;
-}
-
-// Nearest-rank percentile, p in (0, 100].
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * v.size()));
-  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
 }
 
 // One karakv measurement and the baseline measured right next to it.
@@ -2001,21 +1739,45 @@ double busy_fraction(absl::Duration window) {
   return 1.0 - double(idle1 - idle0) / double(total1 - total0);
 }
 
+// serve: the P4 comparisons as rows (the per-run table goes to the extra reports).
+std::string& serve_how() {
+  static std::string how;
+  return how;
+}
+
+absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
+  auto result = run_serve(dir, absl::GetFlag(FLAGS_out_dir));
+  if (!result.ok()) return result.status();
+  std::vector<Row> rows;
+  for (const ServeComparison& c : result->comparisons) {
+    std::optional<Target> target;
+    if (c.at_least > 0) target = Target{Target::Kind::kAtLeast, c.at_least};
+    rows.push_back({"P4", c.metric, c.value, c.baseline_name, c.baseline, c.unit, false, target});
+  }
+  extra_reports().push_back(result->report);
+  serve_how() = result->how;
+  return rows;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|p5|memory|quant|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "karakv-bench p1|p2|p3|p5|memory|quant|serve|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
       "  p1      Append throughput vs Redis SET (target >= 3x)\n"
       "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
       "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"
       "  p5      Kara compaction time / decode time (target <= 5%), decode tokens/s kara vs none\n"
       "  memory  resident KV per sequence over decode steps: none, kara, snapkv, streaming\n"
       "  quant   quantized storage: actual vs nominal compression ratio, attention error and time vs fp16\n"
+      "  serve   continuous-batching serving sweep: output throughput vs max batch per policy (P4), TPOT,\n"
+      "          TTFT, preemptions, KV held, compression by context length (not part of 'all': ~25 min;\n"
+      "          --quick: ~1 min)\n"
       "  Several modes may be given: karakv-bench p5 memory");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() == 2 && std::string(args[1]) == "serve-worker") return serve_worker_main();
   if (args.size() < 2) {
-    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|all... [flags]  (--help for the flags)\n");
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|serve|all... [flags]  (--help for the flags)\n");
     return 2;
   }
   const std::vector<std::string> known = {"p1", "p2", "p3", "p5", "memory", "quant"};
@@ -2024,10 +1786,10 @@ int main(int argc, char** argv) {
     const std::string m = args[i];
     if (m == "all") {
       modes.insert(modes.end(), known.begin(), known.end());
-    } else if (std::find(known.begin(), known.end(), m) != known.end()) {
+    } else if (m == "serve" || std::find(known.begin(), known.end(), m) != known.end()) {
       modes.push_back(m);
     } else {
-      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant or all\n", m.c_str());
+      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, serve or all\n", m.c_str());
       return 2;
     }
   }
@@ -2056,6 +1818,7 @@ int main(int argc, char** argv) {
                                             : m == "p3"     ? run_p3(*dir)
                                             : m == "p5"     ? run_p5(*dir)
                                             : m == "quant"  ? run_quant(*dir)
+                                            : m == "serve"  ? run_serve_rows(*dir)
                                                             : run_memory(*dir);
     if (!rows.ok()) {
       std::fprintf(stderr, "karakv-bench: %s failed: %s\n", m.c_str(), rows.status().ToString().c_str());
@@ -2095,6 +1858,7 @@ int main(int argc, char** argv) {
                                                  "CPU backend, %d seqs x %d tokens",
                                                  absl::GetFlag(FLAGS_quant_lengths), absl::GetFlag(FLAGS_quant_kara_max),
                                                  absl::GetFlag(FLAGS_quant_sequences), absl::GetFlag(FLAGS_quant_tokens)));
+    if (m == "serve") how.push_back(serve_how());
   }
   std::printf("\nkarakv-bench %s on %d hardware threads; CPU busy with other work in the second before each "
               "mode: %s (above a few %% the ratios are unreliable)\n%s\n\n",

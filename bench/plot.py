@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Draws the charts of a karakv-bench run from the CSVs it wrote into --out_dir.
 
-  ratios.png  the ratio of every row of p1/p2/p3/p5.csv (karakv / its baseline), one panel per
+  ratios.png  the ratio of every row of p1/p2/p3/p5/serve.csv (karakv / its baseline), one panel per
               mode, bars green (target met), red (missed) or grey (context), targets dashed
   memory.png  memory_series.csv: resident K/V MiB per sequence over decode steps, one line per policy
   quant_ratio.png  quant_ratio.csv: actual compression ratio vs context length, one line per storage
               format; the nominal ratios (16 / bits) dashed, labelled with their formats
+  serve.png   serve_runs.csv and serve_series.csv (the Kara paper's Figure 1): (a) output throughput vs
+              max batch, one line per policy; (b) sequences decoding vs decode step and (c) K/V bytes
+              held per decoding sequence vs decode step, both at the largest max batch
 
 Usage: bench/plot.py RESULTS_DIR [OUTPUT_DIR]   (default OUTPUT_DIR: RESULTS_DIR)
 A chart whose CSVs are absent is skipped. Needs matplotlib; without it, says so and exits 0 so
@@ -17,13 +20,14 @@ import re
 import sys
 import textwrap
 
-RATIO_MODES = ("p1", "p2", "p3", "p5")
+RATIO_MODES = ("p1", "p2", "p3", "p5", "serve")
 COLORS = {"PASS": "tab:green", "MISS": "tab:red", "info": "tab:gray"}
 POLICY_STYLE = {  # color, line style: distinguishable in greyscale too
     "none": ("black", "-"),
     "kara": ("tab:blue", "-"),
     "snapkv": ("tab:orange", "--"),
     "streaming": ("tab:green", ":"),
+    "kara+kivi4": ("tab:purple", "-."),
 }
 
 
@@ -207,6 +211,64 @@ def plot_quant_ratio(results_dir, output, plt):
     return True
 
 
+def plot_serve(results_dir, output, plt):
+    runs = read_csv(os.path.join(results_dir, "serve_runs.csv"))
+    if not runs:
+        return False
+    series = read_csv(os.path.join(results_dir, "serve_series.csv"))
+    policies = []
+    for r in runs:
+        if r["policy"] not in policies:
+            policies.append(r["policy"])
+    batches = sorted({int(r["max_batch"]) for r in runs})
+    largest = batches[-1]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+    ax = axes[0]
+    for p in policies:
+        mine = sorted((r for r in runs if r["policy"] == p), key=lambda r: int(r["max_batch"]))
+        color, style = POLICY_STYLE.get(p, (None, "-"))
+        ax.plot([int(r["max_batch"]) for r in mine], [float(r["throughput_tok_s"]) for r in mine], marker="o",
+                color=color, linestyle=style, linewidth=1.8, label=p)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches)
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_xlabel("max batch (decoding sequences allowed)")
+    ax.set_ylabel("output throughput (tokens/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("(a) output throughput vs max batch", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, title="policy")
+    def decoding(r):
+        return float(r["decoding"])
+
+    def kv_per_sequence(r):
+        return float(r["kv_mib"]) / max(1.0, float(r["decoding"]))
+
+    for ax, value, label, title in ((axes[1], decoding, "sequences decoding",
+                                     f"(b) sequences decoding, max batch {largest}"),
+                                    (axes[2], kv_per_sequence, "K/V held per decoding sequence (MiB)",
+                                     f"(c) K/V held per sequence, max batch {largest}")):
+        for p in policies:
+            mine = [r for r in series if r["policy"] == p and int(r["max_batch"]) == largest]
+            if not mine:
+                continue
+            color, style = POLICY_STYLE.get(p, (None, "-"))
+            ax.plot([int(r["step"]) for r in mine], [value(r) for r in mine], color=color, linestyle=style,
+                    linewidth=1.4, label=p)
+        ax.set_xlabel("engine decode step")
+        ax.set_ylabel(label)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("karakv-bench serve: continuous batching through karakvd, one fixed pool", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(output, dpi=90)
+    return True
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
@@ -224,7 +286,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     drawn = 0
     for name, draw in (("ratios.png", plot_ratios), ("memory.png", plot_memory),
-                       ("quant_ratio.png", plot_quant_ratio)):
+                       ("quant_ratio.png", plot_quant_ratio), ("serve.png", plot_serve)):
         path = os.path.join(out_dir, name)
         if draw(results_dir, path, plt):
             print(f"plot.py: wrote {path}")

@@ -11,7 +11,8 @@ packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           libabsl-dev libspdlog-dev prometheus-cpp-dev
           libgtest-dev libgmock-dev libbenchmark-dev redis-server
           # tests/ops: promtool and a real Prometheus server check the metrics, the alert rules and
-          # every query of the Grafana dashboard; python3 runs those script tests.
+          # every query of the Grafana dashboard; python3 runs those script tests
+          # and parses the karakv-bench serve smoke test's CSVs.
           prometheus python3)
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Smoke test of `karakv-bench serve --quick`: it runs to the end against a real karakvd, and what it
+writes parses: serve_runs.csv has one well-formed row per (policy, max batch), serve_series.csv a
+series for each run, serve.csv the P4 rows, and stdout the per-run table. The numbers themselves
+are not judged (a benchmark shows speed; a test on a shared 2-core machine must not).
+
+Usage: serve_quick_test.py KARAKV_BENCH KARAKVD PLOT_PY
+"""
+import csv
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+POLICIES = ["none", "snapkv", "kara", "streaming", "kara+kivi4"]
+BATCHES = [8, 32]
+RUN_COLUMNS = [
+    "policy", "max_batch", "seconds", "steps", "output_tokens", "throughput_tok_s", "tpot_mean_ms", "tpot_p99_ms",
+    "ttft_mean_ms", "mean_decoding", "preemptions", "prefill_refusals", "admitted", "finished", "mean_kv_mib",
+    "peak_kv_mib", "compactions", "compaction_s", "compaction_share", "ratio_lt1k", "ratio_1_4k", "ratio_4_16k",
+    "ratio_ge16k"]
+SERIES_COLUMNS = ["policy", "max_batch", "step", "t_s", "decoding", "waiting", "blocks_used", "kv_mib"]
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def read(path, columns):
+    if not os.path.exists(path):
+        fail(f"{os.path.basename(path)} was not written")
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != columns:
+            fail(f"{os.path.basename(path)} columns are {reader.fieldnames}, expected {columns}")
+        return list(reader)
+
+
+def number(row, column, what):
+    try:
+        v = float(row[column])
+    except ValueError:
+        fail(f"{what}: {column} = {row[column]!r} is not a number")
+    if not math.isfinite(v) or v < 0:
+        fail(f"{what}: {column} = {v} is not a finite non-negative number")
+    return v
+
+
+def main():
+    bench, karakvd, plot = sys.argv[1:4]
+    with tempfile.TemporaryDirectory(prefix="karakv-serve-quick.") as out:
+        proc = subprocess.run([bench, "serve", "--quick", f"--karakvd={karakvd}", f"--out_dir={out}"],
+                              capture_output=True, text=True, timeout=280)
+        if proc.returncode != 0:
+            fail(f"karakv-bench serve --quick exited {proc.returncode}\nstderr tail:\n{proc.stderr[-3000:]}")
+
+        runs = read(os.path.join(out, "serve_runs.csv"), RUN_COLUMNS)
+        seen = sorted((r["policy"], int(r["max_batch"])) for r in runs)
+        expected = sorted((p, b) for p in POLICIES for b in BATCHES)
+        if seen != expected:
+            fail(f"serve_runs.csv has runs {seen}, expected {expected}")
+        for r in runs:
+            what = f"run {r['policy']} max batch {r['max_batch']}"
+            for c in RUN_COLUMNS[2:]:
+                number(r, c, what)
+            # A run that decoded nothing did not run at all.
+            if int(r["steps"]) < 1 or int(r["output_tokens"]) < 1 or int(r["admitted"]) < 1:
+                fail(f"{what}: no steps, output tokens or admitted requests: {r}")
+            if float(r["mean_decoding"]) > int(r["max_batch"]):
+                fail(f"{what}: {r['mean_decoding']} sequences decoding on average, above the max batch")
+
+        series = read(os.path.join(out, "serve_series.csv"), SERIES_COLUMNS)
+        for p, b in expected:
+            mine = [s for s in series if s["policy"] == p and int(s["max_batch"]) == b]
+            if not mine:
+                fail(f"serve_series.csv has no series for {p} max batch {b}")
+            steps = [int(s["step"]) for s in mine]
+            if steps != sorted(steps):
+                fail(f"serve_series.csv steps of {p} max batch {b} are not increasing")
+            for s in mine:
+                number(s, "kv_mib", f"series {p} {b}")
+                if int(s["decoding"]) > b:
+                    fail(f"series {p} max batch {b}: {s['decoding']} sequences decoding at step {s['step']}")
+
+        with open(os.path.join(out, "serve.csv"), newline="") as f:
+            summary = list(csv.DictReader(f))
+        if not summary or any(r["mode"] != "P4" or r["result"] not in ("PASS", "MISS", "info") for r in summary):
+            fail(f"serve.csv should hold the P4 rows, got {summary}")
+        for needle in ("P4", "output tok/s at max batch 32, kara", "policy", "kara+kivi4"):
+            if needle not in proc.stdout:
+                fail(f"stdout lacks {needle!r}:\n{proc.stdout[-3000:]}")
+
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("note: matplotlib is not installed; the chart was not drawn (the CSV checks ran)")
+        else:
+            drawn = subprocess.run([sys.executable, plot, out], capture_output=True, text=True, timeout=120)
+            png = os.path.join(out, "serve.png")
+            if drawn.returncode != 0 or not os.path.exists(png):
+                fail(f"plot.py did not draw serve.png: {drawn.stderr[-2000:]}")
+            with open(png, "rb") as f:
+                if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                    fail("serve.png is not a PNG")
+    print(f"OK: {len(runs)} serve runs parsed, {len(series)} series points, {len(summary)} P4 rows")
+
+
+if __name__ == "__main__":
+    main()
