@@ -112,12 +112,19 @@ bool PrefixCache::insert(const PrefixKey& key, Entry entry) {
 }
 
 void PrefixCache::touch(const std::vector<Hit>& hits) {
-  for (auto it = hits.rbegin(); it != hits.rend(); ++it) {
-    auto e = entries_.find(it->key);
+  std::vector<PrefixKey> chain;
+  chain.reserve(hits.size());
+  for (const Hit& h : hits) chain.push_back(h.key);
+  touch(chain);
+}
+
+void PrefixCache::touch(absl::Span<const PrefixKey> chain) {
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    auto e = entries_.find(*it);
     if (e == entries_.end()) continue;
     lru_.erase(e->second.tick);
     e->second.tick = ++clock_;
-    lru_[e->second.tick] = it->key;
+    lru_[e->second.tick] = *it;
   }
 }
 

@@ -59,6 +59,7 @@ class PrefixCache {
   // Marks the hits used now. Later blocks of a chain count as older, so eviction takes a chain
   // from its end and never leaves later blocks cached behind a missing first one.
   void touch(const std::vector<Hit>& hits);
+  void touch(absl::Span<const PrefixKey> chain);
   // Removes the entry; returns its block.
   int32_t erase(const PrefixKey& key);
   // Keys from least to most recently used.

@@ -382,6 +382,7 @@ void Registry::publish_prompt(Sequence& seq) {
   }
   const Geometry& g = config_.geometry;
   const size_t b = size_t(g.block_size);
+  bool published = false;
   while ((seq.prompt_keys.size() + 1) * b <= seq.prompt_ids.size()) {
     const size_t i = seq.prompt_keys.size();
     const PrefixKey parent = i == 0 ? PrefixKey{} : seq.prompt_keys[i - 1];
@@ -399,8 +400,11 @@ void Registry::publish_prompt(Sequence& seq) {
     if (prefix_cache_.insert(key, std::move(e))) {
       pool_.add_ref(block);
       ++prefix_published_;
+      published = true;
     }
   }
+  // The chain's earlier blocks become newer than its new end: eviction takes chains from the end.
+  if (published) prefix_cache_.touch(seq.prompt_keys);
 }
 
 int32_t Registry::unused_cached_blocks() const {
