@@ -2,6 +2,9 @@
 // exits; a second process looks the prompt up, starts from the cached blocks, prefills only the
 // rest, and gets attention outputs bitwise equal to a full prefill; a third, of another tenant,
 // misses. The workers are this binary re-executed (a fresh process, its own gRPC channel).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -185,8 +188,31 @@ std::string run(const std::string& cmd) {
   return out;
 }
 
+// A plain HTTP GET on loopback; returns the body.
+std::string http_get(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string resp;
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      write(fd, req.data(), req.size()) == ssize_t(req.size())) {
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof buf)) > 0) resp.append(buf, n);
+  }
+  close(fd);
+  const size_t body = resp.find("\r\n\r\n");
+  return body == std::string::npos ? "" : resp.substr(body + 4);
+}
+
 TEST(PrefixCacheAcrossWorkers, SecondProcessStartsFromTheFirstsPromptAndMatchesAFullPrefill) {
-  Daemon d(daemon_flags());
+  const int port = 40000 + getpid() % 20000;
+  std::vector<std::string> flags = daemon_flags();
+  flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(port));
+  Daemon d(flags);
   ASSERT_TRUE(d.ready());
   ASSERT_EQ(run_worker("publish", d), 0);
   ASSERT_EQ(run_worker("reuse", d), 0);
@@ -210,6 +236,13 @@ TEST(PrefixCacheAcrossWorkers, SecondProcessStartsFromTheFirstsPromptAndMatchesA
   EXPECT_THAT(text, HasSubstr("prefix cache     on: 3 lookups, 64 of 210 tokens hit (30.5%), 4 blocks cached"));
   const std::string json = run(std::string(KARAKV_CLI_PATH) + " --target=" + d.target() + " --json stats");
   EXPECT_THAT(json, HasSubstr("\"hit_tokens\":64"));
+  const std::string m = http_get(port, "/metrics");
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_lookups_total 3\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_lookup_tokens_total 210\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_hit_tokens_total 64\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_cached_blocks 4\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_unused_blocks 4\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_evictions_total 0\n"));
 }
 
 TEST(PrefixCacheAcrossWorkers, OffFlagDisablesSharingAndNamedNamespacesAreRefused) {
