@@ -35,6 +35,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -63,7 +64,7 @@
 ABSL_FLAG(std::string, karakvd, "", "karakvd binary (default: ../server/karakvd next to this binary)");
 ABSL_FLAG(std::string, redis_server, "redis-server", "redis-server binary for the P1 baseline (PATH is searched)");
 ABSL_FLAG(std::string, out_dir, "",
-          "Write one CSV per mode (p1.csv, p2.csv, p3.csv, p5.csv, memory.csv, quant.csv; memory also "
+          "Write one CSV per mode (p1.csv, p2.csv, p3.csv, p5.csv, memory.csv, quant.csv, prefix.csv; memory also "
           "memory_series.csv, quant also quant_ratio.csv and quant_formats.csv) "
           "into this directory");
 ABSL_FLAG(bool, csv, false, "Also print the results as CSV on stdout");
@@ -89,6 +90,10 @@ ABSL_FLAG(int32_t, quant_sequences, 8, "quant: sequences for the in-process atte
 ABSL_FLAG(int32_t, quant_tokens, 4096, "quant: tokens per sequence for the attention error and time");
 ABSL_FLAG(int32_t, quant_reps, 2, "quant: timed passes over all layers (best is reported)");
 ABSL_FLAG(bool, quant_outlier, true, "quant: also measure the error with one key channel 10x larger");
+ABSL_FLAG(int32_t, prefix_system_tokens, 1000, "prefix: tokens of the system prompt every request shares");
+ABSL_FLAG(int32_t, prefix_own_tokens, 64, "prefix: tokens of each request after the system prompt");
+ABSL_FLAG(int32_t, prefix_requests, 4, "prefix: requests per worker (after one cold request)");
+ABSL_FLAG(std::string, prefix_workers, "2,4,8", "prefix: worker counts (one session each, concurrent)");
 ABSL_FLAG(int32_t, timeout_s, 2400, "Abort (and stop the child processes) after this many seconds");
 ABSL_FLAG(bool, strict, false, "Exit with status 3 when any target is missed");
 
@@ -1716,6 +1721,191 @@ absl::StatusOr<std::vector<Row>> run_quant(const TempDir& dir) {
   return rows;
 }
 
+// ---------------------------------------------------------------------------------------------
+// prefix: W workers serve requests that share a system prompt and differ after it, against a
+// daemon with the prefix cache and one without, in one run. A request's time to first token is
+// everything the worker asks of the daemon before the first generated token exists: start the
+// sequence (from the cached prefix when there is one), Append the K/V of every token it had to
+// prefill, Attend those tokens' queries on every layer (their prefill attention over the whole
+// prompt, cached part included), then the first decode Step on every layer. The worker's own
+// projections and MLP are not modelled; they scale with the prefill tokens, counted separately.
+
+struct PrefixRequestResult {
+  double ttft_s = 0;
+  int prefilled = 0, cached = 0;
+};
+
+// Token ids of request `r`: the shared system prompt, then tokens of its own.
+std::vector<int32_t> prefix_prompt(int system_tokens, int own_tokens, int request) {
+  std::vector<int32_t> ids(system_tokens + own_tokens);
+  std::iota(ids.begin(), ids.begin() + system_tokens, 1);
+  std::iota(ids.begin() + system_tokens, ids.end(), 1000000 + request * own_tokens);
+  return ids;
+}
+
+absl::StatusOr<PrefixRequestResult> prefix_request(karakv::Client& c, const kn::Geometry& g,
+                                                   const std::vector<int32_t>& prompt) {
+  const int n = int(prompt.size());
+  const auto start = Clock::now();
+  auto created = c.CreateFromPrefix(karakv::SequenceOptions{}, prompt);
+  if (!created.ok()) return created.status();
+  const int cached = created->cached_tokens, todo = n - cached;
+  // K/V of token i depends on its id and position (as a model's would, given the same prefix).
+  c.reset_staging();
+  auto k = c.alloc(c.append_bytes(todo)), v = c.alloc(c.append_bytes(todo));
+  auto q = c.alloc(c.q_bytes(todo)), out = c.alloc(c.q_bytes(todo));
+  for (auto* b : {&k, &v, &q, &out}) {
+    if (!b->ok()) return b->status();
+  }
+  const size_t tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int i = 0; i < todo; ++i) {
+      const int p = cached + i;
+      karakv::synthetic::fill_token(k->data() + (size_t(l) * todo + i) * tok, g, 1, Tensor::kKey, prompt[p], l, p);
+      karakv::synthetic::fill_token(v->data() + (size_t(l) * todo + i) * tok, g, 1, Tensor::kValue, prompt[p], l, p);
+    }
+  }
+  auto len = c.Append(created->id, std::span<const int32_t>(prompt.data() + cached, todo), *k, *v);
+  if (!len.ok()) return len.status();
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int i = 0; i < todo; ++i) {
+      karakv::synthetic::fill_query(q->as<float>().data() + size_t(i) * g.q_token_elems(), g, 1, prompt[cached + i], l,
+                                    cached + i);
+    }
+    if (auto s = c.Attend(created->id, l, todo, *q, *out); !s.ok()) return s;
+  }
+  auto sk = c.alloc(c.step_kv_bytes(1)), sv = c.alloc(c.step_kv_bytes(1));
+  auto sq = c.alloc(c.q_bytes(1)), so = c.alloc(c.q_bytes(1));
+  for (auto* b : {&sk, &sv, &sq, &so}) {
+    if (!b->ok()) return b->status();
+  }
+  const uint64_t ids[] = {created->id};
+  for (int l = 0; l < g.num_layers; ++l) {
+    karakv::synthetic::fill_token(sk->data(), g, 1, Tensor::kKey, 7, l, n);
+    karakv::synthetic::fill_token(sv->data(), g, 1, Tensor::kValue, 7, l, n);
+    karakv::synthetic::fill_query(sq->as<float>().data(), g, 1, 7, l, n);
+    if (auto r = c.Step(l, ids, *sk, *sv, *sq, *so); !r.ok()) return r.status();
+  }
+  PrefixRequestResult r;
+  r.ttft_s = seconds_since(start);
+  r.prefilled = todo;
+  r.cached = cached;
+  if (auto s = c.Release(created->id); !s.ok()) return s.status();
+  return r;
+}
+
+absl::StatusOr<std::vector<Row>> run_prefix(const TempDir& dir) {
+  const kn::Geometry g = smollm_geometry();
+  const int system = std::max(1, absl::GetFlag(FLAGS_prefix_system_tokens));
+  const int own = std::max(1, absl::GetFlag(FLAGS_prefix_own_tokens));
+  const int requests = std::max(1, absl::GetFlag(FLAGS_prefix_requests));
+  const std::vector<int> workers_list = parse_lengths(absl::GetFlag(FLAGS_prefix_workers));
+  const int n = system + own;
+  std::vector<Row> rows;
+  std::string table = absl::StrFormat(
+      "prefix: %d-token system prompt + %d own tokens per request, %d requests per worker (TTFT in ms)\n"
+      "%8s %6s %10s %10s %10s %12s %12s %9s\n",
+      system, own, requests, "workers", "cache", "TTFT p50", "TTFT mean", "TTFT p90", "prefilled", "cached", "hit rate");
+  for (int workers : workers_list) {
+    std::map<std::string, std::vector<double>> ttft;
+    std::map<std::string, uint64_t> prefilled, cached;
+    double hit_rate = 0;
+    uint64_t hit_tokens = 0, lookup_tokens = 0;
+    for (const std::string cache : {"on", "off"}) {
+      // Every worker's live sequence, the cached prompt, and slack.
+      const size_t blocks = size_t(workers + 1) * ((n + g.block_size - 1) / g.block_size + 2) + 64;
+      std::vector<std::string> flags = smollm_flags(blocks * g.block_bytes());
+      flags.push_back("--prefix_cache=" + cache);
+      auto d = start_karakvd(dir, absl::StrCat("karakvd-prefix-", workers, "-", cache), flags);
+      if (!d.ok()) return d.status();
+      const uint64_t staging = 2 * append_tensor_bytes(g, n) + 2 * size_t(n) * g.q_token_elems() * 4 + (4 << 20);
+      std::vector<std::unique_ptr<karakv::Client>> clients;
+      for (int w = 0; w < workers; ++w) {
+        auto c = attach(*d, staging, absl::StrCat("karakv-bench-prefix-", w));
+        if (!c.ok()) return c.status();
+        clients.push_back(std::move(*c));
+      }
+      // The first request of the system prompt (a cold cache); then every worker at once.
+      auto first = prefix_request(*clients[0], g, prefix_prompt(system, own, 0));
+      if (!first.ok()) return first.status();
+      auto before = clients[0]->Stats();
+      if (!before.ok()) return before.status();
+      std::vector<std::vector<PrefixRequestResult>> results(workers);
+      std::vector<absl::Status> errors(workers);
+      std::vector<std::thread> threads;
+      for (int w = 0; w < workers; ++w) {
+        threads.emplace_back([&, w] {
+          for (int r = 0; r < requests; ++r) {
+            auto res = prefix_request(*clients[w], g, prefix_prompt(system, own, 1 + w * requests + r));
+            if (!res.ok()) {
+              errors[w] = res.status();
+              return;
+            }
+            results[w].push_back(*res);
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (const absl::Status& e : errors) {
+        if (!e.ok()) return e;
+      }
+      auto after = clients[0]->Stats(true);
+      if (!after.ok()) return after.status();
+      if (!after->invariant_error.empty()) return absl::InternalError(after->invariant_error);
+      for (const auto& per : results) {
+        for (const PrefixRequestResult& r : per) {
+          ttft[cache].push_back(r.ttft_s * 1e3);
+          prefilled[cache] += r.prefilled;
+          cached[cache] += r.cached;
+        }
+      }
+      if (cache == "on") {
+        lookup_tokens = after->prefix_lookup_tokens - before->prefix_lookup_tokens;
+        hit_tokens = after->prefix_hit_tokens - before->prefix_hit_tokens;
+        hit_rate = lookup_tokens > 0 ? double(hit_tokens) / double(lookup_tokens) : 0;
+      }
+      clients.clear();
+      stop_or_warn(*d);
+    }
+    for (const std::string cache : {"on", "off"}) {
+      const std::vector<double>& t = ttft[cache];
+      const double mean = std::accumulate(t.begin(), t.end(), 0.0) / double(t.size());
+      absl::StrAppend(&table, absl::StrFormat("%8d %6s %10.1f %10.1f %10.1f %12llu %12llu %8.1f%%\n", workers, cache,
+                                              percentile(t, 50), mean, percentile(t, 90),
+                                              (unsigned long long)prefilled[cache], (unsigned long long)cached[cache],
+                                              cache == "on" ? 100 * hit_rate : 0.0));
+    }
+    Row ttft_row;
+    ttft_row.mode = "prefix";
+    ttft_row.metric = absl::StrFormat("TTFT p50, %d workers", workers);
+    ttft_row.karakv = percentile(ttft["on"], 50);
+    ttft_row.baseline_name = "no prefix cache";
+    ttft_row.baseline = percentile(ttft["off"], 50);
+    ttft_row.unit = "ms";
+    rows.push_back(ttft_row);
+    Row avoided;
+    avoided.mode = "prefix";
+    avoided.metric = absl::StrFormat("prefill tokens avoided, %d workers", workers);
+    avoided.karakv = double(prefilled["off"] - prefilled["on"]);
+    avoided.baseline_name = "prefilled without cache";
+    avoided.baseline = double(prefilled["off"]);
+    avoided.unit = "tokens";
+    avoided.percent = true;
+    rows.push_back(avoided);
+    Row hits;
+    hits.mode = "prefix";
+    hits.metric = absl::StrFormat("hit rate, %d workers", workers);
+    hits.karakv = double(hit_tokens);
+    hits.baseline_name = "looked-up tokens";
+    hits.baseline = double(lookup_tokens);
+    hits.unit = "tokens";
+    hits.percent = true;
+    rows.push_back(hits);
+  }
+  extra_reports().push_back(table);
+  return rows;
+}
+
 // Fraction of all CPUs busy over `window` (from /proc/stat), taken while this benchmark is idle:
 // what other processes are using. -1 when /proc/stat cannot be read.
 double busy_fraction(absl::Duration window) {
@@ -1763,13 +1953,14 @@ absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|p5|memory|quant|serve|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|serve|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
       "  p1      Append throughput vs Redis SET (target >= 3x)\n"
       "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
       "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"
       "  p5      Kara compaction time / decode time (target <= 5%), decode tokens/s kara vs none\n"
       "  memory  resident KV per sequence over decode steps: none, kara, snapkv, streaming\n"
       "  quant   quantized storage: actual vs nominal compression ratio, attention error and time vs fp16\n"
+      "  prefix  2-8 workers sharing a 1000-token system prompt: TTFT and prefill avoided with vs without prefix cache\n"
       "  serve   continuous-batching serving sweep: output throughput vs max batch per policy (P4), TPOT,\n"
       "          TTFT, preemptions, KV held, compression by context length (not part of 'all': ~25 min;\n"
       "          --quick: ~1 min)\n"
@@ -1777,10 +1968,10 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() == 2 && std::string(args[1]) == "serve-worker") return serve_worker_main();
   if (args.size() < 2) {
-    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|serve|all... [flags]  (--help for the flags)\n");
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|serve|all... [flags]  (--help for the flags)\n");
     return 2;
   }
-  const std::vector<std::string> known = {"p1", "p2", "p3", "p5", "memory", "quant"};
+  const std::vector<std::string> known = {"p1", "p2", "p3", "p5", "memory", "quant", "prefix"};
   std::vector<std::string> modes;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string m = args[i];
@@ -1789,7 +1980,7 @@ int main(int argc, char** argv) {
     } else if (m == "serve" || std::find(known.begin(), known.end(), m) != known.end()) {
       modes.push_back(m);
     } else {
-      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, serve or all\n", m.c_str());
+      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, serve or all\n", m.c_str());
       return 2;
     }
   }
@@ -1818,6 +2009,7 @@ int main(int argc, char** argv) {
                                             : m == "p3"     ? run_p3(*dir)
                                             : m == "p5"     ? run_p5(*dir)
                                             : m == "quant"  ? run_quant(*dir)
+                                            : m == "prefix" ? run_prefix(*dir)
                                             : m == "serve"  ? run_serve_rows(*dir)
                                                             : run_memory(*dir);
     if (!rows.ok()) {
@@ -1859,6 +2051,13 @@ int main(int argc, char** argv) {
                                                  absl::GetFlag(FLAGS_quant_lengths), absl::GetFlag(FLAGS_quant_kara_max),
                                                  absl::GetFlag(FLAGS_quant_sequences), absl::GetFlag(FLAGS_quant_tokens)));
     if (m == "serve") how.push_back(serve_how());
+  }
+  for (const std::string& m : modes) {
+    if (m == "prefix") how.push_back(absl::StrFormat("prefix SmolLM2-135M geometry fp16, %d-token system prompt + %d own "
+                                                  "tokens, %d requests per worker after one cold request, workers %s; "
+                                                  "cache on and off in two daemons", absl::GetFlag(FLAGS_prefix_system_tokens),
+                                                  absl::GetFlag(FLAGS_prefix_own_tokens), absl::GetFlag(FLAGS_prefix_requests),
+                                                  absl::GetFlag(FLAGS_prefix_workers)));
   }
   std::printf("\nkarakv-bench %s on %d hardware threads; CPU busy with other work in the second before each "
               "mode: %s (above a few %% the ratios are unreliable)\n%s\n\n",

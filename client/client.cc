@@ -91,6 +91,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
   req.set_worker_id(options.worker_id);
   req.set_tenant(options.tenant);
   req.set_staging_bytes(options.staging_bytes);
+  req.set_cache_namespace(options.cache_namespace);
   if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
   v1::AttachReply reply;
   grpc::ClientContext ctx;
@@ -210,7 +211,15 @@ absl::StatusOr<uint64_t> Client::CreateSequence(const std::string& policy, int p
 }
 
 absl::StatusOr<uint64_t> Client::CreateSequence(const SequenceOptions& options) {
+  auto r = CreateFromPrefix(options, {});
+  if (!r.ok()) return r.status();
+  return r->id;
+}
+
+absl::StatusOr<CreatedSequence> Client::CreateFromPrefix(const SequenceOptions& options,
+                                                         std::span<const int32_t> prompt_token_ids) {
   v1::CreateSequenceRequest req;
+  req.mutable_prefix_token_ids()->Add(prompt_token_ids.begin(), prompt_token_ids.end());
   req.set_session_id(impl_->session_id);
   req.set_policy(options.policy);
   req.set_priority(options.priority);
@@ -222,7 +231,18 @@ absl::StatusOr<uint64_t> Client::CreateSequence(const SequenceOptions& options) 
   grpc::ClientContext ctx;
   impl_->prepare(&ctx);
   if (auto s = from_grpc(impl_->stub->CreateSequence(&ctx, req, &reply), "CreateSequence"); !s.ok()) return s;
-  return reply.sequence_id();
+  return CreatedSequence{reply.sequence_id(), static_cast<int>(reply.cached_tokens())};
+}
+
+absl::StatusOr<int> Client::Lookup(std::span<const int32_t> prompt_token_ids) {
+  v1::LookupRequest req;
+  req.set_session_id(impl_->session_id);
+  req.mutable_token_ids()->Add(prompt_token_ids.begin(), prompt_token_ids.end());
+  v1::LookupReply reply;
+  grpc::ClientContext ctx;
+  impl_->prepare(&ctx);
+  if (auto s = from_grpc(impl_->stub->Lookup(&ctx, req, &reply), "Lookup"); !s.ok()) return s;
+  return static_cast<int>(reply.cached_tokens());
 }
 
 absl::StatusOr<uint64_t> Client::Fork(uint64_t sequence_id) {
@@ -251,9 +271,21 @@ absl::StatusOr<int> Client::Append(uint64_t sequence_id, int num_tokens, const B
   return Append(sequence_id, num_tokens, k, v, Buffer(), 0);
 }
 
+absl::StatusOr<int> Client::Append(uint64_t sequence_id, std::span<const int32_t> token_ids, const Buffer& k,
+                                   const Buffer& v, const Buffer& q, int num_query_tokens) {
+  return AppendWithIds(sequence_id, static_cast<int>(token_ids.size()), k, v, q, num_query_tokens, token_ids);
+}
+
 absl::StatusOr<int> Client::Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v,
                                    const Buffer& q, int num_query_tokens) {
+  return AppendWithIds(sequence_id, num_tokens, k, v, q, num_query_tokens, {});
+}
+
+absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v,
+                                          const Buffer& q, int num_query_tokens,
+                                          std::span<const int32_t> token_ids) {
   v1::AppendRequest req;
+  req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   req.set_session_id(impl_->session_id);
   req.set_sequence_id(sequence_id);
   req.set_num_tokens(static_cast<uint32_t>(num_tokens));
@@ -372,6 +404,14 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
   out.logical_tokens = r.logical_tokens();
   out.query_cache_bytes = r.query_cache_bytes();
   out.score_bytes = r.score_bytes();
+  out.prefix_cache_enabled = r.prefix_cache_enabled();
+  out.prefix_lookups = r.prefix_lookups();
+  out.prefix_lookup_tokens = r.prefix_lookup_tokens();
+  out.prefix_hit_tokens = r.prefix_hit_tokens();
+  out.prefix_cached_blocks = r.prefix_cached_blocks();
+  out.prefix_unused_blocks = r.prefix_unused_blocks();
+  out.prefix_evictions = r.prefix_evictions();
+  out.prefix_published_blocks = r.prefix_published_blocks();
   for (const auto& p : r.policies()) {
     PolicyStats ps;
     ps.policy = p.policy();

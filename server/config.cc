@@ -31,6 +31,14 @@ ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may 
 ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
           "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
 ABSL_FLAG(bool, check_invariants, false, "Debug: check the pool invariant after every mutating RPC");
+ABSL_FLAG(std::string, prefix_cache, "on",
+          "Prefix cache: on | off. On, full prompt blocks appended with token ids are shared with later "
+          "sequences of the same cache namespace (CreateSequence.prefix_token_ids, Lookup)");
+ABSL_FLAG(double, prefix_cache_max_fraction, 1.0,
+          "Most of the pool (0..1) that cached blocks no sequence holds may keep; beyond it the least "
+          "recently used go at once. Below it they stay until an allocation needs the space");
+ABSL_FLAG(bool, prefix_cache_shared_namespaces, false,
+          "Let Attach name a cache namespace shared across tenants (default: each tenant's own)");
 
 namespace karakv::server {
 
@@ -113,6 +121,17 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   if (c.registry.max_sequences_per_tick < 0) {
     return absl::InvalidArgumentError("--max_sequences_per_tick must be >= 0");
   }
+  const std::string prefix = absl::GetFlag(FLAGS_prefix_cache);
+  if (prefix != "on" && prefix != "off") {
+    return absl::InvalidArgumentError(absl::StrCat("--prefix_cache=", prefix, ", expected on or off"));
+  }
+  c.registry.prefix_cache = prefix == "on";
+  c.registry.prefix_cache_max_fraction = absl::GetFlag(FLAGS_prefix_cache_max_fraction);
+  if (!(c.registry.prefix_cache_max_fraction >= 0.0 && c.registry.prefix_cache_max_fraction <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("--prefix_cache_max_fraction=",
+                                                   c.registry.prefix_cache_max_fraction, ", expected 0..1"));
+  }
+  c.registry.prefix_cache_shared_namespaces = absl::GetFlag(FLAGS_prefix_cache_shared_namespaces);
   c.socket_path = absl::GetFlag(FLAGS_socket);
   c.tcp_address = absl::GetFlag(FLAGS_listen_tcp);
   if (c.socket_path.empty() && c.tcp_address.empty()) {

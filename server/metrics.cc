@@ -109,6 +109,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->logical_tokens_ = gauge("karakv_logical_tokens", "Tokens ever appended to live sequences");
   m->query_cache_bytes_ = gauge("karakv_query_cache_bytes", "Bytes of queries kept for scoring (Kara, SnapKV)");
   m->score_bytes_ = gauge("karakv_score_bytes", "Bytes of accumulated attention kept (H2O)");
+  m->prefix_lookups_ = counter("karakv_prefix_lookups_total", "Prefix cache lookups (Lookup, CreateSequence from a prefix)");
+  m->prefix_lookup_tokens_ = counter("karakv_prefix_lookup_tokens_total", "Token ids the prefix lookups carried");
+  m->prefix_hit_tokens_ = counter("karakv_prefix_hit_tokens_total", "Tokens the prefix lookups found cached");
+  m->prefix_evictions_ = counter("karakv_prefix_evictions_total", "Cached prompt blocks evicted");
+  m->prefix_cached_blocks_ = gauge("karakv_prefix_cached_blocks", "Blocks indexed by the prefix cache");
+  m->prefix_unused_blocks_ = gauge("karakv_prefix_unused_blocks", "Cached blocks no sequence holds (reclaimable)");
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);
@@ -159,6 +165,20 @@ void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const ker
     policy_kv_bytes_->Remove(&policy_kv_bytes_->Add({{"policy", policy}}));
   }
   exported_policies_ = std::move(live);
+  update_prefix_cache(s);
+}
+
+void Metrics::update_prefix_cache(const RegistryStats& s) {
+  // The registry keeps the totals; counters advance by what happened since the last snapshot.
+  auto advance = [](prometheus::Counter* c, uint64_t total) {
+    if (double(total) > c->Value()) c->Increment(double(total) - c->Value());
+  };
+  advance(prefix_lookups_, s.prefix_lookups);
+  advance(prefix_lookup_tokens_, s.prefix_lookup_tokens);
+  advance(prefix_hit_tokens_, s.prefix_hit_tokens);
+  advance(prefix_evictions_, s.prefix_evictions);
+  prefix_cached_blocks_->Set(s.prefix_cached_blocks);
+  prefix_unused_blocks_->Set(s.prefix_unused_blocks);
 }
 
 void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {

@@ -43,6 +43,8 @@ class Metrics {
   std::vector<RpcErrorCount> rpc_errors() const;
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
   void compaction(const std::string& policy, int tokens_removed, double seconds);
+  // Prefix cache counters and gauges from a registry snapshot (called by update_state).
+  void update_prefix_cache(const RegistryStats& stats);
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   // Called at every scrape, before the metrics are read: state gauges are refreshed then, not on
   // the request path.
@@ -80,6 +82,13 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* policy_kv_bytes_ = nullptr;
   std::mutex policy_mu_;                       // scrapes may refresh concurrently
   std::set<std::string> exported_policies_;    // policies whose gauges are exported now
+  // Prefix cache (hit rate = hit tokens / lookup tokens).
+  prometheus::Counter* prefix_lookups_ = nullptr;
+  prometheus::Counter* prefix_lookup_tokens_ = nullptr;
+  prometheus::Counter* prefix_hit_tokens_ = nullptr;
+  prometheus::Counter* prefix_evictions_ = nullptr;
+  prometheus::Gauge* prefix_cached_blocks_ = nullptr;
+  prometheus::Gauge* prefix_unused_blocks_ = nullptr;
 };
 
 }  // namespace karakv::server

@@ -134,8 +134,14 @@ size_t Registry::q_bytes(size_t rows) const { return rows * config_.geometry.q_t
 // ---- sessions ----
 
 absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, const std::string& tenant,
-                                              uint64_t staging_bytes, const Geometry& wg) {
+                                              uint64_t staging_bytes, const Geometry& wg,
+                                              const std::string& cache_namespace) {
   const Geometry& g = config_.geometry;
+  if (!cache_namespace.empty() && !config_.prefix_cache_shared_namespaces) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cache_namespace '", cache_namespace, "' asked for, but this daemon keeps each tenant's cached prompts "
+        "private; leave cache_namespace empty, or start karakvd with --prefix_cache_shared_namespaces"));
+  }
   if (wg.num_layers != 0 &&
       (wg.num_layers != g.num_layers || wg.num_q_heads != g.num_q_heads ||
        wg.num_kv_heads != g.num_kv_heads || wg.head_dim != g.head_dim || wg.dtype != g.dtype ||
@@ -157,6 +163,9 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
   }
   AttachResult result;
   result.session_id = new_session_id();
+  // Distinct prefixes: a named namespace can never be a tenant's private one.
+  result.cache_namespace = cache_namespace.empty() ? absl::StrCat("tenant:", tenant)
+                                                   : absl::StrCat("shared:", cache_namespace);
   if (staging) {
     result.staging_name = staging->name();
     result.staging_bytes = staging->size();
@@ -166,6 +175,7 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
   s.id = result.session_id;
   s.worker_id = worker_id;
   s.tenant = tenant;
+  s.cache_namespace = result.cache_namespace;
   s.staging = std::move(staging);
   s.lease_deadline = absl::Now() + config_.lease;
   return result;
@@ -197,6 +207,7 @@ absl::StatusOr<int> Registry::detach(const std::string& session_id) {
   if (!session.ok()) return session.status();
   const int n = static_cast<int>((*session)->sequences.size());
   end_session_locked(session_id);
+  trim_prefix_cache();
   return n;
 }
 
@@ -223,6 +234,7 @@ int Registry::expire_leases(absl::Time now) {
   }
   for (const auto& id : expired) end_session_locked(id);
   lease_expiries_ += expired.size();
+  if (!expired.empty()) trim_prefix_cache();
   return static_cast<int>(expired.size());
 }
 
@@ -240,6 +252,13 @@ void Registry::end_session_locked(const std::string& session_id) {
 
 absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id,
                                                    const SequenceOptions& options) {
+  auto r = create_sequence_from_prefix(session_id, options);
+  if (!r.ok()) return r.status();
+  return r->first;
+}
+
+absl::StatusOr<std::pair<uint64_t, int32_t>> Registry::create_sequence_from_prefix(
+    const std::string& session_id, const SequenceOptions& options) {
   std::string name = options.policy.empty() ? "none" : options.policy;
   std::string storage = options.storage;
   if (const size_t plus = name.find('+'); plus != std::string::npos) {
@@ -316,7 +335,111 @@ absl::StatusOr<uint64_t> Registry::create_sequence(const std::string& session_id
   }
   if (seq.policy->needs_attention()) seq.attention.resize(size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads);
   (*session)->sequences.insert(id);
-  return id;
+  seq.cache_namespace = (*session)->cache_namespace;
+  // A prompt the prefill policy will compress is not what another sequence's prompt would be.
+  seq.publish = config_.prefix_cache && !seq.prefill;
+  int32_t cached = 0;
+  if (!options.prefix_token_ids.empty()) {
+    ++prefix_lookups_;
+    prefix_lookup_tokens_ += options.prefix_token_ids.size();
+  }
+  if (config_.prefix_cache && !options.prefix_token_ids.empty()) {
+    const std::vector<PrefixCache::Hit> hits =
+        prefix_cache_.match(options.prefix_token_ids, config_.geometry, seq.cache_namespace);
+    prefix_cache_.touch(hits);
+    cached = static_cast<int32_t>(hits.size()) * config_.geometry.block_size;
+    prefix_hit_tokens_ += cached;
+    for (const PrefixCache::Hit& h : hits) {
+      pool_.add_ref(h.block);  // shared like a fork's: the first write past them copies nothing
+      seq.blocks.push_back(h.block);
+      seq.prompt_keys.push_back(h.key);
+    }
+    seq.prompt_ids.assign(options.prefix_token_ids.begin(), options.prefix_token_ids.begin() + cached);
+    seq.length = seq.logical = cached;
+    for (auto& row : seq.attention) row.resize(seq.length, 0.0f);
+  }
+  return std::make_pair(id, cached);
+}
+
+absl::StatusOr<int32_t> Registry::lookup_prefix(const std::string& session_id, absl::Span<const int32_t> token_ids) {
+  absl::MutexLock lock(&mu_);
+  auto session = find_session(session_id);
+  if (!session.ok()) return session.status();
+  ++prefix_lookups_;
+  prefix_lookup_tokens_ += token_ids.size();
+  if (!config_.prefix_cache) return 0;
+  const int32_t hit = static_cast<int32_t>(
+      prefix_cache_.match(token_ids, config_.geometry, (*session)->cache_namespace).size() * config_.geometry.block_size);
+  prefix_hit_tokens_ += hit;
+  return hit;
+}
+
+void Registry::publish_prompt(Sequence& seq) {
+  if (!seq.publish) return;
+  if (seq.compactions > 0 || seq.length != seq.logical) {
+    seq.publish = false;  // the resident prompt is no longer the appended one
+    return;
+  }
+  const Geometry& g = config_.geometry;
+  const size_t b = size_t(g.block_size);
+  bool published = false;
+  while ((seq.prompt_keys.size() + 1) * b <= seq.prompt_ids.size()) {
+    const size_t i = seq.prompt_keys.size();
+    const PrefixKey parent = i == 0 ? PrefixKey{} : seq.prompt_keys[i - 1];
+    const absl::Span<const int32_t> tokens(seq.prompt_ids.data() + i * b, b);
+    const PrefixKey key = prefix_block_key(parent, tokens, g, seq.cache_namespace);
+    seq.prompt_keys.push_back(key);
+    const int32_t slot = static_cast<int32_t>(i * b);
+    if (slot < seq.quantized()) continue;  // its full-precision block is gone
+    const int32_t block = seq.blocks[size_t(slot - seq.quantized()) / b];
+    PrefixCache::Entry e;
+    e.parent = parent;
+    e.cache_namespace = seq.cache_namespace;
+    e.tokens.assign(tokens.begin(), tokens.end());
+    e.block = block;
+    if (prefix_cache_.insert(key, std::move(e))) {
+      pool_.add_ref(block);
+      ++prefix_published_;
+      published = true;
+    }
+  }
+  // The chain's earlier blocks become newer than its new end: eviction takes chains from the end.
+  if (published) prefix_cache_.touch(seq.prompt_keys);
+}
+
+int32_t Registry::unused_cached_blocks() const {
+  int32_t n = 0;
+  for (const auto& [key, e] : prefix_cache_.entries()) n += pool_.refcount(e.block) == 1 ? 1 : 0;
+  return n;
+}
+
+bool Registry::make_room(int32_t need) {
+  if (pool_.free_count() >= need) return true;
+  if (prefix_cache_.size() == 0 || pool_.free_count() + unused_cached_blocks() < need) return false;
+  for (const PrefixKey& key : prefix_cache_.lru_order()) {
+    if (pool_.free_count() >= need) break;
+    const int32_t block = prefix_cache_.entries().at(key).block;
+    if (pool_.refcount(block) != 1) continue;  // a sequence still reads it
+    prefix_cache_.erase(key);
+    pool_.release(block);
+    ++prefix_evictions_;
+  }
+  return pool_.free_count() >= need;
+}
+
+void Registry::trim_prefix_cache() {
+  if (config_.prefix_cache_max_fraction >= 1.0 || prefix_cache_.size() == 0) return;
+  const int32_t limit = static_cast<int32_t>(config_.prefix_cache_max_fraction * pool_.total());
+  int32_t unused = unused_cached_blocks();
+  for (const PrefixKey& key : prefix_cache_.lru_order()) {
+    if (unused <= limit) break;
+    const int32_t block = prefix_cache_.entries().at(key).block;
+    if (pool_.refcount(block) != 1) continue;
+    prefix_cache_.erase(key);
+    pool_.release(block);
+    ++prefix_evictions_;
+    --unused;
+  }
 }
 
 absl::StatusOr<uint64_t> Registry::fork_sequence(const std::string& session_id, uint64_t parent_id) {
@@ -352,6 +475,7 @@ absl::StatusOr<int> Registry::release_sequence(const std::string& session_id, ui
   auto owner = sessions_.find((*seq)->session_id);
   if (owner != sessions_.end()) owner->second.sequences.erase(sequence_id);
   sequences_.erase(sequence_id);
+  trim_prefix_cache();
   return freed;
 }
 
@@ -425,11 +549,15 @@ kernels::PagedKV Registry::paged_view(const std::vector<const Sequence*>& seqs,
 
 absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t sequence_id,
                                          int32_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q,
-                                         int32_t num_query_tokens) {
+                                         int32_t num_query_tokens, absl::Span<const int32_t> token_ids) {
   const auto received = std::chrono::steady_clock::now();
   const Geometry& g = config_.geometry;
   if (num_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens is ", num_tokens, ", expected >= 1"));
+  }
+  if (!token_ids.empty() && token_ids.size() != size_t(num_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat("token_ids has ", token_ids.size(), " entries, expected ",
+                                                   "num_tokens = ", num_tokens, " (or none)"));
   }
   auto layout = [&] {
     return absl::StrFormat("[L=%d][T=%d][Hk=%d][D=%d] %s", g.num_layers, num_tokens, g.num_kv_heads,
@@ -472,7 +600,7 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
   }
   const int32_t new_length = seq.length + num_tokens;
   const int32_t need = blocks_needed(seq, new_length);
-  if (need > pool_.free_count()) {
+  if (!make_room(need)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV pool full: appending ", num_tokens, " tokens to sequence ", sequence_id, " wanted ",
         need, " blocks, ", pool_.free_count(), " free of ", pool_.total()));
@@ -499,6 +627,16 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
     }
   }
   trim_queries(seq);
+  if (!seq.decoding && seq.publish) {
+    // The prompt keeps its ids only while every prompt token came with one.
+    if (token_ids.empty() || seq.prompt_ids.size() + size_t(num_tokens) != size_t(seq.logical)) {
+      seq.publish = false;
+      seq.prompt_ids.clear();
+    } else {
+      seq.prompt_ids.insert(seq.prompt_ids.end(), token_ids.begin(), token_ids.end());
+      publish_prompt(seq);
+    }
+  }
   quantize_aged(seq);
   return new_length;
 }
@@ -590,7 +728,7 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     }
     seqs.push_back(&seq);
   }
-  if (need > pool_.free_count()) {
+  if (!make_room(need)) {
     return absl::ResourceExhaustedError(absl::StrCat("KV pool full: Step over ", batch,
                                                      " sequences wanted ", need, " blocks, ",
                                                      pool_.free_count(), " free of ", pool_.total()));
@@ -749,7 +887,7 @@ void Registry::quantize_aged(Sequence& seq) {
   const int32_t b = config_.geometry.block_size;
   while (seq.quantized() + seq.tokens_per_qblock <= limit) {
     std::vector<int32_t> fresh;
-    if (!pool_.allocate(1, &fresh).ok()) return;  // retried after the next step
+    if (!make_room(1) || !pool_.allocate(1, &fresh).ok()) return;  // retried after the next step
     std::vector<int32_t> table, offsets, lengths{seq.fp_length()}, qtable, qoffsets;
     kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
     kernels::QuantizedKV qkv = quantized_view({&seq}, &qtable, &qoffsets);
@@ -775,6 +913,9 @@ absl::Status Registry::begin_decode(Sequence& seq) {
   }
   seq.decoding = true;
   seq.prompt = seq.logical;
+  seq.publish = false;  // the prompt is fixed; generated tokens are never published
+  seq.prompt_ids.clear();
+  seq.prompt_ids.shrink_to_fit();
   const int32_t b = config_.geometry.block_size;
   seq.tail_start = (seq.length + b - 1) / b * b;
   trim_queries(seq);
@@ -807,6 +948,7 @@ int Registry::run_scheduler(const std::vector<Sequence*>& batch) {
     auto r = compact_locked(*seq, *seq->policy, false);
     ran += r.ok() && r->skipped.empty() ? 1 : 0;
   }
+  if (ran > 0) trim_prefix_cache();
   return ran;
 }
 
@@ -935,6 +1077,7 @@ absl::StatusOr<CompactionResult> Registry::compact_locked(Sequence& seq, const P
   const Geometry& g = config_.geometry;
   const int32_t fresh_count = seq.quantized() / g.block_size;
   std::vector<int32_t> fresh;
+  make_room(fresh_count);
   if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
     PolicyStats& ps = policy_stats_[seq.label()];
     ++ps.failures;
@@ -1046,6 +1189,7 @@ absl::Status Registry::apply_plan(Sequence& seq, const Policy& policy, const Com
   const int32_t b = g.block_size;
   const int32_t fresh_count = (plan.num_kept + b - 1) / b;
   std::vector<int32_t> fresh;
+  make_room(fresh_count);
   if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", policy.name(),
                                                      " needs ", fresh_count, " fresh blocks: ", s.message()));
@@ -1110,6 +1254,7 @@ absl::Status Registry::apply_plan(Sequence& seq, const Policy& policy, const Com
   seq.explicit_pos = std::move(pos);
   if (policy.trigger() == Trigger::kPeriodic) seq.tail_start = plan.begin + plan.num_kept;
   ++seq.compactions;
+  seq.publish = false;  // compacted blocks are never content-addressed
   return absl::OkStatus();
 }
 
@@ -1165,6 +1310,7 @@ absl::StatusOr<std::vector<CompactionResult>> Registry::compact(const std::strin
     if (!r.ok()) return r.status();
     out.push_back(std::move(*r));
   }
+  trim_prefix_cache();
   return out;
 }
 
@@ -1224,6 +1370,13 @@ RegistryStats Registry::stats() const {
   s.decode_tokens = decode_tokens_;
   s.lease_expiries = lease_expiries_;
   s.policies = policy_stats_;
+  s.prefix_lookups = prefix_lookups_;
+  s.prefix_lookup_tokens = prefix_lookup_tokens_;
+  s.prefix_hit_tokens = prefix_hit_tokens_;
+  s.prefix_cached_blocks = static_cast<int32_t>(prefix_cache_.size());
+  s.prefix_unused_blocks = unused_cached_blocks();
+  s.prefix_evictions = prefix_evictions_;
+  s.prefix_published_blocks = prefix_published_;
   for (const auto& [id, seq] : sequences_) {
     s.logical_tokens += seq.logical;
     s.query_cache_bytes += seq.queries.size() * sizeof(float);
@@ -1277,6 +1430,14 @@ absl::Status Registry::check_invariants() const {
     if (!sessions_.contains(seq.session_id)) {
       return absl::InternalError(absl::StrCat("sequence ", id, " outlived its session"));
     }
+  }
+  // The prefix cache holds one reference on each block it indexes.
+  if (std::string e = prefix_cache_.check(); !e.empty()) return absl::InternalError(e);
+  for (const auto& [key, e] : prefix_cache_.entries()) {
+    if (e.block < 0 || e.block >= pool_.total()) {
+      return absl::InternalError(absl::StrCat("prefix cache holds bad block id ", e.block));
+    }
+    ++references[e.block];
   }
   return pool_.check(references);
 }

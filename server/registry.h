@@ -24,6 +24,7 @@
 #include "karakv/kernels/backend.h"
 #include "server/block_pool.h"
 #include "server/policy.h"
+#include "server/prefix_cache.h"
 #include "server/staging.h"
 
 namespace karakv::server {
@@ -35,6 +36,14 @@ struct RegistryConfig {
   uint64_t max_staging_bytes = 1ull << 30;
   // Kara: at most this many sequences compress per tick, longest tail first (0: no limit).
   int max_sequences_per_tick = 0;
+  // Prefix caching (docs/PREFIX_CACHE.md): full prompt blocks appended with token ids are indexed
+  // by content and shared with later sequences of the same cache namespace.
+  bool prefix_cache = true;
+  // Watermark: cached blocks no sequence holds may fill at most this fraction of the pool; beyond
+  // it the least recently used go at once. Below it they stay until an allocation needs the space.
+  double prefix_cache_max_fraction = 1.0;
+  // Attach may name a cache namespace other than its tenant (sharing prompts across tenants).
+  bool prefix_cache_shared_namespaces = false;
 };
 
 struct SequenceOptions {
@@ -47,6 +56,8 @@ struct SequenceOptions {
   std::string prefill_policy;
   std::map<std::string, double> prefill_params;
   int32_t priority = 0;
+  // Start from the longest cached prefix of these prompt token ids (whole blocks only).
+  std::vector<int32_t> prefix_token_ids;
 };
 
 // One compaction, as the scheduler or the Compact RPC ran it (or would, for a dry run).
@@ -74,6 +85,7 @@ using MutableBytes = absl::Span<uint8_t>;
 
 struct AttachResult {
   std::string session_id;
+  std::string cache_namespace;
   std::string staging_name;
   uint64_t staging_bytes = 0;
 };
@@ -116,6 +128,11 @@ struct RegistryStats {
   uint64_t query_cache_bytes = 0;
   uint64_t score_bytes = 0;
   std::map<std::string, PolicyStats> policies;
+  // Prefix cache: lookups (Lookup calls and CreateSequence from a prefix), the tokens they asked
+  // about and found, blocks indexed (of which no sequence holds `unused`), evictions.
+  uint64_t prefix_lookups = 0, prefix_lookup_tokens = 0, prefix_hit_tokens = 0;
+  int32_t prefix_cached_blocks = 0, prefix_unused_blocks = 0;
+  uint64_t prefix_evictions = 0, prefix_published_blocks = 0;
 };
 
 // Where ReadKV writes, chosen by the caller once the token count is known.
@@ -137,7 +154,8 @@ class Registry {
   // Sessions. `worker_geometry` with num_layers == 0 means "whatever the daemon serves".
   absl::StatusOr<AttachResult> attach(const std::string& worker_id, const std::string& tenant,
                                       uint64_t staging_bytes,
-                                      const kernels::Geometry& worker_geometry);
+                                      const kernels::Geometry& worker_geometry,
+                                      const std::string& cache_namespace = "");
   absl::StatusOr<int> detach(const std::string& session_id);
   absl::Status heartbeat(const std::string& session_id);
   // The session's staging region, kept alive by the returned pointer even if the session ends.
@@ -147,14 +165,21 @@ class Registry {
 
   // Sequences.
   absl::StatusOr<uint64_t> create_sequence(const std::string& session_id, const SequenceOptions& options);
+  // The same, also returning how many leading tokens came from the prefix cache.
+  absl::StatusOr<std::pair<uint64_t, int32_t>> create_sequence_from_prefix(const std::string& session_id,
+                                                                          const SequenceOptions& options);
+  // How many leading tokens of `token_ids` (whole blocks) the session's cache namespace holds.
+  absl::StatusOr<int32_t> lookup_prefix(const std::string& session_id, absl::Span<const int32_t> token_ids);
   absl::StatusOr<uint64_t> fork_sequence(const std::string& session_id, uint64_t parent_id);
   absl::StatusOr<int> release_sequence(const std::string& session_id, uint64_t sequence_id);
 
   //   k, v: [L][T][Hk][D] storage dtype; q (optional): [L][Nq][Hq][D] fp32, the queries of the
   // last Nq tokens. Returns the new resident length.
+  //   token_ids (optional): [T] the appended tokens' ids; full prompt blocks with ids are published
+  // to the prefix cache.
   absl::StatusOr<int32_t> append(const std::string& session_id, uint64_t sequence_id,
                                  int32_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q = {},
-                                 int32_t num_query_tokens = 0);
+                                 int32_t num_query_tokens = 0, absl::Span<const int32_t> token_ids = {});
   struct StepResult {
     uint64_t decode_step = 0;
     int compactions = 0;
@@ -203,6 +228,7 @@ class Registry {
     std::string id;
     std::string worker_id;
     std::string tenant;
+    std::string cache_namespace;
     std::shared_ptr<StagingRegion> staging;
     absl::Time lease_deadline;
     absl::flat_hash_set<uint64_t> sequences;
@@ -245,6 +271,12 @@ class Registry {
     int32_t residual = 128;
     uint64_t qseed = 0;
     std::vector<int32_t> qblocks;
+    // Prefix cache: the prompt's token ids while every prompt token came with one, the keys of its
+    // full blocks, and whether it still publishes (no prefill policy, never compacted).
+    std::string cache_namespace;
+    bool publish = false;
+    std::vector<int32_t> prompt_ids;
+    std::vector<PrefixKey> prompt_keys;
 
     // "kara+kivi4": what stats and metrics group by.
     std::string label() const { return storage.empty() ? policy->name() : policy->name() + "+" + storage; }
@@ -272,6 +304,14 @@ class Registry {
   // Quantizes the oldest full-precision tokens that have aged out of the residual window and that
   // the policy will never rewrite, a quantized block at a time.
   void quantize_aged(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prefix cache. make_room evicts unused cached blocks, least recently used first, until `need`
+  // blocks are free; when even that cannot free enough it evicts nothing and returns false.
+  bool make_room(int32_t need) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int32_t unused_cached_blocks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Enforces prefix_cache_max_fraction after blocks became unused.
+  void trim_prefix_cache() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keys and indexes the sequence's newly full prompt blocks.
+  void publish_prompt(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   kernels::QuantizedKV quantized_view(const std::vector<const Sequence*>& seqs, std::vector<int32_t>* table,
                                       std::vector<int32_t>* offsets) const;
   // Attention of a Step batch, split into groups that share a storage format.
@@ -319,6 +359,10 @@ class Registry {
   uint64_t lease_expiries_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, PolicyStats> policy_stats_ ABSL_GUARDED_BY(mu_);
   std::function<void(const CompactionResult&)> observer_ ABSL_GUARDED_BY(mu_);
+  PrefixCache prefix_cache_ ABSL_GUARDED_BY(mu_);
+  uint64_t prefix_lookups_ ABSL_GUARDED_BY(mu_) = 0, prefix_lookup_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t prefix_hit_tokens_ ABSL_GUARDED_BY(mu_) = 0, prefix_evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t prefix_published_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Checks a geometry for values the pool and kernels can serve; names the bad field.

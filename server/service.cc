@@ -131,7 +131,7 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
     if (req.geometry().dtype() == v1::DTYPE_UNSPECIFIED) wg.dtype = registry_->geometry().dtype;
   }
   auto r = registry_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
-                             req.staging_bytes(), wg);
+                             req.staging_bytes(), wg, req.cache_namespace());
   if (!r.ok()) return r.status();
   reply->set_session_id(r->session_id);
   reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
@@ -153,7 +153,8 @@ absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendRep
     if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
   }
   auto r = registry_->append(req.session_id(), req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
-                             k.bytes, v.bytes, q.bytes, static_cast<int32_t>(req.num_query_tokens()));
+                             k.bytes, v.bytes, q.bytes, static_cast<int32_t>(req.num_query_tokens()),
+                             absl::MakeConstSpan(req.token_ids().data(), req.token_ids_size()));
   if (!r.ok()) return r.status();
   reply->set_length(static_cast<uint32_t>(*r));
   return absl::OkStatus();
@@ -167,9 +168,11 @@ absl::Status KaraKVService::DoCreateSequence(const v1::CreateSequenceRequest& re
   o.prefill_params.insert(req.prefill_params().begin(), req.prefill_params().end());
   o.priority = req.priority();
   o.storage = req.storage();
-  auto id = registry_->create_sequence(req.session_id(), o);
-  if (!id.ok()) return id.status();
-  reply->set_sequence_id(*id);
+  o.prefix_token_ids.assign(req.prefix_token_ids().begin(), req.prefix_token_ids().end());
+  auto r = registry_->create_sequence_from_prefix(req.session_id(), o);
+  if (!r.ok()) return r.status();
+  reply->set_sequence_id(r->first);
+  reply->set_cached_tokens(static_cast<uint32_t>(r->second));
   return absl::OkStatus();
 }
 
@@ -340,6 +343,14 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
     ps->set_nominal_ratio(p.nominal_ratio);
     ps->set_actual_ratio(p.kv_bytes ? double(p.fp16_bytes) / double(p.kv_bytes) : 0.0);
   }
+  reply->set_prefix_cache_enabled(registry_->config().prefix_cache);
+  reply->set_prefix_lookups(s.prefix_lookups);
+  reply->set_prefix_lookup_tokens(s.prefix_lookup_tokens);
+  reply->set_prefix_hit_tokens(s.prefix_hit_tokens);
+  reply->set_prefix_cached_blocks(s.prefix_cached_blocks);
+  reply->set_prefix_unused_blocks(s.prefix_unused_blocks);
+  reply->set_prefix_evictions(s.prefix_evictions);
+  reply->set_prefix_published_blocks(s.prefix_published_blocks);
   if (req.check_invariants()) {
     reply->set_invariants_checked(true);
     reply->set_invariant_error(std::string(registry_->check_invariants().message()));
@@ -444,6 +455,17 @@ grpc::ServerUnaryReactor* KaraKVService::Compact(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* KaraKVService::Inspect(grpc::CallbackServerContext* ctx, const v1::InspectRequest* req,
                                                  v1::InspectReply* reply) {
   return serve(ctx, "Inspect", false, [&] { return DoInspect(*req, reply); });
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Lookup(grpc::CallbackServerContext* ctx, const v1::LookupRequest* req,
+                                                v1::LookupReply* reply) {
+  return serve(ctx, "Lookup", false, [&]() -> absl::Status {
+    auto n = registry_->lookup_prefix(req->session_id(), absl::MakeConstSpan(req->token_ids().data(),
+                                                                              req->token_ids_size()));
+    if (!n.ok()) return n.status();
+    reply->set_cached_tokens(static_cast<uint32_t>(*n));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* KaraKVService::Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest*,

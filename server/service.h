@@ -37,6 +37,7 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext*, const v1::ListSequencesRequest*, v1::ListSequencesReply*) override;
   grpc::ServerUnaryReactor* Compact(grpc::CallbackServerContext*, const v1::CompactRequest*, v1::CompactReply*) override;
   grpc::ServerUnaryReactor* Inspect(grpc::CallbackServerContext*, const v1::InspectRequest*, v1::InspectReply*) override;
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext*, const v1::LookupRequest*, v1::LookupReply*) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext*, const v1::PingRequest*, v1::PingReply*) override;
 
   // The handlers' bodies, callable without a transport (tests, fuzzers).

@@ -90,6 +90,10 @@ int cmd_health(const std::shared_ptr<grpc::Channel>& ch) {
   return serving ? 0 : 1;
 }
 
+double prefix_hit_rate(const v1::StatsReply& r) {
+  return r.prefix_lookup_tokens() ? double(r.prefix_hit_tokens()) / double(r.prefix_lookup_tokens()) : 0.0;
+}
+
 int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
   auto stub = v1::KaraKV::NewStub(ch);
   v1::StatsRequest req;
@@ -119,6 +123,14 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
       std::printf(",\"invariants_ok\":%s,\"invariant_error\":\"%s\"", r.invariant_error().empty() ? "true" : "false",
                   json_escape(r.invariant_error()).c_str());
     }
+    std::printf(",\"prefix_cache\":{\"enabled\":%s,\"lookups\":%llu,\"lookup_tokens\":%llu,\"hit_tokens\":%llu,"
+                "\"hit_rate\":%.4f,\"cached_blocks\":%llu,\"unused_blocks\":%llu,\"evictions\":%llu,"
+                "\"published_blocks\":%llu}",
+                r.prefix_cache_enabled() ? "true" : "false", (unsigned long long)r.prefix_lookups(),
+                (unsigned long long)r.prefix_lookup_tokens(), (unsigned long long)r.prefix_hit_tokens(),
+                prefix_hit_rate(r), (unsigned long long)r.prefix_cached_blocks(),
+                (unsigned long long)r.prefix_unused_blocks(), (unsigned long long)r.prefix_evictions(),
+                (unsigned long long)r.prefix_published_blocks());
     std::printf(",\"logical_tokens\":%llu,\"query_cache_bytes\":%llu,\"score_bytes\":%llu,\"policies\":[",
                 (unsigned long long)r.logical_tokens(), (unsigned long long)r.query_cache_bytes(),
                 (unsigned long long)r.score_bytes());
@@ -153,6 +165,12 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
                 r.logical_tokens() ? double(r.resident_tokens()) / r.logical_tokens() : 1.0);
     std::printf("query cache      %.1f MiB, scores %.1f MiB\n", r.query_cache_bytes() / 1048576.0,
                 r.score_bytes() / 1048576.0);
+    std::printf("prefix cache     %s: %llu lookups, %llu of %llu tokens hit (%.1f%%), %llu blocks cached "
+                "(%llu unused), %llu evicted\n",
+                r.prefix_cache_enabled() ? "on" : "off", (unsigned long long)r.prefix_lookups(),
+                (unsigned long long)r.prefix_hit_tokens(), (unsigned long long)r.prefix_lookup_tokens(),
+                100.0 * prefix_hit_rate(r), (unsigned long long)r.prefix_cached_blocks(),
+                (unsigned long long)r.prefix_unused_blocks(), (unsigned long long)r.prefix_evictions());
     if (r.invariants_checked()) {
       std::printf("invariants       %s\n", r.invariant_error().empty() ? "ok" : r.invariant_error().c_str());
     }

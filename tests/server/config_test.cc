@@ -12,6 +12,8 @@
 ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
+ABSL_DECLARE_FLAG(std::string, prefix_cache);
+ABSL_DECLARE_FLAG(double, prefix_cache_max_fraction);
 
 namespace karakv::server {
 namespace {
@@ -64,6 +66,27 @@ TEST_F(ConfigFileTest, RefusesInconsistentGeometry) {
   absl::SetFlag(&FLAGS_layers, 2);
   absl::SetFlag(&FLAGS_pool_bytes, "huge");
   EXPECT_NE(config_from_flags().status().message().find("--pool_bytes"), std::string::npos);
+}
+
+TEST_F(ConfigFileTest, PrefixCacheSettings) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->registry.prefix_cache);
+  EXPECT_EQ(c->registry.prefix_cache_max_fraction, 1.0);
+  EXPECT_FALSE(c->registry.prefix_cache_shared_namespaces);
+  ASSERT_TRUE(apply_config_file(write("prefix_cache = off\nprefix_cache_max_fraction = 0.25\n"
+                                      "prefix_cache_shared_namespaces = true\n")).ok());
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->registry.prefix_cache);
+  EXPECT_EQ(c->registry.prefix_cache_max_fraction, 0.25);
+  EXPECT_TRUE(c->registry.prefix_cache_shared_namespaces);
+  absl::SetFlag(&FLAGS_prefix_cache, "maybe");
+  EXPECT_NE(config_from_flags().status().message().find("--prefix_cache=maybe, expected on or off"), std::string::npos);
+  absl::SetFlag(&FLAGS_prefix_cache, "on");
+  absl::SetFlag(&FLAGS_prefix_cache_max_fraction, 1.5);
+  EXPECT_NE(config_from_flags().status().message().find("--prefix_cache_max_fraction=1.5, expected 0..1"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -29,6 +29,9 @@ struct ClientOptions {
   std::string target = "unix:/tmp/karakv.sock";
   std::string worker_id = "worker";
   std::string tenant = "default";
+  // Prefix cache namespace: empty keeps cached prompts private to the tenant; a name shares them
+  // across tenants (the daemon must run with --prefix_cache_shared_namespaces).
+  std::string cache_namespace;
   // Size of the staging region to ask for; 0 attaches without one (inline tensors only).
   uint64_t staging_bytes = 64ull << 20;
   // When set, Attach fails unless the daemon serves exactly this geometry.
@@ -71,6 +74,12 @@ struct SequenceOptions {
   int priority = 0;
 };
 
+// A sequence created from the prefix cache: it already holds cached_tokens tokens (whole blocks).
+struct CreatedSequence {
+  uint64_t id = 0;
+  int cached_tokens = 0;
+};
+
 struct PolicyStats {
   std::string policy;
   uint32_t sequences = 0;
@@ -99,6 +108,10 @@ struct DaemonStats {
   uint32_t sequences = 0, sessions = 0;
   uint64_t logical_tokens = 0, query_cache_bytes = 0, score_bytes = 0;
   std::vector<PolicyStats> policies;
+  // Prefix cache; hit rate = prefix_hit_tokens / prefix_lookup_tokens.
+  bool prefix_cache_enabled = false;
+  uint64_t prefix_lookups = 0, prefix_lookup_tokens = 0, prefix_hit_tokens = 0;
+  uint64_t prefix_cached_blocks = 0, prefix_unused_blocks = 0, prefix_evictions = 0, prefix_published_blocks = 0;
   bool invariants_checked = false;
   std::string invariant_error;
 };
@@ -144,6 +157,12 @@ class Client {
 
   absl::StatusOr<uint64_t> CreateSequence(const std::string& policy = "none", int priority = 0);
   absl::StatusOr<uint64_t> CreateSequence(const SequenceOptions& options);
+  // Starts from the longest cached prefix of `prompt_token_ids` (whole blocks, this session's cache
+  // namespace); append the rest, from token cached_tokens on, with their ids.
+  absl::StatusOr<CreatedSequence> CreateFromPrefix(const SequenceOptions& options,
+                                                   std::span<const int32_t> prompt_token_ids);
+  // How many leading tokens of a prompt the daemon has cached for this session (whole blocks).
+  absl::StatusOr<int> Lookup(std::span<const int32_t> prompt_token_ids);
   absl::StatusOr<uint64_t> Fork(uint64_t sequence_id);
   // Returns how many blocks went back to the pool.
   absl::StatusOr<int> Release(uint64_t sequence_id);
@@ -153,6 +172,10 @@ class Client {
   // by a snapkv prefill policy, and by kara for tokens appended after decoding started).
   absl::StatusOr<int> Append(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v,
                              const Buffer& q, int num_query_tokens);
+  // The same, with the appended tokens' ids ([T] int32): full prompt blocks become shareable
+  // through the prefix cache (docs/PREFIX_CACHE.md). q may be an empty Buffer (num_query_tokens 0).
+  absl::StatusOr<int> Append(uint64_t sequence_id, std::span<const int32_t> token_ids, const Buffer& k,
+                             const Buffer& v, const Buffer& q = Buffer(), int num_query_tokens = 0);
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
   // Returns the daemon's decode-step counter.
   absl::StatusOr<uint64_t> Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
@@ -176,6 +199,8 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  absl::StatusOr<int> AppendWithIds(uint64_t sequence_id, int num_tokens, const Buffer& k, const Buffer& v,
+                                    const Buffer& q, int num_query_tokens, std::span<const int32_t> token_ids);
   std::unique_ptr<Impl> impl_;
 };
 
