@@ -37,12 +37,16 @@ echo "==> the same workload with Kara (periodic sliding-window compression of ge
 ./build/examples/synthetic_worker "${workload[@]}" --policy=kara
 
 if [ -n "$smollm2" ]; then
-  question="Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+  # A few hundred generated tokens, so that Kara (window 64, a tick every 8 steps) compresses
+  # several windows and the KV memory it saves shows in the worker's last line.
+  prompt="Write a story of about 200 words about a lighthouse keeper who finds a message in a bottle."
   for policy in none kara; do
     echo
     echo "==> SmolLM2-135M-Instruct answering through karakvd, --policy=$policy"
-    ./build/examples/llama/llama_worker --model="$smollm2" --target="unix:$sock" --chat --tokens=60 \
-      --policy="$policy" --prompt="$question"
+    params=()
+    [ "$policy" = kara ] && params=(--param=window=64 --param=period=8 --param=rho=0.5)
+    ./build/examples/llama/llama_worker --model="$smollm2" --target="unix:$sock" --chat --tokens=320 \
+      --policy="$policy" "${params[@]}" --prompt="$prompt"
   done
 fi
 
