@@ -31,6 +31,9 @@ ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may 
 ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
           "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
 ABSL_FLAG(bool, check_invariants, false, "Debug: check the pool invariant after every mutating RPC");
+ABSL_FLAG(bool, fast_path, true,
+          "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
+ABSL_FLAG(int32_t, ring_spin_us, 50, "Fast path: microseconds a ring thread busy-waits after a command before it sleeps");
 
 namespace karakv::server {
 
@@ -132,6 +135,12 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   c.check_invariants = absl::GetFlag(FLAGS_check_invariants);
+  c.fast_path = absl::GetFlag(FLAGS_fast_path);
+  const int spin = absl::GetFlag(FLAGS_ring_spin_us);
+  if (spin < 0 || spin > 1'000'000) {
+    return absl::InvalidArgumentError(absl::StrCat("--ring_spin_us=", spin, ", expected 0..1000000"));
+  }
+  c.ring_spin = absl::Microseconds(spin);
   return c;
 }
 

@@ -134,7 +134,8 @@ size_t Registry::q_bytes(size_t rows) const { return rows * config_.geometry.q_t
 // ---- sessions ----
 
 absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, const std::string& tenant,
-                                              uint64_t staging_bytes, const Geometry& wg) {
+                                              uint64_t staging_bytes, const Geometry& wg,
+                                              uint64_t reserved_bytes) {
   const Geometry& g = config_.geometry;
   if (wg.num_layers != 0 &&
       (wg.num_layers != g.num_layers || wg.num_q_heads != g.num_q_heads ||
@@ -151,7 +152,7 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
   }
   std::shared_ptr<StagingRegion> staging;
   if (staging_bytes > 0) {
-    auto region = StagingRegion::create(staging_bytes);
+    auto region = StagingRegion::create(staging_bytes, reserved_bytes);
     if (!region.ok()) return region.status();
     staging = std::move(*region);
   }
