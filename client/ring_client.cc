@@ -13,7 +13,7 @@ namespace karakv {
 namespace {
 using Clock = std::chrono::steady_clock;
 // How long a wait goes before the daemon's liveness is checked, and then how often.
-constexpr int64_t kLivenessEveryNs = 100'000'000;
+constexpr int64_t kLivenessEveryNs = 250'000'000;
 constexpr int64_t kSliceNs = 10'000'000;
 }  // namespace
 
@@ -81,7 +81,7 @@ absl::StatusOr<std::optional<ring::Completion>> RingClient::call(ring::Command& 
     }
     const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
     if (waited < spin_ns_) {
-      ring::cpu_relax();
+      ring::spin_once();
       continue;
     }
     const absl::Time now = absl::Now();

@@ -235,7 +235,7 @@ void RingServer::run(Worker* w) {
     }
     // Nothing to do (or no room to answer): spin a little, then sleep on the doorbell.
     if (Clock::now() - last_work < spin) {
-      ring::cpu_relax();
+      ring::spin_once();
       continue;
     }
     const uint32_t bell = h->sq_doorbell.load(std::memory_order_seq_cst);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -123,13 +124,10 @@ inline void futex_wake(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
+// One turn of a bounded spin. It yields the CPU rather than pausing in place: the peer (and, in the
+// daemon, the kernels' OpenMP team) must run for the spin to end, and on a machine with few cores
+// a spinner that does not yield steals exactly the time it is waiting for.
+inline void spin_once() { sched_yield(); }
 
 // The writing end of one ring. It keeps its own index: the shared copy is only published, never
 // read back, so a peer that scribbles on it cannot move this side.
