@@ -3,6 +3,7 @@
 // thread's end with its session. The ring itself is tested in ring_spsc_test.cc.
 #include "server/ring.h"
 
+#include <map>
 #include <random>
 #include <thread>
 
@@ -188,6 +189,46 @@ TEST_F(RingServerTest, FuzzedCommandsNeverHurtTheDaemon) {
     ASSERT_TRUE(registry_->check_invariants().ok());
   }
   EXPECT_TRUE(registry_->check_invariants().ok());
+}
+
+// Value of a counter (or a histogram's sample count) with the given labels, -1 when absent.
+double metric(Metrics& m, const std::string& family, const std::map<std::string, std::string>& labels) {
+  for (const auto& f : m.registry()->Collect()) {
+    if (f.name != family) continue;
+    for (const auto& metric : f.metric) {
+      std::map<std::string, std::string> got;
+      for (const auto& l : metric.label) got[l.name] = l.value;
+      if (got != labels) continue;
+      return f.type == prometheus::MetricType::Histogram ? double(metric.histogram.sample_count)
+                                                         : metric.counter.value;
+    }
+  }
+  return -1;
+}
+
+TEST_F(RingServerTest, CountsCommandsByPathAndWakeUps) {
+  Session s = attach();
+  ring::Command a{};
+  a.op = uint32_t(ring::Op::kAttend);
+  a.sequence_id = 1;
+  a.count = 1;
+  a.q = {0, 64};
+  a.out = {64, 64};
+  ring::Completion done{};
+  for (int i = 0; i < 3; ++i) {
+    // Long enough for the thread (spin 0) to be asleep: each command is a futex wake-up.
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    submit(s, a);
+    ASSERT_TRUE(next_completion(s, &done));
+  }
+  rings_->count("Attend", "grpc");
+  EXPECT_EQ(metric(*metrics_, "karakv_decode_commands_total", {{"method", "Attend"}, {"path", "ring"}}), 3);
+  EXPECT_EQ(metric(*metrics_, "karakv_decode_commands_total", {{"method", "Attend"}, {"path", "grpc"}}), 1);
+  EXPECT_GE(metric(*metrics_, "karakv_ring_wakeups_total", {}), 1);
+  EXPECT_LE(metric(*metrics_, "karakv_ring_wakeups_total", {}), 3);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_depth", {}), 3);
+  // The ring's commands are RPC-accounted under their method too (NOT_FOUND: no sequence 1).
+  EXPECT_EQ(metric(*metrics_, "karakv_rpc_errors_total", {{"method", "Attend"}, {"code", "NOT_FOUND"}}), 3);
 }
 
 TEST_F(RingServerTest, ThreadEndsWithItsSession) {
