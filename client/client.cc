@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +16,8 @@
 #include "grpcpp/grpcpp.h"
 #include "karakv/v1/geometry.h"
 #include "karakv/v1/karakv.grpc.pb.h"
+#include "karakv/v1/ring.h"
+#include "ring_client.h"
 
 namespace karakv {
 namespace v1 = ::karakv::v1;
@@ -41,6 +44,9 @@ struct Client::Impl {
   uint8_t* staging = nullptr;
   size_t staging_size = 0;
   size_t staging_used = 0;
+  size_t mapped_size = 0;
+  std::unique_ptr<RingClient> ring;
+  std::mutex ring_mu;  // the ring has one producer
   bool attached = false;
   absl::Notification stop_heartbeat;
   std::thread heartbeat;
@@ -64,6 +70,44 @@ struct Client::Impl {
       ref->mutable_staging()->set_length(b.size());
     }
   }
+  bool ring_ready(std::initializer_list<const Buffer*> buffers) const {
+    if (ring == nullptr || !ring->usable() || !attached) return false;
+    for (const Buffer* b : buffers) {
+      if (!b->in_staging()) return false;
+    }
+    return true;
+  }
+  static ring::Range range(const Buffer& b) { return {b.offset(), b.size()}; }
+  // The daemon's loss, as seen from a ring wait that lasts: an empty call answered UNAVAILABLE
+  // (connection refused or reset). A slow answer is not a loss: the wait goes on to its deadline.
+  absl::Status daemon_alive() {
+    v1::PingRequest req;
+    v1::PingReply reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    grpc::Status s = stub->Ping(&ctx, req, &reply);
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("karakvd is gone: a fast-path command got no completion and Ping failed (",
+                                               s.error_message(), ")"));
+  }
+  // Runs `cmd` through the ring; nullopt when the caller should use gRPC (ring full). Errors carry
+  // the method's name as the gRPC path's do.
+  std::optional<absl::StatusOr<ring::Completion>> ring_call(ring::Command& cmd, const char* method) {
+    std::lock_guard<std::mutex> lock(ring_mu);
+    if (!ring->usable()) return std::nullopt;
+    auto r = ring->call(cmd, absl::Now() + options.rpc_timeout, options.ring_full_wait,
+                        [this] { return daemon_alive(); });
+    if (!r.ok()) return absl::Status(r.status().code(), absl::StrCat(method, ": ", r.status().message()));
+    if (!r->has_value()) return std::nullopt;
+    const ring::Completion& c = **r;
+    if (c.code != 0) {
+      const size_t n = std::min<size_t>(c.message_bytes, ring::Completion::kMessageBytes);
+      return absl::Status(static_cast<absl::StatusCode>(c.code),
+                          absl::StrCat(method, ": ", std::string(c.message, n)));
+    }
+    return c;
+  }
+
   // Copies an inline reply into a heap buffer; staging buffers were written by the daemon.
   static absl::Status take_output(const Buffer& b, const std::string& bytes, const char* what) {
     if (b.in_staging()) return absl::OkStatus();
@@ -92,6 +136,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
   req.set_tenant(options.tenant);
   req.set_staging_bytes(options.staging_bytes);
   req.set_cache_namespace(options.cache_namespace);
+  req.set_fast_path(options.fast_path && options.staging_bytes > 0);
   if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
   v1::AttachReply reply;
   grpc::ClientContext ctx;
@@ -112,7 +157,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
           "cannot open staging region ", reply.staging_name(), ": ", std::strerror(errno),
           " (is the worker on the same host, as the same user, sharing /dev/shm with karakvd?)"));
     }
-    void* p = mmap(nullptr, reply.staging_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (reply.ring_bytes() > 0 && reply.ring_offset() != reply.staging_bytes()) {
+      close(fd);
+      return absl::InternalError(absl::StrCat("Attach: ring_offset ", reply.ring_offset(), " != staging_bytes ",
+                                              reply.staging_bytes(), " (SDK and karakvd disagree on the layout)"));
+    }
+    const size_t map_size = reply.staging_bytes() + reply.ring_bytes();
+    void* p = mmap(nullptr, map_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot map staging region: ", std::strerror(errno)));
@@ -121,6 +172,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
     shm_unlink(reply.staging_name().c_str());
     im.staging = static_cast<uint8_t*>(p);
     im.staging_size = reply.staging_bytes();
+    im.mapped_size = map_size;
+    if (reply.ring_bytes() > 0) {
+      uint8_t* ring_base = im.staging + reply.ring_offset();
+      if (reply.ring_bytes() < ring::kRingBytes || !ring::layout_matches(ring_base)) {
+        return absl::FailedPreconditionError(
+            "Attach: the fast-path ring's layout differs from this SDK's (karakv/v1/ring.h version); "
+            "attach without fast_path or use a matching SDK");
+      }
+      im.ring = std::make_unique<RingClient>(ring_base, options.ring_spin);
+    }
   }
   if (options.heartbeat && im.lease_seconds > 0) {
     const absl::Duration period = absl::Seconds(im.lease_seconds) / 3;
@@ -145,7 +206,7 @@ Client::~Client() {
     impl_->stop_heartbeat.Notify();
     impl_->heartbeat.join();
   }
-  if (impl_->staging) munmap(impl_->staging, impl_->staging_size);
+  if (impl_->staging) munmap(impl_->staging, impl_->mapped_size);
 }
 
 absl::Status Client::Detach() {
@@ -166,6 +227,8 @@ absl::Status Client::Detach() {
 const Geometry& Client::geometry() const { return impl_->geometry; }
 const std::string& Client::session_id() const { return impl_->session_id; }
 uint64_t Client::staging_bytes() const { return impl_->staging_size; }
+bool Client::fast_path() const { return impl_->ring != nullptr && impl_->ring->usable(); }
+uint64_t Client::ring_calls() const { return impl_->ring ? impl_->ring->calls() : 0; }
 
 absl::StatusOr<Buffer> Client::alloc(size_t bytes) {
   const size_t start = (impl_->staging_used + 63) / 64 * 64;
@@ -304,6 +367,23 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
 
 absl::StatusOr<uint64_t> Client::Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
                                       const Buffer& v, const Buffer& q, const Buffer& out, float scale) {
+  if (impl_->ring_ready({&k, &v, &q, &out}) && sequence_ids.size() <= ring::Command::kMaxIds) {
+    ring::Command cmd;
+    cmd.op = uint32_t(ring::Op::kStep);
+    cmd.layer = layer;
+    cmd.scale = scale;
+    cmd.count = static_cast<uint32_t>(sequence_ids.size());
+    cmd.sequence_id = 0;
+    cmd.k = Impl::range(k);
+    cmd.v = Impl::range(v);
+    cmd.q = Impl::range(q);
+    cmd.out = Impl::range(out);
+    std::copy(sequence_ids.begin(), sequence_ids.end(), cmd.ids);
+    if (auto r = impl_->ring_call(cmd, "Step")) {
+      if (!r->ok()) return r->status();
+      return (*r)->decode_step;
+    }
+  }
   v1::StepRequest req;
   req.set_session_id(impl_->session_id);
   req.set_layer(layer);
@@ -323,6 +403,18 @@ absl::StatusOr<uint64_t> Client::Step(int layer, std::span<const uint64_t> seque
 
 absl::Status Client::Attend(uint64_t sequence_id, int layer, int num_queries, const Buffer& q,
                             const Buffer& out, float scale) {
+  if (impl_->ring_ready({&q, &out})) {
+    ring::Command cmd;
+    cmd.op = uint32_t(ring::Op::kAttend);
+    cmd.layer = layer;
+    cmd.scale = scale;
+    cmd.count = static_cast<uint32_t>(num_queries);
+    cmd.sequence_id = sequence_id;
+    cmd.k = cmd.v = ring::Range{0, 0};
+    cmd.q = Impl::range(q);
+    cmd.out = Impl::range(out);
+    if (auto r = impl_->ring_call(cmd, "Attend")) return r->status();
+  }
   v1::AttendRequest req;
   req.set_session_id(impl_->session_id);
   req.set_sequence_id(sequence_id);

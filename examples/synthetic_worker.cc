@@ -24,6 +24,7 @@ ABSL_FLAG(int, prompt, 256, "Prompt tokens per sequence (appended in one Append)
 ABSL_FLAG(int, generate, 64, "Decode steps per sequence");
 ABSL_FLAG(int, check_every, 8, "Check attention outputs against the dense reference every N steps (0: never)");
 ABSL_FLAG(bool, inline_tensors, false, "Send tensors inline in the RPCs instead of through shared memory");
+ABSL_FLAG(bool, fast_path, false, "Send Step through the shared-memory command ring instead of gRPC");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the synthetic K/V/Q");
 ABSL_FLAG(bool, release, true, "Release the sequences at the end");
 ABSL_FLAG(bool, json, false, "Print the summary as one JSON object");
@@ -71,6 +72,7 @@ int main(int argc, char** argv) {
   const size_t step_bytes = 2 * (*probe)->step_kv_bytes(n) + 2 * (*probe)->q_bytes(n);
   probe->reset();
   opts.staging_bytes = use_inline ? 0 : std::max(2 * append_bytes, step_bytes) + 4096;
+  opts.fast_path = absl::GetFlag(FLAGS_fast_path) && !use_inline;
   auto attached = karakv::Client::Attach(opts);
   if (!attached.ok()) return die(attached.status());
   karakv::Client& client = **attached;
@@ -78,8 +80,8 @@ int main(int argc, char** argv) {
     if (use_inline) return karakv::Client::alloc_heap(bytes);
     return *client.alloc(bytes);  // sized above, cannot run out
   };
-  std::printf("karakv synthetic worker: %d sequences x (%d prompt + %d generated) tokens, %s tensors\n", n,
-              prompt, gen, use_inline ? "inline" : "shared-memory");
+  std::printf("karakv synthetic worker: %d sequences x (%d prompt + %d generated) tokens, %s tensors, Step via %s\n",
+              n, prompt, gen, use_inline ? "inline" : "shared-memory", client.fast_path() ? "the ring" : "gRPC");
   std::printf("geometry: layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d\n", g.num_layers,
               g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype), g.block_size);
 

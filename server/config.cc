@@ -39,6 +39,9 @@ ABSL_FLAG(double, prefix_cache_max_fraction, 1.0,
           "recently used go at once. Below it they stay until an allocation needs the space");
 ABSL_FLAG(bool, prefix_cache_shared_namespaces, false,
           "Let Attach name a cache namespace shared across tenants (default: each tenant's own)");
+ABSL_FLAG(bool, fast_path, true,
+          "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
+ABSL_FLAG(int32_t, ring_spin_us, 50, "Fast path: microseconds a ring thread busy-waits after a command before it sleeps");
 
 namespace karakv::server {
 
@@ -151,6 +154,12 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   c.check_invariants = absl::GetFlag(FLAGS_check_invariants);
+  c.fast_path = absl::GetFlag(FLAGS_fast_path);
+  const int spin = absl::GetFlag(FLAGS_ring_spin_us);
+  if (spin < 0 || spin > 1'000'000) {
+    return absl::InvalidArgumentError(absl::StrCat("--ring_spin_us=", spin, ", expected 0..1000000"));
+  }
+  c.ring_spin = absl::Microseconds(spin);
   return c;
 }
 

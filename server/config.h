@@ -20,6 +20,8 @@ struct DaemonConfig {
   std::string log_level;
   absl::Duration drain_timeout;
   bool check_invariants = false;  // debug: verify the pool invariant after every mutating RPC
+  bool fast_path = true;          // accept Attach with fast_path (server/ring.h)
+  absl::Duration ring_spin;
 };
 
 // Reads `--name=value` or `name = value` lines ('#' starts a comment) from `path` into the

@@ -22,6 +22,7 @@
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/registry.h"
+#include "server/ring.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
 
@@ -86,6 +87,10 @@ int main(int argc, char** argv) {
     metrics_ptr->compaction(r.policy, r.tokens_before - r.tokens_after, r.seconds);
   });
   karakv::server::KaraKVService service(registry->get(), metrics->get(), config->check_invariants);
+  karakv::server::RingConfig ring_config;
+  ring_config.spin = config->ring_spin;
+  karakv::server::RingServer rings(&service, registry->get(), metrics->get(), ring_config);
+  if (config->fast_path) service.set_rings(&rings);
   karakv::server::Registry* registry_ptr = registry->get();
   metrics_ptr->set_refresher([metrics_ptr, registry_ptr] {
     metrics_ptr->update_state(registry_ptr->stats(), registry_ptr->geometry().block_bytes(), registry_ptr->geometry());
@@ -130,6 +135,7 @@ int main(int argc, char** argv) {
         spdlog::warn("lease expired for {} session(s); their sequences and staging were freed", n);
         (*metrics)->lease_expired(n);
       }
+      rings.reap();
     }
   });
 
@@ -142,6 +148,7 @@ int main(int argc, char** argv) {
                    std::chrono::milliseconds(absl::ToInt64Milliseconds(config->drain_timeout)));
   stop.Notify();
   reaper.join();
+  rings.stop_all();
   if (!config->socket_path.empty()) unlink(config->socket_path.c_str());
   spdlog::info("stopped");
   return 0;

@@ -135,7 +135,8 @@ size_t Registry::q_bytes(size_t rows) const { return rows * config_.geometry.q_t
 
 absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, const std::string& tenant,
                                               uint64_t staging_bytes, const Geometry& wg,
-                                              const std::string& cache_namespace) {
+                                              const std::string& cache_namespace,
+                                              uint64_t reserved_bytes) {
   const Geometry& g = config_.geometry;
   if (!cache_namespace.empty() && !config_.prefix_cache_shared_namespaces) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -157,7 +158,7 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
   }
   std::shared_ptr<StagingRegion> staging;
   if (staging_bytes > 0) {
-    auto region = StagingRegion::create(staging_bytes);
+    auto region = StagingRegion::create(staging_bytes, reserved_bytes);
     if (!region.ok()) return region.status();
     staging = std::move(*region);
   }

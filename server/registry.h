@@ -152,10 +152,13 @@ class Registry {
   std::string_view backend_name() const { return backend_->name(); }
 
   // Sessions. `worker_geometry` with num_layers == 0 means "whatever the daemon serves".
+  // `reserved_bytes` follow the staging region in the same mapping, out of the requests' reach
+  // (the fast path's rings).
   absl::StatusOr<AttachResult> attach(const std::string& worker_id, const std::string& tenant,
                                       uint64_t staging_bytes,
                                       const kernels::Geometry& worker_geometry,
-                                      const std::string& cache_namespace = "");
+                                      const std::string& cache_namespace = "",
+                                      uint64_t reserved_bytes = 0);
   absl::StatusOr<int> detach(const std::string& session_id);
   absl::Status heartbeat(const std::string& session_id);
   // The session's staging region, kept alive by the returned pointer even if the session ends.

@@ -2,6 +2,9 @@
 // staging region before the registry (and so any kernel) sees it.
 #include "server/service.h"
 
+#include "karakv/v1/ring.h"
+#include "server/ring.h"
+
 #include "karakv/v1/geometry.h"
 
 #include <chrono>
@@ -97,9 +100,7 @@ grpc::Status to_grpc(const absl::Status& s) {
 }
 
 template <typename Body>
-grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx, const char* method,
-                                               bool mutates, Body&& body) {
-  auto* reactor = ctx->DefaultReactor();
+absl::Status KaraKVService::run(const char* method, bool mutates, Body&& body) {
   const auto start = std::chrono::steady_clock::now();
   absl::Status status;
   ++in_flight_;
@@ -120,8 +121,24 @@ grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx,
       metrics_->invariant_violation();
     }
   }
-  reactor->Finish(to_grpc(status));
+  return status;
+}
+
+template <typename Body>
+grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx, const char* method,
+                                               bool mutates, Body&& body) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(to_grpc(run(method, mutates, std::forward<Body>(body))));
   return reactor;
+}
+
+absl::Status KaraKVService::RunStep(const v1::StepRequest& req, v1::StepReply* reply) {
+  // Gauges only move when a step allocates (layer 0); later layers skip the snapshot.
+  return run("Step", req.layer() == 0, [&] { return DoStep(req, reply); });
+}
+
+absl::Status KaraKVService::RunAttend(const v1::AttendRequest& req, v1::AttendReply* reply) {
+  return run("Attend", false, [&] { return DoAttend(req, reply); });
 }
 
 absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachReply* reply) {
@@ -130,9 +147,26 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
     wg = from_proto(req.geometry());
     if (req.geometry().dtype() == v1::DTYPE_UNSPECIFIED) wg.dtype = registry_->geometry().dtype;
   }
+  if (req.fast_path() && rings_ == nullptr) {
+    return absl::FailedPreconditionError("fast_path: this karakvd runs with --fast_path=false; attach without it");
+  }
+  if (req.fast_path() && req.staging_bytes() == 0) {
+    return absl::InvalidArgumentError("fast_path needs a staging region: set staging_bytes > 0");
+  }
   auto r = registry_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
-                             req.staging_bytes(), wg, req.cache_namespace());
+                             req.staging_bytes(), wg, req.cache_namespace(),
+                             req.fast_path() ? ring::kRingBytes : 0);
   if (!r.ok()) return r.status();
+  if (req.fast_path()) {
+    auto staging = registry_->staging(r->session_id);
+    absl::Status s = staging.ok() ? rings_->start(r->session_id, *staging) : staging.status();
+    if (!s.ok()) {
+      registry_->detach(r->session_id).IgnoreError();
+      return s;
+    }
+    reply->set_ring_offset(r->staging_bytes);
+    reply->set_ring_bytes((*staging)->reserved_size());
+  }
   reply->set_session_id(r->session_id);
   reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
   *reply->mutable_geometry() = to_proto(registry_->geometry());
@@ -417,13 +451,18 @@ grpc::ServerUnaryReactor* KaraKVService::Append(grpc::CallbackServerContext* ctx
 
 grpc::ServerUnaryReactor* KaraKVService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                               v1::StepReply* reply) {
-  // Gauges only move when a step allocates (layer 0); later layers skip the snapshot.
-  return serve(ctx, "Step", req->layer() == 0, [&] { return DoStep(*req, reply); });
+  if (rings_ != nullptr) rings_->count("Step", "grpc");
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(to_grpc(RunStep(*req, reply)));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KaraKVService::Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
                                                 v1::AttendReply* reply) {
-  return serve(ctx, "Attend", false, [&] { return DoAttend(*req, reply); });
+  if (rings_ != nullptr) rings_->count("Attend", "grpc");
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(to_grpc(RunAttend(*req, reply)));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KaraKVService::ReadKV(grpc::CallbackServerContext* ctx, const v1::ReadKVRequest* req,

@@ -12,6 +12,7 @@
 namespace karakv::server {
 
 namespace v1 = ::karakv::v1;
+class RingServer;
 
 class KaraKVService final : public v1::KaraKV::CallbackService {
  public:
@@ -21,6 +22,8 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
 
   // After this, every new call is refused with UNAVAILABLE; calls already running finish.
   void start_draining() { draining_.store(true); }
+  // Enables fast_path at Attach (server/ring.h); null (the default) refuses it.
+  void set_rings(RingServer* rings) { rings_ = rings; }
   int in_flight() const { return in_flight_.load(); }
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext*, const v1::AttachRequest*, v1::AttachReply*) override;
@@ -50,14 +53,21 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   absl::Status DoAttend(const v1::AttendRequest&, v1::AttendReply*);
   absl::Status DoReadKV(const v1::ReadKVRequest&, v1::ReadKVReply*);
   absl::Status DoStats(const v1::StatsRequest&, v1::StatsReply*);
+  // Step and Attend exactly as the RPC handlers serve them (draining check, metrics, invariant
+  // check): the fast path's ring consumer calls these.
+  absl::Status RunStep(const v1::StepRequest&, v1::StepReply*);
+  absl::Status RunAttend(const v1::AttendRequest&, v1::AttendReply*);
 
  private:
+  template <typename Body>
+  absl::Status run(const char* method, bool mutates, Body&& body);
   template <typename Body>
   grpc::ServerUnaryReactor* serve(grpc::CallbackServerContext* ctx, const char* method, bool mutates,
                                   Body&& body);
 
   Registry* const registry_;
   Metrics* const metrics_;
+  RingServer* rings_ = nullptr;
   const bool check_invariants_;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};

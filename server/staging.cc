@@ -25,9 +25,11 @@ std::string random_name() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StagingRegion>> StagingRegion::create(size_t bytes) {
+absl::StatusOr<std::unique_ptr<StagingRegion>> StagingRegion::create(size_t bytes, size_t reserved_bytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t size = (bytes + page - 1) / page * page;
+  const size_t data = (bytes + page - 1) / page * page;
+  const size_t reserved = (reserved_bytes + page - 1) / page * page;
+  const size_t size = data + reserved;
   for (int attempt = 0; attempt < 4; ++attempt) {
     std::string name = random_name();
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -51,13 +53,13 @@ absl::StatusOr<std::unique_ptr<StagingRegion>> StagingRegion::create(size_t byte
           absl::StrCat("cannot map staging region of ", size, " bytes: ", std::strerror(err)));
     }
     return std::unique_ptr<StagingRegion>(
-        new StagingRegion(std::move(name), static_cast<uint8_t*>(p), size));
+        new StagingRegion(std::move(name), static_cast<uint8_t*>(p), data, reserved));
   }
   return absl::InternalError("could not find a free shared-memory name");
 }
 
 StagingRegion::~StagingRegion() {
-  munmap(base_, size_);
+  munmap(base_, size_ + reserved_);
   shm_unlink(name_.c_str());
 }
 

@@ -39,6 +39,15 @@ struct ClientOptions {
   // Sends Heartbeat from a background thread so the lease never runs out while attached.
   bool heartbeat = true;
   absl::Duration rpc_timeout = absl::Seconds(60);
+  // The decode fast path: Step and Attend go through a command ring in the staging region
+  // (one futex doorbell each way) instead of a gRPC round trip, when every tensor of the call is
+  // in staging; other calls, and these with heap buffers, use gRPC. Results, status codes and
+  // messages are the same on both paths. Needs staging_bytes > 0.
+  bool fast_path = false;
+  // Fast path: how long to busy-wait for a completion before sleeping on the futex.
+  absl::Duration ring_spin = absl::Microseconds(50);
+  // Fast path: how long to wait for room in a full command ring before using gRPC instead.
+  absl::Duration ring_full_wait = absl::Milliseconds(1);
 };
 
 // Bytes for one tensor, in staging or on the heap. Cheap to copy (heap bytes are shared).
@@ -142,6 +151,12 @@ class Client {
   const Geometry& geometry() const;
   const std::string& session_id() const;
   uint64_t staging_bytes() const;
+  // Whether Step/Attend currently go through the fast path's ring (attached with fast_path, and
+  // the ring was not closed). The rings follow the staging region: they start at offset
+  // staging_bytes() of the same mapping.
+  bool fast_path() const;
+  // Commands this client sent through the ring so far.
+  uint64_t ring_calls() const;
 
   // A buffer in the staging region (64-byte aligned, bump-allocated); RESOURCE_EXHAUSTED when the
   // region is full or absent. reset_staging() makes the whole region available again.

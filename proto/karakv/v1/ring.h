@@ -1,0 +1,192 @@
+// The decode fast path's shared-memory layout: a single-producer / single-consumer command ring
+// (worker -> karakvd) and a completion ring (karakvd -> worker) at the end of a session's staging
+// region, with futex doorbells. Both the SDK and the daemon include this header; neither trusts a
+// value the other side wrote without checking it (see Consumer::pop and Producer::room).
+#pragma once
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace karakv::ring {
+
+inline constexpr uint32_t kMagic = 0x3152'4b4b;  // "KKR1"
+inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kSlots = 64;  // per ring, a power of two
+
+enum class Op : uint32_t { kStep = 1, kAttend = 2 };
+enum class State : uint32_t { kOpen = 0, kClosed = 1 };
+
+struct Range {
+  uint64_t offset;
+  uint64_t length;
+};
+
+// One Step or Attend, as the RPC would carry it with every tensor in staging.
+struct Command {
+  uint64_t tag;          // echoed in the completion
+  uint32_t op;           // Op
+  int32_t layer;
+  float scale;
+  uint32_t count;        // Step: sequences in `ids`; Attend: num_queries
+  uint64_t sequence_id;  // Attend only
+  Range k, v, q, out;    // Step: k, v, q, out; Attend: q, out
+  static constexpr size_t kHeaderBytes = 96;
+  static constexpr size_t kMaxIds = (4096 - kHeaderBytes) / 8;
+  uint64_t ids[kMaxIds];
+};
+static_assert(sizeof(Command) == 4096);
+
+// The outcome: an absl::StatusCode and its message, and the Step reply's fields.
+struct Completion {
+  uint64_t tag;
+  uint32_t code;
+  uint32_t compactions;
+  uint64_t decode_step;
+  uint32_t message_bytes;
+  uint32_t reserved;
+  static constexpr size_t kMessageBytes = 512 - 32;
+  char message[kMessageBytes];
+};
+static_assert(sizeof(Completion) == 512);
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
+              "the rings need lock-free atomics that work across processes");
+static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words are 32-bit");
+
+// Indices count up forever (uint64 never wraps in practice); slot = index % kSlots. Each index has
+// one writer, on its own cache line so the two sides do not false-share.
+struct Header {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t slots;
+  uint32_t command_bytes;
+  uint32_t completion_bytes;
+  uint32_t reserved;
+  alignas(64) std::atomic<uint64_t> sq_tail;      // written by the worker
+  alignas(64) std::atomic<uint64_t> sq_head;      // written by karakvd
+  alignas(64) std::atomic<uint32_t> sq_doorbell;  // worker bumps it after each submit
+  std::atomic<uint32_t> daemon_sleeping;          // karakvd is (about to be) in FUTEX_WAIT
+  alignas(64) std::atomic<uint64_t> cq_tail;      // written by karakvd
+  alignas(64) std::atomic<uint64_t> cq_head;      // written by the worker
+  alignas(64) std::atomic<uint32_t> cq_doorbell;  // karakvd bumps it after each completion
+  std::atomic<uint32_t> worker_sleeping;
+  alignas(64) std::atomic<uint32_t> state;        // State; set by karakvd when it closes the ring
+  uint32_t close_code;                            // absl::StatusCode of the reason
+  char close_message[256];
+};
+static_assert(sizeof(Header) <= 4096);
+
+inline constexpr size_t kCommandsOffset = 4096;
+inline constexpr size_t kCompletionsOffset = kCommandsOffset + size_t(kSlots) * sizeof(Command);
+inline constexpr size_t kRingBytes = kCompletionsOffset + size_t(kSlots) * sizeof(Completion);
+
+inline Header* header(uint8_t* base) { return reinterpret_cast<Header*>(base); }
+inline Command* commands(uint8_t* base) { return reinterpret_cast<Command*>(base + kCommandsOffset); }
+inline Completion* completions(uint8_t* base) { return reinterpret_cast<Completion*>(base + kCompletionsOffset); }
+
+// Called by karakvd on a zeroed region before the worker learns of it.
+inline void initialize(uint8_t* base) {
+  std::memset(base, 0, sizeof(Header));
+  Header* h = header(base);
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->slots = kSlots;
+  h->command_bytes = sizeof(Command);
+  h->completion_bytes = sizeof(Completion);
+  h->state.store(uint32_t(State::kOpen), std::memory_order_release);
+}
+
+// The worker's check of what it mapped.
+inline bool layout_matches(const uint8_t* base) {
+  const Header* h = reinterpret_cast<const Header*>(base);
+  return h->magic == kMagic && h->version == kVersion && h->slots == kSlots &&
+         h->command_bytes == sizeof(Command) && h->completion_bytes == sizeof(Completion);
+}
+
+// Futexes on words of a MAP_SHARED mapping: no FUTEX_PRIVATE_FLAG, so they work across processes.
+// Returns 0 when woken (or the word already differed), ETIMEDOUT, or EINTR.
+inline int futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
+  timespec ts{static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)};
+  const long r = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+  if (r == 0) return 0;
+  return errno == EAGAIN ? 0 : errno;
+}
+inline void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+
+// One turn of a bounded spin. It yields the CPU rather than pausing in place: the peer (and, in the
+// daemon, the kernels' OpenMP team) must run for the spin to end, and on a machine with few cores
+// a spinner that does not yield steals exactly the time it is waiting for.
+inline void spin_once() { sched_yield(); }
+
+// The writing end of one ring. It keeps its own index: the shared copy is only published, never
+// read back, so a peer that scribbles on it cannot move this side.
+template <typename Entry>
+class Producer {
+ public:
+  Producer(Entry* slots, std::atomic<uint64_t>* tail, std::atomic<uint64_t>* peer_head)
+      : slots_(slots), tail_(tail), peer_head_(peer_head), next_(tail->load(std::memory_order_relaxed)) {}
+  // Free slots, or -1 when the peer's head is impossible (ahead of our tail, or more than a ring
+  // behind it): the ring is corrupt.
+  int64_t room() const {
+    const uint64_t used = next_ - peer_head_->load(std::memory_order_acquire);
+    return used > kSlots ? -1 : int64_t(kSlots - used);
+  }
+  // Call only when room() > 0.
+  void push(const Entry& e) {
+    std::memcpy(&slots_[next_ % kSlots], &e, sizeof(Entry));
+    ++next_;
+    tail_->store(next_, std::memory_order_seq_cst);
+  }
+  uint64_t index() const { return next_; }
+
+ private:
+  Entry* slots_;
+  std::atomic<uint64_t>* tail_;
+  std::atomic<uint64_t>* peer_head_;
+  uint64_t next_;
+};
+
+enum class PopResult { kEmpty, kOk, kCorrupt };
+
+// The reading end. Entries are copied out before use, so a peer that rewrites a slot while it is
+// being read can only make that one copy garbage, which the caller validates.
+template <typename Entry>
+class Consumer {
+ public:
+  Consumer(Entry* slots, std::atomic<uint64_t>* head, std::atomic<uint64_t>* peer_tail)
+      : slots_(slots), head_(head), peer_tail_(peer_tail), next_(head->load(std::memory_order_relaxed)) {}
+  // Entries waiting, or -1 when the peer's tail is impossible.
+  int64_t depth() const {
+    const uint64_t avail = peer_tail_->load(std::memory_order_acquire) - next_;
+    return avail > kSlots ? -1 : int64_t(avail);
+  }
+  PopResult pop(Entry* out) {
+    const int64_t d = depth();
+    if (d < 0) return PopResult::kCorrupt;
+    if (d == 0) return PopResult::kEmpty;
+    std::memcpy(out, &slots_[next_ % kSlots], sizeof(Entry));
+    ++next_;
+    head_->store(next_, std::memory_order_seq_cst);
+    return PopResult::kOk;
+  }
+  uint64_t index() const { return next_; }
+
+ private:
+  Entry* slots_;
+  std::atomic<uint64_t>* head_;
+  std::atomic<uint64_t>* peer_tail_;
+  uint64_t next_;
+};
+
+}  // namespace karakv::ring

@@ -1,0 +1,96 @@
+// The daemon's end of the decode fast path: one consumer thread per session that attached with
+// fast_path. It takes Step and Attend commands from the session's command ring (karakv/v1/ring.h),
+// runs them through the very handlers the gRPC path runs (KaraKVService::RunStep / RunAttend: same
+// validation, registry calls, status codes, metrics) and posts the outcome to the completion ring.
+//
+// Threads, not a poller pool: a decode step is a chain of dependent Steps (layer l + 1 needs layer
+// l's output), so a ring has at most a few commands in flight and its thread is either running one
+// or waiting; a thread per ring gives each session its own futex and no head-of-line blocking.
+// Waiting: spin for `spin` after the last command, then FUTEX_WAIT on the doorbell in slices of
+// `poll`, checking between slices that the session still exists (detach, lease expiry): the thread
+// ends within one slice of its session. A ring with impossible indices or a command that is not a
+// Step or Attend closes the session (its blocks return to the pool); the daemon carries on.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "karakv/v1/ring.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "server/metrics.h"
+#include "server/registry.h"
+#include "server/staging.h"
+
+namespace karakv::server {
+
+class KaraKVService;
+
+struct RingConfig {
+  absl::Duration spin = absl::Microseconds(50);  // busy-wait after a command before sleeping
+  absl::Duration poll = absl::Milliseconds(20);  // futex slice between session checks
+};
+
+class RingServer {
+ public:
+  // `metrics` may be null (tests); the ring's families are registered on its registry.
+  RingServer(KaraKVService* service, Registry* registry, Metrics* metrics, RingConfig config);
+  ~RingServer();
+  RingServer(const RingServer&) = delete;
+  RingServer& operator=(const RingServer&) = delete;
+
+  // Lays out the rings in `staging`'s reserved tail and starts the session's consumer thread.
+  absl::Status start(const std::string& session_id, std::shared_ptr<StagingRegion> staging);
+  // Joins the threads whose sessions ended.
+  void reap();
+  // Stops every thread (shutdown). Commands still queued are not run.
+  void stop_all();
+  int active() const;
+
+  // karakv_decode_commands_total{method, path}: the gRPC handlers count their calls here too.
+  void count(const char* method, const char* path);
+
+ private:
+  struct Worker {
+    std::string session_id;
+    std::shared_ptr<StagingRegion> staging;  // dropped by the thread when it ends
+    ring::Header* header = nullptr;
+    std::atomic<bool> stop{false};
+    std::atomic<bool> done{false};
+    std::thread thread;
+  };
+  void run(Worker* w);
+  // Executes one command; false when the command is garbage (not a Step/Attend, too many ids).
+  bool execute(const Worker& w, const ring::Command& cmd, ring::Completion* done);
+  // Garbage in the ring: tells the worker why, then ends the session.
+  void close(Worker* w, const std::string& why);
+  // Tells the worker (state and reason in the ring header) that this ring takes no more commands.
+  void mark_closed(Worker* w, const absl::Status& why);
+  bool session_alive(const std::string& session_id);
+
+  KaraKVService* const service_;
+  Registry* const registry_;
+  const RingConfig config_;
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
+
+  std::shared_ptr<prometheus::Registry> keepalive_;  // owns the families below when metrics is null
+  prometheus::Family<prometheus::Counter>* commands_ = nullptr;
+  prometheus::Counter* wakeups_ = nullptr;
+  prometheus::Counter* corrupt_ = nullptr;
+  prometheus::Histogram* depth_ = nullptr;
+  prometheus::Gauge* active_ = nullptr;
+  absl::Mutex counters_mu_;
+  absl::flat_hash_map<std::string, prometheus::Counter*> command_counters_ ABSL_GUARDED_BY(counters_mu_);
+};
+
+}  // namespace karakv::server

@@ -1,0 +1,248 @@
+// The daemon's end of the fast path (server/ring.h), in process: errors equal to the RPC handler's,
+// garbage commands and indices written where the worker's side of the ring lives, a fuzzer, and the
+// thread's end with its session. The ring itself is tested in ring_spsc_test.cc.
+#include "server/ring.h"
+
+#include <map>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "karakv/v1/ring.h"
+#include "server/metrics.h"
+#include "server/service.h"
+#include "spdlog/spdlog.h"
+
+namespace karakv::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The daemon's consumer, in process: a registry, the service and the ring server, with the test
+// playing the worker by writing into the ring directly.
+class RingServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::err);  // the garbage tests log a warning per closed session
+    RegistryConfig rc;
+    rc.geometry = {2, 2, 1, 8, 4, kernels::DType::kFloat32};
+    rc.pool_bytes = 1 << 20;
+    registry_ = *Registry::create(rc, kernels::make_cpu_backend(1));
+    metrics_ = *Metrics::create("");
+    service_ = std::make_unique<KaraKVService>(registry_.get(), metrics_.get(), true);
+    RingConfig cfg;
+    cfg.spin = absl::ZeroDuration();
+    cfg.poll = absl::Milliseconds(5);
+    rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+    service_->set_rings(rings_.get());
+  }
+  void TearDown() override { rings_->stop_all(); }
+
+  struct Session {
+    std::string id;
+    std::shared_ptr<StagingRegion> staging;
+    ring::Header* h;
+  };
+  Session attach() {
+    v1::AttachRequest req;
+    req.set_staging_bytes(1 << 16);
+    req.set_fast_path(true);
+    v1::AttachReply reply;
+    EXPECT_TRUE(service_->DoAttach(req, &reply).ok());
+    EXPECT_EQ(reply.ring_offset(), reply.staging_bytes());
+    EXPECT_GE(reply.ring_bytes(), ring::kRingBytes);
+    Session s{reply.session_id(), *registry_->staging(reply.session_id()), nullptr};
+    s.h = ring::header(s.staging->reserved());
+    EXPECT_TRUE(ring::layout_matches(s.staging->reserved()));
+    return s;
+  }
+  static void submit(Session& s, const ring::Command& c) {
+    const uint64_t t = s.h->sq_tail.load();
+    std::memcpy(&ring::commands(s.staging->reserved())[t % ring::kSlots], &c, sizeof c);
+    s.h->sq_tail.store(t + 1);
+    s.h->sq_doorbell.fetch_add(1);
+    ring::futex_wake(&s.h->sq_doorbell);
+  }
+  // Waits for the next completion, or for the ring to close.
+  static bool next_completion(Session& s, ring::Completion* out) {
+    for (int i = 0; i < 2000; ++i) {
+      const uint64_t head = s.h->cq_head.load();
+      if (s.h->cq_tail.load() > head) {
+        std::memcpy(out, &ring::completions(s.staging->reserved())[head % ring::kSlots], sizeof *out);
+        s.h->cq_head.store(head + 1);
+        return true;
+      }
+      if (s.h->state.load() != uint32_t(ring::State::kOpen)) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ADD_FAILURE() << "no completion within 2 s";
+    return false;
+  }
+  bool session_alive(const std::string& id) { return registry_->staging(id).ok(); }
+
+  std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<KaraKVService> service_;
+  std::unique_ptr<RingServer> rings_;
+};
+
+TEST_F(RingServerTest, StepErrorsMatchTheRpcHandler) {
+  Session s = attach();
+  ring::Command c{};
+  c.op = uint32_t(ring::Op::kStep);
+  c.count = 1;
+  c.ids[0] = 12345;  // unknown sequence
+  c.k = {0, 32};
+  c.v = {64, 32};
+  c.q = {128, 64};
+  c.out = {256, 64};
+  c.tag = 9;
+  submit(s, c);
+  ring::Completion done{};
+  ASSERT_TRUE(next_completion(s, &done));
+  EXPECT_EQ(done.tag, 9u);
+  // The same request through the RPC handler's body.
+  v1::StepRequest req;
+  req.set_session_id(s.id);
+  req.add_sequence_ids(12345);
+  auto set = [](const ring::Range& r, v1::StagingRange* o) { o->set_offset(r.offset); o->set_length(r.length); };
+  set(c.k, req.mutable_k()->mutable_staging());
+  set(c.v, req.mutable_v()->mutable_staging());
+  set(c.q, req.mutable_q()->mutable_staging());
+  set(c.out, req.mutable_out()->mutable_staging());
+  v1::StepReply reply;
+  const absl::Status want = service_->RunStep(req, &reply);
+  ASSERT_FALSE(want.ok());
+  EXPECT_EQ(done.code, uint32_t(want.code()));
+  EXPECT_EQ(std::string(done.message, done.message_bytes), std::string(want.message()));
+  // Out of the staging region (into the rings): refused, as by the RPC.
+  c.out = {(1 << 16) + 4096, 64};
+  submit(s, c);
+  ASSERT_TRUE(next_completion(s, &done));
+  EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(done.message, done.message_bytes), HasSubstr("outside the session's"));
+  EXPECT_TRUE(session_alive(s.id));
+}
+
+TEST_F(RingServerTest, GarbageCommandClosesTheSessionOnly) {
+  Session bad = attach(), good = attach();
+  ring::Command c{};
+  c.op = 77;
+  submit(bad, c);
+  ring::Completion done{};
+  EXPECT_FALSE(next_completion(bad, &done));
+  EXPECT_EQ(bad.h->state.load(), uint32_t(ring::State::kClosed));
+  EXPECT_THAT(std::string(bad.h->close_message), HasSubstr("op 77"));
+  EXPECT_FALSE(session_alive(bad.id));
+  // The other session's ring still answers.
+  ring::Command a{};
+  a.op = uint32_t(ring::Op::kAttend);
+  a.sequence_id = 1;
+  a.count = 1;
+  a.q = {0, 64};
+  a.out = {64, 64};
+  submit(good, a);
+  ASSERT_TRUE(next_completion(good, &done));
+  EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kNotFound));
+  EXPECT_TRUE(registry_->check_invariants().ok());
+}
+
+TEST_F(RingServerTest, GarbageIndicesCloseTheSession) {
+  Session s = attach();
+  s.h->sq_tail.store(0xdeadbeefcafeull);
+  s.h->sq_doorbell.fetch_add(1);
+  ring::futex_wake(&s.h->sq_doorbell);
+  ring::Completion done{};
+  EXPECT_FALSE(next_completion(s, &done));
+  EXPECT_THAT(std::string(s.h->close_message), HasSubstr("impossible"));
+  EXPECT_FALSE(session_alive(s.id));
+}
+
+// Random bytes in every field the worker writes: the daemon never crashes, answers or closes.
+TEST_F(RingServerTest, FuzzedCommandsNeverHurtTheDaemon) {
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 40; ++round) {
+    Session s = attach();
+    // A real sequence, so some commands reach the kernels.
+    v1::CreateSequenceRequest creq;
+    creq.set_session_id(s.id);
+    v1::CreateSequenceReply crep;
+    ASSERT_TRUE(service_->DoCreateSequence(creq, &crep).ok());
+    for (int i = 0; i < 20 && s.h->state.load() == uint32_t(ring::State::kOpen); ++i) {
+      ring::Command c{};
+      auto* words = reinterpret_cast<uint64_t*>(&c);
+      for (size_t w = 0; w < ring::Command::kHeaderBytes / 8 + 4; ++w) words[w] = rng();
+      // Mostly plausible values, sometimes wild ones.
+      if (rng() % 4 != 0) {
+        c.op = 1 + rng() % 2;
+        c.count = rng() % 3;
+        c.layer = int32_t(rng() % 3);
+        c.sequence_id = crep.sequence_id();
+        c.ids[0] = crep.sequence_id();
+        for (ring::Range* r : {&c.k, &c.v, &c.q, &c.out}) *r = {(rng() % 64) * 64, (rng() % 5) * 32};
+      }
+      submit(s, c);
+      ring::Completion done{};
+      if (!next_completion(s, &done)) break;
+    }
+    ASSERT_TRUE(registry_->check_invariants().ok());
+  }
+  EXPECT_TRUE(registry_->check_invariants().ok());
+}
+
+// Value of a counter (or a histogram's sample count) with the given labels, -1 when absent.
+double metric(Metrics& m, const std::string& family, const std::map<std::string, std::string>& labels) {
+  for (const auto& f : m.registry()->Collect()) {
+    if (f.name != family) continue;
+    for (const auto& metric : f.metric) {
+      std::map<std::string, std::string> got;
+      for (const auto& l : metric.label) got[l.name] = l.value;
+      if (got != labels) continue;
+      return f.type == prometheus::MetricType::Histogram ? double(metric.histogram.sample_count)
+                                                         : metric.counter.value;
+    }
+  }
+  return -1;
+}
+
+TEST_F(RingServerTest, CountsCommandsByPathAndWakeUps) {
+  Session s = attach();
+  ring::Command a{};
+  a.op = uint32_t(ring::Op::kAttend);
+  a.sequence_id = 1;
+  a.count = 1;
+  a.q = {0, 64};
+  a.out = {64, 64};
+  ring::Completion done{};
+  for (int i = 0; i < 3; ++i) {
+    // Long enough for the thread (spin 0) to be asleep: each command is a futex wake-up.
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    submit(s, a);
+    ASSERT_TRUE(next_completion(s, &done));
+  }
+  rings_->count("Attend", "grpc");
+  EXPECT_EQ(metric(*metrics_, "karakv_decode_commands_total", {{"method", "Attend"}, {"path", "ring"}}), 3);
+  EXPECT_EQ(metric(*metrics_, "karakv_decode_commands_total", {{"method", "Attend"}, {"path", "grpc"}}), 1);
+  EXPECT_GE(metric(*metrics_, "karakv_ring_wakeups_total", {}), 1);
+  EXPECT_LE(metric(*metrics_, "karakv_ring_wakeups_total", {}), 3);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_depth", {}), 3);
+  // The ring's commands are RPC-accounted under their method too (NOT_FOUND: no sequence 1).
+  EXPECT_EQ(metric(*metrics_, "karakv_rpc_errors_total", {{"method", "Attend"}, {"code", "NOT_FOUND"}}), 3);
+}
+
+TEST_F(RingServerTest, ThreadEndsWithItsSession) {
+  Session s = attach();
+  EXPECT_EQ(rings_->active(), 1);
+  ASSERT_TRUE(registry_->detach(s.id).ok());
+  for (int i = 0; i < 200 && rings_->active() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(rings_->active(), 0);
+  EXPECT_EQ(s.h->state.load(), uint32_t(ring::State::kClosed));
+  EXPECT_EQ(s.h->close_code, uint32_t(absl::StatusCode::kNotFound));
+  rings_->reap();
+  // The test holds the last reference to the mapping now.
+  EXPECT_EQ(s.staging.use_count(), 1);
+}
+
+}  // namespace
+}  // namespace karakv::server
