@@ -1,7 +1,10 @@
 // Starts a real karakvd on a temporary Unix socket for one test and stops it with SIGTERM.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -90,5 +93,26 @@ class Daemon {
   pid_t pid_ = -1;
   bool ready_ = false;
 };
+
+// A plain HTTP/1.0 GET on loopback (a daemon's /metrics); returns the body, or "" when the
+// connection or the request fails.
+inline std::string http_get(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string resp;
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      write(fd, req.data(), req.size()) == ssize_t(req.size())) {
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof buf)) > 0) resp.append(buf, n);
+  }
+  close(fd);
+  const size_t body = resp.find("\r\n\r\n");
+  return body == std::string::npos ? "" : resp.substr(body + 4);
+}
 
 }  // namespace karakv::testing

@@ -24,6 +24,7 @@ namespace {
 using ::testing::HasSubstr;
 using synthetic::Tensor;
 using testing::Daemon;
+using testing::http_get;
 namespace v1 = ::karakv::v1;
 
 constexpr uint64_t kSeed = 3;
@@ -61,7 +62,7 @@ std::vector<float> decode_and_check(Client& c, bool use_staging, int steps) {
   Workload w{&c, use_staging};
   const std::vector<int> prompts = {40, 17};
   std::vector<uint64_t> ids;
-  for (int p : prompts) {
+  for (size_t i = 0; i < prompts.size(); ++i) {
     auto id = c.CreateSequence();
     EXPECT_TRUE(id.ok()) << id.status();
     ids.push_back(*id);
@@ -441,30 +442,6 @@ TEST(DaemonTest, ExampleWorkerMatchesTheReferenceInBothModes) {
 namespace karakv {
 namespace {
 
-// A plain HTTP GET on loopback; returns the body.
-std::string http_get(int port, const std::string& path) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  if (write(fd, req.data(), req.size()) != ssize_t(req.size())) {
-    close(fd);
-    return "";
-  }
-  std::string resp;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof buf)) > 0) resp.append(buf, n);
-  close(fd);
-  const size_t body = resp.find("\r\n\r\n");
-  return body == std::string::npos ? "" : resp.substr(body + 4);
-}
 
 TEST(DaemonTest, MetricsEndpointReportsPoolRpcsAndErrors) {
   const int port = 20000 + getpid() % 20000;

@@ -25,6 +25,7 @@ namespace {
 using ::testing::HasSubstr;
 using synthetic::Tensor;
 using testing::Daemon;
+using testing::http_get;
 
 constexpr uint64_t kSeed = 5;
 constexpr int kShared = 40;  // tokens both prompts share: 2 whole blocks of 16 (and 8 more)
@@ -188,25 +189,6 @@ std::string run(const std::string& cmd) {
   return out;
 }
 
-// A plain HTTP GET on loopback; returns the body.
-std::string http_get(int port, const std::string& path) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string resp;
-  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      write(fd, req.data(), req.size()) == ssize_t(req.size())) {
-    char buf[4096];
-    ssize_t n;
-    while ((n = read(fd, buf, sizeof buf)) > 0) resp.append(buf, n);
-  }
-  close(fd);
-  const size_t body = resp.find("\r\n\r\n");
-  return body == std::string::npos ? "" : resp.substr(body + 4);
-}
 
 TEST(PrefixCacheAcrossWorkers, SecondProcessStartsFromTheFirstsPromptAndMatchesAFullPrefill) {
   const int port = 40000 + getpid() % 20000;
