@@ -9,6 +9,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/registry.h"
+#include "karakv/kernels/half.h"
+#include "tests/kernels/token2chunk_reference.h"
 
 namespace karakv::server {
 namespace {
@@ -142,6 +144,67 @@ TEST(KaraPolicyTest, WindowsKeepExactlyBNeverTouchThePromptOrEarlierWindows) {
     }
     EXPECT_GE(compactions, 6) << "seed " << seed;
     ASSERT_TRUE(d.reg->check_invariants().ok());
+  }
+}
+
+// End to end: the tokens Kara keeps from its first window are the ones docs/COMPRESSION.md section 1
+// picks from the queries the decode steps sent and the keys the daemon stored, scored here in
+// float64 from the same synthetic values (keys rounded to fp16 as stored) and selected by the plain
+// reference of tests/kernels/token2chunk_reference.h. A query cache that held another token's or
+// another layer's queries, or a window starting at the wrong slot, changes the kept positions.
+TEST(KaraPolicyTest, KeepsWhatAFloat64ReferenceChoosesFromTheStepsQueries) {
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    Driver d(seed);
+    const auto& g = d.reg->geometry();
+    constexpr int kPrompt = 8, kWindow = 16, kBudget = 8, kCandidates = 4, kMaxGap = 8;
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 4}};  // B = 8, k = ceil(0.5 * 8) = 4
+    const uint64_t seq = *d.create(o);
+    ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
+    std::vector<int64_t> logical{kPrompt};
+    while (d.info(seq).compactions == 0) {
+      ASSERT_TRUE(d.step({seq}, logical).ok());
+      ASSERT_LT(logical[0], kPrompt + 3 * kWindow) << "Kara never compacted";
+    }
+    EXPECT_EQ(d.info(seq).compactions, 1u);
+    const auto rows = d.positions(seq);  // [L * Hk], each prompt + kept + the rest of the tail
+    const int group = g.num_q_heads / g.num_kv_heads;
+    const double scale = 1.0 / std::sqrt(double(g.head_dim));
+    auto key = [&](int l, int h, int pos, int dim) {
+      const float x = synthetic::value(seed, Tensor::kKey, seq, l, pos, h, dim);
+      return double(kernels::half_to_float(kernels::float_to_half(x)));
+    };
+    for (int l = 0; l < g.num_layers; ++l) {
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        // s_i = sum over the group's query heads j and window queries t of softmax_i(q_t . k_i).
+        std::vector<double> score(kWindow, 0.0);
+        for (int j = h * group; j < (h + 1) * group; ++j) {
+          for (int t = 0; t < kWindow; ++t) {
+            std::vector<double> logits(kWindow);
+            double mx = -INFINITY;
+            for (int i = 0; i < kWindow; ++i) {
+              double dot = 0;
+              for (int dim = 0; dim < g.head_dim; ++dim)
+                dot += double(synthetic::value(seed, Tensor::kQuery, seq, l, kPrompt + t, j, dim)) *
+                       key(l, h, kPrompt + i, dim);
+              logits[i] = dot * scale;
+              mx = std::max(mx, logits[i]);
+            }
+            double sum = 0;
+            for (double& x : logits) sum += (x = std::exp(x - mx));
+            for (int i = 0; i < kWindow; ++i) score[i] += logits[i] / sum;
+          }
+        }
+        const std::vector<float> s(score.begin(), score.end());
+        std::vector<int32_t> want = kernels::test::naive_token2chunk(s, kBudget, kCandidates, kMaxGap);
+        for (int32_t& x : want) x += kPrompt;
+        const auto& row = rows[size_t(l) * g.num_kv_heads + h];
+        ASSERT_GE(row.size(), size_t(kPrompt + kBudget));
+        const std::vector<int32_t> got(row.begin() + kPrompt, row.begin() + kPrompt + kBudget);
+        EXPECT_EQ(got, want) << "seed " << seed << " layer " << l << " kv head " << h;
+      }
+    }
   }
 }
 
