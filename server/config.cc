@@ -23,6 +23,14 @@ ABSL_FLAG(int32_t, block_size, 16, "Tokens per pool block");
 ABSL_FLAG(std::string, pool_bytes, "512MiB", "Size of the KV block pool (suffixes KiB, MiB, GiB)");
 ABSL_FLAG(int32_t, lease_seconds, 30, "Session lease: a worker silent this long loses its session");
 ABSL_FLAG(std::string, max_staging_bytes, "1GiB", "Largest staging region one session may ask for");
+ABSL_FLAG(int32_t, max_sessions, 0, "Most sessions attached at once; Attach beyond it is refused (0: no limit)");
+ABSL_FLAG(int32_t, max_sequences_per_session, 0,
+          "Most sequences one session holds at once; CreateSequence and Fork beyond it are refused (0: no limit)");
+ABSL_FLAG(int64_t, tenant_block_quota, 0,
+          "Most pool blocks the sequences of one tenant hold (a block shared by two of them counts twice); "
+          "requests that would take more are refused (0: no quota)");
+ABSL_FLAG(std::string, max_message_bytes, "1GiB",
+          "Largest gRPC message the daemon receives or sends (tensors sent inline, not through staging)");
 ABSL_FLAG(std::string, backend, "auto", "Kernel backend: auto | cpu (auto picks cpu in this build)");
 ABSL_FLAG(int32_t, threads, 0, "Kernel threads (0: all hardware threads)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
@@ -117,6 +125,30 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--max_staging_bytes: ", staging.status().message()));
   }
   c.registry.max_staging_bytes = static_cast<uint64_t>(*staging);
+  c.registry.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  if (c.registry.max_sessions < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_sessions=", c.registry.max_sessions,
+                                                   ", expected >= 0 (0: no limit)"));
+  }
+  c.registry.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
+  if (c.registry.max_sequences_per_session < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_sequences_per_session=",
+                                                   c.registry.max_sequences_per_session, ", expected >= 0 (0: no limit)"));
+  }
+  c.registry.tenant_block_quota = absl::GetFlag(FLAGS_tenant_block_quota);
+  if (c.registry.tenant_block_quota < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--tenant_block_quota=", c.registry.tenant_block_quota,
+                                                   ", expected >= 0 (0: no quota)"));
+  }
+  auto message = parse_bytes(absl::GetFlag(FLAGS_max_message_bytes));
+  if (!message.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes: ", message.status().message()));
+  }
+  if (*message < 4096 || *message > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", absl::GetFlag(FLAGS_max_message_bytes),
+                                                   " out of range: expected 4KiB .. 2147483647 bytes"));
+  }
+  c.max_message_bytes = static_cast<int>(*message);
   const int lease = absl::GetFlag(FLAGS_lease_seconds);
   if (lease < 1) return absl::InvalidArgumentError(absl::StrCat("--lease_seconds=", lease, ", expected >= 1"));
   c.registry.lease = absl::Seconds(lease);

@@ -22,6 +22,7 @@ struct DaemonConfig {
   bool check_invariants = false;  // debug: verify the pool invariant after every mutating RPC
   bool fast_path = true;          // accept Attach with fast_path (server/ring.h)
   absl::Duration ring_spin;
+  int max_message_bytes = 1 << 30;  // gRPC receive and send limit
 };
 
 // Reads `--name=value` or `name = value` lines ('#' starts a comment) from `path` into the

@@ -99,8 +99,8 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
+  builder.SetMaxReceiveMessageSize(config->max_message_bytes);
+  builder.SetMaxSendMessageSize(config->max_message_bytes);
   if (!config->socket_path.empty()) {
     unlink(config->socket_path.c_str());  // a stale socket from a crashed daemon
     builder.AddListeningPort("unix:" + config->socket_path, grpc::InsecureServerCredentials());

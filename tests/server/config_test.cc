@@ -14,6 +14,8 @@ ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, prefix_cache);
 ABSL_DECLARE_FLAG(double, prefix_cache_max_fraction);
+ABSL_DECLARE_FLAG(int32_t, max_sessions);
+ABSL_DECLARE_FLAG(std::string, max_message_bytes);
 
 namespace karakv::server {
 namespace {
@@ -87,6 +89,34 @@ TEST_F(ConfigFileTest, PrefixCacheSettings) {
   absl::SetFlag(&FLAGS_prefix_cache_max_fraction, 1.5);
   EXPECT_NE(config_from_flags().status().message().find("--prefix_cache_max_fraction=1.5, expected 0..1"),
             std::string::npos);
+}
+
+TEST_F(ConfigFileTest, LimitsDefaultToNoneAndRefuseBadValues) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->registry.max_sessions, 0);
+  EXPECT_EQ(c->registry.max_sequences_per_session, 0);
+  EXPECT_EQ(c->registry.tenant_block_quota, 0);
+  EXPECT_EQ(c->max_message_bytes, 1 << 30);  // what the server always allowed
+  ASSERT_TRUE(apply_config_file(
+                  write("max_sessions = 8\nmax_sequences_per_session = 64\ntenant_block_quota = 1000\n"
+                        "max_message_bytes = 4MiB\n"))
+                  .ok());
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->registry.max_sessions, 8);
+  EXPECT_EQ(c->registry.max_sequences_per_session, 64);
+  EXPECT_EQ(c->registry.tenant_block_quota, 1000);
+  EXPECT_EQ(c->max_message_bytes, 4 << 20);
+  absl::SetFlag(&FLAGS_max_sessions, -1);
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--max_sessions=-1"), std::string::npos) << c.status();
+  absl::SetFlag(&FLAGS_max_sessions, 0);
+  absl::SetFlag(&FLAGS_max_message_bytes, "4GiB");
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--max_message_bytes=4GiB out of range"), std::string::npos) << c.status();
 }
 
 }  // namespace
