@@ -1,7 +1,17 @@
 // Isolation and limits against a real karakvd: a worker of another tenant gets PERMISSION_DENIED
 // from every sequence RPC on a sequence it does not own and changes nothing (the victim's outputs
-// stay bitwise equal to an undisturbed twin's); --max_message_bytes bounds inline tensors.
+// stay bitwise equal to an undisturbed twin's); --max_message_bytes bounds inline tensors; the
+// session limit holds over the wire; --allowed_uids / --allowed_gids admit Unix-socket peers by
+// their kernel credentials.
+#include <fcntl.h>
+#include <grp.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
@@ -170,6 +180,70 @@ TEST(IsolationTest, SessionLimitRefusesAttachOverTheWire) {
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("limit 2, wanted 1 more (karakvd --max_sessions)"));
   ASSERT_TRUE((*a)->Detach().ok());
   EXPECT_TRUE(Client::Attach(as_tenant(d, "t")).ok());
+}
+
+// Runs `karakv stats` against `target` as user and group nobody (65534); returns its exit code
+// (126: nobody cannot run the CLI here) and its output.
+int cli_as_nobody(const std::string& target, std::string* output) {
+  const std::string out_path = ::testing::TempDir() + "/karakv-nobody-" + std::to_string(getpid()) + ".out";
+  std::string cli = KARAKV_CLI_PATH, target_flag = "--target=" + target, timeout = "--timeout=3", cmd = "stats";
+  char* argv[] = {cli.data(), target_flag.data(), timeout.data(), cmd.data(), nullptr};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(125);
+    if (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(125);
+    if (access(cli.c_str(), X_OK) != 0) _exit(126);
+    execv(argv[0], argv);
+    _exit(126);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  std::ifstream in(out_path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  *output = ss.str();
+  unlink(out_path.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(IsolationTest, PeerCredentialsAdmitOnlyAllowedUidsAndGids) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another user (running as uid " << geteuid() << ")";
+  // Admits root only. The gated channel keeps the daemon's other settings (message size here).
+  auto f = flags();
+  f.insert(f.end(), {"--allowed_uids=0", "--max_message_bytes=64KiB"});
+  Daemon d(f);
+  ASSERT_TRUE(d.ready()) << "root is on --allowed_uids but could not attach";
+  auto c = Client::Attach(as_tenant(d, "t"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  const uint64_t id = *(*c)->CreateSequence();
+  Buffer k = Client::alloc_heap((*c)->append_bytes(50)), v = Client::alloc_heap((*c)->append_bytes(50));
+  EXPECT_EQ((*c)->Append(id, 50, k, v).status().code(), absl::StatusCode::kResourceExhausted);
+  Buffer k2 = Client::alloc_heap((*c)->append_bytes(8)), v2 = Client::alloc_heap((*c)->append_bytes(8));
+  EXPECT_EQ(*(*c)->Append(id, 8, k2, v2), 8);
+  // Let any local user reach the socket file, so that only the credential check stands in the way.
+  const std::string path = d.target().substr(5);
+  ASSERT_EQ(chmod(path.c_str(), 0777), 0) << std::strerror(errno);
+  std::string out;
+  const int refused = cli_as_nobody(d.target(), &out);
+  if (refused == 126) GTEST_SKIP() << "user nobody cannot execute " << KARAKV_CLI_PATH << " on this machine";
+  EXPECT_NE(refused, 0) << "nobody was admitted: " << out;
+  EXPECT_THAT(out, HasSubstr("UNAVAILABLE"));
+  // Root's session is untouched by the refused connection.
+  EXPECT_EQ((*c)->ListSequences()->size(), 1u);
+
+  // The same user is admitted through --allowed_gids.
+  auto f2 = flags();
+  f2.insert(f2.end(), {"--allowed_uids=0", "--allowed_gids=65534"});
+  Daemon d2(f2);
+  ASSERT_TRUE(d2.ready());
+  ASSERT_EQ(chmod(d2.target().substr(5).c_str(), 0777), 0);
+  const int admitted = cli_as_nobody(d2.target(), &out);
+  EXPECT_EQ(admitted, 0) << out;
+  EXPECT_THAT(out, HasSubstr("blocks"));
+  EXPECT_EQ(d2.stop(), 0) << "SIGTERM with the peer gate did not exit 0";
+  c->reset();
+  EXPECT_EQ(d.stop(), 0);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "gtest/gtest.h"
+#include "server/peer_gate.h"
 
 ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(std::string, dtype);
@@ -16,6 +17,10 @@ ABSL_DECLARE_FLAG(std::string, prefix_cache);
 ABSL_DECLARE_FLAG(double, prefix_cache_max_fraction);
 ABSL_DECLARE_FLAG(int32_t, max_sessions);
 ABSL_DECLARE_FLAG(std::string, max_message_bytes);
+ABSL_DECLARE_FLAG(std::string, socket);
+ABSL_DECLARE_FLAG(std::string, listen_tcp);
+ABSL_DECLARE_FLAG(std::string, allowed_uids);
+ABSL_DECLARE_FLAG(std::string, allowed_gids);
 
 namespace karakv::server {
 namespace {
@@ -117,6 +122,35 @@ TEST_F(ConfigFileTest, LimitsDefaultToNoneAndRefuseBadValues) {
   c = config_from_flags();
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find("--max_message_bytes=4GiB out of range"), std::string::npos) << c.status();
+}
+
+TEST_F(ConfigFileTest, PeerAllowListsParseAndRefuseTcp) {
+  absl::SetFlag(&FLAGS_allowed_uids, "0, 1000,1001");
+  absl::SetFlag(&FLAGS_allowed_gids, "27");
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->allowed_uids, (std::vector<uint32_t>{0, 1000, 1001}));
+  EXPECT_EQ(c->allowed_gids, (std::vector<uint32_t>{27}));
+  absl::SetFlag(&FLAGS_allowed_uids, "0,root");
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--allowed_uids: 'root' is not a numeric id"), std::string::npos) << c.status();
+  absl::SetFlag(&FLAGS_allowed_uids, "0");
+  absl::SetFlag(&FLAGS_listen_tcp, "127.0.0.1:0");
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("TCP has no peer credentials"), std::string::npos) << c.status();
+}
+
+TEST(PeerAllowListTest, AdmitsByUidOrGidAndEveryoneWhenEmpty) {
+  PeerAllowList none;
+  EXPECT_TRUE(none.admits(65534, 65534));
+  PeerAllowList list{{0, 1000}, {27}};
+  EXPECT_TRUE(list.admits(0, 0));
+  EXPECT_TRUE(list.admits(1000, 1000));
+  EXPECT_TRUE(list.admits(4242, 27));
+  EXPECT_FALSE(list.admits(4242, 4242));
+  EXPECT_FALSE(list.admits(65534, 0));
 }
 
 }  // namespace
