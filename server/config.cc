@@ -2,6 +2,7 @@
 #include "server/config.h"
 
 #include <fstream>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
@@ -9,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "server/peer_gate.h"
 
 ABSL_FLAG(std::string, config, "", "Config file of flag=value lines, applied before the command line");
 ABSL_FLAG(std::string, socket, "/tmp/karakv.sock", "Unix domain socket to serve gRPC on (empty: none)");
@@ -23,6 +25,18 @@ ABSL_FLAG(int32_t, block_size, 16, "Tokens per pool block");
 ABSL_FLAG(std::string, pool_bytes, "512MiB", "Size of the KV block pool (suffixes KiB, MiB, GiB)");
 ABSL_FLAG(int32_t, lease_seconds, 30, "Session lease: a worker silent this long loses its session");
 ABSL_FLAG(std::string, max_staging_bytes, "1GiB", "Largest staging region one session may ask for");
+ABSL_FLAG(int32_t, max_sessions, 0, "Most sessions attached at once; Attach beyond it is refused (0: no limit)");
+ABSL_FLAG(int32_t, max_sequences_per_session, 0,
+          "Most sequences one session holds at once; CreateSequence and Fork beyond it are refused (0: no limit)");
+ABSL_FLAG(int64_t, tenant_block_quota, 0,
+          "Most pool blocks the sequences of one tenant hold (a block shared by two of them counts twice); "
+          "requests that would take more are refused (0: no quota)");
+ABSL_FLAG(std::string, max_message_bytes, "1GiB",
+          "Largest gRPC message the daemon receives or sends (tensors sent inline, not through staging)");
+ABSL_FLAG(std::string, allowed_uids, "",
+          "Unix socket: admit only processes of these uids (comma list), checked with SO_PEERCRED; with "
+          "--allowed_gids a peer on either list is admitted (both empty: every local peer)");
+ABSL_FLAG(std::string, allowed_gids, "", "Unix socket: admit only processes of these primary gids (comma list)");
 ABSL_FLAG(std::string, backend, "auto", "Kernel backend: auto | cpu (auto picks cpu in this build)");
 ABSL_FLAG(int32_t, threads, 0, "Kernel threads (0: all hardware threads)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
@@ -117,6 +131,30 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--max_staging_bytes: ", staging.status().message()));
   }
   c.registry.max_staging_bytes = static_cast<uint64_t>(*staging);
+  c.registry.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  if (c.registry.max_sessions < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_sessions=", c.registry.max_sessions,
+                                                   ", expected >= 0 (0: no limit)"));
+  }
+  c.registry.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
+  if (c.registry.max_sequences_per_session < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_sequences_per_session=",
+                                                   c.registry.max_sequences_per_session, ", expected >= 0 (0: no limit)"));
+  }
+  c.registry.tenant_block_quota = absl::GetFlag(FLAGS_tenant_block_quota);
+  if (c.registry.tenant_block_quota < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--tenant_block_quota=", c.registry.tenant_block_quota,
+                                                   ", expected >= 0 (0: no quota)"));
+  }
+  auto message = parse_bytes(absl::GetFlag(FLAGS_max_message_bytes));
+  if (!message.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes: ", message.status().message()));
+  }
+  if (*message < 4096 || *message > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", absl::GetFlag(FLAGS_max_message_bytes),
+                                                   " out of range: expected 4KiB .. 2147483647 bytes"));
+  }
+  c.max_message_bytes = static_cast<int>(*message);
   const int lease = absl::GetFlag(FLAGS_lease_seconds);
   if (lease < 1) return absl::InvalidArgumentError(absl::StrCat("--lease_seconds=", lease, ", expected >= 1"));
   c.registry.lease = absl::Seconds(lease);
@@ -139,6 +177,22 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.tcp_address = absl::GetFlag(FLAGS_listen_tcp);
   if (c.socket_path.empty() && c.tcp_address.empty()) {
     return absl::InvalidArgumentError("both --socket and --listen_tcp are empty: nothing to serve on");
+  }
+  for (auto [flag, text, out] : {std::tuple{"allowed_uids", absl::GetFlag(FLAGS_allowed_uids), &c.allowed_uids},
+                                 std::tuple{"allowed_gids", absl::GetFlag(FLAGS_allowed_gids), &c.allowed_gids}}) {
+    auto ids = parse_id_list(text, flag);
+    if (!ids.ok()) return ids.status();
+    *out = std::move(*ids);
+  }
+  if (!c.allowed_uids.empty() || !c.allowed_gids.empty()) {
+    if (c.socket_path.empty()) {
+      return absl::InvalidArgumentError("--allowed_uids / --allowed_gids need a Unix socket (--socket)");
+    }
+    if (!c.tcp_address.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--allowed_uids / --allowed_gids restrict the Unix socket, but --listen_tcp=", c.tcp_address,
+          " would admit anyone who reaches it (TCP has no peer credentials); drop one of them"));
+    }
   }
   c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   c.backend = absl::GetFlag(FLAGS_backend);

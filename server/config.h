@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/registry.h"
@@ -22,6 +23,9 @@ struct DaemonConfig {
   bool check_invariants = false;  // debug: verify the pool invariant after every mutating RPC
   bool fast_path = true;          // accept Attach with fast_path (server/ring.h)
   absl::Duration ring_spin;
+  int max_message_bytes = 1 << 30;  // gRPC receive and send limit
+  // Unix socket peers admitted by SO_PEERCRED (server/peer_gate.h); both empty admits all.
+  std::vector<uint32_t> allowed_uids, allowed_gids;
 };
 
 // Reads `--name=value` or `name = value` lines ('#' starts a comment) from `path` into the

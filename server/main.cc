@@ -13,6 +13,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -21,6 +22,7 @@
 #include "server/config.h"
 #include "server/logging.h"
 #include "server/metrics.h"
+#include "server/peer_gate.h"
 #include "server/registry.h"
 #include "server/ring.h"
 #include "server/service.h"
@@ -99,9 +101,18 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
-  if (!config->socket_path.empty()) {
+  builder.SetMaxReceiveMessageSize(config->max_message_bytes);
+  builder.SetMaxSendMessageSize(config->max_message_bytes);
+  // With an allow list the daemon accepts Unix connections itself and checks SO_PEERCRED first.
+  std::unique_ptr<karakv::server::PeerGate> gate;
+  if (!config->allowed_uids.empty() || !config->allowed_gids.empty()) {
+    karakv::server::PeerAllowList allow;
+    allow.uids.assign(config->allowed_uids.begin(), config->allowed_uids.end());
+    allow.gids.assign(config->allowed_gids.begin(), config->allowed_gids.end());
+    auto g = karakv::server::PeerGate::listen(config->socket_path, std::move(allow));
+    if (!g.ok()) return fail(g.status());
+    gate = std::move(*g);
+  } else if (!config->socket_path.empty()) {
     unlink(config->socket_path.c_str());  // a stale socket from a crashed daemon
     builder.AddListeningPort("unix:" + config->socket_path, grpc::InsecureServerCredentials());
   }
@@ -114,6 +125,11 @@ int main(int argc, char** argv) {
     return fail(absl::UnavailableError("cannot start the gRPC server on " +
                                        (config->socket_path.empty() ? config->tcp_address : config->socket_path) +
                                        " (in use, or no permission?)"));
+  }
+  if (gate) {
+    gate->serve(server.get());
+    spdlog::info("unix socket admits uids [{}] gids [{}] (SO_PEERCRED)", absl::StrJoin(config->allowed_uids, ","),
+                 absl::StrJoin(config->allowed_gids, ","));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
   const auto& g = (*registry)->geometry();
@@ -142,6 +158,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining (new calls get UNAVAILABLE, {} in flight)", sig, service.in_flight());
+  if (gate) gate->stop();  // no new connections
   service.start_draining();
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() +

@@ -154,7 +154,8 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
   if (staging_bytes > config_.max_staging_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("staging_bytes ", staging_bytes,
                                                    " exceeds the daemon's limit of ",
-                                                   config_.max_staging_bytes));
+                                                   config_.max_staging_bytes,
+                                                   " (karakvd --max_staging_bytes); ask for less"));
   }
   std::shared_ptr<StagingRegion> staging;
   if (staging_bytes > 0) {
@@ -172,6 +173,12 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
     result.staging_bytes = staging->size();
   }
   absl::MutexLock lock(&mu_);
+  if (config_.max_sessions > 0 && static_cast<int64_t>(sessions_.size()) >= config_.max_sessions) {
+    // The staging region made above unmaps and unlinks as `staging` goes out of scope.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session limit reached: ", sessions_.size(), " sessions attached, limit ", config_.max_sessions,
+        ", wanted 1 more (karakvd --max_sessions); detach a session or raise the limit"));
+  }
   Session& s = sessions_[result.session_id];
   s.id = result.session_id;
   s.worker_id = worker_id;
@@ -200,6 +207,36 @@ absl::StatusOr<Registry::Sequence*> Registry::find_sequence(const Session& sessi
         absl::StrCat("sequence ", sequence_id, " belongs to another tenant"));
   }
   return &it->second;
+}
+
+absl::Status Registry::check_sequence_limit(const Session& session) const {
+  if (config_.max_sequences_per_session > 0 &&
+      static_cast<int64_t>(session.sequences.size()) >= config_.max_sequences_per_session) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence limit reached: session ", session.id, " holds ", session.sequences.size(),
+        " sequences, limit ", config_.max_sequences_per_session,
+        ", wanted 1 more (karakvd --max_sequences_per_session); release a sequence or raise the limit"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t Registry::tenant_blocks(const std::string& tenant) const {
+  int64_t n = 0;
+  for (const auto& [id, seq] : sequences_) {
+    if (seq.tenant == tenant) n += static_cast<int64_t>(seq.blocks.size() + seq.qblocks.size());
+  }
+  return n;
+}
+
+absl::Status Registry::check_tenant_quota(const std::string& tenant, int64_t wanted) const {
+  if (config_.tenant_block_quota <= 0 || wanted <= 0) return absl::OkStatus();
+  const int64_t held = tenant_blocks(tenant);
+  if (held + wanted > config_.tenant_block_quota) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant ", tenant, " holds ", held, " blocks, quota ", config_.tenant_block_quota, ", wanted ", wanted,
+        " (karakvd --tenant_block_quota); release or compact sequences of this tenant, or raise the quota"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int> Registry::detach(const std::string& session_id) {
@@ -317,6 +354,14 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Registry::create_sequence_from_pref
   absl::MutexLock lock(&mu_);
   auto session = find_session(session_id);
   if (!session.ok()) return session.status();
+  if (absl::Status s = check_sequence_limit(**session); !s.ok()) return s;
+  std::vector<PrefixCache::Hit> hits;
+  if (config_.prefix_cache && !options.prefix_token_ids.empty()) {
+    hits = prefix_cache_.match(options.prefix_token_ids, config_.geometry, (*session)->cache_namespace);
+    if (absl::Status s = check_tenant_quota((*session)->tenant, static_cast<int64_t>(hits.size())); !s.ok()) {
+      return s;
+    }
+  }
   const uint64_t id = next_sequence_id_++;
   Sequence& seq = sequences_[id];
   seq.id = id;
@@ -345,8 +390,6 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Registry::create_sequence_from_pref
     prefix_lookup_tokens_ += options.prefix_token_ids.size();
   }
   if (config_.prefix_cache && !options.prefix_token_ids.empty()) {
-    const std::vector<PrefixCache::Hit> hits =
-        prefix_cache_.match(options.prefix_token_ids, config_.geometry, seq.cache_namespace);
     prefix_cache_.touch(hits);
     cached = static_cast<int32_t>(hits.size()) * config_.geometry.block_size;
     prefix_hit_tokens_ += cached;
@@ -453,6 +496,12 @@ absl::StatusOr<uint64_t> Registry::fork_sequence(const std::string& session_id, 
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", parent_id, " is in the middle of a step (expects layer ",
         (*parent)->pending_layer, "); finish the step before forking"));
+  }
+  if (absl::Status s = check_sequence_limit(**session); !s.ok()) return s;
+  if (absl::Status s = check_tenant_quota(
+          (*session)->tenant, static_cast<int64_t>((*parent)->blocks.size() + (*parent)->qblocks.size()));
+      !s.ok()) {
+    return s;
   }
   const uint64_t id = next_sequence_id_++;
   Sequence child = **parent;  // copies the table; the blocks are now shared
@@ -601,6 +650,7 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
   }
   const int32_t new_length = seq.length + num_tokens;
   const int32_t need = blocks_needed(seq, new_length);
+  if (absl::Status s = check_tenant_quota(seq.tenant, need); !s.ok()) return s;
   if (!make_room(need)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV pool full: appending ", num_tokens, " tokens to sequence ", sequence_id, " wanted ",
@@ -729,6 +779,7 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     }
     seqs.push_back(&seq);
   }
+  if (absl::Status s = check_tenant_quota((*session)->tenant, need); !s.ok()) return s;
   if (!make_room(need)) {
     return absl::ResourceExhaustedError(absl::StrCat("KV pool full: Step over ", batch,
                                                      " sequences wanted ", need, " blocks, ",

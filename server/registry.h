@@ -44,6 +44,11 @@ struct RegistryConfig {
   double prefix_cache_max_fraction = 1.0;
   // Attach may name a cache namespace other than its tenant (sharing prompts across tenants).
   bool prefix_cache_shared_namespaces = false;
+  // Limits (0: none). Sessions attached at once; sequences one session holds at once; block-table
+  // entries the sequences of one tenant hold (a block shared by two of its sequences counts twice).
+  int max_sessions = 0;
+  int max_sequences_per_session = 0;
+  int64_t tenant_block_quota = 0;
 };
 
 struct SequenceOptions {
@@ -303,6 +308,12 @@ class Registry {
   // it is about to write. Callers check blocks_needed against the free count first.
   absl::Status reserve(Sequence& seq, int32_t new_length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int release_locked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Limits: RESOURCE_EXHAUSTED naming the limit, the value asked and the flag that sets it.
+  absl::Status check_sequence_limit(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status check_tenant_quota(const std::string& tenant, int64_t wanted) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Block-table entries (full-precision and quantized) of the tenant's sequences.
+  int64_t tenant_blocks(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void end_session_locked(const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Quantizes the oldest full-precision tokens that have aged out of the residual window and that
   // the policy will never rewrite, a quantized block at a time.

@@ -8,12 +8,19 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "gtest/gtest.h"
+#include "server/peer_gate.h"
 
 ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, prefix_cache);
 ABSL_DECLARE_FLAG(double, prefix_cache_max_fraction);
+ABSL_DECLARE_FLAG(int32_t, max_sessions);
+ABSL_DECLARE_FLAG(std::string, max_message_bytes);
+ABSL_DECLARE_FLAG(std::string, socket);
+ABSL_DECLARE_FLAG(std::string, listen_tcp);
+ABSL_DECLARE_FLAG(std::string, allowed_uids);
+ABSL_DECLARE_FLAG(std::string, allowed_gids);
 
 namespace karakv::server {
 namespace {
@@ -87,6 +94,63 @@ TEST_F(ConfigFileTest, PrefixCacheSettings) {
   absl::SetFlag(&FLAGS_prefix_cache_max_fraction, 1.5);
   EXPECT_NE(config_from_flags().status().message().find("--prefix_cache_max_fraction=1.5, expected 0..1"),
             std::string::npos);
+}
+
+TEST_F(ConfigFileTest, LimitsDefaultToNoneAndRefuseBadValues) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->registry.max_sessions, 0);
+  EXPECT_EQ(c->registry.max_sequences_per_session, 0);
+  EXPECT_EQ(c->registry.tenant_block_quota, 0);
+  EXPECT_EQ(c->max_message_bytes, 1 << 30);  // what the server always allowed
+  ASSERT_TRUE(apply_config_file(
+                  write("max_sessions = 8\nmax_sequences_per_session = 64\ntenant_block_quota = 1000\n"
+                        "max_message_bytes = 4MiB\n"))
+                  .ok());
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->registry.max_sessions, 8);
+  EXPECT_EQ(c->registry.max_sequences_per_session, 64);
+  EXPECT_EQ(c->registry.tenant_block_quota, 1000);
+  EXPECT_EQ(c->max_message_bytes, 4 << 20);
+  absl::SetFlag(&FLAGS_max_sessions, -1);
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--max_sessions=-1"), std::string::npos) << c.status();
+  absl::SetFlag(&FLAGS_max_sessions, 0);
+  absl::SetFlag(&FLAGS_max_message_bytes, "4GiB");
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--max_message_bytes=4GiB out of range"), std::string::npos) << c.status();
+}
+
+TEST_F(ConfigFileTest, PeerAllowListsParseAndRefuseTcp) {
+  absl::SetFlag(&FLAGS_allowed_uids, "0, 1000,1001");
+  absl::SetFlag(&FLAGS_allowed_gids, "27");
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->allowed_uids, (std::vector<uint32_t>{0, 1000, 1001}));
+  EXPECT_EQ(c->allowed_gids, (std::vector<uint32_t>{27}));
+  absl::SetFlag(&FLAGS_allowed_uids, "0,root");
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--allowed_uids: 'root' is not a numeric id"), std::string::npos) << c.status();
+  absl::SetFlag(&FLAGS_allowed_uids, "0");
+  absl::SetFlag(&FLAGS_listen_tcp, "127.0.0.1:0");
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("TCP has no peer credentials"), std::string::npos) << c.status();
+}
+
+TEST(PeerAllowListTest, AdmitsByUidOrGidAndEveryoneWhenEmpty) {
+  PeerAllowList none;
+  EXPECT_TRUE(none.admits(65534, 65534));
+  PeerAllowList list{{0, 1000}, {27}};
+  EXPECT_TRUE(list.admits(0, 0));
+  EXPECT_TRUE(list.admits(1000, 1000));
+  EXPECT_TRUE(list.admits(4242, 27));
+  EXPECT_FALSE(list.admits(4242, 4242));
+  EXPECT_FALSE(list.admits(65534, 0));
 }
 
 }  // namespace
