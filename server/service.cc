@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/hash/hash.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
@@ -211,6 +213,15 @@ absl::Status KaraKVService::DoCreateSequence(const v1::CreateSequenceRequest& re
 }
 
 namespace {
+// A session id is the bearer credential of its session: whoever knows it can use the session's
+// sequences. Views that need no session (ListSequences without one, Inspect) therefore show a tag
+// that tells sessions apart within this daemon's lifetime and cannot be turned back into the id.
+SequenceInfo operator_view(SequenceInfo info) {
+  const uint64_t h = absl::Hash<std::string>{}(info.session_id);
+  info.session_id = absl::StrFormat("session#%012x", h & 0xffffffffffffull);
+  return info;
+}
+
 void fill_info(const SequenceInfo& info, v1::SequenceInfo* s) {
   s->set_sequence_id(info.id);
   s->set_session_id(info.session_id);
@@ -261,7 +272,7 @@ absl::Status KaraKVService::DoCompact(const v1::CompactRequest& req, v1::Compact
 absl::Status KaraKVService::DoInspect(const v1::InspectRequest& req, v1::InspectReply* reply) {
   auto r = registry_->inspect(req.sequence_id());
   if (!r.ok()) return r.status();
-  fill_info(r->first, reply->mutable_info());
+  fill_info(operator_view(r->first), reply->mutable_info());
   fill_heads(r->second, registry_->geometry().num_kv_heads, reply->mutable_heads());
   return absl::OkStatus();
 }
@@ -479,8 +490,9 @@ grpc::ServerUnaryReactor* KaraKVService::ListSequences(grpc::CallbackServerConte
                                                        const v1::ListSequencesRequest* req,
                                                        v1::ListSequencesReply* reply) {
   return serve(ctx, "ListSequences", false, [&]() -> absl::Status {
+    // A session's own listing shows its id; the operator view (no session) shows a tag instead.
     for (const SequenceInfo& info : registry_->list_sequences(req->session_id())) {
-      fill_info(info, reply->add_sequences());
+      fill_info(req->session_id().empty() ? operator_view(info) : info, reply->add_sequences());
     }
     return absl::OkStatus();
   });

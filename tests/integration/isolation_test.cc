@@ -16,6 +16,8 @@
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "karakv/v1/karakv.grpc.pb.h"
+#include <grpcpp/grpcpp.h>
 #include "karakv/client.h"
 #include "tests/integration/daemon.h"
 
@@ -25,6 +27,7 @@ namespace {
 using ::testing::HasSubstr;
 using synthetic::Tensor;
 using testing::Daemon;
+namespace v1 = ::karakv::v1;
 
 constexpr uint64_t kSeed = 5;
 
@@ -180,6 +183,42 @@ TEST(IsolationTest, SessionLimitRefusesAttachOverTheWire) {
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("limit 2, wanted 1 more (karakvd --max_sessions)"));
   ASSERT_TRUE((*a)->Detach().ok());
   EXPECT_TRUE(Client::Attach(as_tenant(d, "t")).ok());
+}
+
+// The operator views (ListSequences without a session, Inspect) need no session, so they must not
+// hand out session ids: an id is all it takes to use a session's sequences.
+TEST(IsolationTest, OperatorViewsDoNotRevealSessionIds) {
+  Daemon d(flags());
+  ASSERT_TRUE(d.ready());
+  auto owner = Client::Attach(as_tenant(d, "tenant-a"));
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  const uint64_t seq = *(*owner)->CreateSequence("none");
+  const std::string secret = (*owner)->session_id();
+  ASSERT_FALSE(secret.empty());
+  // The owner's own listing still shows its id.
+  auto own = (*owner)->ListSequences();
+  ASSERT_TRUE(own.ok());
+  ASSERT_EQ(own->size(), 1u);
+  EXPECT_EQ((*own)[0].session_id, secret);
+  // The raw RPCs, as any client that can connect may send them.
+  auto stub = v1::KaraKV::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  v1::ListSequencesRequest lreq;  // no session: the operator view
+  v1::ListSequencesReply lrep;
+  grpc::ClientContext lctx;
+  ASSERT_TRUE(stub->ListSequences(&lctx, lreq, &lrep).ok());
+  ASSERT_EQ(lrep.sequences_size(), 1);
+  v1::InspectRequest ireq;
+  ireq.set_sequence_id(seq);
+  v1::InspectReply irep;
+  grpc::ClientContext ictx;
+  ASSERT_TRUE(stub->Inspect(&ictx, ireq, &irep).ok());
+  for (const std::string& shown : {lrep.sequences(0).session_id(), irep.info().session_id()}) {
+    EXPECT_NE(shown, secret);
+    EXPECT_THAT(shown, HasSubstr("session#"));
+    EXPECT_EQ(shown.find(secret.substr(0, 8)), std::string::npos) << shown;
+  }
+  // Both views tag the session the same way, so an operator can still group sequences by session.
+  EXPECT_EQ(lrep.sequences(0).session_id(), irep.info().session_id());
 }
 
 // Runs `karakv stats` against `target` as user and group nobody (65534); returns its exit code

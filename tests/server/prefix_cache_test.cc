@@ -88,7 +88,9 @@ class PrefixRegistryTest : public ::testing::Test {
     b_ = attach("tenant-a");
   }
   void TearDown() override {
-    if (reg_) EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+    if (reg_) {
+      EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+    }
   }
 
   std::string attach(const std::string& tenant, const std::string& ns = "") {

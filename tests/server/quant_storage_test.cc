@@ -258,7 +258,9 @@ TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedSt
     for (int64_t pos = 100; pos < 330; ++pos) ASSERT_TRUE(step_token(*reg, session, seq, 1, 5, pos).ok());
     const SequenceInfo info = reg->inspect(seq)->first;
     EXPECT_GE(info.compactions, 2);
-    if (quantized) EXPECT_GT(info.quantized, 100);
+    if (quantized) {
+      EXPECT_GT(info.quantized, 100);
+    }
     EXPECT_EQ(reg->stats().policies.begin()->second.failures, 0u);
     kept[quantized] = reg->inspect(seq)->second;
   }
