@@ -351,7 +351,7 @@ TEST(CpuBackendTest, NamesAndSupport) {
   EXPECT_EQ(backend->name(), "cpu");
   for (Op op : {Op::kWriteKV, Op::kDecodeAttention, Op::kCausalAttention, Op::kReadKV, Op::kCopyBlock})
     for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) EXPECT_TRUE(backend->supports(op, t));
-  EXPECT_EQ(op_name(Op::kDecodeAttention), "decode_attention");
+  EXPECT_STREQ(op_name(Op::kDecodeAttention), "decode_attention");
   for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     DType parsed;
     ASSERT_TRUE(parse_dtype(dtype_name(t), &parsed));

@@ -74,13 +74,16 @@ class BackendBuffer {
   template <typename T = void>
   T* get() const { return static_cast<T*>(ptr_); }
   size_t bytes() const { return bytes_; }
-  void upload(const void* src, size_t bytes) { std::memcpy(ptr_, src, bytes); }
+  // (memcpy of zero bytes still needs valid pointers; an empty vector's data() may be null.)
+  void upload(const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(ptr_, src, bytes);
+  }
   template <typename T>
   void upload(const std::vector<T>& v) { upload(v.data(), v.size() * sizeof(T)); }
   template <typename T>
   std::vector<T> download(size_t count) const {
     std::vector<T> v(count);
-    std::memcpy(v.data(), ptr_, count * sizeof(T));
+    if (count > 0) std::memcpy(v.data(), ptr_, count * sizeof(T));
     return v;
   }
 
