@@ -131,6 +131,13 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
                 prefix_hit_rate(r), (unsigned long long)r.prefix_cached_blocks(),
                 (unsigned long long)r.prefix_unused_blocks(), (unsigned long long)r.prefix_evictions(),
                 (unsigned long long)r.prefix_published_blocks());
+    std::printf(",\"decode_tokens\":%llu,\"rpc_errors\":[", (unsigned long long)r.decode_tokens());
+    for (int i = 0; i < r.rpc_errors_size(); ++i) {
+      const auto& e = r.rpc_errors(i);
+      std::printf("%s{\"method\":\"%s\",\"code\":\"%s\",\"count\":%llu}", i ? "," : "",
+                  json_escape(e.method()).c_str(), json_escape(e.code()).c_str(), (unsigned long long)e.count());
+    }
+    std::printf("]");
     std::printf(",\"logical_tokens\":%llu,\"query_cache_bytes\":%llu,\"score_bytes\":%llu,\"policies\":[",
                 (unsigned long long)r.logical_tokens(), (unsigned long long)r.query_cache_bytes(),
                 (unsigned long long)r.score_bytes());
@@ -157,7 +164,16 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
                 (unsigned long long)r.blocks_free(), used_pct);
     std::printf("resident tokens  %llu\n", (unsigned long long)r.resident_tokens());
     std::printf("sequences        %u in %u sessions\n", r.sequences(), r.sessions());
-    std::printf("decode steps     %llu\n", (unsigned long long)r.decode_steps());
+    std::printf("decode steps     %llu (%llu tokens)\n", (unsigned long long)r.decode_steps(),
+                (unsigned long long)r.decode_tokens());
+    uint64_t failed = 0;
+    std::string by_code;
+    for (const auto& e : r.rpc_errors()) {
+      failed += e.count();
+      absl::StrAppend(&by_code, by_code.empty() ? "" : ", ", e.method(), " ", e.code(), " x", e.count());
+    }
+    std::printf("failed RPCs      %llu%s%s\n", (unsigned long long)failed, by_code.empty() ? "" : ": ",
+                by_code.c_str());
     std::printf("tokens appended  %llu\n", (unsigned long long)r.tokens_appended());
     std::printf("lease expiries   %llu\n", (unsigned long long)r.lease_expiries());
     std::printf("uptime           %.1f s\n", r.uptime_seconds());

@@ -417,6 +417,12 @@ TEST(DaemonTest, CliReportsHealthStatsAndSequencesAsTextAndJson) {
   EXPECT_THAT(seqs, HasSubstr(absl::StrCat("{\"id\":", id, ",")));
   EXPECT_THAT(seqs, HasSubstr("\"length\":20,"));
   EXPECT_THAT(run(cli + " stats", &code), HasSubstr("blocks used/free 2 / "));
+  // A refused call shows up in both forms, by method and status code.
+  EXPECT_EQ((*c)->Append(id + 1000, 20, k, v).status().code(), absl::StatusCode::kNotFound);
+  json = run(cli + " --json stats", &code);
+  EXPECT_THAT(json, HasSubstr("\"decode_tokens\":0,"));
+  EXPECT_THAT(json, HasSubstr("{\"method\":\"Append\",\"code\":\"NOT_FOUND\",\"count\":1}"));
+  EXPECT_THAT(run(cli + " stats", &code), HasSubstr("failed RPCs      1: Append NOT_FOUND x1"));
   run(cli + " bogus 2>&1", &code);
   EXPECT_EQ(code, 2);
   run(std::string(KARAKV_CLI_PATH) + " --target=unix:/nonexistent.sock --timeout=1 health 2>&1", &code);
