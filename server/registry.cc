@@ -457,33 +457,32 @@ int32_t Registry::unused_cached_blocks() const {
   return n;
 }
 
-bool Registry::make_room(int32_t need) {
-  if (pool_.free_count() >= need) return true;
-  if (prefix_cache_.size() == 0 || pool_.free_count() + unused_cached_blocks() < need) return false;
+int32_t Registry::evict_unused_cached(int32_t count) {
+  int32_t evicted = 0;
   for (const PrefixKey& key : prefix_cache_.lru_order()) {
-    if (pool_.free_count() >= need) break;
+    if (evicted >= count) break;
     const int32_t block = prefix_cache_.entries().at(key).block;
     if (pool_.refcount(block) != 1) continue;  // a sequence still reads it
     prefix_cache_.erase(key);
-    pool_.release(block);
+    pool_.release(block);  // the cache held the only reference: one block freed
     ++prefix_evictions_;
+    ++evicted;
   }
+  return evicted;
+}
+
+bool Registry::make_room(int32_t need) {
+  if (pool_.free_count() >= need) return true;
+  if (prefix_cache_.size() == 0 || pool_.free_count() + unused_cached_blocks() < need) return false;
+  evict_unused_cached(need - pool_.free_count());
   return pool_.free_count() >= need;
 }
 
 void Registry::trim_prefix_cache() {
   if (config_.prefix_cache_max_fraction >= 1.0 || prefix_cache_.size() == 0) return;
   const int32_t limit = static_cast<int32_t>(config_.prefix_cache_max_fraction * pool_.total());
-  int32_t unused = unused_cached_blocks();
-  for (const PrefixKey& key : prefix_cache_.lru_order()) {
-    if (unused <= limit) break;
-    const int32_t block = prefix_cache_.entries().at(key).block;
-    if (pool_.refcount(block) != 1) continue;
-    prefix_cache_.erase(key);
-    pool_.release(block);
-    ++prefix_evictions_;
-    --unused;
-  }
+  const int32_t unused = unused_cached_blocks();
+  if (unused > limit) evict_unused_cached(unused - limit);
 }
 
 absl::StatusOr<uint64_t> Registry::fork_sequence(const std::string& session_id, uint64_t parent_id) {

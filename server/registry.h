@@ -321,6 +321,8 @@ class Registry {
   // Prefix cache. make_room evicts unused cached blocks, least recently used first, until `need`
   // blocks are free; when even that cannot free enough it evicts nothing and returns false.
   bool make_room(int32_t need) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts up to `count` cached blocks no sequence holds, least recently used first; returns how many.
+  int32_t evict_unused_cached(int32_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int32_t unused_cached_blocks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Enforces prefix_cache_max_fraction after blocks became unused.
   void trim_prefix_cache() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

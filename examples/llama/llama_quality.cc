@@ -544,8 +544,9 @@ int main(int argc, char** argv) {
     return std::max<size_t>(64, 2 * sequences * (tokens + 64) * token_bytes / (1 << 20) + 16);
   };
 
-  // One task over every policy: `run(spec, client or null)` runs it on a fresh daemon.
-  auto sweep = [&](const std::string& task, int window, int period, size_t pool, auto&& run_task, auto&& report) {
+  // One task over every policy, each on a fresh daemon: `run_task(attention, client, label)` runs
+  // it, `report(spec, result)` prints and records it and returns the final resident length.
+  auto sweep = [&](int window, int period, size_t pool, auto&& run_task, auto&& report) {
     std::vector<PolicySpec> specs = all_policies(window, period);
     double kara25_final = 0;
     for (PolicySpec spec : specs) {
@@ -577,7 +578,6 @@ int main(int argc, char** argv) {
       const double final_resident = report(spec, run_task(att, client.get(), spec.label));
       if (spec.label == "kara-0.25") kara25_final = final_resident;
     }
-    (void)task;
   };
 
   for (const PplTask& task : ppl_tasks) {
@@ -594,7 +594,7 @@ int main(int argc, char** argv) {
     double none_ppl = 0;
     const int window = long_run ? 128 : 64, period = long_run ? 16 : 8;
     sweep(
-        task.name, window, period, pool_mib(task.streams.size(), task.prompt + task.fed),
+        window, period, pool_mib(task.streams.size(), task.prompt + task.fed),
         [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
           return perplexity(model, att, client, task, label);
         },
@@ -631,7 +631,7 @@ int main(int argc, char** argv) {
                 "ratio");
     std::vector<std::vector<int>> base;
     sweep(
-        task.name, 64, 8, pool_mib(task.prompts.size(), longest + task.gen),
+        64, 8, pool_mib(task.prompts.size(), longest + task.gen),
         [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
           return greedy(model, att, client, task, label);
         },

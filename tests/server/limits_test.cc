@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/registry.h"
+#include "tests/server/test_geometry.h"
 
 namespace karakv::server {
 namespace {
@@ -30,12 +31,7 @@ class LimitsTest : public ::testing::Test {
  protected:
   void make(const RegistryConfig& overrides) {
     RegistryConfig c = overrides;
-    c.geometry.num_layers = 2;
-    c.geometry.num_q_heads = 4;
-    c.geometry.num_kv_heads = 2;
-    c.geometry.head_dim = 8;
-    c.geometry.block_size = 4;
-    c.geometry.dtype = kernels::DType::kFloat32;
+    c.geometry = testing::small_test_geometry(kernels::DType::kFloat32);
     c.pool_bytes = int64_t(64) * c.geometry.block_bytes();
     auto r = Registry::create(c, kernels::make_cpu_backend(1));
     ASSERT_TRUE(r.ok()) << r.status();

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/registry.h"
+#include "tests/server/test_geometry.h"
 #include "karakv/kernels/half.h"
 #include "tests/kernels/token2chunk_reference.h"
 
@@ -18,16 +19,7 @@ namespace {
 using ::testing::HasSubstr;
 using synthetic::Tensor;
 
-kernels::Geometry geometry() {
-  kernels::Geometry g;
-  g.num_layers = 2;
-  g.num_q_heads = 4;
-  g.num_kv_heads = 2;
-  g.head_dim = 8;
-  g.block_size = 4;
-  g.dtype = kernels::DType::kFloat16;
-  return g;
-}
+kernels::Geometry geometry() { return testing::small_test_geometry(kernels::DType::kFloat16); }
 
 // Drives one registry with deterministic random K/V/Q.
 class Driver {

@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/registry.h"
+#include "tests/server/test_geometry.h"
 
 namespace karakv::server {
 namespace {
@@ -19,16 +20,7 @@ using synthetic::Tensor;
 
 constexpr uint64_t kSeed = 11;
 
-kernels::Geometry small_geometry() {
-  kernels::Geometry g;
-  g.num_layers = 2;
-  g.num_q_heads = 4;
-  g.num_kv_heads = 2;
-  g.head_dim = 8;
-  g.block_size = 4;
-  g.dtype = kernels::DType::kFloat16;
-  return g;
-}
+kernels::Geometry small_geometry() { return testing::small_test_geometry(kernels::DType::kFloat16); }
 
 std::vector<int32_t> ids(int32_t first, int n) {
   std::vector<int32_t> v(n);

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "karakv/kernels/half.h"
 #include "server/registry.h"
+#include "tests/server/test_geometry.h"
 
 namespace karakv::server {
 namespace {
@@ -16,16 +17,7 @@ namespace {
 using ::testing::HasSubstr;
 using synthetic::Tensor;
 
-kernels::Geometry geometry() {
-  kernels::Geometry g;
-  g.num_layers = 2;
-  g.num_q_heads = 4;
-  g.num_kv_heads = 2;
-  g.head_dim = 32;
-  g.block_size = 16;
-  g.dtype = kernels::DType::kFloat16;
-  return g;
-}
+kernels::Geometry geometry() { return testing::small_test_geometry(kernels::DType::kFloat16, 32, 16); }
 
 // One whole decode step of token `pos` of `seq` (values keyed by `key`, seeded by `seed`).
 // Fills `outs` with each layer's attention output ([L][Hq][D]) when given.

@@ -7,6 +7,7 @@
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/server/test_geometry.h"
 
 namespace karakv::server {
 namespace {
@@ -17,14 +18,7 @@ using synthetic::Tensor;
 constexpr uint64_t kSeed = 7;
 
 kernels::Geometry small_geometry(kernels::DType dtype = kernels::DType::kFloat32) {
-  kernels::Geometry g;
-  g.num_layers = 2;
-  g.num_q_heads = 4;
-  g.num_kv_heads = 2;
-  g.head_dim = 8;
-  g.block_size = 4;
-  g.dtype = dtype;
-  return g;
+  return testing::small_test_geometry(dtype);
 }
 
 // A comparable picture of everything a request could change.
