@@ -2,6 +2,8 @@
 // names the op, the bad value and the allowed range, before any memory is touched.
 #pragma once
 
+#include <map>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -27,5 +29,40 @@ KernelStatus check_layer(std::string_view op, const PagedKV& kv, int layer);
 // (pool_blocks < 0: pool size unknown, only the lower bound is checked).
 KernelStatus check_covered(std::string_view op, const PagedKV& kv, int seq, long long begin, long long end,
                            long long pool_blocks = -1);
+
+// The memory a backend handed out with allocate(), so block ids can be checked against the size of
+// the pool they index (a stale or corrupt block table must not reach outside it). Thread-safe.
+class Allocations {
+ public:
+  void add(const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_[p] = bytes;
+  }
+  void remove(const void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_.erase(p);
+  }
+  // Blocks in kv.pool when it is one of these allocations, else -1 (then block ids are only
+  // checked against 0). Asked before the arguments are validated, so a geometry that is not one
+  // (e.g. a zero block size) has no block count either: the validators refuse it.
+  long long pool_blocks(const PagedKV& kv) const {
+    if (!check_geometry("", kv).is_ok()) return -1;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(kv.pool);
+    if (it == map_.end()) return -1;
+    return static_cast<long long>(it->second / kv.geometry.block_bytes());
+  }
+  // Calls f(pointer) for every live allocation and forgets them (a backend's destructor).
+  template <typename F>
+  void release_all(F&& f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [p, bytes] : map_) f(const_cast<void*>(p));
+    map_.clear();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<const void*, size_t> map_;  // live allocate() results -> requested bytes
+};
 
 }  // namespace karakv::kernels::cpu

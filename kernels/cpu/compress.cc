@@ -15,35 +15,13 @@
 
 #include "checks.h"
 #include "simd.h"
+#include "validate.h"
 
 namespace karakv::kernels::cpu {
 namespace {
 
 // Below this many bytes a gather is not worth waking the thread team for.
 constexpr size_t kParallelGatherBytes = size_t(1) << 20;
-
-KernelStatus invalid(std::string_view op, const std::string& msg) {
-  return KernelStatus::invalid(std::string(op) + ": " + msg);
-}
-
-// Geometry, tables and `seq`; on success *len is seq_len[seq].
-KernelStatus check_cache(std::string_view op, const PagedKV& kv, int seq, int* len) {
-  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-  if (kv.num_seqs == 0 || kv.block_table == nullptr || kv.table_offset == nullptr || kv.seq_len == nullptr)
-    return invalid(op, "block_table, table_offset and seq_len must be non-null");
-  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
-  *len = kv.seq_len[seq];
-  if (*len < 0) return invalid(op, "seq_len[" + std::to_string(seq) + "] " + std::to_string(*len) + " must be >= 0");
-  return KernelStatus::ok();
-}
-
-KernelStatus check_scores(std::string_view op, const float* scores, int n) {
-  if (n < 0) return invalid(op, "n " + std::to_string(n) + " must be >= 0");
-  if (n > 0 && scores == nullptr) return invalid(op, "scores is null");
-  for (int i = 0; i < n; ++i)
-    if (std::isnan(scores[i])) return invalid(op, "scores[" + std::to_string(i) + "] is NaN");
-  return KernelStatus::ok();
-}
 
 // Keys are stored for scoring in tiles of kKeyTile keys, [tiles][head_dim][kKeyTile] fp32 with the
 // last tile zero padded: one tile row is one vector, and a run of tiles is read sequentially.
@@ -196,19 +174,7 @@ void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
 
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                            float scale, float* out) {
-  constexpr std::string_view op = "window_scores";
-  int len = 0;
-  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &len));
-  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
-  if (window < 1 || window > len)
-    return KernelStatus::invalid(out_of_range(op, "window", window, 1, (long long)len + 1));
-  if (slot_begin < 0 || slot_begin > len - window)
-    return invalid(op, "slot_begin " + std::to_string(slot_begin) + " out of range [0, " +
-                           std::to_string(len - window) + "]: window " + std::to_string(window) +
-                           " must end within seq_len " + std::to_string(len));
-  if (q == nullptr || out == nullptr) return invalid(op, "q and out must be non-null");
-  if (!std::isfinite(scale)) return invalid(op, "scale " + std::to_string(scale) + " must be finite");
-  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, slot_begin, (long long)slot_begin + window));
+  KARAKV_RETURN_IF_ERROR(validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, -1));
 
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
@@ -239,16 +205,8 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 
 KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                            int pool, float* out) {
-  constexpr std::string_view op = "snapkv_scores";
-  int n = 0;
-  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &n));
-  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
-  if (n < 1) return invalid(op, "sequence " + std::to_string(seq) + " is empty (seq_len 0)");
-  if (num_obs < 1 || num_obs > n) return KernelStatus::invalid(out_of_range(op, "num_obs", num_obs, 1, (long long)n + 1));
-  if (pool < 1 || pool % 2 == 0) return invalid(op, "pool " + std::to_string(pool) + " must be odd and >= 1");
-  if (q == nullptr || out == nullptr) return invalid(op, "q and out must be non-null");
-  if (!std::isfinite(scale)) return invalid(op, "scale " + std::to_string(scale) + " must be finite");
-  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, n));
+  KARAKV_RETURN_IF_ERROR(validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, -1));
+  const int n = kv.seq_len[seq];
 
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
@@ -289,10 +247,7 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
 }
 
 KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
-  constexpr std::string_view op = "top_k";
-  KARAKV_RETURN_IF_ERROR(check_scores(op, scores, n));
-  if (k < 0 || k > n) return invalid(op, "k " + std::to_string(k) + " out of range [0, " + std::to_string(n) + "]");
-  if (k > 0 && out == nullptr) return invalid(op, "out is null");
+  KARAKV_RETURN_IF_ERROR(validate_top_k(scores, n, k, out));
   std::vector<int32_t> idx(n);
   for (int i = 0; i < n; ++i) idx[i] = i;
   partition_best(scores, idx, k);
@@ -302,15 +257,7 @@ KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
 }
 
 KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
-  constexpr std::string_view op = "token2chunk";
-  KARAKV_RETURN_IF_ERROR(check_scores(op, scores, n));
-  if (budget < 0 || budget > n)
-    return invalid(op, "budget " + std::to_string(budget) + " out of range [0, " + std::to_string(n) + "]");
-  if (num_candidates < 0 || num_candidates > budget)
-    return invalid(op, "num_candidates " + std::to_string(num_candidates) + " out of range [0, " +
-                           std::to_string(budget) + "] (must not exceed budget)");
-  if (max_gap < 0) return invalid(op, "max_gap " + std::to_string(max_gap) + " must be >= 0");
-  if (budget > 0 && out == nullptr) return invalid(op, "out is null");
+  KARAKV_RETURN_IF_ERROR(validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
 
   std::vector<int32_t> idx(n);
   for (int i = 0; i < n; ++i) idx[i] = i;
@@ -358,45 +305,11 @@ KernelStatus token2chunk(const float* scores, int n, int budget, int num_candida
 }
 
 KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const int32_t* dst_blocks) {
-  constexpr std::string_view op = "gather_tokens";
-  int len = 0;
-  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &len));
-  if (num_kept < 0 || num_kept > len)
-    return invalid(op, "num_kept " + std::to_string(num_kept) + " out of range [0, " + std::to_string(len) +
-                           "] (seq_len of sequence " + std::to_string(seq) + ")");
+  KARAKV_RETURN_IF_ERROR(validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, -1));
   if (num_kept == 0) return KernelStatus::ok();
-  if (kept == nullptr || dst_blocks == nullptr) return invalid(op, "kept and dst_blocks must be non-null");
-  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len));
-
   const Geometry& geo = kv.geometry;
   const int bs = geo.block_size;
   const int rows = geo.num_layers * geo.num_kv_heads;
-  for (int r = 0; r < rows; ++r) {
-    const int32_t* row = kept + size_t(r) * num_kept;
-    for (int i = 0; i < num_kept; ++i) {
-      if (row[i] < 0 || row[i] >= len)
-        return invalid(op, "kept[layer " + std::to_string(r / geo.num_kv_heads) + "][head " +
-                               std::to_string(r % geo.num_kv_heads) + "][" + std::to_string(i) + "] = " +
-                               std::to_string(row[i]) + " out of range [0, " + std::to_string(len) + ")");
-      if (i > 0 && row[i] <= row[i - 1])
-        return invalid(op, "kept[layer " + std::to_string(r / geo.num_kv_heads) + "][head " +
-                               std::to_string(r % geo.num_kv_heads) + "] is not strictly ascending at index " +
-                               std::to_string(i) + " (" + std::to_string(row[i - 1]) + " then " +
-                               std::to_string(row[i]) + ")");
-    }
-  }
-  const int num_dst = (num_kept + bs - 1) / bs;
-  std::vector<int32_t> dst(dst_blocks, dst_blocks + num_dst);
-  std::sort(dst.begin(), dst.end());
-  if (dst[0] < 0) return invalid(op, "destination block id " + std::to_string(dst[0]) + " must be >= 0");
-  for (int i = 1; i < num_dst; ++i)
-    if (dst[i] == dst[i - 1]) return invalid(op, "destination block " + std::to_string(dst[i]) + " is listed twice");
-  const int32_t* table = kv.block_table + kv.table_offset[seq];
-  for (int b = 0; b < (len + bs - 1) / bs; ++b)
-    if (std::binary_search(dst.begin(), dst.end(), table[b]))
-      return invalid(op, "destination block " + std::to_string(table[b]) + " is block " + std::to_string(b) +
-                             " of sequence " + std::to_string(seq) + " (a source)");
-
   const size_t esize = dtype_size(geo.dtype);
   const size_t row_bytes = size_t(geo.head_dim) * esize;
   auto* pool = static_cast<char*>(kv.pool);
@@ -426,16 +339,12 @@ namespace karakv::kernels::cpu {
 KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
                                   float* const* score_acc) {
   constexpr std::string_view op = "decode_attention_accumulate";
-  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
-  if (q == nullptr || score_acc == nullptr) return invalid(op, "q and score_acc must be non-null");
+  if (score_acc == nullptr) return KernelStatus::invalid(std::string(op) + ": score_acc must be non-null");
+  // The same checks as the attention it follows (it writes no output of its own, hence q twice).
+  KARAKV_RETURN_IF_ERROR(validate_decode(op, kv, layer, q, q, -1));
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
   const int hd = geo.head_dim;
-  for (int s = 0; s < kv.num_seqs; ++s) {
-    int len = 0;
-    KARAKV_RETURN_IF_ERROR(check_cache(op, kv, s, &len));
-    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, len));
-  }
   dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
 #pragma omp parallel for collapse(2) schedule(dynamic)

@@ -16,17 +16,12 @@
 #include "compress.h"
 #include "merge.h"
 #include "quant_storage.h"
+#include "validate.h"
 #include "karakv/kernels/backend.h"
 
 namespace karakv::kernels {
 namespace {
 
-using cpu::check_covered;
-using cpu::check_geometry;
-using cpu::check_layer;
-using cpu::check_seq_index;
-using cpu::check_tables;
-using cpu::out_of_range;
 
 // Pools of at least this size are aligned to it so the kernel can back them with huge pages:
 // attention jumps between blocks hundreds of KiB apart and 4 KiB pages would miss the TLB on
@@ -51,7 +46,7 @@ class CpuBackend final : public Backend {
       : num_threads_(num_threads > 0 ? num_threads : std::max(1, omp_get_max_threads())) {}
 
   ~CpuBackend() override {
-    for (auto& [ptr, bytes] : allocations_) std::free(const_cast<void*>(ptr));
+    allocations_.release_all([](void* p) { std::free(p); });
   }
 
   std::string_view name() const override { return "cpu"; }
@@ -73,38 +68,23 @@ class CpuBackend final : public Backend {
     if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
 #endif
     std::memset(p, 0, rounded);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      allocations_[p] = bytes;
-    }
+    allocations_.add(p, bytes);
     *out = p;
     return KernelStatus::ok();
   }
 
   void free(void* ptr) override {
     if (ptr == nullptr) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      allocations_.erase(ptr);
-    }
+    allocations_.remove(ptr);
     std::free(ptr);
   }
 
   KernelStatus write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin,
                         int num_layers, const void* k, const void* v) override {
-    constexpr std::string_view op = "write_kv";
-    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-    KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
-    const Geometry& geo = kv.geometry;
-    if (num_layers < 0 || layer_begin < 0 || layer_begin + static_cast<long long>(num_layers) > geo.num_layers)
-      return KernelStatus::invalid("write_kv: layers [" + std::to_string(layer_begin) + ", " +
-                                   std::to_string(static_cast<long long>(layer_begin) + num_layers) +
-                                   ") not inside [0, " + std::to_string(geo.num_layers) + ")");
-    if (start_pos < 0) return KernelStatus::invalid("write_kv: start_pos " + std::to_string(start_pos) + " must be >= 0");
-    if (num_tokens < 0) return KernelStatus::invalid("write_kv: num_tokens " + std::to_string(num_tokens) + " must be >= 0");
+    KARAKV_RETURN_IF_ERROR(
+        cpu::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
     if (num_tokens == 0 || num_layers == 0) return KernelStatus::ok();
-    if (k == nullptr || v == nullptr) return KernelStatus::invalid("write_kv: k and v must be non-null");
-    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, start_pos, static_cast<long long>(start_pos) + num_tokens, pool_blocks(kv)));
+    const Geometry& geo = kv.geometry;
 
     const size_t esize = dtype_size(geo.dtype);
     const size_t row_bytes = size_t(geo.head_dim) * esize;
@@ -132,18 +112,8 @@ class CpuBackend final : public Backend {
 
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,
                                 float scale) override {
-    constexpr std::string_view op = "decode_attention";
-    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-    KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+    KARAKV_RETURN_IF_ERROR(cpu::validate_decode("decode_attention", kv, layer, q, out, pool_blocks(kv)));
     if (kv.num_seqs == 0) return KernelStatus::ok();
-    if (q == nullptr || out == nullptr) return KernelStatus::invalid("decode_attention: q and out must be non-null");
-    const long long blocks = pool_blocks(kv);
-    for (int s = 0; s < kv.num_seqs; ++s) {
-      if (kv.seq_len[s] < 0)
-        return KernelStatus::invalid("decode_attention: seq_len[" + std::to_string(s) + "] " +
-                                     std::to_string(kv.seq_len[s]) + " must be >= 0");
-      KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, kv.seq_len[s], blocks));
-    }
 
     const Geometry& geo = kv.geometry;
     // A task is a sequence and a slice of its KV heads. Whole sequences read each block's K (then
@@ -166,18 +136,9 @@ class CpuBackend final : public Backend {
 
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries,
                                 const float* q, float* out, float scale) override {
-    constexpr std::string_view op = "causal_attention";
-    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-    KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
-    KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
-    const int len = kv.seq_len[seq];
-    if (len < 0) return KernelStatus::invalid("causal_attention: seq_len[" + std::to_string(seq) + "] " + std::to_string(len) + " must be >= 0");
-    if (num_queries < 0 || num_queries > len)
-      return KernelStatus::invalid("causal_attention: num_queries " + std::to_string(num_queries) +
-                                   " out of range [0, seq_len " + std::to_string(len) + "]");
+    KARAKV_RETURN_IF_ERROR(cpu::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
     if (num_queries == 0) return KernelStatus::ok();
-    if (q == nullptr || out == nullptr) return KernelStatus::invalid("causal_attention: q and out must be non-null");
-    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len, pool_blocks(kv)));
+    const int len = kv.seq_len[seq];
 
     const Geometry& geo = kv.geometry;
     const int num_kv_heads = geo.num_kv_heads;
@@ -195,14 +156,9 @@ class CpuBackend final : public Backend {
   }
 
   KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) override {
-    constexpr std::string_view op = "read_kv";
-    KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-    KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+    KARAKV_RETURN_IF_ERROR(cpu::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
     const int len = kv.seq_len[seq];
-    if (len < 0) return KernelStatus::invalid("read_kv: seq_len[" + std::to_string(seq) + "] " + std::to_string(len) + " must be >= 0");
     if (len == 0) return KernelStatus::ok();
-    if (k == nullptr || v == nullptr) return KernelStatus::invalid("read_kv: k and v must be non-null");
-    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len, pool_blocks(kv)));
 
     const Geometry& geo = kv.geometry;
     const size_t esize = dtype_size(geo.dtype);
@@ -227,12 +183,7 @@ class CpuBackend final : public Backend {
   }
 
   KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) override {
-    constexpr std::string_view op = "copy_block";
-    KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
-    const long long blocks = pool_blocks(kv);
-    const long long hi = blocks >= 0 ? blocks : INT32_MAX;
-    if (src < 0 || src >= hi) return KernelStatus::invalid(out_of_range(op, "src block", src, 0, hi));
-    if (dst < 0 || dst >= hi) return KernelStatus::invalid(out_of_range(op, "dst block", dst, 0, hi));
+    KARAKV_RETURN_IF_ERROR(cpu::validate_copy_block(kv, src, dst, pool_blocks(kv)));
     if (src == dst) return KernelStatus::ok();
     const size_t bytes = kv.geometry.block_bytes();
     auto* pool = static_cast<char*>(kv.pool);
@@ -258,17 +209,14 @@ class CpuBackend final : public Backend {
   }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {
-    const long long blocks = pool_blocks(kv);
-    const int need = (num_kept + kv.geometry.block_size - 1) / kv.geometry.block_size;
-    for (int i = 0; blocks >= 0 && i < need; ++i) {
-      if (dst_blocks != nullptr && dst_blocks[i] >= blocks)
-        return KernelStatus::invalid(out_of_range("gather_tokens", "dst block", dst_blocks[i], 0, blocks));
-    }
+    KARAKV_RETURN_IF_ERROR(cpu::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)));
     omp_set_num_threads(num_threads_);
     return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks);
   }
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens,
+                                                   dst_blocks, pool_blocks(kv)));
     omp_set_num_threads(num_threads_);
     return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks);
   }
@@ -301,18 +249,10 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // Blocks in kv.pool when this backend allocated it, else -1 (then block ids are only checked
-  // against 0): catches a stale or corrupt block table before it writes outside the pool.
-  long long pool_blocks(const PagedKV& kv) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = allocations_.find(kv.pool);
-    if (it == allocations_.end()) return -1;
-    return static_cast<long long>(it->second / kv.geometry.block_bytes());
-  }
+  long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
 
   const int num_threads_;
-  mutable std::mutex mu_;
-  std::map<const void*, size_t> allocations_;  // live allocate() results -> requested bytes
+  cpu::Allocations allocations_;
 };
 
 }  // namespace

@@ -4,38 +4,41 @@
 #include "merge.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "checks.h"
 #include "karakv/kernels/half.h"
 #include "quant.h"
+#include "validate.h"
 
 namespace karakv::kernels::cpu {
-KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
-                              const float* scores, int merge_tokens, const int32_t* dst_blocks) {
-  constexpr std::string_view op = "cam_merge_values";
-  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
-  if (begin < 0 || end > kv.seq_len[seq] || begin > end)
-    return KernelStatus::invalid(std::string(op) + ": range [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                 ") not within seq_len " + std::to_string(kv.seq_len[seq]));
-  if (num_kept < 0 || num_kept > end - begin)
-    return KernelStatus::invalid(out_of_range(op, "num_kept", num_kept, 0, (long long)end - begin + 1));
-  if (merge_tokens < 1) return KernelStatus::invalid(out_of_range(op, "merge_tokens", merge_tokens, 1, INT32_MAX));
-  if (kept == nullptr || scores == nullptr || dst_blocks == nullptr)
-    return KernelStatus::invalid(std::string(op) + ": kept, scores and dst_blocks must be non-null");
-  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, begin, end));
-  const Geometry& g = kv.geometry;
-  const int d = g.head_dim, n = end - begin, rows = g.num_layers * g.num_kv_heads;
-  for (int r = 0; r < rows; ++r) {
+
+KernelStatus check_cam_scores(std::string_view op, const int32_t* kept, int num_kept, const float* scores, int begin,
+                              int end, int rows) {
+  const int n = end - begin;
+  for (int r = 0; r < rows && num_kept > 0; ++r) {
     const int32_t* row = kept + size_t(r) * num_kept;
-    for (int i = 0; i < num_kept; ++i) {
-      if (row[i] < begin || row[i] >= end || (i > 0 && row[i] <= row[i - 1]))
-        return KernelStatus::invalid(std::string(op) + ": kept row " + std::to_string(r) + " is not ascending within [" +
-                                     std::to_string(begin) + ", " + std::to_string(end) + ")");
+    // Kept slots are ascending and distinct, so some slot before the last kept one is evicted
+    // exactly when the kept slots do not fill [begin, last kept].
+    if (row[num_kept - 1] - begin + 1 == num_kept) continue;
+    const float* score = scores + size_t(r) * n;
+    for (int i = 0; i < n; ++i) {
+      if (!std::isfinite(score[i]))
+        return KernelStatus::invalid(std::string(op) + ": scores[row " + std::to_string(r) + "][" + std::to_string(i) +
+                                     "] = " + std::to_string(score[i]) +
+                                     " is not finite (a merging row needs finite attention scores)");
     }
   }
+  return KernelStatus::ok();
+}
+
+KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
+                              const float* scores, int merge_tokens, const int32_t* dst_blocks) {
+  KARAKV_RETURN_IF_ERROR(validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks, -1));
+  const Geometry& g = kv.geometry;
+  const int d = g.head_dim, n = end - begin, rows = g.num_layers * g.num_kv_heads;
   KernelStatus failed = KernelStatus::ok();
 #pragma omp parallel for schedule(dynamic)
   for (int r = 0; r < rows; ++r) {

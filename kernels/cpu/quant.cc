@@ -698,7 +698,7 @@ KernelStatus cam_merge(const float* evicted_v, float evicted_attention, float me
   const float weight = p / float(merge_tokens);
   if (weight == 0.0f) return KernelStatus::ok();
   for (int i = 0; i < m; ++i)
-    for (int c = 0; c < d; ++c) kept_v[size_t(i) * d + c] += weight * evicted_v[c];
+    for (int c = 0; c < d; ++c) kept_v[size_t(i) * d + c] = std::fma(weight, evicted_v[c], kept_v[size_t(i) * d + c]);
   return KernelStatus::ok();
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <numeric>
 #include <tuple>
 
 #include "kernel_test_util.h"
@@ -11,12 +12,14 @@
 namespace karakv::kernels::test {
 namespace {
 
-// Backends this suite knows about. A GPU backend joins here; on machines or builds without it
-// create_backend returns null and its cases skip.
-std::vector<std::string> registered_backends() { return {"cpu"}; }
+// Backends this suite knows about. On machines or builds without a GPU create_backend returns null
+// with the reason, and the cuda cases skip saying "no device" and why.
+std::vector<std::string> registered_backends() { return {"cpu", "cuda"}; }
 
-std::unique_ptr<Backend> create_backend(const std::string& name) {
+std::unique_ptr<Backend> create_backend(const std::string& name, std::string* why) {
   if (name == "cpu") return make_cpu_backend();
+  if (name == "cuda") return make_cuda_backend(0, why);
+  *why = "unknown backend";
   return nullptr;
 }
 
@@ -26,6 +29,10 @@ double tolerance(Op op) {
   switch (op) {
     case Op::kDecodeAttention:
     case Op::kCausalAttention: return 1e-4;
+    // Probabilities and their sums (up to window * group for window scores), compared relatively.
+    case Op::kDecodeAttentionAccumulate:
+    case Op::kWindowScores:
+    case Op::kSnapKVScores: return 1e-4;
     default: return 0.0;
   }
 }
@@ -35,8 +42,9 @@ using OpsParam = std::tuple<std::string, DType>;
 class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
  protected:
   void SetUp() override {
-    backend_ = create_backend(std::get<0>(GetParam()));
-    if (backend_ == nullptr) GTEST_SKIP() << "no device: backend " << std::get<0>(GetParam()) << " unavailable";
+    std::string why;
+    backend_ = create_backend(std::get<0>(GetParam()), &why);
+    if (backend_ == nullptr) GTEST_SKIP() << "no device: backend " << std::get<0>(GetParam()) << ": " << why;
     geo_.num_layers = 3;
     geo_.num_q_heads = 9;
     geo_.num_kv_heads = 3;
@@ -137,6 +145,190 @@ TEST_P(BackendOpsTest, CausalAttention) {
     EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kCausalAttention))
         << "num_queries " << nq;
   }
+}
+
+// max |a - b| / max(1, |b|): scores are sums of probabilities of very different sizes.
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double err = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    err = std::max(err, std::fabs(double(a[i]) - double(b[i])) / std::max(1.0, std::fabs(double(b[i]))));
+  return err;
+}
+
+TEST_P(BackendOpsTest, DecodeAttentionAccumulate) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionAccumulate)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const size_t n = lens_.size() * geo_.q_token_elems();
+  const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
+  BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
+  qb.upload(q);
+  rqb.upload(q);
+  // Accumulators start from the same non-zero values, and one (sequence, head) has none.
+  const int hk = geo_.num_kv_heads;
+  std::vector<std::vector<float>> acc(lens_.size() * hk), ref(lens_.size() * hk);
+  std::vector<float*> accp, refp;
+  for (size_t i = 0; i < acc.size(); ++i) {
+    acc[i] = random_values(lens_[i / hk], 0.0f, 2.0f, rng_);
+    ref[i] = acc[i];
+    accp.push_back(i == 4 ? nullptr : acc[i].data());
+    refp.push_back(i == 4 ? nullptr : ref[i].data());
+  }
+  ASSERT_TRUE(backend_->decode_attention_accumulate(caches.test->view(), 1, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                    accp.data()).is_ok());
+  ASSERT_TRUE(reference_->decode_attention_accumulate(caches.ref->view(), 1, rqb.get<float>(), rob.get<float>(),
+                                                      0.125f, refp.data()).is_ok());
+  EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kDecodeAttention));
+  for (size_t i = 0; i < acc.size(); ++i)
+    EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kDecodeAttentionAccumulate)) << "row " << i;
+}
+
+TEST_P(BackendOpsTest, WindowScores) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kWindowScores)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const int seq = 4, window = 64, begin = lens_[seq] - window - 5;
+  const size_t nq = size_t(window) * geo_.q_token_elems(), no = size_t(geo_.num_kv_heads) * window;
+  const std::vector<float> q = random_values(nq, -2.0f, 2.0f, rng_);
+  BackendBuffer qb(*backend_, nq * 4), ob(*backend_, no * 4), rqb(*reference_, nq * 4), rob(*reference_, no * 4);
+  qb.upload(q);
+  rqb.upload(q);
+  ASSERT_TRUE(backend_->window_scores(caches.test->view(), seq, 2, begin, window, qb.get<float>(), 0.125f,
+                                      ob.get<float>()).is_ok());
+  ASSERT_TRUE(reference_->window_scores(caches.ref->view(), seq, 2, begin, window, rqb.get<float>(), 0.125f,
+                                        rob.get<float>()).is_ok());
+  EXPECT_LE(max_rel_diff(ob.download<float>(no), rob.download<float>(no)), tolerance(Op::kWindowScores));
+}
+
+TEST_P(BackendOpsTest, SnapKVScores) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kSnapKVScores)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const int seq = 4, n = lens_[seq], obs = 32;
+  const size_t nq = size_t(obs) * geo_.q_token_elems(), no = size_t(geo_.num_kv_heads) * n;
+  const std::vector<float> q = random_values(nq, -2.0f, 2.0f, rng_);
+  BackendBuffer qb(*backend_, nq * 4), ob(*backend_, no * 4), rqb(*reference_, nq * 4), rob(*reference_, no * 4);
+  qb.upload(q);
+  rqb.upload(q);
+  for (int pool : {1, 7}) {
+    ASSERT_TRUE(backend_->snapkv_scores(caches.test->view(), seq, 0, obs, qb.get<float>(), 0.125f, pool,
+                                        ob.get<float>()).is_ok());
+    ASSERT_TRUE(reference_->snapkv_scores(caches.ref->view(), seq, 0, obs, rqb.get<float>(), 0.125f, pool,
+                                          rob.get<float>()).is_ok());
+    EXPECT_LE(max_rel_diff(ob.download<float>(no), rob.download<float>(no)), tolerance(Op::kSnapKVScores))
+        << "pool " << pool;
+  }
+}
+
+// Scores on a coarse grid so ties are common, with signed zeros among them.
+std::vector<float> tied_scores(int n, std::mt19937& rng) {
+  std::uniform_int_distribution<int> dist(-20, 20);
+  std::vector<float> s(n);
+  for (float& x : s) x = dist(rng) == 0 ? -0.0f : float(dist(rng)) / 4.0f;
+  return s;
+}
+
+TEST_P(BackendOpsTest, TopKIsExact) {
+  if (!supported(Op::kTopK)) GTEST_SKIP() << "not supported";
+  for (auto [n, k] : {std::pair{1, 1}, std::pair{100, 7}, std::pair{5000, 1234}, std::pair{300, 300}}) {
+    const std::vector<float> scores = tied_scores(n, rng_);
+    std::vector<int32_t> out(k, -1), ref(k, -2);
+    ASSERT_TRUE(backend_->top_k(scores.data(), n, k, out.data()).is_ok());
+    ASSERT_TRUE(reference_->top_k(scores.data(), n, k, ref.data()).is_ok());
+    EXPECT_EQ(out, ref) << "n " << n << " k " << k;
+  }
+}
+
+TEST_P(BackendOpsTest, Token2ChunkIsExact) {
+  if (!supported(Op::kToken2Chunk)) GTEST_SKIP() << "not supported";
+  struct Case { int n, budget, candidates, max_gap; };
+  for (const Case c : {Case{128, 32, 8, 8}, Case{96, 24, 6, 16}, Case{1000, 250, 60, 12}, Case{16, 16, 16, 4}}) {
+    const std::vector<float> scores = tied_scores(c.n, rng_);
+    std::vector<int32_t> out(c.budget, -1), ref(c.budget, -2);
+    ASSERT_TRUE(backend_->token2chunk(scores.data(), c.n, c.budget, c.candidates, c.max_gap, out.data()).is_ok());
+    ASSERT_TRUE(reference_->token2chunk(scores.data(), c.n, c.budget, c.candidates, c.max_gap, ref.data()).is_ok());
+    EXPECT_EQ(out, ref) << "n " << c.n << " budget " << c.budget;
+  }
+}
+
+// Per (layer, head) row, num_kept ascending slots of [begin, end), different per row.
+std::vector<int32_t> random_kept(const Geometry& g, int begin, int end, int num_kept, std::mt19937& rng) {
+  std::vector<int32_t> kept;
+  std::vector<int32_t> slots(end - begin);
+  std::iota(slots.begin(), slots.end(), begin);
+  for (int r = 0; r < g.num_layers * g.num_kv_heads; ++r) {
+    std::shuffle(slots.begin(), slots.end(), rng);
+    std::vector<int32_t> row(slots.begin(), slots.begin() + num_kept);
+    std::sort(row.begin(), row.end());
+    kept.insert(kept.end(), row.begin(), row.end());
+  }
+  return kept;
+}
+
+// The pool's blocks no sequence uses (PagedCache mixes spare blocks into the permutation).
+std::vector<int32_t> spare_blocks(const PagedCache& cache) {
+  std::vector<int32_t> used = cache.block_table(), spare;
+  std::sort(used.begin(), used.end());
+  for (int32_t b = 0; b < cache.num_blocks(); ++b)
+    if (!std::binary_search(used.begin(), used.end(), b)) spare.push_back(b);
+  return spare;
+}
+
+TEST_P(BackendOpsTest, GatherTokensThenCamMerge) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kGatherTokens)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const int seq = 4, begin = 100, end = 260, num_kept = 40;
+  const std::vector<int32_t> dst = spare_blocks(*caches.test);
+  ASSERT_GE(int(dst.size()) * geo_.block_size, num_kept);
+  const std::vector<int32_t> kept = random_kept(geo_, begin, end, num_kept, rng_);
+  ASSERT_TRUE(backend_->gather_tokens(caches.test->view(), seq, kept.data(), num_kept, dst.data()).is_ok());
+  ASSERT_TRUE(reference_->gather_tokens(caches.ref->view(), seq, kept.data(), num_kept, dst.data()).is_ok());
+  EXPECT_EQ(caches.test->pool_bytes(), caches.ref->pool_bytes()) << "gather";
+
+  if (!supported(Op::kCamMerge)) GTEST_SKIP() << "cam_merge_values not supported";
+  // CaM needs the kept slots relative to the range's sequence positions.
+  const int rows = geo_.num_layers * geo_.num_kv_heads;
+  const std::vector<float> scores = random_values(size_t(rows) * (end - begin), 0.0f, 1.0f, rng_);
+  ASSERT_TRUE(backend_->cam_merge_values(caches.test->view(), seq, begin, end, kept.data(), num_kept, scores.data(), 3,
+                                         dst.data()).is_ok());
+  ASSERT_TRUE(reference_->cam_merge_values(caches.ref->view(), seq, begin, end, kept.data(), num_kept, scores.data(),
+                                           3, dst.data()).is_ok());
+  // One rounding of the same fp32 sum: at most one unit in the last place of the storage type.
+  const std::vector<uint8_t> a = caches.test->pool_bytes(), b = caches.ref->pool_bytes();
+  const double ulp = geo_.dtype == DType::kFloat32 ? 1e-6 : geo_.dtype == DType::kFloat16 ? 1.0 / 1024 : 1.0 / 128;
+  const size_t elems = a.size() / dtype_size(geo_.dtype);
+  double worst = 0;
+  for (size_t i = 0; i < elems; ++i) {
+    const double x = decode_at(geo_.dtype, a.data(), i), y = decode_at(geo_.dtype, b.data(), i);
+    worst = std::max(worst, std::fabs(x - y) / std::max(1e-3, std::fabs(y)));
+  }
+  EXPECT_LE(worst, ulp);
+}
+
+// Every refusal of the CPU backend is a refusal here too, with the same code.
+TEST_P(BackendOpsTest, InvalidArgumentsAreRefusedLikeTheReference) {
+  if (!supported(Op::kWriteKV)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const PagedKV kv = caches.test->view(), rkv = caches.ref->view();
+  std::vector<float> q(4 * geo_.q_token_elems()), out(q.size());
+  auto same = [](const KernelStatus& a, const KernelStatus& b) {
+    EXPECT_EQ(int(a.code), int(b.code)) << a.message << " | " << b.message;
+    EXPECT_FALSE(a.is_ok());
+  };
+  same(backend_->causal_attention(kv, 4, 0, 400, q.data(), out.data(), 1.0f),
+       reference_->causal_attention(rkv, 4, 0, 400, q.data(), out.data(), 1.0f));
+  same(backend_->decode_attention(kv, 7, q.data(), out.data(), 1.0f),
+       reference_->decode_attention(rkv, 7, q.data(), out.data(), 1.0f));
+  same(backend_->window_scores(kv, 4, 0, 290, 64, q.data(), 1.0f, out.data()),
+       reference_->window_scores(rkv, 4, 0, 290, 64, q.data(), 1.0f, out.data()));
+  same(backend_->snapkv_scores(kv, 4, 0, 8, q.data(), 1.0f, 4, out.data()),
+       reference_->snapkv_scores(rkv, 4, 0, 8, q.data(), 1.0f, 4, out.data()));
+  const float nan_scores[3] = {1.0f, std::nanf(""), 0.0f};
+  int32_t idx[3];
+  same(backend_->top_k(nan_scores, 3, 2, idx), reference_->top_k(nan_scores, 3, 2, idx));
+  same(backend_->token2chunk(nan_scores, 3, 2, 3, 1, idx), reference_->token2chunk(nan_scores, 3, 2, 3, 1, idx));
+  const std::vector<int32_t> own = {caches.test->block_table()[caches.test->table_offset()[4]]};
+  const std::vector<int32_t> kept(size_t(geo_.num_layers) * geo_.num_kv_heads, 0);
+  same(backend_->gather_tokens(kv, 4, kept.data(), 1, own.data()),
+       reference_->gather_tokens(rkv, 4, kept.data(), 1, own.data()));
+  EXPECT_EQ(caches.test->pool_bytes(), caches.ref->pool_bytes()) << "a refused call changed the pool";
 }
 
 INSTANTIATE_TEST_SUITE_P(

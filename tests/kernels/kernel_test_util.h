@@ -56,9 +56,8 @@ inline std::vector<float> random_values(size_t n, float lo, float hi, std::mt199
   return v;
 }
 
-// Memory from Backend::allocate, freed on destruction. Every buffer a kernel sees comes from the
-// backend under test, so a backend whose allocate returns host-visible (e.g. managed) memory runs
-// this suite unchanged.
+// Memory from Backend::allocate, freed on destruction, filled and read through the backend's
+// copy_in / copy_out: every tensor a kernel sees lives in the memory of the backend under test.
 class BackendBuffer {
  public:
   BackendBuffer(Backend& backend, size_t bytes) : backend_(&backend) {
@@ -76,14 +75,16 @@ class BackendBuffer {
   size_t bytes() const { return bytes_; }
   // (memcpy of zero bytes still needs valid pointers; an empty vector's data() may be null.)
   void upload(const void* src, size_t bytes) {
-    if (bytes > 0) std::memcpy(ptr_, src, bytes);
+    const KernelStatus st = backend_->copy_in(ptr_, src, bytes);
+    if (!st.is_ok()) ADD_FAILURE() << "copy_in(" << bytes << "): " << st.message;
   }
   template <typename T>
   void upload(const std::vector<T>& v) { upload(v.data(), v.size() * sizeof(T)); }
   template <typename T>
   std::vector<T> download(size_t count) const {
     std::vector<T> v(count);
-    if (count > 0) std::memcpy(v.data(), ptr_, count * sizeof(T));
+    const KernelStatus st = backend_->copy_out(v.data(), ptr_, count * sizeof(T));
+    if (!st.is_ok()) ADD_FAILURE() << "copy_out(" << count * sizeof(T) << "): " << st.message;
     return v;
   }
 
@@ -116,25 +117,17 @@ class PagedCache {
     }
     seq_len_.assign(capacities.size(), 0);
     pool_ = std::make_unique<BackendBuffer>(backend, size_t(total) * geo.block_bytes());
-    table_buf_ = std::make_unique<BackendBuffer>(backend, std::max<size_t>(block_table_.size(), 1) * 4);
-    offset_buf_ = std::make_unique<BackendBuffer>(backend, table_offset_.size() * 4);
-    len_buf_ = std::make_unique<BackendBuffer>(backend, std::max<size_t>(seq_len_.size(), 1) * 4);
-    table_buf_->upload(block_table_);
-    offset_buf_->upload(table_offset_);
-    sync_seq_len();
   }
 
-  void set_seq_len(int seq, int len) {
-    seq_len_[seq] = len;
-    sync_seq_len();
-  }
+  void set_seq_len(int seq, int len) { seq_len_[seq] = len; }
+  // The pool in backend memory; the tables in host memory, as backend.h specifies.
   PagedKV view() const {
     PagedKV kv;
     kv.pool = pool_->get();
     kv.geometry = geo_;
-    kv.block_table = table_buf_->get<int32_t>();
-    kv.table_offset = offset_buf_->get<int32_t>();
-    kv.seq_len = len_buf_->get<int32_t>();
+    kv.block_table = block_table_.data();
+    kv.table_offset = table_offset_.data();
+    kv.seq_len = seq_len_.data();
     kv.num_seqs = int(seq_len_.size());
     return kv;
   }
@@ -146,14 +139,10 @@ class PagedCache {
   std::vector<uint8_t> pool_bytes() const { return pool_->download<uint8_t>(pool_->bytes()); }
 
  private:
-  void sync_seq_len() {
-    if (!seq_len_.empty()) len_buf_->upload(seq_len_);
-  }
-
   Geometry geo_;
   int num_blocks_ = 0;
   std::vector<int32_t> block_table_, table_offset_, seq_len_;
-  std::unique_ptr<BackendBuffer> pool_, table_buf_, offset_buf_, len_buf_;
+  std::unique_ptr<BackendBuffer> pool_;
 };
 
 // One sequence's K and V as dense arrays [num_layers][len][num_kv_heads][head_dim]: storage bytes
@@ -196,13 +185,16 @@ inline void write_sequence(Backend& backend, PagedCache& cache, int seq, const D
     for (auto [lb, nl] : {std::pair{0, layer_split}, std::pair{layer_split, g.num_layers - layer_split}}) {
       if (nl == 0) continue;
       const size_t bytes = size_t(nl) * chunk * token_bytes;
-      BackendBuffer k(backend, bytes), v(backend, bytes);
+      std::vector<uint8_t> hk(bytes), hv(bytes);
       for (int l = 0; l < nl; ++l) {
         const size_t src = (size_t(lb + l) * dense.len + pos) * token_bytes;
         const size_t dst = size_t(l) * chunk * token_bytes;
-        std::memcpy(k.get<uint8_t>() + dst, dense.k_bytes.data() + src, chunk * token_bytes);
-        std::memcpy(v.get<uint8_t>() + dst, dense.v_bytes.data() + src, chunk * token_bytes);
+        std::memcpy(hk.data() + dst, dense.k_bytes.data() + src, chunk * token_bytes);
+        std::memcpy(hv.data() + dst, dense.v_bytes.data() + src, chunk * token_bytes);
       }
+      BackendBuffer k(backend, bytes), v(backend, bytes);
+      k.upload(hk);
+      v.upload(hv);
       const KernelStatus st = backend.write_kv(cache.view(), seq, pos, chunk, lb, nl, k.get(), v.get());
       ASSERT_TRUE(st.is_ok()) << st.message;
     }

@@ -1,9 +1,16 @@
-// The op set every kernel backend implements. The server talks only to this interface, so a CUDA
-// backend slots in beside the CPU one without server changes. All pointers are in the backend's
-// memory space (host memory for the CPU backend).
+// The op set every kernel backend implements. The server talks only to this interface, so the CUDA
+// backend slots in beside the CPU one without server changes.
+//
+// Memory: the pool (PagedKV::pool) is memory from allocate(). Tensors (q, out, k, v) are memory from
+// allocate() or host memory; a backend with memory of its own (CUDA) copies host tensors in and
+// out. Tables and index arrays (block_table, table_offset, seq_len, kept, dst_blocks, the scores
+// given to top_k, token2chunk and cam_merge_values, score_acc) are host memory. copy_in / copy_out
+// move bytes between host memory and memory from allocate().
 #pragma once
 
+#include <cstring>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "karakv/kernels/types.h"
@@ -34,12 +41,23 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual std::string_view name() const = 0;
+  // The name plus what it runs on, for logs (e.g. the GPU's model).
+  virtual std::string description() const { return std::string(name()); }
   // Whether `op` runs on this backend for storage dtype `dtype`; the server refuses what is not.
   virtual bool supports(Op op, DType dtype) const = 0;
 
   // Memory for the block pool. Returned memory is zero-filled.
   virtual KernelStatus allocate(size_t bytes, void** out) = 0;
   virtual void free(void* ptr) = 0;
+  // Host memory to / from memory from allocate() (plain memcpy on a host-memory backend).
+  virtual KernelStatus copy_in(void* dst, const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return KernelStatus::ok();
+  }
+  virtual KernelStatus copy_out(void* dst, const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return KernelStatus::ok();
+  }
 
   // Writes tokens [start_pos, start_pos + num_tokens) of sequence `seq` for layers
   // [layer_begin, layer_begin + num_layers). The blocks covering them must already be in the
@@ -187,5 +205,12 @@ class Backend {
 // The reference backend: host memory, multi-threaded over sequences and heads.
 // num_threads <= 0 uses every hardware thread.
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
+
+// The CUDA backend on GPU `device` (kernels/cuda). Returns null, with the reason in *error when
+// error is non-null, when this build has no CUDA backend, no driver or device works, or `device`
+// is out of range; it never aborts.
+std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error);
+// Whether this build contains the CUDA backend (nvcc was found when it was configured).
+bool cuda_backend_built();
 
 }  // namespace karakv::kernels

@@ -1,0 +1,215 @@
+// Kernel benchmark on one backend (cpu or cuda), through the same Backend interface the daemon
+// uses, so host-side costs (validation, table uploads, synchronisation) are in the numbers.
+//
+//   decode   paged decode attention over a batch, every layer: time per layer, K/V bytes read per
+//            second, and (cuda) that bandwidth as a fraction of a device-to-device copy measured in
+//            the same run.
+//   kara     one Kara tick for one sequence (window scores for every layer, Token2Chunk for every
+//            (layer, KV head), gather of the kept tokens) vs one decode step (every layer) of the
+//            batch.
+//
+// Prints one table row per measurement ("name value unit"), parsed by scripts/gpu-check.sh.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "karakv/kernels/backend.h"
+#include "karakv/kernels/half.h"
+
+#if KARAKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using namespace karakv::kernels;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string backend = "cpu";
+  std::string model = "smollm2";
+  int seqs = 64;
+  int tokens = 8192;
+  int iters = 10;
+};
+
+bool parse(int argc, char** argv, Options* o) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* name) -> const char* {
+      const std::string prefix = std::string("--") + name + "=";
+      return a.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
+    };
+    if (const char* v = value("backend")) o->backend = v;
+    else if (const char* v = value("model")) o->model = v;
+    else if (const char* v = value("seqs")) o->seqs = std::atoi(v);
+    else if (const char* v = value("tokens")) o->tokens = std::atoi(v);
+    else if (const char* v = value("iters")) o->iters = std::atoi(v);
+    else {
+      std::fprintf(stderr,
+                   "unknown argument '%s'\nusage: kernels_bench [--backend=cpu|cuda] [--model=smollm2|llama8b] "
+                   "[--seqs=64] [--tokens=8192] [--iters=10]\n",
+                   argv[i]);
+      return false;
+    }
+  }
+  if (o->seqs < 1 || o->tokens < 128 || o->iters < 1) {
+    std::fprintf(stderr, "--seqs >= 1, --tokens >= 128 and --iters >= 1 expected\n");
+    return false;
+  }
+  return true;
+}
+
+Geometry geometry_of(const std::string& model) {
+  Geometry g;
+  g.block_size = 16;
+  g.dtype = DType::kFloat16;
+  if (model == "llama8b") {  // Llama-3.1-8B
+    g.num_layers = 32, g.num_q_heads = 32, g.num_kv_heads = 8, g.head_dim = 128;
+  } else {  // SmolLM2-135M
+    g.num_layers = 30, g.num_q_heads = 9, g.num_kv_heads = 3, g.head_dim = 64;
+  }
+  return g;
+}
+
+void check(const KernelStatus& st, const char* what) {
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "%s failed: %s\n", what, st.message.c_str());
+    std::exit(1);
+  }
+}
+
+template <typename F>
+double seconds_per_call(int iters, F&& f) {
+  f();  // warm-up (scratch allocation, first-touch)
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) f();
+  return std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+}
+
+struct Buffer {
+  Backend* backend = nullptr;
+  void* ptr = nullptr;
+  Buffer(Backend& b, size_t bytes) : backend(&b) { check(b.allocate(std::max<size_t>(bytes, 1), &ptr), "allocate"); }
+  ~Buffer() { backend->free(ptr); }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (!parse(argc, argv, &o)) return 2;
+  std::unique_ptr<Backend> backend;
+  if (o.backend == "cuda") {
+    std::string why;
+    backend = make_cuda_backend(0, &why);
+    if (!backend) {
+      std::printf("no device: %s\n", why.c_str());
+      return 3;
+    }
+  } else {
+    backend = make_cpu_backend();
+  }
+  const Geometry g = geometry_of(o.model);
+  const int blocks_per_seq = (o.tokens + g.block_size - 1) / g.block_size;
+  const int total_blocks = o.seqs * blocks_per_seq + 64;  // + room for a gather's destination
+  std::printf("# backend %s | model %s: %d layers, %d/%d heads, head_dim %d, fp16 | %d sequences x %d tokens | pool %.2f GiB\n",
+              backend->description().c_str(), o.model.c_str(), g.num_layers, g.num_q_heads, g.num_kv_heads,
+              g.head_dim, o.seqs, o.tokens, double(total_blocks) * g.block_bytes() / (1 << 30));
+
+  Buffer pool(*backend, size_t(total_blocks) * g.block_bytes());
+  std::vector<int32_t> table(size_t(o.seqs) * blocks_per_seq), offset(o.seqs + 1), len(o.seqs, o.tokens);
+  std::iota(table.begin(), table.end(), 0);
+  std::mt19937 rng(1);
+  std::shuffle(table.begin(), table.end(), rng);  // scattered blocks, as a long-running pool has
+  for (int s = 0; s <= o.seqs; ++s) offset[s] = s * blocks_per_seq;
+  PagedKV kv;
+  kv.pool = pool.ptr;
+  kv.geometry = g;
+  kv.block_table = table.data();
+  kv.table_offset = offset.data();
+  kv.seq_len = len.data();
+  kv.num_seqs = o.seqs;
+
+  // One sequence's random K/V, written into every sequence (device to device on a GPU backend).
+  const size_t seq_elems = size_t(g.num_layers) * o.tokens * g.kv_token_elems();
+  {
+    std::vector<uint16_t> host(seq_elems);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (auto& h : host) h = float_to_half(dist(rng));
+    Buffer k(*backend, seq_elems * 2), v(*backend, seq_elems * 2);
+    check(backend->copy_in(k.ptr, host.data(), seq_elems * 2), "copy_in");
+    for (auto& h : host) h = float_to_half(dist(rng));
+    check(backend->copy_in(v.ptr, host.data(), seq_elems * 2), "copy_in");
+    for (int s = 0; s < o.seqs; ++s)
+      check(backend->write_kv(kv, s, 0, o.tokens, 0, g.num_layers, k.ptr, v.ptr), "write_kv");
+  }
+
+  // Decode: one query per sequence, device-resident like a worker's staging on the GPU.
+  const size_t q_elems = size_t(o.seqs) * g.q_token_elems();
+  std::vector<float> qh(q_elems);
+  std::uniform_real_distribution<float> qd(-1.0f, 1.0f);
+  for (float& x : qh) x = qd(rng);
+  Buffer q(*backend, q_elems * 4), out(*backend, q_elems * 4);
+  check(backend->copy_in(q.ptr, qh.data(), q_elems * 4), "copy_in");
+  const float scale = 1.0f / std::sqrt(float(g.head_dim));
+  int layer = 0;
+  const double t_layer = seconds_per_call(o.iters * g.num_layers, [&] {
+    check(backend->decode_attention(kv, layer, q.as<float>(), out.as<float>(), scale), "decode_attention");
+    layer = (layer + 1) % g.num_layers;
+  });
+  const double kv_bytes = double(o.seqs) * o.tokens * g.kv_token_elems() * 2 /*K,V*/ * 2 /*fp16*/;
+  std::printf("decode_layer_us %.1f us\n", t_layer * 1e6);
+  std::printf("decode_step_ms %.3f ms\n", t_layer * g.num_layers * 1e3);
+  std::printf("decode_bandwidth %.1f GB/s\n", kv_bytes / t_layer / 1e9);
+
+#if KARAKV_HAVE_CUDA
+  if (o.backend == "cuda") {
+    // Device copy bandwidth in the same run: bytes read + written per second by cudaMemcpy.
+    const size_t bytes = size_t(1) << 30;
+    Buffer a(*backend, bytes), b(*backend, bytes);
+    const double t_copy = seconds_per_call(o.iters, [&] {
+      cudaMemcpy(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice);
+      cudaDeviceSynchronize();
+    });
+    const double copy_bw = 2.0 * bytes / t_copy / 1e9;
+    std::printf("copy_bandwidth %.1f GB/s\n", copy_bw);
+    std::printf("decode_vs_copy %.3f ratio\n", kv_bytes / t_layer / 1e9 / copy_bw);
+  }
+#endif
+
+  // One Kara tick for sequence 0: the window is its last W tokens.
+  const int W = 128, B = 32, k_cand = 16, max_gap = 8;
+  const int rows = g.num_layers * g.num_kv_heads;
+  std::vector<float> wq(size_t(W) * g.q_token_elems());
+  for (float& x : wq) x = qd(rng);
+  Buffer wqb(*backend, wq.size() * 4), wout(*backend, size_t(g.num_kv_heads) * W * 4);
+  check(backend->copy_in(wqb.ptr, wq.data(), wq.size() * 4), "copy_in");
+  std::vector<float> scores(size_t(g.num_kv_heads) * W);
+  std::vector<int32_t> kept(size_t(rows) * B), dst(B / g.block_size);
+  for (int i = 0; i < int(dst.size()); ++i) dst[i] = o.seqs * blocks_per_seq + i;
+  const double t_tick = seconds_per_call(o.iters, [&] {
+    for (int l = 0; l < g.num_layers; ++l) {
+      check(backend->window_scores(kv, 0, l, o.tokens - W, W, wqb.as<float>(), scale, wout.as<float>()), "window_scores");
+      check(backend->copy_out(scores.data(), wout.ptr, scores.size() * 4), "copy_out");
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        int32_t* row = kept.data() + (size_t(l) * g.num_kv_heads + h) * B;
+        check(backend->token2chunk(scores.data() + size_t(h) * W, W, B, k_cand, max_gap, row), "token2chunk");
+        for (int i = 0; i < B; ++i) row[i] += o.tokens - W;
+      }
+    }
+    check(backend->gather_tokens(kv, 0, kept.data(), B, dst.data()), "gather_tokens");
+  });
+  std::printf("kara_tick_ms %.3f ms\n", t_tick * 1e3);
+  std::printf("kara_tick_vs_decode_step %.3f ratio\n", t_tick / (t_layer * g.num_layers));
+  return 0;
+}

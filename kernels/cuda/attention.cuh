@@ -1,0 +1,40 @@
+// Paged GQA attention on the GPU, for decode (one query row per sequence) and causal attention
+// (several query rows of one sequence): row r attends to tokens [0, row_len[r]) of sequence
+// row_seq[r] at `layer`, fp32 accumulation, softmax(q . k * scale).
+//
+// Split along the sequence (flash-decoding): a CTA takes one (row, KV head, split) and all query
+// heads of the KV head's group, so each K/V element is read once per group; token groups of TPT
+// lanes stream 16-byte vectors of a row, keep an online softmax each, and merge in shared memory.
+// A second kernel merges the splits. Long contexts with few sequences still fill the GPU.
+#pragma once
+
+#include "arena.h"
+#include "common.cuh"
+
+namespace karakv::kernels::cuda {
+
+struct AttentionRows {
+  const int32_t* row_seq = nullptr;  // device, [num_rows]
+  const int32_t* row_len = nullptr;  // device, [num_rows]
+  int num_rows = 0;
+  int max_len = 0;  // the largest row_len (host-known; sizes the split)
+};
+
+// Largest head_dim the kernels take.
+constexpr int kMaxHeadDim = 256;
+
+// q, out: device [num_rows][num_q_heads][head_dim] fp32. lse: null, or device [num_rows][num_q_heads]
+// receiving each row's log-sum-exp of the scaled scores (-inf for an empty row), for
+// launch_attention_probabilities. An empty row writes zeros to out.
+KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, const AttentionRows& rows,
+                                    const float* q, float* out, float scale, float* lse, int num_sms, Arena& arena,
+                                    cudaStream_t stream);
+
+// H2O's accumulation: for sequence s (decode rows, row s = sequence s) and KV head h,
+// probs[prob_offset[s] + h * seq_len[s] + t] = sum over the group's query heads j of
+// exp(q_j . k_t * scale - lse[s][j]), t < seq_len[s]. prob_offset: device [num_seqs].
+KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int layer, const float* q, float scale,
+                                            const float* lse, const int64_t* prob_offset, float* probs,
+                                            cudaStream_t stream);
+
+}  // namespace karakv::kernels::cuda

@@ -1,0 +1,100 @@
+// Shared by the CUDA kernels: storage loads and stores per dtype, the paged cache as kernels see it
+// on the device, and the rule for checking every CUDA call. Host-side only the backend
+// (cuda_backend.cc) includes the kernels' .cuh entry points; nothing here touches gRPC or proto.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "karakv/kernels/types.h"
+
+namespace karakv::kernels::cuda {
+
+// The result of a CUDA call as a KernelStatus: kInternal naming the call and CUDA's own words.
+inline KernelStatus cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return KernelStatus::ok();
+  return {KernelStatus::Code::kInternal,
+          std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
+}
+
+// Returns from the enclosing function (which returns KernelStatus) when a CUDA call fails.
+#define KARAKV_CUDA_RETURN_IF_ERROR(call)                                    \
+  do {                                                                       \
+    const cudaError_t karakv_err_ = (call);                                  \
+    if (karakv_err_ != cudaSuccess) return ::karakv::kernels::cuda::cuda_status(karakv_err_, #call); \
+  } while (0)
+
+// A launch's configuration errors surface at cudaGetLastError; its execution errors at the next
+// synchronizing call, which the backend checks too.
+#define KARAKV_CUDA_CHECK_LAUNCH(name) KARAKV_CUDA_RETURN_IF_ERROR(cudaGetLastError())
+
+// The paged cache with every array in device memory (block_table, table_offset, seq_len uploaded by
+// the backend for the call).
+struct DeviceKV {
+  void* pool = nullptr;
+  int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+  const int32_t* block_table = nullptr;
+  const int32_t* table_offset = nullptr;
+  const int32_t* seq_len = nullptr;
+  int num_seqs = 0;
+
+  __host__ __device__ int group_size() const { return num_q_heads / num_kv_heads; }
+  __host__ __device__ size_t block_elems() const {
+    return size_t(num_layers) * 2 * num_kv_heads * block_size * head_dim;
+  }
+  // Element offset of (block, layer, K=0/V=1, head, slot 0) in the pool, as PagedKV::run_offset.
+  __host__ __device__ size_t run_offset(int32_t block, int layer, int kv, int head) const {
+    return size_t(block) * block_elems() + ((size_t(layer) * 2 + kv) * num_kv_heads + head) * size_t(block_size) * head_dim;
+  }
+  // Element offset of token `slot` of sequence `seq` (row of head_dim elements).
+  __device__ size_t token_offset(int seq, int slot, int layer, int kv, int head) const {
+    const int32_t block = block_table[table_offset[seq] + slot / block_size];
+    return run_offset(block, layer, kv, head) + size_t(slot % block_size) * head_dim;
+  }
+};
+
+// Storage element types.
+template <DType D> struct Storage;
+template <> struct Storage<DType::kFloat32> { using type = float; };
+template <> struct Storage<DType::kFloat16> { using type = __half; };
+template <> struct Storage<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <DType D> using storage_t = typename Storage<D>::type;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Round to nearest even, as the CPU reference's float_to_half / float_to_bf16.
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// q . k over head_dim with q already in fp32 (shared or global memory) and k in storage.
+template <typename T>
+__device__ __forceinline__ float dot_row(const float* q, const T* k, int head_dim) {
+  float s = 0.0f;
+  for (int d = 0; d < head_dim; ++d) s = fmaf(q[d], to_float(k[d]), s);
+  return s;
+}
+
+// Calls f(std::integral_constant<DType, D>{}) for the runtime dtype (kernels are templates on the
+// storage type).
+template <typename F>
+KernelStatus dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(std::integral_constant<DType, DType::kFloat32>{});
+    case DType::kFloat16: return f(std::integral_constant<DType, DType::kFloat16>{});
+    case DType::kBFloat16: return f(std::integral_constant<DType, DType::kBFloat16>{});
+  }
+  return KernelStatus::invalid("unknown dtype");
+}
+
+inline int ceil_div(long long a, long long b) { return int((a + b - 1) / b); }
+
+}  // namespace karakv::kernels::cuda

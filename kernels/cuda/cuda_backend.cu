@@ -1,0 +1,504 @@
+// The CUDA backend: the pool is one device allocation and every op runs as CUDA kernels on one
+// stream of the chosen GPU.
+//
+// Memory contract (backend.h): the pool is device memory from allocate(). Tensors (q, out, k, v)
+// may be device memory (e.g. a CUDA IPC staging region) or host memory; host tensors are copied
+// through device scratch. Tables and index arrays (block_table, table_offset, seq_len, kept,
+// dst_blocks, scores of top_k / token2chunk / cam_merge_values, score_acc) are host memory, as the
+// server keeps them; they are validated on the host with the CPU backend's checks before anything
+// is launched, so an invalid call changes nothing, then uploaded for the call.
+//
+// Calls are serialised by a mutex (one stream, one scratch arena) and each returns after its
+// stream has synchronized: when it returns OK its outputs are complete, and a kernel fault
+// surfaces as kInternal naming the CUDA error.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../cpu/checks.h"
+#include "../cpu/validate.h"
+#include "arena.h"
+#include "attention.cuh"
+#include "cam_merge.cuh"
+#include "common.cuh"
+#include "gather_tokens.cuh"
+#include "karakv/kernels/backend.h"
+#include "read_kv.cuh"
+#include "snapkv_scores.cuh"
+#include "token2chunk.cuh"
+#include "top_k.cuh"
+#include "window_scores.cuh"
+#include "write_kv.cuh"
+
+namespace karakv::kernels {
+namespace {
+
+using cuda::Arena;
+using cuda::DeviceKV;
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, int num_sms, std::string device_name)
+      : device_(device), num_sms_(num_sms), device_name_(std::move(device_name)) {}
+
+  KernelStatus init() {
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    return KernelStatus::ok();
+  }
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    allocations_.release_all([](void* p) { cudaFree(p); });
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::string_view name() const override { return "cuda"; }
+  std::string description() const override {
+    return "cuda device " + std::to_string(device_) + " (" + device_name_ + ", " + std::to_string(num_sms_) + " SMs)";
+  }
+
+  // Quantized storage (KIVI, TurboQuant) runs on the CPU backend only so far.
+  bool supports(Op op, DType dtype) const override {
+    if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) return false;
+    switch (op) {
+      case Op::kQuantize:
+      case Op::kDequantize:
+      case Op::kQuantizedAttention: return false;
+      default: return true;
+    }
+  }
+
+  KernelStatus allocate(size_t bytes, void** out) override {
+    if (out == nullptr) return KernelStatus::invalid("allocate: out is null");
+    if (bytes == 0) return KernelStatus::invalid("allocate: bytes must be > 0");
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      return {KernelStatus::Code::kInternal, "allocate: cudaMalloc of " + std::to_string(bytes) + " bytes on " +
+                                                 description() + " failed: " + cudaGetErrorString(err) + " (" +
+                                                 std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
+                                                 " bytes free)"};
+    }
+    // On the backend's stream (non-blocking: it does not order with the legacy default stream),
+    // complete before the memory is handed out.
+    cudaError_t e = cudaMemsetAsync(p, 0, bytes, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) {
+      cudaFree(p);
+      return cuda::cuda_status(e, "allocate: cudaMemsetAsync");
+    }
+    allocations_.add(p, bytes);
+    *out = p;
+    return KernelStatus::ok();
+  }
+
+  void free(void* ptr) override {
+    if (ptr == nullptr) return;
+    allocations_.remove(ptr);
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaSetDevice(device_);
+    cudaFree(ptr);
+  }
+
+  // On the backend's stream and complete on return (a plain cudaMemcpy from pageable memory may
+  // return before the device copy lands, and the legacy stream does not order with stream_).
+  KernelStatus copy_in(void* dst, const void* src, size_t bytes) override { return copy(dst, src, bytes); }
+  KernelStatus copy_out(void* dst, const void* src, size_t bytes) override { return copy(dst, src, bytes); }
+
+  KernelStatus write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin, int num_layers,
+                        const void* k, const void* v) override {
+    KARAKV_RETURN_IF_ERROR(
+        cpu::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
+    if (num_tokens == 0 || num_layers == 0) return KernelStatus::ok();
+    const Geometry& geo = kv.geometry;
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const size_t bytes = size_t(num_layers) * num_tokens * geo.kv_token_elems() * dtype_size(geo.dtype);
+    const void *dk = nullptr, *dv = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(k, bytes, &dk));
+    KARAKV_RETURN_IF_ERROR(call.input(v, bytes, &dv));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_write_kv(dkv, dtype_size(geo.dtype), seq, start_pos, num_tokens, layer_begin,
+                                                 num_layers, dk, dv, stream_));
+    return call.finish();
+  }
+
+  KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
+    return decode(kv, layer, q, out, scale, nullptr, "decode_attention");
+  }
+
+  KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                                           float* const* score_acc) override {
+    if (score_acc == nullptr)
+      return KernelStatus::invalid("decode_attention_accumulate: score_acc must be non-null");
+    return decode(kv, layer, q, out, scale, score_acc, "decode_attention_accumulate");
+  }
+
+  KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries, const float* q, float* out,
+                                float scale) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(check_head_dim("causal_attention", kv));
+    if (num_queries == 0) return KernelStatus::ok();
+    const int len = kv.seq_len[seq];
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    std::vector<int32_t> row_seq(num_queries, seq), row_len(num_queries);
+    for (int i = 0; i < num_queries; ++i) row_len[i] = len - num_queries + i + 1;
+    cuda::AttentionRows rows;
+    KARAKV_RETURN_IF_ERROR(call.upload(row_seq, &rows.row_seq));
+    KARAKV_RETURN_IF_ERROR(call.upload(row_len, &rows.row_len));
+    rows.num_rows = num_queries;
+    rows.max_len = len;
+    const size_t bytes = size_t(num_queries) * kv.geometry.q_token_elems() * sizeof(float);
+    const float* dq = nullptr;
+    float* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
+    KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_paged_attention(dkv, kv.geometry.dtype, layer, rows, dq, dout, scale, nullptr,
+                                                        num_sms_, arena_, stream_));
+    return call.finish();
+  }
+
+  KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
+    const int len = kv.seq_len[seq];
+    if (len == 0) return KernelStatus::ok();
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const Geometry& geo = kv.geometry;
+    const size_t bytes = size_t(geo.num_layers) * len * geo.kv_token_elems() * dtype_size(geo.dtype);
+    void *dk = nullptr, *dv = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
+    KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, stream_));
+    return call.finish();
+  }
+
+  KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_copy_block(kv, src, dst, pool_blocks(kv)));
+    if (src == dst) return KernelStatus::ok();
+    Call call(*this);
+    const size_t bytes = kv.geometry.block_bytes();
+    auto* pool = static_cast<char*>(kv.pool);
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + size_t(dst) * bytes, pool + size_t(src) * bytes, bytes,
+                                                cudaMemcpyDeviceToDevice, stream_));
+    return call.finish();
+  }
+
+  KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
+                             float scale, float* out) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(check_head_dim("window_scores", kv));
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const float* dq = nullptr;
+    float* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(q, size_t(window) * kv.geometry.q_token_elems() * sizeof(float), &dq));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window, dq,
+                                                      scale, dout, arena_, stream_));
+    return call.finish();
+  }
+
+  KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale, int pool,
+                             float* out) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(check_head_dim("snapkv_scores", kv));
+    const int n = kv.seq_len[seq];
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const float* dq = nullptr;
+    float* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(q, size_t(num_obs) * kv.geometry.q_token_elems() * sizeof(float), &dq));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * n * sizeof(float), &dout));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_snapkv_scores(dkv, kv.geometry.dtype, seq, layer, n, num_obs, dq, scale, pool,
+                                                      dout, arena_, stream_));
+    return call.finish();
+  }
+
+  KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_top_k(scores, n, k, out));
+    if (k == 0) return KernelStatus::ok();
+    Call call(*this);
+    const float* ds = nullptr;
+    int32_t* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(k) * sizeof(int32_t), &dout));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_top_k(ds, n, k, dout, arena_, stream_));
+    return call.finish();
+  }
+
+  KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+                           int32_t* out) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
+    if (budget == 0) return KernelStatus::ok();
+    Call call(*this);
+    const float* ds = nullptr;
+    int32_t* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(budget) * sizeof(int32_t), &dout));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, stream_));
+    return call.finish();
+  }
+
+  KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
+                             const int32_t* dst_blocks) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)));
+    if (num_kept == 0) return KernelStatus::ok();
+    const Geometry& geo = kv.geometry;
+    const int rows = geo.num_layers * geo.num_kv_heads;
+    const int num_dst = (num_kept + geo.block_size - 1) / geo.block_size;
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const int32_t *dkept = nullptr, *ddst = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
+    KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, stream_));
+    return call.finish();
+  }
+
+  KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
+                                const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens,
+                                                   dst_blocks, pool_blocks(kv)));
+    const Geometry& g = kv.geometry;
+    const int rows = g.num_layers * g.num_kv_heads, n = end - begin;
+    const int num_dst = (num_kept + g.block_size - 1) / g.block_size;
+    if (num_kept == 0 || n == 0) return KernelStatus::ok();
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const int32_t *dkept = nullptr, *ddst = nullptr;
+    const float* dscores = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
+    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(rows) * n * sizeof(float), &dscores));
+    KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
+    KARAKV_RETURN_IF_ERROR(cuda::launch_cam_merge(dkv, g.dtype, seq, begin, end, dkept, num_kept, dscores,
+                                                  merge_tokens, ddst, arena_, stream_));
+    return call.finish();
+  }
+
+ private:
+  KernelStatus copy(void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return KernelStatus::ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return KernelStatus::ok();
+  }
+
+  // One op's device session: holds the lock, rewinds the scratch arena, stages inputs and
+  // outputs, and on finish() copies host outputs back and synchronizes the stream.
+  class Call {
+   public:
+    explicit Call(CudaBackend& b) : b_(b), lock_(b.mu_) {
+      cudaSetDevice(b_.device_);
+      b_.arena_.reset();
+    }
+    ~Call() {
+      // An early return after launches must not leave work running into the next call's scratch.
+      if (!finished_) cudaStreamSynchronize(b_.stream_);
+    }
+
+    template <typename T>
+    KernelStatus upload(const std::vector<T>& host, const T** out) {
+      return input(host.data(), host.size() * sizeof(T), out);
+    }
+    // A device view of `bytes` at p: p itself when it is device memory, else a scratch copy.
+    template <typename T>
+    KernelStatus input(const T* p, size_t bytes, const T** out) {
+      if (bytes == 0 || is_device(p)) {
+        *out = p;
+        return KernelStatus::ok();
+      }
+      void* d = nullptr;
+      KARAKV_RETURN_IF_ERROR(b_.arena_.take(bytes, &d));
+      KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d, p, bytes, cudaMemcpyHostToDevice, b_.stream_));
+      *out = static_cast<const T*>(d);
+      return KernelStatus::ok();
+    }
+    template <typename T>
+    KernelStatus output(T* p, size_t bytes, T** out) {
+      if (bytes == 0 || is_device(p)) {
+        *out = p;
+        return KernelStatus::ok();
+      }
+      void* d = nullptr;
+      KARAKV_RETURN_IF_ERROR(b_.arena_.take(bytes, &d));
+      copies_.push_back({p, d, bytes});
+      *out = static_cast<T*>(d);
+      return KernelStatus::ok();
+    }
+    // Device copies of the tables: block ids up to the largest offset any sequence uses.
+    KernelStatus tables(const PagedKV& kv, DeviceKV* out) {
+      const Geometry& g = kv.geometry;
+      out->pool = kv.pool;
+      out->num_layers = g.num_layers;
+      out->num_q_heads = g.num_q_heads;
+      out->num_kv_heads = g.num_kv_heads;
+      out->head_dim = g.head_dim;
+      out->block_size = g.block_size;
+      out->num_seqs = kv.num_seqs;
+      if (kv.num_seqs == 0) return KernelStatus::ok();
+      // The concatenated table ends at table_offset[num_seqs]; no sequence's slice may start past it.
+      const int32_t entries = kv.table_offset[kv.num_seqs];
+      for (int s = 0; s < kv.num_seqs; ++s)
+        if (kv.table_offset[s] < 0 || kv.table_offset[s] > entries)
+          return KernelStatus::invalid("table_offset[" + std::to_string(s) + "] " + std::to_string(kv.table_offset[s]) +
+                                       " outside [0, table_offset[num_seqs] " + std::to_string(entries) + "]");
+      KARAKV_RETURN_IF_ERROR(input(kv.block_table, size_t(entries) * sizeof(int32_t), &out->block_table));
+      KARAKV_RETURN_IF_ERROR(input(kv.table_offset, size_t(kv.num_seqs + 1) * sizeof(int32_t), &out->table_offset));
+      KARAKV_RETURN_IF_ERROR(input(kv.seq_len, size_t(kv.num_seqs) * sizeof(int32_t), &out->seq_len));
+      return KernelStatus::ok();
+    }
+    KernelStatus finish() {
+      for (const Copy& c : copies_)
+        KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, b_.stream_));
+      finished_ = true;
+      KARAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(b_.stream_));
+      return KernelStatus::ok();
+    }
+
+   private:
+    struct Copy {
+      void* host;
+      const void* device;
+      size_t bytes;
+    };
+    static bool is_device(const void* p) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    }
+    CudaBackend& b_;
+    std::lock_guard<std::mutex> lock_;
+    std::vector<Copy> copies_;
+    bool finished_ = false;
+  };
+
+  // The attention and scoring kernels keep a query row per lane group in registers or shared memory.
+  static KernelStatus check_head_dim(std::string_view op, const PagedKV& kv) {
+    if (kv.geometry.head_dim > cuda::kMaxHeadDim)
+      return KernelStatus::invalid(std::string(op) + ": head_dim " + std::to_string(kv.geometry.head_dim) +
+                                   " exceeds the CUDA backend's limit of " + std::to_string(cuda::kMaxHeadDim) +
+                                   " (use --backend=cpu)");
+    return KernelStatus::ok();
+  }
+
+  KernelStatus decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* const* score_acc,
+                      std::string_view op) {
+    KARAKV_RETURN_IF_ERROR(cpu::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(check_head_dim(op, kv));
+    if (kv.num_seqs == 0) return KernelStatus::ok();
+    int max_len = 0;
+    for (int s = 0; s < kv.num_seqs; ++s) max_len = std::max(max_len, kv.seq_len[s]);
+    const Geometry& geo = kv.geometry;
+    Call call(*this);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    std::vector<int32_t> row_seq(kv.num_seqs);
+    for (int s = 0; s < kv.num_seqs; ++s) row_seq[s] = s;
+    cuda::AttentionRows rows;
+    KARAKV_RETURN_IF_ERROR(call.upload(row_seq, &rows.row_seq));
+    rows.row_len = dkv.seq_len;
+    rows.num_rows = kv.num_seqs;
+    rows.max_len = max_len;
+    const size_t bytes = size_t(kv.num_seqs) * geo.q_token_elems() * sizeof(float);
+    const float* dq = nullptr;
+    float* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
+    KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
+    float* lse = nullptr;
+    if (score_acc != nullptr) KARAKV_RETURN_IF_ERROR(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse));
+    KARAKV_RETURN_IF_ERROR(
+        cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_, stream_));
+    if (score_acc == nullptr) return call.finish();
+
+    // H2O: per-(sequence, KV head) probabilities on the device, added into the host accumulators.
+    std::vector<int64_t> offset(kv.num_seqs);
+    int64_t total = 0;
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      offset[s] = total;
+      total += int64_t(kv.seq_len[s]) * geo.num_kv_heads;
+    }
+    const int64_t* doffset = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.upload(offset, &doffset));
+    std::vector<float> probs(size_t(std::max<int64_t>(total, 1)));
+    float* dprobs = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
+    KARAKV_RETURN_IF_ERROR(
+        cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs, stream_));
+    KARAKV_RETURN_IF_ERROR(call.finish());
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      for (int h = 0; h < geo.num_kv_heads; ++h) {
+        float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
+        if (acc == nullptr) continue;
+        const float* p = probs.data() + offset[s] + size_t(h) * kv.seq_len[s];
+        for (int t = 0; t < kv.seq_len[s]; ++t) acc[t] += p[t];
+      }
+    }
+    return KernelStatus::ok();
+  }
+
+  long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
+
+  const int device_;
+  const int num_sms_;
+  const std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  mutable std::mutex mu_;
+  cpu::Allocations allocations_;
+  Arena arena_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
+  auto fail = [&](const std::string& why) -> std::unique_ptr<Backend> {
+    if (error != nullptr) *error = why;
+    return nullptr;
+  };
+  int count = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(std::string("no usable CUDA driver or device: cudaGetDeviceCount: ") + cudaGetErrorName(err) + " (" +
+                cudaGetErrorString(err) + ")");
+  }
+  if (count == 0) return fail("no CUDA device found (cudaGetDeviceCount returned 0)");
+  if (device < 0 || device >= count)
+    return fail("CUDA device " + std::to_string(device) + " out of range [0, " + std::to_string(count) + ")");
+  cudaDeviceProp prop{};
+  if (const cudaError_t err = cudaGetDeviceProperties(&prop, device); err != cudaSuccess)
+    return fail(std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(err));
+  auto backend = std::make_unique<CudaBackend>(device, prop.multiProcessorCount, prop.name);
+  if (KernelStatus st = backend->init(); !st.is_ok()) return fail(st.message);
+  // A device whose context cannot be created, or that is out of memory, fails here rather than on
+  // the first request.
+  void* probe = nullptr;
+  if (KernelStatus st = backend->allocate(256, &probe); !st.is_ok()) return fail(st.message);
+  backend->free(probe);
+  return backend;
+}
+
+bool cuda_backend_built() { return true; }
+
+}  // namespace karakv::kernels

@@ -1,0 +1,51 @@
+#include "window_scores.cuh"
+
+#include "score_common.cuh"
+
+namespace karakv::kernels::cuda {
+namespace {
+
+// One thread per window key i of KV head h: the sum over the group's heads and every window row.
+template <typename T>
+__global__ void window_columns_kernel(DeviceKV kv, int seq, int layer, int slot_begin, int window,
+                                      const float* __restrict__ q, float scale, const float* __restrict__ lse,
+                                      float* __restrict__ out) {
+  const int h = blockIdx.y;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= window) return;
+  const int g = kv.group_size(), hd = kv.head_dim, hq = kv.num_q_heads;
+  const T* k = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot_begin + i, layer, 0, h);
+  float sum = 0.0f;
+  for (int j = 0; j < g; ++j) {
+    const int qh = h * g + j;
+    for (int t = 0; t < window; ++t) {
+      const float* qrow = q + (size_t(t) * hq + qh) * hd;
+      float s = 0.0f;
+      for (int d = 0; d < hd; ++d) s = fmaf(qrow[d] * scale, to_float(k[d]), s);
+      sum += expf(s - lse[size_t(qh) * window + t]);
+    }
+  }
+  out[size_t(h) * window + i] = sum;
+}
+
+}  // namespace
+
+KernelStatus launch_window_scores(const DeviceKV& kv, DType dtype, int seq, int layer, int slot_begin, int window,
+                                  const float* q, float scale, float* out, Arena& arena, cudaStream_t stream) {
+  if (kv.head_dim > 256) return KernelStatus::invalid("cuda window_scores: head_dim > 256");
+  float* lse = nullptr;
+  if (auto st = arena.take(size_t(kv.num_q_heads) * window, &lse); !st.is_ok()) return st;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    using T = storage_t<D>;
+    row_lse_kernel<T><<<dim3(ceil_div(window, kScoreWarps), kv.num_q_heads), kScoreWarps * 32, 0, stream>>>(
+        kv, seq, layer, q, scale, window, slot_begin, window, false, lse);
+    KARAKV_CUDA_CHECK_LAUNCH("window_scores rows");
+    window_columns_kernel<T><<<dim3(ceil_div(window, 128), kv.num_kv_heads), 128, 0, stream>>>(
+        kv, seq, layer, slot_begin, window, q, scale, lse, out);
+    KARAKV_CUDA_CHECK_LAUNCH("window_scores columns");
+    return KernelStatus::ok();
+  });
+}
+
+}  // namespace karakv::kernels::cuda

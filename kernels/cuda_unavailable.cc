@@ -1,0 +1,16 @@
+// make_cuda_backend in a build without the CUDA backend (nvcc was not found at configure time, or
+// KARAKV_CUDA=OFF): it says so instead of failing to link.
+#include "karakv/kernels/backend.h"
+
+namespace karakv::kernels {
+
+std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
+  if (error != nullptr)
+    *error = "this build has no CUDA backend (nvcc was not found when it was configured; reconfigure with "
+             "-DKARAKV_CUDA=ON where the CUDA toolkit is installed)";
+  return nullptr;
+}
+
+bool cuda_backend_built() { return false; }
+
+}  // namespace karakv::kernels
