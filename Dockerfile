@@ -5,8 +5,9 @@
 # the synthetic worker, run as the non-root user 10001, and serve on /run/karakv/karakv.sock.
 #
 # CUDA: the builder has nvcc (Debian's nvidia-cuda-toolkit, non-free) and the runtime the CUDA
-# runtime library (libcudart), so a CUDA backend builds there once it exists. Today the code has
-# no CUDA kernels (kernels/cuda is a later issue): the cuda image runs the CPU backend.
+# runtime library (libcudart). CMake builds kernels/cuda when nvcc works with the host compiler:
+# Debian 12's toolkit is CUDA 11.8, whose nvcc refuses g++ 12, so this image builds the CPU
+# backend only; with a CUDA 12+ toolkit in the builder it gains --backend=cuda.
 
 # ---------------------------------------------------------------- build: sources and toolchain
 FROM debian:12 AS build-base

@@ -1,7 +1,10 @@
 // Flags of karakvd (every default shows in --help) and the config-file loader.
 #include "server/config.h"
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <sstream>
 #include <tuple>
 
 #include "absl/flags/flag.h"
@@ -31,13 +34,27 @@ ABSL_FLAG(int32_t, max_sequences_per_session, 0,
 ABSL_FLAG(int64_t, tenant_block_quota, 0,
           "Most pool blocks the sequences of one tenant hold (a block shared by two of them counts twice); "
           "requests that would take more are refused (0: no quota)");
+ABSL_FLAG(bool, preempt_on_pressure, false,
+          "When an Append or Step needs more pool blocks than are free, preempt sequences of lower priority "
+          "(CreateSequence.priority; lowest first, least recently used among equals) and tell their owners "
+          "through WatchEvents, instead of refusing with RESOURCE_EXHAUSTED");
 ABSL_FLAG(std::string, max_message_bytes, "1GiB",
           "Largest gRPC message the daemon receives or sends (tensors sent inline, not through staging)");
 ABSL_FLAG(std::string, allowed_uids, "",
           "Unix socket: admit only processes of these uids (comma list), checked with SO_PEERCRED; with "
           "--allowed_gids a peer on either list is admitted (both empty: every local peer)");
 ABSL_FLAG(std::string, allowed_gids, "", "Unix socket: admit only processes of these primary gids (comma list)");
-ABSL_FLAG(std::string, backend, "auto", "Kernel backend: auto | cpu (auto picks cpu in this build)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "TCP listener: PEM certificate (chain) of the daemon; with --tls_key the TCP port speaks only TLS "
+          "(empty: plaintext TCP). The Unix socket never uses TLS");
+ABSL_FLAG(std::string, tls_key, "", "TCP listener: PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "TCP listener: PEM CA bundle; when set (with --tls_cert/--tls_key), mutual TLS: every client must "
+          "present a certificate signed by one of these CAs");
+ABSL_FLAG(std::string, backend, "auto",
+          "Kernel backend: auto | cpu | cuda. auto runs on the GPU when this build has the CUDA backend and a "
+          "GPU works, else on the CPU, and logs which it chose and why; cuda refuses to start without a GPU");
+ABSL_FLAG(int32_t, cuda_device, 0, "GPU index for --backend=cuda or auto");
 ABSL_FLAG(int32_t, threads, 0, "Kernel threads (0: all hardware threads)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace | debug | info | warn | error");
@@ -110,6 +127,55 @@ absl::Status apply_config_file(const std::string& path) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The PEM text of a TLS flag's file, refused with the flag's name when unreadable or not PEM.
+absl::StatusOr<std::string> read_pem(const char* flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, ": cannot read it (", std::strerror(errno), ")"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, " does not hold PEM data (no '-----BEGIN ' line)"));
+  }
+  return text.str();
+}
+
+absl::Status tls_from_flags(DaemonConfig& c) {
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert), key = absl::GetFlag(FLAGS_tls_key),
+                    ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (cert.empty() && key.empty() && ca.empty()) return absl::OkStatus();
+  if (c.tcp_address.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert / --tls_key / --tls_client_ca secure the TCP listener, but --listen_tcp is empty; the Unix "
+        "socket does not use TLS (its file mode and --allowed_uids / --allowed_gids guard it)");
+  }
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_cert and --tls_key go together: got only ", cert.empty() ? "--tls_key=" + key : "--tls_cert=" + cert,
+        "; give both (or neither, for plaintext TCP)"));
+  }
+  if (cert.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_client_ca=", ca, " needs --tls_cert and --tls_key: mutual TLS is TLS with client certificates"));
+  }
+  for (auto [flag, path, out] : {std::tuple{"tls_cert", cert, &c.tls_cert_pem},
+                                 std::tuple{"tls_key", key, &c.tls_key_pem},
+                                 std::tuple{"tls_client_ca", ca, &c.tls_client_ca_pem}}) {
+    if (path.empty()) continue;
+    auto pem = read_pem(flag, path);
+    if (!pem.ok()) return pem.status();
+    *out = std::move(*pem);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<DaemonConfig> config_from_flags() {
   DaemonConfig c;
   kernels::Geometry& g = c.registry.geometry;
@@ -173,6 +239,7 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
                                                    c.registry.prefix_cache_max_fraction, ", expected 0..1"));
   }
   c.registry.prefix_cache_shared_namespaces = absl::GetFlag(FLAGS_prefix_cache_shared_namespaces);
+  c.registry.preempt_on_pressure = absl::GetFlag(FLAGS_preempt_on_pressure);
   c.socket_path = absl::GetFlag(FLAGS_socket);
   c.tcp_address = absl::GetFlag(FLAGS_listen_tcp);
   if (c.socket_path.empty() && c.tcp_address.empty()) {
@@ -194,11 +261,15 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
           " would admit anyone who reaches it (TCP has no peer credentials); drop one of them"));
     }
   }
+  if (absl::Status s = tls_from_flags(c); !s.ok()) return s;
   c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   c.backend = absl::GetFlag(FLAGS_backend);
-  if (c.backend != "auto" && c.backend != "cpu") {
-    return absl::InvalidArgumentError(absl::StrCat("--backend=", c.backend,
-                                                   " not available in this build; expected auto or cpu"));
+  if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("--backend=", c.backend, ", expected auto, cpu or cuda"));
+  }
+  c.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  if (c.cuda_device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda_device=", c.cuda_device, ", expected a GPU index >= 0"));
   }
   c.kernel_threads = absl::GetFlag(FLAGS_threads);
   c.log_format = absl::GetFlag(FLAGS_log_format);

@@ -11,11 +11,12 @@
 namespace karakv::server {
 
 struct DaemonConfig {
-  RegistryConfig registry;
+  RegistryConfig registry;  // registry.preempt_on_pressure: --preempt_on_pressure
   std::string socket_path;   // Unix domain socket; empty disables it
   std::string tcp_address;   // host:port; empty disables TCP
   std::string metrics_listen;
-  std::string backend;       // auto | cpu
+  std::string backend;       // auto | cpu | cuda
+  int cuda_device = 0;
   int kernel_threads = 0;
   std::string log_format;    // text | json
   std::string log_level;
@@ -26,6 +27,10 @@ struct DaemonConfig {
   int max_message_bytes = 1 << 30;  // gRPC receive and send limit
   // Unix socket peers admitted by SO_PEERCRED (server/peer_gate.h); both empty admits all.
   std::vector<uint32_t> allowed_uids, allowed_gids;
+  // TLS on the TCP listener (PEM contents, read at start-up): the daemon's certificate chain and
+  // key; with client_ca, mutual TLS (client certificates signed by it required). Empty: plaintext.
+  std::string tls_cert_pem, tls_key_pem, tls_client_ca_pem;
+  bool tls() const { return !tls_cert_pem.empty(); }
 };
 
 // Reads `--name=value` or `name = value` lines ('#' starts a comment) from `path` into the

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "karakv/kernels/backend.h"
+#include "server/backend_select.h"
 #include "server/config.h"
 #include "server/logging.h"
 #include "server/metrics.h"
@@ -78,9 +80,10 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto backend = karakv::kernels::make_cpu_backend(config->kernel_threads);
-  spdlog::info("backend: {} (requested {})", backend->name(), config->backend);
-  auto registry = karakv::server::Registry::create(config->registry, std::move(backend));
+  auto selected = karakv::server::select_backend(config->backend, config->cuda_device, config->kernel_threads);
+  if (!selected.ok()) return fail(selected.status());
+  spdlog::info("backend: {} ({})", selected->backend->description(), selected->reason);
+  auto registry = karakv::server::Registry::create(config->registry, std::move(selected->backend));
   if (!registry.ok()) return fail(registry.status());
   auto metrics = karakv::server::Metrics::create(config->metrics_listen);
   if (!metrics.ok()) return fail(metrics.status());
@@ -89,13 +92,22 @@ int main(int argc, char** argv) {
     metrics_ptr->compaction(r.policy, r.tokens_before - r.tokens_after, r.seconds);
   });
   karakv::server::KaraKVService service(registry->get(), metrics->get(), config->check_invariants);
+  karakv::server::EventHub* events = &service.events();
+  (*registry)->set_event_observer([metrics_ptr, events](const karakv::server::RegistryEvent& e) {
+    if (e.kind == karakv::server::RegistryEvent::Kind::kPreempted) {
+      spdlog::warn("preempted: {} ({} blocks freed, {} tokens lost)", e.message, e.blocks_freed, e.tokens);
+      metrics_ptr->preempted();
+    }
+    events->publish(e);
+  });
   karakv::server::RingConfig ring_config;
   ring_config.spin = config->ring_spin;
   karakv::server::RingServer rings(&service, registry->get(), metrics->get(), ring_config);
   if (config->fast_path) service.set_rings(&rings);
   karakv::server::Registry* registry_ptr = registry->get();
-  metrics_ptr->set_refresher([metrics_ptr, registry_ptr] {
+  metrics_ptr->set_refresher([metrics_ptr, registry_ptr, events] {
     metrics_ptr->update_state(registry_ptr->stats(), registry_ptr->geometry().block_bytes(), registry_ptr->geometry());
+    metrics_ptr->set_events_dropped(events->dropped_total());
   });
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -117,14 +129,25 @@ int main(int argc, char** argv) {
     builder.AddListeningPort("unix:" + config->socket_path, grpc::InsecureServerCredentials());
   }
   if (!config->tcp_address.empty()) {
-    builder.AddListeningPort(config->tcp_address, grpc::InsecureServerCredentials());
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    if (config->tls()) {
+      grpc::SslServerCredentialsOptions tls(config->tls_client_ca_pem.empty()
+                                                ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      tls.pem_root_certs = config->tls_client_ca_pem;
+      tls.pem_key_cert_pairs.push_back({config->tls_key_pem, config->tls_cert_pem});
+      credentials = grpc::SslServerCredentials(tls);
+    }
+    builder.AddListeningPort(config->tcp_address, credentials);
   }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) {
     return fail(absl::UnavailableError("cannot start the gRPC server on " +
                                        (config->socket_path.empty() ? config->tcp_address : config->socket_path) +
-                                       " (in use, or no permission?)"));
+                                       (config->tls() ? " (in use, no permission, or --tls_cert / --tls_key not a "
+                                                        "matching certificate and private key?)"
+                                                      : " (in use, or no permission?)")));
   }
   if (gate) {
     gate->serve(server.get());
@@ -136,7 +159,8 @@ int main(int argc, char** argv) {
   const auto st = (*registry)->stats();
   spdlog::info("serving on {}{}{}: layers={} q_heads={} kv_heads={} head_dim={} dtype={} block_size={}; pool {} blocks x {} bytes",
                config->socket_path.empty() ? "" : "unix:" + config->socket_path,
-               config->tcp_address.empty() ? "" : " tcp:", config->tcp_address, g.num_layers,
+               config->tcp_address.empty() ? "" : (config->tls() ? (config->tls_client_ca_pem.empty() ? " tcp+tls:" : " tcp+mtls:") : " tcp:"),
+               config->tcp_address, g.num_layers,
                g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype),
                g.block_size, st.blocks_total, g.block_bytes());
   if (!config->metrics_listen.empty()) spdlog::info("metrics on http://{}/metrics", config->metrics_listen);
@@ -161,8 +185,14 @@ int main(int argc, char** argv) {
   if (gate) gate->stop();  // no new connections
   service.start_draining();
   server->GetHealthCheckService()->SetServingStatus(false);
+  // The calls in flight finish while new ones get the service's UNAVAILABLE ("draining"); only then
+  // does gRPC shut down (during its Shutdown a new call would see CANCELLED instead).
+  const absl::Time drain_deadline = absl::Now() + config->drain_timeout;
+  while (service.in_flight() > 0 && absl::Now() < drain_deadline) absl::SleepFor(absl::Milliseconds(2));
+  spdlog::info("drained: {} call(s) still in flight; shutting down the server", service.in_flight());
   server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(absl::ToInt64Milliseconds(config->drain_timeout)));
+                   std::chrono::milliseconds(absl::ToInt64Milliseconds(std::max(absl::ZeroDuration(),
+                                                                                drain_deadline - absl::Now()))));
   stop.Notify();
   reaper.join();
   rings.stop_all();

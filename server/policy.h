@@ -104,6 +104,9 @@ class Policy {
   virtual bool needs_attention() const { return false; }
   // CaM: evicted values are merged into the next this-many kept tokens (0: no merging).
   virtual int merge_tokens() const { return 0; }
+  // The kernel ops its plans and compactions call (CaM's merge excluded: see merge_tokens), so a
+  // sequence is refused at creation when the daemon's backend cannot run one of them.
+  virtual std::vector<kernels::Op> required_ops() const { return {}; }
   // Whether the policy would compact now (Kara: a full window in the tail; threshold: the limit).
   // `forced` (Compact RPC) asks whether there is anything to compact at all.
   virtual bool due(const SequenceView& seq, bool forced) const = 0;

@@ -15,6 +15,9 @@ class H2OPolicy final : public ThresholdPolicy {
       : ThresholdPolicy("h2o", p), recent_(static_cast<int>(std::lround(p.get("recent_ratio") * p.geti("c_target")))) {}
 
   bool needs_attention() const override { return true; }
+  std::vector<kernels::Op> required_ops() const override {
+    return {kernels::Op::kDecodeAttentionAccumulate, kernels::Op::kTopK, kernels::Op::kGatherTokens};
+  }
 
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV&,
                                       kernels::Backend& backend) const override {

@@ -34,6 +34,9 @@ class KaraPolicy final : public Policy {
   // A window, the steps until the next tick, and the tokens sharing the prompt's last block.
   int query_capacity_hint() const override { return window_ + 2 * period_ + 16; }
   int merge_tokens() const override { return merge_; }
+  std::vector<kernels::Op> required_ops() const override {
+    return {kernels::Op::kWindowScores, kernels::Op::kToken2Chunk, kernels::Op::kGatherTokens};
+  }
 
   bool due(const SequenceView& seq, bool) const override {
     return seq.resident - seq.tail_start >= window_ && seq.queries_first <= seq.tail_start &&

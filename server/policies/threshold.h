@@ -19,6 +19,9 @@ class ThresholdPolicy : public Policy {
         merge_(p.values().count("cam") ? policy_util::cam_merge_tokens(p) : 0) {}
 
   int merge_tokens() const override { return merge_; }
+  std::vector<kernels::Op> required_ops() const override {
+    return {kernels::Op::kTopK, kernels::Op::kGatherTokens};
+  }
 
   const std::string& name() const override { return name_; }
   Trigger trigger() const override { return Trigger::kThreshold; }
@@ -94,6 +97,9 @@ class SnapKVScoredPolicy : public ThresholdPolicy {
   SnapKVScoredPolicy(std::string name, const PolicyParams& p)
       : ThresholdPolicy(std::move(name), p), w_obs_(p.geti("w_obs")), pool_(p.geti("pool")) {}
   int query_window() const override { return w_obs_; }
+  std::vector<kernels::Op> required_ops() const override {
+    return {kernels::Op::kSnapKVScores, kernels::Op::kTopK, kernels::Op::kGatherTokens};
+  }
 
  protected:
   bool has_inputs(const SequenceView& seq) const override {

@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 TEST_ONLY_PACKAGES = {"libgtest-dev", "libgmock-dev", "libbenchmark-dev", "redis-server", "ccache",
-                      "python3-venv", "prometheus", "python3"}
+                      "python3-venv", "prometheus", "python3", "openssl", "clang", "libclang-rt-14-dev"}
 
 
 def hadolint(path):

@@ -1,0 +1,162 @@
+// Backend choice (--backend) and the registry's refusal of what the chosen backend cannot run.
+#include "server/backend_select.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/registry.h"
+#include "tests/server/test_geometry.h"
+
+namespace karakv::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Whether a CUDA backend can be made here, and if not, why.
+bool gpu_here(std::string* why) { return kernels::make_cuda_backend(0, why) != nullptr; }
+
+TEST(BackendSelectTest, CpuIsAlwaysCpu) {
+  auto b = select_backend("cpu", 0, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->backend->name(), "cpu");
+  EXPECT_THAT(b->reason, HasSubstr("--backend=cpu"));
+}
+
+TEST(BackendSelectTest, AutoFallsBackToCpuAndSaysWhyOrRunsOnTheGpu) {
+  std::string why;
+  const bool gpu = gpu_here(&why);
+  auto b = select_backend("auto", 0, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  if (gpu) {
+    EXPECT_EQ(b->backend->name(), "cuda");
+  } else {
+    EXPECT_EQ(b->backend->name(), "cpu");
+    EXPECT_THAT(b->reason, HasSubstr("the CUDA backend is unavailable"));
+    EXPECT_THAT(b->reason, HasSubstr(why));
+  }
+}
+
+TEST(BackendSelectTest, CudaWithoutAGpuIsRefusedWithTheReason) {
+  std::string why;
+  if (gpu_here(&why)) GTEST_SKIP() << "a GPU works here, so --backend=cuda is not refused";
+  EXPECT_FALSE(why.empty());
+  auto b = select_backend("cuda", 0, 1);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(b.status().message(), HasSubstr("--backend=cuda cannot run: " + why));
+  EXPECT_THAT(b.status().message(), HasSubstr("use --backend=cpu"));
+  if (!kernels::cuda_backend_built()) {
+    EXPECT_THAT(why, HasSubstr("this build has no CUDA backend"));
+  }
+}
+
+TEST(BackendSelectTest, OutOfRangeDeviceAndUnknownNamesAreRefused) {
+  std::string why;
+  EXPECT_EQ(kernels::make_cuda_backend(1 << 20, &why), nullptr);
+  EXPECT_FALSE(why.empty());
+  auto b = select_backend("gpu", 0, 1);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(b.status().message(), HasSubstr("expected auto, cpu or cuda"));
+}
+
+// The CPU backend with some ops declared missing, as a GPU backend without them would.
+class PartialBackend final : public kernels::Backend {
+ public:
+  explicit PartialBackend(std::vector<kernels::Op> missing)
+      : inner_(kernels::make_cpu_backend(1)), missing_(std::move(missing)) {}
+  std::string_view name() const override { return "partial"; }
+  bool supports(kernels::Op op, kernels::DType dtype) const override {
+    return std::find(missing_.begin(), missing_.end(), op) == missing_.end() && inner_->supports(op, dtype);
+  }
+  kernels::KernelStatus allocate(size_t bytes, void** out) override { return inner_->allocate(bytes, out); }
+  void free(void* p) override { inner_->free(p); }
+  kernels::KernelStatus write_kv(const kernels::PagedKV& kv, int seq, int start, int n, int lb, int nl, const void* k,
+                                 const void* v) override {
+    return inner_->write_kv(kv, seq, start, n, lb, nl, k, v);
+  }
+  kernels::KernelStatus decode_attention(const kernels::PagedKV& kv, int layer, const float* q, float* out,
+                                         float scale) override {
+    return inner_->decode_attention(kv, layer, q, out, scale);
+  }
+  kernels::KernelStatus causal_attention(const kernels::PagedKV& kv, int seq, int layer, int nq, const float* q,
+                                         float* out, float scale) override {
+    return inner_->causal_attention(kv, seq, layer, nq, q, out, scale);
+  }
+  kernels::KernelStatus read_kv(const kernels::PagedKV& kv, int seq, void* k, void* v) override {
+    return inner_->read_kv(kv, seq, k, v);
+  }
+  kernels::KernelStatus copy_block(const kernels::PagedKV& kv, int32_t src, int32_t dst) override {
+    return inner_->copy_block(kv, src, dst);
+  }
+  int quantized_tokens_per_block(const kernels::Geometry& g, kernels::QuantFormat f) const override {
+    return inner_->quantized_tokens_per_block(g, f);
+  }
+
+ private:
+  std::unique_ptr<kernels::Backend> inner_;
+  std::vector<kernels::Op> missing_;
+};
+
+class BackendRefusalTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Registry> make(std::vector<kernels::Op> missing) {
+    RegistryConfig c;
+    c.geometry = testing::small_test_geometry(kernels::DType::kFloat16, /*head_dim=*/32);
+    c.pool_bytes = int64_t(32) * c.geometry.block_bytes();
+    auto r = Registry::create(c, std::make_unique<PartialBackend>(std::move(missing)));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? std::move(*r) : nullptr;
+  }
+  absl::StatusOr<uint64_t> create(Registry& reg, SequenceOptions o) {
+    auto a = reg.attach("w", "t", 0, kernels::Geometry{});
+    if (!a.ok()) return a.status();
+    return reg.create_sequence(a->session_id, o);
+  }
+};
+
+TEST_F(BackendRefusalTest, PolicyNeedingAMissingOpIsRefusedNamingTheOpAndOthersWork) {
+  auto reg = make({kernels::Op::kWindowScores});
+  ASSERT_NE(reg, nullptr);
+  SequenceOptions kara;
+  kara.policy = "kara";
+  auto s = create(*reg, kara);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.status().message(), HasSubstr("policy 'kara' needs window_scores, which backend partial does not run"));
+  EXPECT_THAT(s.status().message(), HasSubstr("--backend=cpu"));
+  SequenceOptions snap;
+  snap.policy = "snapkv";
+  EXPECT_TRUE(create(*reg, snap).ok());
+  SequenceOptions prefill;
+  prefill.prefill_policy = "snapkv";
+  EXPECT_TRUE(create(*reg, prefill).ok());
+  EXPECT_TRUE(reg->check_invariants().ok());
+}
+
+TEST_F(BackendRefusalTest, PrefillPolicyCamAndQuantizedStorageAreCheckedToo) {
+  auto reg = make({kernels::Op::kSnapKVScores, kernels::Op::kCamMerge, kernels::Op::kQuantize});
+  ASSERT_NE(reg, nullptr);
+  SequenceOptions prefill;
+  prefill.prefill_policy = "snapkv";
+  auto a = create(*reg, prefill);
+  ASSERT_FALSE(a.ok());
+  EXPECT_THAT(a.status().message(), HasSubstr("prefill_policy 'snapkv' needs snapkv_scores"));
+  SequenceOptions cam;
+  cam.policy = "kara";
+  cam.params["cam"] = 1;
+  auto b = create(*reg, cam);
+  ASSERT_FALSE(b.ok());
+  EXPECT_THAT(b.status().message(), HasSubstr("needs cam_merge_values"));
+  SequenceOptions kivi;
+  kivi.policy = "none+kivi4";
+  auto c = create(*reg, kivi);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(c.status().message(), HasSubstr("storage 'kivi4' needs quantize_tokens"));
+  SequenceOptions plain;
+  plain.policy = "kara";
+  EXPECT_TRUE(create(*reg, plain).ok());
+}
+
+}  // namespace
+}  // namespace karakv::server
