@@ -6,12 +6,21 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <fstream>
 #include <mutex>
+#include <random>
+#include <sstream>
+#include <tuple>
 #include <thread>
+#include <unordered_set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "karakv/v1/geometry.h"
@@ -32,7 +41,13 @@ absl::Status from_grpc(const grpc::Status& s, const char* method) {
                       absl::StrCat(method, ": ", s.error_message()));
 }
 
+constexpr char kDaemonRestartedPayload[] = "karakv.v1/daemon_restarted";
+
 }  // namespace
+
+bool IsDaemonRestarted(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kAborted && status.GetPayload(kDaemonRestartedPayload).has_value();
+}
 
 struct Client::Impl {
   ClientOptions options;
@@ -50,6 +65,127 @@ struct Client::Impl {
   bool attached = false;
   absl::Notification stop_heartbeat;
   std::thread heartbeat;
+
+  // ---- re-attaching after a daemon restart ----
+  // Guards what the heartbeat thread reads or sets: session_id, instance_id, down and its backoff.
+  mutable std::mutex state_mu;
+  std::string instance_id;
+  std::string geometry_proto;  // the daemon's geometry at the first Attach, serialized
+  bool down = false;           // a call or heartbeat found karakvd unreachable (or restarted)
+  int failed_probes = 0;       // since it went down
+  absl::Time next_probe;
+  std::string given_up;        // set once max_attempts probes failed, or re-attaching cannot work
+  absl::StatusCode given_up_code = absl::StatusCode::kUnavailable;
+  uint64_t reattaches = 0, probes = 0;
+  std::mt19937_64 rng{std::random_device{}()};
+  // Sequence ids this client got from the current daemon instance, and those lost with earlier ones.
+  std::unordered_set<uint64_t> live, lost;
+
+  std::string session() const {
+    std::lock_guard<std::mutex> lock(state_mu);
+    return session_id;
+  }
+  void mark_down() {
+    if (!options.reattach.enabled) return;
+    std::lock_guard<std::mutex> lock(state_mu);
+    if (down) return;
+    down = true;
+    failed_probes = 0;
+    next_probe = absl::Now();
+  }
+  // The wait before the next probe after `failed` failed ones: exponential, jittered, bounded.
+  absl::Duration backoff(int failed) {
+    const ReattachOptions& r = options.reattach;
+    double d = absl::ToDoubleSeconds(r.initial_backoff) * std::pow(std::max(1.0, r.multiplier), failed - 1);
+    d = std::min(d, absl::ToDoubleSeconds(r.max_backoff));
+    const double j = std::clamp(r.jitter, 0.0, 1.0);
+    d *= std::uniform_real_distribution<double>(1 - j, 1 + j)(rng);
+    return absl::Seconds(std::min(d, absl::ToDoubleSeconds(r.max_backoff)));
+  }
+  absl::Status probe_failed(const absl::Status& why) {
+    std::lock_guard<std::mutex> lock(state_mu);
+    ++failed_probes;
+    if (options.reattach.max_attempts > 0 && failed_probes >= options.reattach.max_attempts) {
+      given_up = absl::StrCat("karakvd at ", options.target, " unreachable: gave up re-attaching after ",
+                              failed_probes, " attempts (ReattachOptions.max_attempts); last: ", why.message());
+      return absl::UnavailableError(given_up);
+    }
+    const absl::Duration wait = backoff(failed_probes);
+    next_probe = absl::Now() + wait;
+    return absl::Status(why.code(), absl::StrCat(why.message(), " (re-attach attempt ", failed_probes,
+                                                 " failed; next in ", absl::FormatDuration(wait), ")"));
+  }
+  absl::Status ping(v1::PingReply* reply) const {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(absl::ToInt64Microseconds(std::min(options.rpc_timeout, absl::Seconds(2)))));
+    return from_grpc(stub->Ping(&ctx, v1::PingRequest(), reply), "Ping");
+  }
+  // The daemon answers as another instance than the one this client attached to.
+  bool restarted(const v1::PingReply& reply) const {
+    std::lock_guard<std::mutex> lock(state_mu);
+    return !reply.instance_id().empty() && reply.instance_id() != instance_id;
+  }
+
+  // Before a call, when karakvd was found gone: probe it (no sooner than the backoff allows) and,
+  // if it is a new instance, attach again. OK when the call may go ahead.
+  absl::Status recover(const char* method);
+  absl::Status reattach(const char* method);
+  absl::Status attach_rpc(v1::AttachReply* reply);
+  // The typed error for a call naming a sequence lost with an earlier daemon instance.
+  absl::Status check_lost(const char* method, std::span<const uint64_t> ids) const {
+    if (lost.empty()) return absl::OkStatus();
+    for (uint64_t id : ids) {
+      if (lost.count(id) && !live.count(id)) {
+        absl::Status s = absl::AbortedError(absl::StrCat(
+            method, ": sequence ", id, " was lost: the daemon restarted; re-prefill (karakvd at ", options.target,
+            " restarted and holds none of this client's earlier sequences; create a new sequence and append the "
+            "prompt again)"));
+        s.SetPayload(kDaemonRestartedPayload, absl::Cord(absl::StrCat(id)));
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  // Runs one call (`fn` builds its request with session()): recovers first, refuses lost
+  // sequences, and notes a daemon found gone. A call that names no sequence and meets a restarted
+  // daemon is repeated once on the new session.
+  template <typename F>
+  absl::Status call(const char* method, std::span<const uint64_t> ids, F&& fn) {
+    if (absl::Status s = recover(method); !s.ok()) return s;
+    if (absl::Status s = check_lost(method, ids); !s.ok()) return s;
+    absl::Status s = fn();
+    if (s.ok() || !options.reattach.enabled || !attached) return s;
+    if (s.code() == absl::StatusCode::kUnavailable) {
+      mark_down();
+      return s;
+    }
+    if (s.code() != absl::StatusCode::kNotFound || !absl::StrContains(s.message(), "unknown session")) return s;
+    v1::PingReply reply;
+    if (!ping(&reply).ok() || !restarted(reply)) return s;  // detached, or the lease ran out: as it says
+    if (absl::Status r = reattach(method); !r.ok()) return r;
+    if (absl::Status l = check_lost(method, ids); !l.ok()) return l;
+    return fn();
+  }
+  // Records a sequence id the daemon handed out. False if this client had one with that id before
+  // a restart: the new sequence is released (the caller asks again), so an old id never names new data.
+  absl::StatusOr<bool> take_id(uint64_t id) {
+    if (!lost.count(id)) {
+      live.insert(id);
+      return true;
+    }
+    absl::Status s = call("ReleaseSequence", {}, [&] {
+      v1::ReleaseSequenceRequest req;
+      req.set_session_id(session());
+      req.set_sequence_id(id);
+      v1::ReleaseSequenceReply reply;
+      grpc::ClientContext ctx;
+      prepare(&ctx);
+      return from_grpc(stub->ReleaseSequence(&ctx, req, &reply), "ReleaseSequence");
+    });
+    if (!s.ok()) return s;
+    return false;
+  }
 
   void prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -86,6 +222,10 @@ struct Client::Impl {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
     grpc::Status s = stub->Ping(&ctx, req, &reply);
+    if (s.ok() && restarted(reply)) {
+      return absl::UnavailableError("karakvd restarted: a fast-path command got no completion and Ping answered "
+                                    "from a new daemon instance");
+    }
     if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return absl::OkStatus();
     return absl::UnavailableError(absl::StrCat("karakvd is gone: a fast-path command got no completion and Ping failed (",
                                                s.error_message(), ")"));
@@ -120,17 +260,7 @@ struct Client::Impl {
   }
 };
 
-Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-
-absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& options) {
-  auto impl = std::make_unique<Impl>();
-  impl->options = options;
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(1 << 30);
-  args.SetMaxSendMessageSize(1 << 30);
-  impl->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
-  impl->stub = v1::KaraKV::NewStub(impl->channel);
-
+absl::Status Client::Impl::attach_rpc(v1::AttachReply* reply) {
   v1::AttachRequest req;
   req.set_worker_id(options.worker_id);
   req.set_tenant(options.tenant);
@@ -138,12 +268,166 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
   req.set_cache_namespace(options.cache_namespace);
   req.set_fast_path(options.fast_path && options.staging_bytes > 0);
   if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
-  v1::AttachReply reply;
   grpc::ClientContext ctx;
-  impl->prepare(&ctx);
+  prepare(&ctx);
   ctx.set_wait_for_ready(false);
-  if (auto s = from_grpc(impl->stub->Attach(&ctx, req, &reply), "Attach"); !s.ok()) return s;
+  return from_grpc(stub->Attach(&ctx, req, reply), "Attach");
+}
+
+absl::Status Client::Impl::recover(const char* method) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu);
+    if (!down || !attached) return absl::OkStatus();
+    if (!given_up.empty()) return absl::Status(given_up_code, absl::StrCat(method, ": ", given_up));
+    const absl::Time now = absl::Now();
+    if (now < next_probe) {
+      return absl::UnavailableError(absl::StrCat(method, ": karakvd at ", options.target, " is unreachable (",
+                                                 failed_probes, " re-attach attempt(s) failed); next attempt in ",
+                                                 absl::FormatDuration(next_probe - now)));
+    }
+    ++probes;
+  }
+  v1::PingReply reply;
+  if (absl::Status s = ping(&reply); !s.ok()) {
+    return probe_failed(absl::Status(s.code(), absl::StrCat(method, ": karakvd at ", options.target,
+                                                            " is unreachable: ", s.message())));
+  }
+  if (restarted(reply)) return reattach(method);
+  // The same daemon instance: the session may have survived the gap.
+  v1::HeartbeatRequest req;
+  req.set_session_id(session());
+  v1::HeartbeatReply hb;
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  const grpc::Status s = stub->Heartbeat(&ctx, req, &hb);
+  if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) return probe_failed(from_grpc(s, method));
+  // OK, or NOT_FOUND: the session's lease ran out meanwhile, and the calls will say so.
+  std::lock_guard<std::mutex> lock(state_mu);
+  down = false;
+  failed_probes = 0;
+  return absl::OkStatus();
+}
+
+absl::Status Client::Impl::reattach(const char* method) {
+  v1::AttachReply reply;
+  if (absl::Status s = attach_rpc(&reply); !s.ok()) {
+    mark_down();
+    return probe_failed(absl::Status(s.code(), absl::StrCat(method, ": re-attaching to the restarted karakvd: ",
+                                                            s.message())));
+  }
+  // What cannot work: the client's geometry or staging layout differs in the new daemon.
+  auto give_up = [&](const std::string& why) {
+    v1::DetachRequest dreq;
+    dreq.set_session_id(reply.session_id());
+    v1::DetachReply drep;
+    grpc::ClientContext ctx;
+    prepare(&ctx);
+    stub->Detach(&ctx, dreq, &drep);
+    std::lock_guard<std::mutex> lock(state_mu);
+    down = true;
+    given_up_code = absl::StatusCode::kFailedPrecondition;
+    given_up = absl::StrCat("karakvd restarted and this client cannot re-attach: ", why, "; attach a new Client");
+    return absl::FailedPreconditionError(absl::StrCat(method, ": ", given_up));
+  };
+  if (reply.geometry().SerializeAsString() != geometry_proto) return give_up("it serves another geometry");
+  const size_t map_size = reply.staging_bytes() + reply.ring_bytes();
+  if (reply.staging_bytes() != staging_size || (staging != nullptr && map_size > mapped_size) ||
+      (staging != nullptr) != !reply.staging_name().empty()) {
+    return give_up(absl::StrCat("its staging region has ", reply.staging_bytes(), " bytes, this client's ", staging_size));
+  }
+  {
+    std::lock_guard<std::mutex> lock(ring_mu);
+    ring.reset();
+    if (staging != nullptr) {
+      // The new region takes the old one's address, with its bytes: Buffers stay valid and keep
+      // what the caller wrote into them.
+      int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);
+      if (fd < 0) return give_up(absl::StrCat("cannot open its staging region: ", std::strerror(errno)));
+      void* p = mmap(nullptr, map_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      if (p == MAP_FAILED) return give_up(absl::StrCat("cannot map its staging region: ", std::strerror(errno)));
+      std::memcpy(p, staging, staging_size);
+      if (mremap(p, map_size, map_size, MREMAP_MAYMOVE | MREMAP_FIXED, staging) == MAP_FAILED) {
+        const int err = errno;
+        munmap(p, map_size);
+        return give_up(absl::StrCat("cannot move its staging region into place: ", std::strerror(err)));
+      }
+      shm_unlink(reply.staging_name().c_str());
+      if (reply.ring_bytes() > 0) {
+        uint8_t* ring_base = staging + reply.ring_offset();
+        if (reply.ring_offset() != reply.staging_bytes() || reply.ring_bytes() < ring::kRingBytes ||
+            !ring::layout_matches(ring_base)) {
+          return give_up("its fast-path ring's layout differs from this SDK's");
+        }
+        ring = std::make_unique<RingClient>(ring_base, options.ring_spin);
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_mu);
+    session_id = reply.session_id();
+    instance_id = reply.instance_id();
+    down = false;
+    failed_probes = 0;
+    ++reattaches;
+  }
+  lost.insert(live.begin(), live.end());
+  live.clear();
+  return absl::OkStatus();
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+namespace {
+
+absl::StatusOr<std::string> read_file(const char* what, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.", what, "=", path, ": cannot read it (",
+                                                   std::strerror(errno), ")"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials(const ClientOptions& o) {
+  if (!o.tls && o.tls_ca_file.empty() && o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("ClientOptions.tls_cert_file and tls_key_file go together (mutual TLS)");
+  }
+  grpc::SslCredentialsOptions tls;
+  for (auto [what, path, out] : {std::tuple{"tls_ca_file", &o.tls_ca_file, &tls.pem_root_certs},
+                                 std::tuple{"tls_cert_file", &o.tls_cert_file, &tls.pem_cert_chain},
+                                 std::tuple{"tls_key_file", &o.tls_key_file, &tls.pem_private_key}}) {
+    if (path->empty()) continue;
+    auto text = read_file(what, *path);
+    if (!text.ok()) return text.status();
+    *out = std::move(*text);
+  }
+  return grpc::SslCredentials(tls);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(1 << 30);
+  args.SetMaxSendMessageSize(1 << 30);
+  auto creds = credentials(options);
+  if (!creds.ok()) return creds.status();
+  impl->channel = grpc::CreateCustomChannel(options.target, *creds, args);
+  impl->stub = v1::KaraKV::NewStub(impl->channel);
+
+  v1::AttachReply reply;
+  if (auto s = impl->attach_rpc(&reply); !s.ok()) return s;
   impl->session_id = reply.session_id();
+  impl->instance_id = reply.instance_id();
+  impl->geometry_proto = reply.geometry().SerializeAsString();
   impl->geometry = from_proto(reply.geometry());
   impl->lease_seconds = reply.lease_seconds();
   impl->attached = true;
@@ -188,12 +472,22 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
     Impl* raw = &im;
     im.heartbeat = std::thread([raw, period] {
       while (!raw->stop_heartbeat.WaitForNotificationWithTimeout(period)) {
+        {
+          std::lock_guard<std::mutex> lock(raw->state_mu);
+          if (raw->down) continue;  // the next call probes the daemon and re-attaches
+        }
         v1::HeartbeatRequest hreq;
-        hreq.set_session_id(raw->session_id);
+        hreq.set_session_id(raw->session());
         v1::HeartbeatReply hrep;
         grpc::ClientContext hctx;
         raw->prepare(&hctx);
-        raw->stub->Heartbeat(&hctx, hreq, &hrep);
+        const grpc::Status s = raw->stub->Heartbeat(&hctx, hreq, &hrep);
+        if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+          raw->mark_down();
+        } else if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+          v1::PingReply p;
+          if (raw->ping(&p).ok() && raw->restarted(p)) raw->mark_down();
+        }
       }
     });
   }
@@ -217,7 +511,7 @@ absl::Status Client::Detach() {
     impl_->heartbeat.join();
   }
   v1::DetachRequest req;
-  req.set_session_id(impl_->session_id);
+  req.set_session_id(impl_->session());
   v1::DetachReply reply;
   grpc::ClientContext ctx;
   impl_->prepare(&ctx);
@@ -226,6 +520,15 @@ absl::Status Client::Detach() {
 
 const Geometry& Client::geometry() const { return impl_->geometry; }
 const std::string& Client::session_id() const { return impl_->session_id; }
+const std::string& Client::instance_id() const { return impl_->instance_id; }
+uint64_t Client::reattaches() const {
+  std::lock_guard<std::mutex> lock(impl_->state_mu);
+  return impl_->reattaches;
+}
+uint64_t Client::reattach_probes() const {
+  std::lock_guard<std::mutex> lock(impl_->state_mu);
+  return impl_->probes;
+}
 uint64_t Client::staging_bytes() const { return impl_->staging_size; }
 bool Client::fast_path() const { return impl_->ring != nullptr && impl_->ring->usable(); }
 uint64_t Client::ring_calls() const { return impl_->ring ? impl_->ring->calls() : 0; }
@@ -283,50 +586,75 @@ absl::StatusOr<CreatedSequence> Client::CreateFromPrefix(const SequenceOptions& 
                                                          std::span<const int32_t> prompt_token_ids) {
   v1::CreateSequenceRequest req;
   req.mutable_prefix_token_ids()->Add(prompt_token_ids.begin(), prompt_token_ids.end());
-  req.set_session_id(impl_->session_id);
   req.set_policy(options.policy);
   req.set_priority(options.priority);
   req.mutable_params()->insert(options.params.begin(), options.params.end());
   req.set_prefill_policy(options.prefill_policy);
   req.set_storage(options.storage);
   req.mutable_prefill_params()->insert(options.prefill_params.begin(), options.prefill_params.end());
-  v1::CreateSequenceReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->CreateSequence(&ctx, req, &reply), "CreateSequence"); !s.ok()) return s;
-  return CreatedSequence{reply.sequence_id(), static_cast<int>(reply.cached_tokens())};
+  // An id this client held before a daemon restart is released and asked for again (the daemon's
+  // ids only grow, so this ends): an old id must never name a new sequence.
+  for (;;) {
+    v1::CreateSequenceReply reply;
+    absl::Status s = impl_->call("CreateSequence", {}, [&] {
+      req.set_session_id(impl_->session());
+      grpc::ClientContext ctx;
+      impl_->prepare(&ctx);
+      return from_grpc(impl_->stub->CreateSequence(&ctx, req, &reply), "CreateSequence");
+    });
+    if (!s.ok()) return s;
+    auto fresh = impl_->take_id(reply.sequence_id());
+    if (!fresh.ok()) return fresh.status();
+    if (*fresh) return CreatedSequence{reply.sequence_id(), static_cast<int>(reply.cached_tokens())};
+  }
 }
 
 absl::StatusOr<int> Client::Lookup(std::span<const int32_t> prompt_token_ids) {
   v1::LookupRequest req;
-  req.set_session_id(impl_->session_id);
   req.mutable_token_ids()->Add(prompt_token_ids.begin(), prompt_token_ids.end());
   v1::LookupReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->Lookup(&ctx, req, &reply), "Lookup"); !s.ok()) return s;
+  absl::Status s = impl_->call("Lookup", {}, [&] {
+    req.set_session_id(impl_->session());
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->Lookup(&ctx, req, &reply), "Lookup");
+  });
+  if (!s.ok()) return s;
   return static_cast<int>(reply.cached_tokens());
 }
 
 absl::StatusOr<uint64_t> Client::Fork(uint64_t sequence_id) {
-  v1::ForkSequenceRequest req;
-  req.set_session_id(impl_->session_id);
-  req.set_sequence_id(sequence_id);
-  v1::ForkSequenceReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->ForkSequence(&ctx, req, &reply), "ForkSequence"); !s.ok()) return s;
-  return reply.sequence_id();
+  const uint64_t ids[] = {sequence_id};
+  for (;;) {
+    v1::ForkSequenceReply reply;
+    absl::Status s = impl_->call("ForkSequence", ids, [&] {
+      v1::ForkSequenceRequest req;
+      req.set_session_id(impl_->session());
+      req.set_sequence_id(sequence_id);
+      grpc::ClientContext ctx;
+      impl_->prepare(&ctx);
+      return from_grpc(impl_->stub->ForkSequence(&ctx, req, &reply), "ForkSequence");
+    });
+    if (!s.ok()) return s;
+    auto fresh = impl_->take_id(reply.sequence_id());
+    if (!fresh.ok()) return fresh.status();
+    if (*fresh) return reply.sequence_id();
+  }
 }
 
 absl::StatusOr<int> Client::Release(uint64_t sequence_id) {
-  v1::ReleaseSequenceRequest req;
-  req.set_session_id(impl_->session_id);
-  req.set_sequence_id(sequence_id);
+  const uint64_t ids[] = {sequence_id};
   v1::ReleaseSequenceReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->ReleaseSequence(&ctx, req, &reply), "ReleaseSequence"); !s.ok()) return s;
+  absl::Status s = impl_->call("ReleaseSequence", ids, [&] {
+    v1::ReleaseSequenceRequest req;
+    req.set_session_id(impl_->session());
+    req.set_sequence_id(sequence_id);
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->ReleaseSequence(&ctx, req, &reply), "ReleaseSequence");
+  });
+  if (!s.ok()) return s;
+  impl_->live.erase(sequence_id);
   return static_cast<int>(reply.blocks_freed());
 }
 
@@ -349,7 +677,6 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
                                           std::span<const int32_t> token_ids) {
   v1::AppendRequest req;
   req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  req.set_session_id(impl_->session_id);
   req.set_sequence_id(sequence_id);
   req.set_num_tokens(static_cast<uint32_t>(num_tokens));
   impl_->set_input(k, req.mutable_k());
@@ -358,87 +685,106 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
     impl_->set_input(q, req.mutable_q());
     req.set_num_query_tokens(static_cast<uint32_t>(num_query_tokens));
   }
+  const uint64_t ids[] = {sequence_id};
   v1::AppendReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->Append(&ctx, req, &reply), "Append"); !s.ok()) return s;
+  absl::Status s = impl_->call("Append", ids, [&] {
+    req.set_session_id(impl_->session());
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->Append(&ctx, req, &reply), "Append");
+  });
+  if (!s.ok()) return s;
   return static_cast<int>(reply.length());
 }
 
 absl::StatusOr<uint64_t> Client::Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
                                       const Buffer& v, const Buffer& q, const Buffer& out, float scale) {
-  if (impl_->ring_ready({&k, &v, &q, &out}) && sequence_ids.size() <= ring::Command::kMaxIds) {
-    ring::Command cmd;
-    cmd.op = uint32_t(ring::Op::kStep);
-    cmd.layer = layer;
-    cmd.scale = scale;
-    cmd.count = static_cast<uint32_t>(sequence_ids.size());
-    cmd.sequence_id = 0;
-    cmd.k = Impl::range(k);
-    cmd.v = Impl::range(v);
-    cmd.q = Impl::range(q);
-    cmd.out = Impl::range(out);
-    std::copy(sequence_ids.begin(), sequence_ids.end(), cmd.ids);
-    if (auto r = impl_->ring_call(cmd, "Step")) {
-      if (!r->ok()) return r->status();
-      return (*r)->decode_step;
+  uint64_t decode_step = 0;
+  absl::Status s = impl_->call("Step", sequence_ids, [&]() -> absl::Status {
+    if (impl_->ring_ready({&k, &v, &q, &out}) && sequence_ids.size() <= ring::Command::kMaxIds) {
+      ring::Command cmd;
+      cmd.op = uint32_t(ring::Op::kStep);
+      cmd.layer = layer;
+      cmd.scale = scale;
+      cmd.count = static_cast<uint32_t>(sequence_ids.size());
+      cmd.sequence_id = 0;
+      cmd.k = Impl::range(k);
+      cmd.v = Impl::range(v);
+      cmd.q = Impl::range(q);
+      cmd.out = Impl::range(out);
+      std::copy(sequence_ids.begin(), sequence_ids.end(), cmd.ids);
+      if (auto r = impl_->ring_call(cmd, "Step")) {
+        if (!r->ok()) return r->status();
+        decode_step = (*r)->decode_step;
+        return absl::OkStatus();
+      }
     }
-  }
-  v1::StepRequest req;
-  req.set_session_id(impl_->session_id);
-  req.set_layer(layer);
-  req.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
-  impl_->set_input(k, req.mutable_k());
-  impl_->set_input(v, req.mutable_v());
-  impl_->set_input(q, req.mutable_q());
-  impl_->set_output(out, req.mutable_out());
-  req.set_scale(scale);
-  v1::StepReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->Step(&ctx, req, &reply), "Step"); !s.ok()) return s;
-  if (auto s = Impl::take_output(out, reply.out(), "Step.out"); !s.ok()) return s;
-  return reply.decode_step();
+    v1::StepRequest req;
+    req.set_session_id(impl_->session());
+    req.set_layer(layer);
+    req.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
+    impl_->set_input(k, req.mutable_k());
+    impl_->set_input(v, req.mutable_v());
+    impl_->set_input(q, req.mutable_q());
+    impl_->set_output(out, req.mutable_out());
+    req.set_scale(scale);
+    v1::StepReply reply;
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    if (auto st = from_grpc(impl_->stub->Step(&ctx, req, &reply), "Step"); !st.ok()) return st;
+    if (auto st = Impl::take_output(out, reply.out(), "Step.out"); !st.ok()) return st;
+    decode_step = reply.decode_step();
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  return decode_step;
 }
 
 absl::Status Client::Attend(uint64_t sequence_id, int layer, int num_queries, const Buffer& q,
                             const Buffer& out, float scale) {
-  if (impl_->ring_ready({&q, &out})) {
-    ring::Command cmd;
-    cmd.op = uint32_t(ring::Op::kAttend);
-    cmd.layer = layer;
-    cmd.scale = scale;
-    cmd.count = static_cast<uint32_t>(num_queries);
-    cmd.sequence_id = sequence_id;
-    cmd.k = cmd.v = ring::Range{0, 0};
-    cmd.q = Impl::range(q);
-    cmd.out = Impl::range(out);
-    if (auto r = impl_->ring_call(cmd, "Attend")) return r->status();
-  }
-  v1::AttendRequest req;
-  req.set_session_id(impl_->session_id);
-  req.set_sequence_id(sequence_id);
-  req.set_layer(layer);
-  req.set_num_queries(static_cast<uint32_t>(num_queries));
-  impl_->set_input(q, req.mutable_q());
-  impl_->set_output(out, req.mutable_out());
-  req.set_scale(scale);
-  v1::AttendReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->Attend(&ctx, req, &reply), "Attend"); !s.ok()) return s;
-  return Impl::take_output(out, reply.out(), "Attend.out");
+  const uint64_t ids[] = {sequence_id};
+  return impl_->call("Attend", ids, [&]() -> absl::Status {
+    if (impl_->ring_ready({&q, &out})) {
+      ring::Command cmd;
+      cmd.op = uint32_t(ring::Op::kAttend);
+      cmd.layer = layer;
+      cmd.scale = scale;
+      cmd.count = static_cast<uint32_t>(num_queries);
+      cmd.sequence_id = sequence_id;
+      cmd.k = cmd.v = ring::Range{0, 0};
+      cmd.q = Impl::range(q);
+      cmd.out = Impl::range(out);
+      if (auto r = impl_->ring_call(cmd, "Attend")) return r->status();
+    }
+    v1::AttendRequest req;
+    req.set_session_id(impl_->session());
+    req.set_sequence_id(sequence_id);
+    req.set_layer(layer);
+    req.set_num_queries(static_cast<uint32_t>(num_queries));
+    impl_->set_input(q, req.mutable_q());
+    impl_->set_output(out, req.mutable_out());
+    req.set_scale(scale);
+    v1::AttendReply reply;
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    if (auto s = from_grpc(impl_->stub->Attend(&ctx, req, &reply), "Attend"); !s.ok()) return s;
+    return Impl::take_output(out, reply.out(), "Attend.out");
+  });
 }
 
 absl::StatusOr<std::vector<Compaction>> Client::Compact(uint64_t sequence_id, bool dry_run) {
   v1::CompactRequest req;
-  req.set_session_id(impl_->session_id);
   req.set_sequence_id(sequence_id);
   req.set_dry_run(dry_run);
   v1::CompactReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->Compact(&ctx, req, &reply), "Compact"); !s.ok()) return s;
+  const uint64_t ids[] = {sequence_id};
+  absl::Status s = impl_->call("Compact", std::span<const uint64_t>(ids, sequence_id == 0 ? 0 : 1), [&] {
+    req.set_session_id(impl_->session());
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->Compact(&ctx, req, &reply), "Compact");
+  });
+  if (!s.ok()) return s;
   std::vector<Compaction> out;
   for (const auto& c : reply.sequences()) {
     Compaction r;
@@ -456,15 +802,19 @@ absl::StatusOr<std::vector<Compaction>> Client::Compact(uint64_t sequence_id, bo
 absl::StatusOr<int> Client::ReadKV(uint64_t sequence_id, const Buffer& k, const Buffer& v,
                                    const Buffer& positions) {
   v1::ReadKVRequest req;
-  req.set_session_id(impl_->session_id);
   req.set_sequence_id(sequence_id);
   impl_->set_output(k, req.mutable_k());
   impl_->set_output(v, req.mutable_v());
   impl_->set_output(positions, req.mutable_positions());
   v1::ReadKVReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->ReadKV(&ctx, req, &reply), "ReadKV"); !s.ok()) return s;
+  const uint64_t ids[] = {sequence_id};
+  absl::Status st = impl_->call("ReadKV", ids, [&] {
+    req.set_session_id(impl_->session());
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->ReadKV(&ctx, req, &reply), "ReadKV");
+  });
+  if (!st.ok()) return st;
   if (auto s = Impl::take_output(k, reply.k(), "ReadKV.k"); !s.ok()) return s;
   if (auto s = Impl::take_output(v, reply.v(), "ReadKV.v"); !s.ok()) return s;
   if (auto s = Impl::take_output(positions, reply.positions(), "ReadKV.positions"); !s.ok()) return s;
@@ -475,9 +825,12 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
   v1::StatsRequest req;
   req.set_check_invariants(check_invariants);
   v1::StatsReply r;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->Stats(&ctx, req, &r), "Stats"); !s.ok()) return s;
+  absl::Status st = impl_->call("Stats", {}, [&] {
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->Stats(&ctx, req, &r), "Stats");
+  });
+  if (!st.ok()) return st;
   DaemonStats out;
   out.geometry = from_proto(r.geometry());
   out.backend = r.backend();
@@ -491,6 +844,7 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
   out.tokens_appended = r.tokens_appended();
   out.decode_tokens = r.decode_tokens();
   out.lease_expiries = r.lease_expiries();
+  out.preemptions = r.preemptions();
   out.sequences = r.sequences();
   out.sessions = r.sessions();
   out.logical_tokens = r.logical_tokens();
@@ -527,11 +881,14 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
 
 absl::StatusOr<std::vector<SequenceInfo>> Client::ListSequences() {
   v1::ListSequencesRequest req;
-  req.set_session_id(impl_->session_id);
   v1::ListSequencesReply r;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  if (auto s = from_grpc(impl_->stub->ListSequences(&ctx, req, &r), "ListSequences"); !s.ok()) return s;
+  absl::Status st = impl_->call("ListSequences", {}, [&] {
+    req.set_session_id(impl_->session());
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->ListSequences(&ctx, req, &r), "ListSequences");
+  });
+  if (!st.ok()) return st;
   std::vector<SequenceInfo> out;
   for (const auto& s : r.sequences()) {
     SequenceInfo i;
@@ -558,21 +915,100 @@ absl::StatusOr<std::vector<SequenceInfo>> Client::ListSequences() {
   return out;
 }
 
+namespace {
+
+class GrpcEventStream final : public EventStream {
+ public:
+  GrpcEventStream(v1::KaraKV::Stub* stub, const std::string& session_id) {
+    v1::WatchEventsRequest req;
+    req.set_session_id(session_id);
+    reader_ = stub->WatchEvents(&ctx_, req);
+    reader_->WaitForInitialMetadata();
+  }
+  ~GrpcEventStream() override {
+    if (!finished_) {
+      ctx_.TryCancel();
+      Finish().IgnoreError();
+    }
+  }
+  bool Next(Event* out) override {
+    v1::Event e;
+    if (finished_ || !reader_->Read(&e)) return false;
+    *out = Event();
+    out->number = e.number();
+    out->time_unix = e.time_unix();
+    switch (e.kind_case()) {
+      case v1::Event::kPreempted:
+        out->kind = Event::Kind::kPreempted;
+        out->sequence_id = e.preempted().sequence_id();
+        out->reason = e.preempted().reason();
+        out->priority = e.preempted().priority();
+        out->blocks_freed = e.preempted().blocks_freed();
+        out->tokens_lost = e.preempted().tokens_lost();
+        break;
+      case v1::Event::kCompaction:
+        out->kind = Event::Kind::kCompaction;
+        out->sequence_id = e.compaction().sequence_id();
+        out->policy = e.compaction().policy();
+        out->tokens_before = e.compaction().tokens_before();
+        out->tokens_after = e.compaction().tokens_after();
+        break;
+      case v1::Event::kSessionEnded:
+        out->kind = Event::Kind::kSessionEnded;
+        out->reason = e.session_ended().reason();
+        out->lease_expired = e.session_ended().lease_expired();
+        out->sequences_released = e.session_ended().sequences_released();
+        break;
+      case v1::Event::kDropped:
+        out->kind = Event::Kind::kDropped;
+        out->dropped = e.dropped().count();
+        break;
+      default:  // a kind newer than this SDK: skip it
+        return Next(out);
+    }
+    return true;
+  }
+  absl::Status Finish() override {
+    if (!finished_) {
+      finished_ = true;
+      status_ = from_grpc(reader_->Finish(), "WatchEvents");
+    }
+    return status_;
+  }
+  void Cancel() override { ctx_.TryCancel(); }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::Event>> reader_;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EventStream>> Client::WatchEvents() {
+  return std::unique_ptr<EventStream>(new GrpcEventStream(impl_->stub.get(), impl_->session_id));
+}
+
 absl::Status Client::Heartbeat() {
-  v1::HeartbeatRequest req;
-  req.set_session_id(impl_->session_id);
-  v1::HeartbeatReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  return from_grpc(impl_->stub->Heartbeat(&ctx, req, &reply), "Heartbeat");
+  return impl_->call("Heartbeat", {}, [&] {
+    v1::HeartbeatRequest req;
+    req.set_session_id(impl_->session());
+    v1::HeartbeatReply reply;
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->Heartbeat(&ctx, req, &reply), "Heartbeat");
+  });
 }
 
 absl::Status Client::Ping() {
-  v1::PingRequest req;
-  v1::PingReply reply;
-  grpc::ClientContext ctx;
-  impl_->prepare(&ctx);
-  return from_grpc(impl_->stub->Ping(&ctx, req, &reply), "Ping");
+  return impl_->call("Ping", {}, [&] {
+    v1::PingRequest req;
+    v1::PingReply reply;
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    return from_grpc(impl_->stub->Ping(&ctx, req, &reply), "Ping");
+  });
 }
 
 }  // namespace karakv

@@ -65,6 +65,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->sequences_ = gauge("karakv_sequences", "Live sequences");
   m->sessions_ = gauge("karakv_sessions", "Attached worker sessions");
   m->lease_expiries_ = counter("karakv_lease_expiries_total", "Sessions freed because their lease ran out");
+  m->preemptions_ = counter("karakv_preemptions_total",
+                             "Sequences preempted to free blocks for a higher-priority request (--preempt_on_pressure)");
+  m->event_drops_ = counter("karakv_events_dropped_total",
+                            "Events discarded because a WatchEvents reader fell behind its queue");
   m->decode_tokens_ = counter("karakv_decode_tokens_total", "Tokens produced by completed decode steps");
   m->decode_steps_ = counter("karakv_decode_steps_total", "Completed decode steps (last layer's Step)");
   m->decode_step_seconds_ = &prometheus::BuildHistogram()
@@ -211,6 +215,13 @@ std::vector<RpcErrorCount> Metrics::rpc_errors() const {
 void Metrics::invariant_violation() { invariant_violations_->Increment(); }
 
 void Metrics::lease_expired(int n) { lease_expiries_->Increment(n); }
+
+void Metrics::preempted() { preemptions_->Increment(); }
+
+void Metrics::set_events_dropped(uint64_t total) {
+  const double now = event_drops_->Value();
+  if (double(total) > now) event_drops_->Increment(double(total) - now);
+}
 
 void Metrics::decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds) {
   decode_steps_->Increment();

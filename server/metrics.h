@@ -35,6 +35,9 @@ class Metrics {
   // Pool, sequence and session gauges from a registry snapshot.
   void update_state(const RegistryStats& stats, size_t block_bytes, const kernels::Geometry& g);
   void lease_expired(int n);
+  void preempted();
+  // Events the WatchEvents streams have dropped so far (the counter follows this total).
+  void set_events_dropped(uint64_t total);
   // A completed decode step (the last layer's Step) of `tokens` sequences: its duration from the
   // batch's first-layer Step, and the time to first step of the sequences it was the first for.
   void decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds);
@@ -67,6 +70,8 @@ class Metrics {
   prometheus::Gauge* sequences_ = nullptr;
   prometheus::Gauge* sessions_ = nullptr;
   prometheus::Counter* lease_expiries_ = nullptr;
+  prometheus::Counter* preemptions_ = nullptr;
+  prometheus::Counter* event_drops_ = nullptr;
   prometheus::Counter* decode_tokens_ = nullptr;
   prometheus::Counter* decode_steps_ = nullptr;
   prometheus::Histogram* decode_step_seconds_ = nullptr;

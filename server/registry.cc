@@ -2,7 +2,9 @@
 // everything and count the blocks it needs, then change state; only the second phase mutates.
 #include "server/registry.h"
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <cstring>
 #include <random>
 
@@ -31,6 +33,22 @@ absl::Status to_status(const kernels::KernelStatus& s) {
     default:
       return absl::InternalError(s.message);
   }
+}
+
+// UNIMPLEMENTED naming the op when `backend` cannot run one the policy needs (CaM's merge included
+// when the policy merges).
+absl::Status check_backend_runs(const kernels::Backend& backend, kernels::DType dtype, const Policy& policy,
+                                const char* what) {
+  std::vector<kernels::Op> ops = policy.required_ops();
+  if (policy.merge_tokens() > 0) ops.push_back(kernels::Op::kCamMerge);
+  for (kernels::Op op : ops) {
+    if (!backend.supports(op, dtype)) {
+      return absl::UnimplementedError(absl::StrCat(what, " '", policy.name(), "' needs ", kernels::op_name(op),
+                                                   ", which backend ", std::string(backend.name()), " does not run for ",
+                                                   kernels::dtype_name(dtype), "; start karakvd with --backend=cpu"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // `layout` is only formatted when the size is wrong: this runs on every Step.
@@ -201,7 +219,15 @@ absl::StatusOr<Registry::Session*> Registry::find_session(const std::string& ses
 absl::StatusOr<Registry::Sequence*> Registry::find_sequence(const Session& session,
                                                             uint64_t sequence_id) {
   auto it = sequences_.find(sequence_id);
-  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  if (it == sequences_.end()) {
+    if (auto t = preempted_.find(sequence_id); t != preempted_.end()) {
+      if (t->second.tenant != session.tenant) {
+        return absl::PermissionDeniedError(absl::StrCat("sequence ", sequence_id, " belongs to another tenant"));
+      }
+      return absl::FailedPreconditionError(t->second.reason);
+    }
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  }
   if (it->second.tenant != session.tenant) {
     return absl::PermissionDeniedError(
         absl::StrCat("sequence ", sequence_id, " belongs to another tenant"));
@@ -244,7 +270,7 @@ absl::StatusOr<int> Registry::detach(const std::string& session_id) {
   auto session = find_session(session_id);
   if (!session.ok()) return session.status();
   const int n = static_cast<int>((*session)->sequences.size());
-  end_session_locked(session_id);
+  end_session_locked(session_id, false);
   trim_prefix_cache();
   return n;
 }
@@ -270,20 +296,99 @@ int Registry::expire_leases(absl::Time now) {
   for (const auto& [id, s] : sessions_) {
     if (s.lease_deadline < now) expired.push_back(id);
   }
-  for (const auto& id : expired) end_session_locked(id);
+  for (const auto& id : expired) end_session_locked(id, true);
   lease_expiries_ += expired.size();
   if (!expired.empty()) trim_prefix_cache();
   return static_cast<int>(expired.size());
 }
 
-void Registry::end_session_locked(const std::string& session_id) {
+void Registry::end_session_locked(const std::string& session_id, bool lease_expired) {
   auto it = sessions_.find(session_id);
   for (uint64_t id : it->second.sequences) {
     auto seq = sequences_.find(id);
     release_locked(seq->second);
     sequences_.erase(seq);
   }
+  for (uint64_t id : it->second.preempted) preempted_.erase(id);
+  RegistryEvent e;
+  e.kind = RegistryEvent::Kind::kSessionEnded;
+  e.session_id = session_id;
+  e.sequences_released = static_cast<int32_t>(it->second.sequences.size());
+  e.lease_expired = lease_expired;
+  e.message = lease_expired
+                  ? absl::StrCat("lease expired: no Heartbeat for ", absl::FormatDuration(config_.lease),
+                                 "; the session's ", e.sequences_released, " sequences and staging were freed")
+                  : absl::StrCat("detached; the session's ", e.sequences_released, " sequences were freed");
   sessions_.erase(it);  // drops our reference to the staging region; it unmaps when unused
+  emit(e);
+}
+
+absl::Status Registry::make_room_for(int32_t need, int32_t priority, absl::Span<Sequence* const> served,
+                                     const std::string& what) {
+  if (make_room(need)) return absl::OkStatus();
+  const int32_t free_before = pool_.free_count();
+  auto refusal = [&](const std::string& extra) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV pool full: ", what, " wanted ", need, " blocks, ",
+                                                     free_before, " free of ", pool_.total(), extra));
+  };
+  if (!config_.preempt_on_pressure) return refusal("");
+  // Candidates: every other sequence of lower priority, lowest first, least recently used among equals.
+  absl::flat_hash_set<const Sequence*> keep(served.begin(), served.end());
+  std::vector<Sequence*> candidates;
+  for (auto& [id, seq] : sequences_) {
+    if (seq.priority < priority && !keep.contains(&seq)) candidates.push_back(&seq);
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Sequence* a, const Sequence* b) {
+    return std::tie(a->priority, a->last_used, a->id) < std::tie(b->priority, b->last_used, b->id);
+  });
+  // Count what releasing each in turn would give back: a block whose last holder goes, or a cached
+  // prompt block left held by the cache alone (then evictable).
+  absl::flat_hash_set<int32_t> cached;
+  for (const auto& [key, e] : prefix_cache_.entries()) cached.insert(e.block);
+  absl::flat_hash_map<int32_t, int32_t> dropped;
+  int32_t available = pool_.free_count() + unused_cached_blocks();
+  size_t victims = 0;
+  while (available < need && victims < candidates.size()) {
+    const Sequence* v = candidates[victims++];
+    for (const std::vector<int32_t>* table : {&v->blocks, &v->qblocks}) {
+      for (int32_t b : *table) {
+        const int32_t left = pool_.refcount(b) - ++dropped[b];
+        if (left == (cached.contains(b) ? 1 : 0)) ++available;
+      }
+    }
+  }
+  if (available < need) {
+    return refusal(absl::StrCat("; preempting every sequence of lower priority than ", priority, " (",
+                                candidates.size(), ") would make only ", available,
+                                " available (karakvd --preempt_on_pressure)"));
+  }
+  for (size_t i = 0; i < victims; ++i) {
+    Sequence& v = *candidates[i];
+    RegistryEvent e;
+    e.kind = RegistryEvent::Kind::kPreempted;
+    e.session_id = v.session_id;
+    e.sequence_id = v.id;
+    e.priority = v.priority;
+    e.tokens = v.length;
+    e.message = absl::StrCat(
+        "sequence ", v.id, " (priority ", v.priority, ") was preempted to free blocks for a higher-priority request: ",
+        what, " (priority ", priority, ") wanted ", need, " blocks, ", free_before, " free of ", pool_.total(),
+        "; lower priority numbers go first, the least recently used among equals (karakvd --preempt_on_pressure). "
+        "Its K/V is gone: release it and re-prefill");
+    e.blocks_freed = release_locked(v);
+    auto owner = sessions_.find(v.session_id);
+    if (owner != sessions_.end()) {
+      owner->second.sequences.erase(v.id);
+      owner->second.preempted.insert(v.id);
+    }
+    preempted_[v.id] = Tombstone{v.session_id, v.tenant, e.message};
+    const uint64_t id = v.id;
+    sequences_.erase(id);
+    ++preemptions_;
+    emit(e);
+  }
+  if (!make_room(need)) return absl::InternalError("preemption freed fewer blocks than it counted");
+  return absl::OkStatus();
 }
 
 // ---- sequences ----
@@ -320,12 +425,20 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Registry::create_sequence_from_pref
   }
   auto policy = make_policy(name, policy_params, config_.geometry);
   if (!policy.ok()) return policy.status();
+  if (absl::Status s = check_backend_runs(*backend_, config_.geometry.dtype, **policy, "policy"); !s.ok()) return s;
   kernels::QuantFormat format = kernels::QuantFormat::kKivi4;
   int32_t tokens_per_qblock = 0;
   if (!storage.empty() && storage != "fp16" && storage != kernels::dtype_name(config_.geometry.dtype)) {
     if (!parse_quant_format(storage, &format)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown storage '", storage,
                                                      "'; expected kivi2, kivi4, tq2, tq3 or tq4 (or none)"));
+    }
+    for (kernels::Op op : {kernels::Op::kQuantize, kernels::Op::kDequantize, kernels::Op::kQuantizedAttention}) {
+      if (!backend_->supports(op, config_.geometry.dtype)) {
+        return absl::UnimplementedError(absl::StrCat(
+            "storage '", storage, "' needs ", kernels::op_name(op), ", which backend ", std::string(backend_->name()),
+            " does not run (quantized storage is CPU-only so far); start karakvd with --backend=cpu for it"));
+      }
     }
     tokens_per_qblock = backend_->quantized_tokens_per_block(config_.geometry, format);
     if (tokens_per_qblock == 0) {
@@ -338,6 +451,7 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Registry::create_sequence_from_pref
   if (!options.prefill_policy.empty() && options.prefill_policy != "none") {
     auto p = make_policy(options.prefill_policy, options.prefill_params, config_.geometry);
     if (!p.ok()) return absl::InvalidArgumentError(absl::StrCat("prefill_policy: ", p.status().message()));
+    if (absl::Status s = check_backend_runs(*backend_, config_.geometry.dtype, **p, "prefill_policy"); !s.ok()) return s;
     if ((*p)->trigger() != Trigger::kThreshold) {
       return absl::InvalidArgumentError(absl::StrCat("prefill_policy '", options.prefill_policy,
                                                      "' is not a one-shot policy; expected snapkv, chunkkv, "
@@ -518,6 +632,14 @@ absl::StatusOr<int> Registry::release_sequence(const std::string& session_id, ui
   absl::MutexLock lock(&mu_);
   auto session = find_session(session_id);
   if (!session.ok()) return session.status();
+  if (auto t = preempted_.find(sequence_id); t != preempted_.end() && t->second.tenant == (*session)->tenant) {
+    // The owner acknowledges the preemption: its blocks went back to the pool then.
+    if (auto owner = sessions_.find(t->second.session_id); owner != sessions_.end()) {
+      owner->second.preempted.erase(sequence_id);
+    }
+    preempted_.erase(t);
+    return 0;
+  }
   auto seq = find_sequence(**session, sequence_id);
   if (!seq.ok()) return seq.status();
   const int freed = release_locked(**seq);
@@ -650,11 +772,13 @@ absl::StatusOr<int32_t> Registry::append(const std::string& session_id, uint64_t
   const int32_t new_length = seq.length + num_tokens;
   const int32_t need = blocks_needed(seq, new_length);
   if (absl::Status s = check_tenant_quota(seq.tenant, need); !s.ok()) return s;
-  if (!make_room(need)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV pool full: appending ", num_tokens, " tokens to sequence ", sequence_id, " wanted ",
-        need, " blocks, ", pool_.free_count(), " free of ", pool_.total()));
+  Sequence* served = &seq;
+  if (absl::Status s = make_room_for(need, seq.priority, absl::MakeSpan(&served, 1),
+                                     absl::StrCat("appending ", num_tokens, " tokens to sequence ", sequence_id));
+      !s.ok()) {
+    return s;
   }
+  seq.last_used = ++use_clock_;
   if (absl::Status s = reserve(seq, new_length); !s.ok()) return s;
   std::vector<int32_t> table, offsets, lengths{new_length - seq.quantized()};
   kernels::PagedKV kv = paged_view({&seq}, lengths, &table, &offsets);
@@ -779,11 +903,14 @@ absl::StatusOr<Registry::StepResult> Registry::step(const std::string& session_i
     seqs.push_back(&seq);
   }
   if (absl::Status s = check_tenant_quota((*session)->tenant, need); !s.ok()) return s;
-  if (!make_room(need)) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV pool full: Step over ", batch,
-                                                     " sequences wanted ", need, " blocks, ",
-                                                     pool_.free_count(), " free of ", pool_.total()));
+  // A batch is served whole: its priority is the highest of its sequences'.
+  int32_t priority = seqs.front()->priority;
+  for (const Sequence* seq : seqs) priority = std::max(priority, seq->priority);
+  if (absl::Status s = make_room_for(need, priority, seqs, absl::StrCat("Step over ", batch, " sequences"));
+      !s.ok()) {
+    return s;
   }
+  for (Sequence* seq : seqs) seq->last_used = ++use_clock_;
   if (layer == 0) {
     for (Sequence* seq : seqs) {
       if (!seq->decoding) {
@@ -1319,6 +1446,16 @@ void Registry::record(const CompactionResult& r, const Sequence& seq, int32_t re
   ps.tokens_removed += uint64_t(removed);
   ps.seconds += r.seconds;
   if (observer_) observer_(r);
+  if (r.skipped.empty()) {
+    RegistryEvent e;
+    e.kind = RegistryEvent::Kind::kCompaction;
+    e.session_id = seq.session_id;
+    e.sequence_id = seq.id;
+    e.policy = r.policy;
+    e.tokens_before = r.tokens_before;
+    e.tokens_after = r.tokens_after;
+    emit(e);
+  }
 }
 
 std::vector<std::vector<int32_t>> Registry::positions_of(const Sequence& seq) const {
@@ -1372,6 +1509,16 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<std::vector<int32_t>>>> Regis
   return std::make_pair(info_of(it->second), positions_of(it->second));
 }
 
+void Registry::set_event_observer(std::function<void(const RegistryEvent&)> observer) {
+  absl::MutexLock lock(&mu_);
+  event_observer_ = std::move(observer);
+}
+
+bool Registry::has_session(const std::string& session_id) const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.contains(session_id);
+}
+
 void Registry::set_compaction_observer(std::function<void(const CompactionResult&)> observer) {
   absl::MutexLock lock(&mu_);
   observer_ = std::move(observer);
@@ -1420,6 +1567,7 @@ RegistryStats Registry::stats() const {
   s.tokens_appended = tokens_appended_;
   s.decode_tokens = decode_tokens_;
   s.lease_expiries = lease_expiries_;
+  s.preemptions = preemptions_;
   s.policies = policy_stats_;
   s.prefix_lookups = prefix_lookups_;
   s.prefix_lookup_tokens = prefix_lookup_tokens_;

@@ -49,6 +49,31 @@ struct RegistryConfig {
   int max_sessions = 0;
   int max_sequences_per_session = 0;
   int64_t tenant_block_quota = 0;
+  // Pool pressure: when an Append or Step needs more blocks than are free (after evicting unused
+  // cached prompt blocks), preempt whole sequences of lower priority than the request's instead of
+  // refusing it, lowest priority first, the least recently used among equals; their owners get a
+  // kPreempted event. Off: the request is refused with RESOURCE_EXHAUSTED.
+  bool preempt_on_pressure = false;
+};
+
+// What the event stream (WatchEvents) tells a session about its own sequences. Emitted under the
+// registry's lock: observers must not block or call back into the registry.
+struct RegistryEvent {
+  enum class Kind { kPreempted, kCompaction, kSessionEnded };
+  Kind kind = Kind::kCompaction;
+  std::string session_id;
+  uint64_t sequence_id = 0;
+  // kPreempted: why (wanted vs free blocks, the request, the priority rule); kSessionEnded: why.
+  std::string message;
+  int32_t priority = 0;       // kPreempted: the victim's
+  int32_t blocks_freed = 0;   // kPreempted: blocks that went back to the pool
+  int32_t tokens = 0;         // kPreempted: resident tokens lost
+  // kCompaction
+  std::string policy;
+  int32_t tokens_before = 0, tokens_after = 0;
+  // kSessionEnded
+  int32_t sequences_released = 0;
+  bool lease_expired = false;
 };
 
 struct SequenceOptions {
@@ -129,6 +154,7 @@ struct RegistryStats {
   uint64_t tokens_appended = 0;
   uint64_t decode_tokens = 0;  // tokens added by completed decode steps (one per sequence per step)
   uint64_t lease_expiries = 0;
+  uint64_t preemptions = 0;    // sequences preempted on pool pressure (--preempt_on_pressure)
   uint64_t logical_tokens = 0;
   uint64_t query_cache_bytes = 0;
   uint64_t score_bytes = 0;
@@ -218,6 +244,10 @@ class Registry {
   absl::StatusOr<std::pair<SequenceInfo, std::vector<std::vector<int32_t>>>> inspect(uint64_t sequence_id);
   // Called, under the registry's lock, after every compaction that ran (for metrics).
   void set_compaction_observer(std::function<void(const CompactionResult&)> observer);
+  // Called, under the registry's lock, for every RegistryEvent (preemption, compaction, session end).
+  void set_event_observer(std::function<void(const RegistryEvent&)> observer);
+  // Whether the session exists now (WatchEvents checks it before subscribing).
+  bool has_session(const std::string& session_id) const;
 
   RegistryStats stats() const;
   // Empty session id lists every sequence.
@@ -240,6 +270,12 @@ class Registry {
     std::shared_ptr<StagingRegion> staging;
     absl::Time lease_deadline;
     absl::flat_hash_set<uint64_t> sequences;
+    absl::flat_hash_set<uint64_t> preempted;  // its sequences preempted and not yet released
+  };
+  // A preempted sequence, remembered until its owner releases it or the session ends, so that
+  // calls on it say what happened instead of "unknown sequence".
+  struct Tombstone {
+    std::string session_id, tenant, reason;
   };
   struct Sequence {
     uint64_t id = 0;
@@ -266,6 +302,7 @@ class Registry {
     // H2O accumulated attention per slot: [L * Hk][length (+1 while a token is pending)].
     std::vector<std::vector<float>> attention;
     int32_t compactions = 0;
+    uint64_t last_used = 0;       // use_clock_ at its last Append or Step (preemption's tie-break)
     // Metrics only: when the first Append arrived (cleared once the first decode step completes)
     // and when the current step's layer-0 Step began.
     std::optional<std::chrono::steady_clock::time_point> first_append;
@@ -314,7 +351,16 @@ class Registry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Block-table entries (full-precision and quantized) of the tenant's sequences.
   int64_t tenant_blocks(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void end_session_locked(const std::string& session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the session, freeing its sequences; tells its event watchers why.
+  void end_session_locked(const std::string& session_id, bool lease_expired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // make_room, then (with preempt_on_pressure) preemption of sequences of priority below
+  // `priority` other than `served`. When even that cannot free `need` blocks it changes nothing
+  // and returns RESOURCE_EXHAUSTED: `what` (the request) wanted `need` blocks, F free of T.
+  absl::Status make_room_for(int32_t need, int32_t priority, absl::Span<Sequence* const> served,
+                             const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void emit(const RegistryEvent& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (event_observer_) event_observer_(event);
+  }
   // Quantizes the oldest full-precision tokens that have aged out of the residual window and that
   // the policy will never rewrite, a quantized block at a time.
   void quantize_aged(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -375,6 +421,10 @@ class Registry {
   uint64_t lease_expiries_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, PolicyStats> policy_stats_ ABSL_GUARDED_BY(mu_);
   std::function<void(const CompactionResult&)> observer_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const RegistryEvent&)> event_observer_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Tombstone> preempted_ ABSL_GUARDED_BY(mu_);
+  uint64_t preemptions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   PrefixCache prefix_cache_ ABSL_GUARDED_BY(mu_);
   uint64_t prefix_lookups_ ABSL_GUARDED_BY(mu_) = 0, prefix_lookup_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t prefix_hit_tokens_ ABSL_GUARDED_BY(mu_) = 0, prefix_evictions_ ABSL_GUARDED_BY(mu_) = 0;

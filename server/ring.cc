@@ -23,8 +23,9 @@ void set_range(const ring::Range& r, v1::StagingRange* out) {
 
 void set_status(const absl::Status& s, ring::Completion* c) {
   c->code = static_cast<uint32_t>(s.code());
+  // An OK status's message is an empty view whose data() is null: memcpy must not see it.
   const size_t n = std::min(s.message().size(), ring::Completion::kMessageBytes);
-  std::memcpy(c->message, s.message().data(), n);
+  if (n > 0) std::memcpy(c->message, s.message().data(), n);  // an OK status's message may have null data()
   c->message_bytes = static_cast<uint32_t>(n);
 }
 
@@ -83,16 +84,41 @@ absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<St
   ring::initialize(staging->reserved());
   auto w = std::make_unique<Worker>();
   w->session_id = session_id;
-  w->header = ring::header(staging->reserved());
+  uint8_t* base = staging->reserved();
+  w->header = ring::header(base);
+  w->sq.emplace(ring::commands(base), &w->header->sq_head, &w->header->sq_tail);
+  w->cq.emplace(ring::completions(base), &w->header->cq_tail, &w->header->cq_head);
   w->staging = std::move(staging);
   Worker* raw = w.get();
   {
     absl::MutexLock lock(&mu_);
     workers_.push_back(std::move(w));
   }
-  raw->thread = std::thread([this, raw] { run(raw); });
   active_->Increment();
+  if (config_.threads) raw->thread = std::thread([this, raw] { run(raw); });
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> RingServer::poll(const std::string& session_id) {
+  if (config_.threads) return absl::FailedPreconditionError("poll: the rings have threads of their own");
+  Worker* w = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& x : workers_) {
+      if (x->session_id == session_id && !x->done.load()) w = x.get();
+    }
+  }
+  if (w == nullptr) return absl::NotFoundError(absl::StrCat("no open ring for session '", session_id, "'"));
+  int ran = 0;
+  for (;;) {
+    const Turn t = turn(w);
+    if (t == Turn::kIdle) return ran;
+    if (t == Turn::kClosed) {
+      finish(w);
+      return ran;
+    }
+    ++ran;
+  }
 }
 
 void RingServer::reap() {
@@ -116,6 +142,10 @@ void RingServer::stop_all() {
   }
   for (auto& w : all) {
     w->stop.store(true);
+    if (!w->thread.joinable()) {
+      if (!w->done.load()) finish(w.get());  // a ring without a thread (RingConfig::threads)
+      continue;
+    }
     // A thread that already ended may have unmapped the ring: FUTEX_WAKE then fails with EFAULT.
     if (!w->done.load()) ring::futex_wake(&w->header->sq_doorbell);
   }
@@ -187,51 +217,63 @@ bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Comple
   return false;
 }
 
+RingServer::Turn RingServer::turn(Worker* w) {
+  ring::Header* h = w->header;
+  ring::Consumer<ring::Command>& sq = *w->sq;
+  ring::Producer<ring::Completion>& cq = *w->cq;
+  const int64_t room = cq.room();
+  if (room < 0) {
+    close(w, absl::StrCat("completion ring head ", h->cq_head.load(), " is impossible for tail ", cq.index(),
+                          " (expected at most ", ring::kSlots, " behind)"));
+    return Turn::kClosed;
+  }
+  if (room == 0) return Turn::kIdle;
+  const int64_t depth = sq.depth();
+  const ring::PopResult r = sq.pop(w->cmd.get());
+  if (r == ring::PopResult::kCorrupt) {
+    close(w, absl::StrCat("command ring tail ", h->sq_tail.load(), " is impossible for head ", sq.index(),
+                          " (expected between head and head + ", ring::kSlots, ")"));
+    return Turn::kClosed;
+  }
+  if (r == ring::PopResult::kEmpty) return Turn::kIdle;
+  depth_->Observe(double(depth));
+  ring::Completion& done = w->done_slot;
+  std::memset(&done, 0, sizeof(done));
+  if (!execute(*w, *w->cmd, &done)) {
+    close(w, absl::StrCat("command ", sq.index() - 1, " has op ", w->cmd->op, " and count ", w->cmd->count,
+                          ", expected op 1 (Step) with at most ", ring::Command::kMaxIds,
+                          " sequence ids or op 2 (Attend)"));
+    return Turn::kClosed;
+  }
+  cq.push(done);
+  h->cq_doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (h->worker_sleeping.load(std::memory_order_seq_cst) != 0) ring::futex_wake(&h->cq_doorbell);
+  if (done.code == uint32_t(absl::StatusCode::kNotFound) && !session_alive(w->session_id)) {
+    mark_closed(w, absl::NotFoundError(absl::StrCat("unknown session '", w->session_id,
+                                                    "' (detached, or its lease expired)")));
+    return Turn::kClosed;
+  }
+  return Turn::kWorked;
+}
+
+void RingServer::finish(Worker* w) {
+  if (w->stop.load()) mark_closed(w, absl::UnavailableError("karakvd is shutting down"));
+  w->staging.reset();  // the region unmaps once the registry let go of it too
+  active_->Decrement();
+  w->done.store(true);
+}
+
 void RingServer::run(Worker* w) {
-  uint8_t* base = w->staging->reserved();
-  ring::Header* h = ring::header(base);
-  ring::Consumer<ring::Command> sq(ring::commands(base), &h->sq_head, &h->sq_tail);
-  ring::Producer<ring::Completion> cq(ring::completions(base), &h->cq_tail, &h->cq_head);
-  auto cmd = std::make_unique<ring::Command>();
-  ring::Completion done;
+  ring::Header* h = w->header;
   const auto spin = std::chrono::nanoseconds(absl::ToInt64Nanoseconds(config_.spin));
   const int64_t poll_ns = absl::ToInt64Nanoseconds(config_.poll);
   auto last_work = Clock::now();
   while (!w->stop.load(std::memory_order_relaxed)) {
-    const int64_t room = cq.room();
-    if (room < 0) {
-      close(w, absl::StrCat("completion ring head ", h->cq_head.load(), " is impossible for tail ", cq.index(),
-                            " (expected at most ", ring::kSlots, " behind)"));
-      break;
-    }
-    if (room > 0) {
-      const int64_t depth = sq.depth();
-      const ring::PopResult r = sq.pop(cmd.get());
-      if (r == ring::PopResult::kCorrupt) {
-        close(w, absl::StrCat("command ring tail ", h->sq_tail.load(), " is impossible for head ", sq.index(),
-                              " (expected between head and head + ", ring::kSlots, ")"));
-        break;
-      }
-      if (r == ring::PopResult::kOk) {
-        depth_->Observe(double(depth));
-        std::memset(&done, 0, sizeof(done));
-        if (!execute(*w, *cmd, &done)) {
-          close(w, absl::StrCat("command ", sq.index() - 1, " has op ", cmd->op, " and count ", cmd->count,
-                                ", expected op 1 (Step) with at most ", ring::Command::kMaxIds,
-                                " sequence ids or op 2 (Attend)"));
-          break;
-        }
-        cq.push(done);
-        h->cq_doorbell.fetch_add(1, std::memory_order_seq_cst);
-        if (h->worker_sleeping.load(std::memory_order_seq_cst) != 0) ring::futex_wake(&h->cq_doorbell);
-        if (done.code == uint32_t(absl::StatusCode::kNotFound) && !session_alive(w->session_id)) {
-          mark_closed(w, absl::NotFoundError(absl::StrCat("unknown session '", w->session_id,
-                                                          "' (detached, or its lease expired)")));
-          break;
-        }
-        last_work = Clock::now();
-        continue;
-      }
+    const Turn t = turn(w);
+    if (t == Turn::kClosed) break;
+    if (t == Turn::kWorked) {
+      last_work = Clock::now();
+      continue;
     }
     // Nothing to do (or no room to answer): spin a little, then sleep on the doorbell.
     if (Clock::now() - last_work < spin) {
@@ -241,7 +283,7 @@ void RingServer::run(Worker* w) {
     const uint32_t bell = h->sq_doorbell.load(std::memory_order_seq_cst);
     h->daemon_sleeping.store(1, std::memory_order_seq_cst);
     int rc = ETIMEDOUT;
-    if (sq.depth() == 0 || cq.room() == 0) rc = ring::futex_wait(&h->sq_doorbell, bell, poll_ns);
+    if (w->sq->depth() == 0 || w->cq->room() == 0) rc = ring::futex_wait(&h->sq_doorbell, bell, poll_ns);
     h->daemon_sleeping.store(0, std::memory_order_relaxed);
     if (rc == 0) {
       wakeups_->Increment();
@@ -253,10 +295,7 @@ void RingServer::run(Worker* w) {
       break;
     }
   }
-  if (w->stop.load()) mark_closed(w, absl::UnavailableError("karakvd is shutting down"));
-  w->staging.reset();  // the region unmaps once the registry let go of it too
-  active_->Decrement();
-  w->done.store(true);
+  finish(w);
 }
 
 }  // namespace karakv::server

@@ -14,12 +14,14 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "karakv/v1/ring.h"
@@ -38,6 +40,9 @@ class KaraKVService;
 struct RingConfig {
   absl::Duration spin = absl::Microseconds(50);  // busy-wait after a command before sleeping
   absl::Duration poll = absl::Milliseconds(20);  // futex slice between session checks
+  // false: start() lays out the rings but starts no thread; poll() then runs a session's waiting
+  // commands on the caller's thread, exactly as the thread would (tests, fuzzers).
+  bool threads = true;
 };
 
 class RingServer {
@@ -52,6 +57,10 @@ class RingServer {
   absl::Status start(const std::string& session_id, std::shared_ptr<StagingRegion> staging);
   // Joins the threads whose sessions ended.
   void reap();
+  // Without threads (RingConfig::threads == false): runs the session's ring until it has no
+  // command waiting (or no room for a completion) or closes. Returns the commands run, or
+  // NOT_FOUND when the session has no open ring.
+  absl::StatusOr<int> poll(const std::string& session_id);
   // Stops every thread (shutdown). Commands still queued are not run.
   void stop_all();
   int active() const;
@@ -64,11 +73,22 @@ class RingServer {
     std::string session_id;
     std::shared_ptr<StagingRegion> staging;  // dropped by the thread when it ends
     ring::Header* header = nullptr;
+    // The daemon's ends of the two rings (their indices are private to this side).
+    std::optional<ring::Consumer<ring::Command>> sq;
+    std::optional<ring::Producer<ring::Completion>> cq;
+    std::unique_ptr<ring::Command> cmd = std::make_unique<ring::Command>();
+    ring::Completion done_slot;
     std::atomic<bool> stop{false};
     std::atomic<bool> done{false};
     std::thread thread;
   };
+  enum class Turn { kWorked, kIdle, kClosed };
   void run(Worker* w);
+  // One command taken from the ring, run and answered; or nothing to do; or the ring closed
+  // (garbage in it, or the session ended).
+  Turn turn(Worker* w);
+  // The end of a worker's life: tells the worker when the daemon stops, lets go of the staging.
+  void finish(Worker* w);
   // Executes one command; false when the command is garbage (not a Step/Attend, too many ids).
   bool execute(const Worker& w, const ring::Command& cmd, ring::Completion* done);
   // Garbage in the ring: tells the worker why, then ends the session.

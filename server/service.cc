@@ -7,8 +7,11 @@
 
 #include "karakv/v1/geometry.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
+#include <random>
 #include <vector>
 
 #include "absl/hash/hash.h"
@@ -23,12 +26,7 @@ using v1::to_proto;
 
 namespace {
 
-// An input tensor resolved to bytes. Inline bytes that are not 4-byte aligned are copied so the
-// kernels can read them as floats.
-struct Input {
-  ConstBytes bytes;
-  std::vector<uint8_t> copy;
-};
+using Input = KaraKVService::Input;
 
 absl::Status resolve_input(const v1::TensorRef& ref, const StagingRegion* staging, const char* what,
                            Input* out) {
@@ -96,6 +94,11 @@ absl::StatusOr<std::shared_ptr<StagingRegion>> staging_for(Registry* registry, c
 
 }  // namespace
 
+std::string KaraKVService::new_instance_id() {
+  std::random_device rd;
+  return absl::StrFormat("%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+}
+
 grpc::Status to_grpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
@@ -126,11 +129,9 @@ absl::Status KaraKVService::run(const char* method, bool mutates, Body&& body) {
   return status;
 }
 
-template <typename Body>
-grpc::ServerUnaryReactor* KaraKVService::serve(grpc::CallbackServerContext* ctx, const char* method,
-                                               bool mutates, Body&& body) {
+grpc::ServerUnaryReactor* KaraKVService::finish(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(to_grpc(run(method, mutates, std::forward<Body>(body))));
+  reactor->Finish(to_grpc(status));
   return reactor;
 }
 
@@ -174,6 +175,7 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   *reply->mutable_geometry() = to_proto(registry_->geometry());
   reply->set_staging_name(r->staging_name);
   reply->set_staging_bytes(r->staging_bytes);
+  reply->set_instance_id(instance_id_);
   spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of staging", r->session_id, req.worker_id(),
                req.tenant().empty() ? "default" : req.tenant(), r->staging_bytes);
   return absl::OkStatus();
@@ -277,6 +279,15 @@ absl::Status KaraKVService::DoInspect(const v1::InspectRequest& req, v1::Inspect
   return absl::OkStatus();
 }
 
+// Bytes of the [rows][Hq][D] fp32 output of a Step or Attend. An inline output is allocated at
+// that size, so it is sized only when q (the same shape, already received) agrees with `rows`:
+// otherwise a request of a few bytes claiming 2^32 queries would have the daemon allocate half a
+// terabyte. A disagreeing q gets an empty output and the registry refuses q with its own message.
+size_t KaraKVService::output_bytes(const v1::OutputRef& out, const Input& q, size_t rows) const {
+  const size_t want = registry_->q_bytes(rows);
+  return out.has_staging() || q.bytes.size() == want ? want : 0;
+}
+
 absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* reply) {
   if (req.sequence_ids_size() == 0) {
     return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
@@ -287,7 +298,7 @@ absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* re
   if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
   if (auto s = resolve_input(req.v(), staging->get(), "v", &v); !s.ok()) return s;
   if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
-  auto out = resolve_output(req.out(), staging->get(), registry_->q_bytes(req.sequence_ids_size()),
+  auto out = resolve_output(req.out(), staging->get(), output_bytes(req.out(), q, req.sequence_ids_size()),
                             true, "out", reply->mutable_out());
   if (!out.ok()) return out.status();
   auto r = registry_->step(req.session_id(), req.layer(), req.sequence_ids(), k.bytes, v.bytes,
@@ -307,9 +318,13 @@ absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* re
 absl::Status KaraKVService::DoAttend(const v1::AttendRequest& req, v1::AttendReply* reply) {
   auto staging = staging_for(registry_, req.session_id(), req.q(), req.out());
   if (!staging.ok()) return staging.status();
+  if (req.num_queries() > uint32_t(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("num_queries ", req.num_queries(), " is out of range, expected 1..",
+                                                   std::numeric_limits<int32_t>::max()));
+  }
   Input q;
   if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
-  auto out = resolve_output(req.out(), staging->get(), registry_->q_bytes(req.num_queries()), true,
+  auto out = resolve_output(req.out(), staging->get(), output_bytes(req.out(), q, req.num_queries()), true,
                             "out", reply->mutable_out());
   if (!out.ok()) return out.status();
   absl::Status s = registry_->attend(req.session_id(), req.sequence_id(), req.layer(),
@@ -369,6 +384,7 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
     out->set_count(e.count);
   }
   reply->set_lease_expiries(s.lease_expiries);
+  reply->set_preemptions(s.preemptions);
   reply->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   reply->set_logical_tokens(s.logical_tokens);
   reply->set_query_cache_bytes(s.query_cache_bytes);
@@ -403,125 +419,162 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Attach(grpc::CallbackServerContext* ctx, const v1::AttachRequest* req,
-                                                v1::AttachReply* reply) {
-  return serve(ctx, "Attach", true, [&] { return DoAttach(*req, reply); });
+absl::Status KaraKVService::Handle(const v1::AttachRequest& req, v1::AttachReply* reply) {
+  return run("Attach", true, [&] { return DoAttach(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Detach(grpc::CallbackServerContext* ctx, const v1::DetachRequest* req,
-                                                v1::DetachReply* reply) {
-  return serve(ctx, "Detach", true, [&]() -> absl::Status {
-    auto n = registry_->detach(req->session_id());
+absl::Status KaraKVService::Handle(const v1::DetachRequest& req, v1::DetachReply* reply) {
+  return run("Detach", true, [&]() -> absl::Status {
+    auto n = registry_->detach(req.session_id());
     if (!n.ok()) return n.status();
-    spdlog::info("session {} detached: {} sequence(s) released", req->session_id(), *n);
+    spdlog::info("session {} detached: {} sequence(s) released", req.session_id(), *n);
     reply->set_sequences_released(static_cast<uint32_t>(*n));
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
-                                                   v1::HeartbeatReply* reply) {
-  return serve(ctx, "Heartbeat", false, [&]() -> absl::Status {
+absl::Status KaraKVService::Handle(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply) {
+  return run("Heartbeat", false, [&]() -> absl::Status {
     reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
-    return registry_->heartbeat(req->session_id());
+    reply->set_instance_id(instance_id_);
+    return registry_->heartbeat(req.session_id());
   });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::CreateSequence(grpc::CallbackServerContext* ctx,
-                                                        const v1::CreateSequenceRequest* req,
-                                                        v1::CreateSequenceReply* reply) {
-  return serve(ctx, "CreateSequence", true, [&] { return DoCreateSequence(*req, reply); });
+absl::Status KaraKVService::Handle(const v1::CreateSequenceRequest& req, v1::CreateSequenceReply* reply) {
+  return run("CreateSequence", true, [&] { return DoCreateSequence(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::ForkSequence(grpc::CallbackServerContext* ctx,
-                                                      const v1::ForkSequenceRequest* req,
-                                                      v1::ForkSequenceReply* reply) {
-  return serve(ctx, "ForkSequence", true, [&]() -> absl::Status {
-    auto id = registry_->fork_sequence(req->session_id(), req->sequence_id());
+absl::Status KaraKVService::Handle(const v1::ForkSequenceRequest& req, v1::ForkSequenceReply* reply) {
+  return run("ForkSequence", true, [&]() -> absl::Status {
+    auto id = registry_->fork_sequence(req.session_id(), req.sequence_id());
     if (!id.ok()) return id.status();
     reply->set_sequence_id(*id);
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::ReleaseSequence(grpc::CallbackServerContext* ctx,
-                                                         const v1::ReleaseSequenceRequest* req,
-                                                         v1::ReleaseSequenceReply* reply) {
-  return serve(ctx, "ReleaseSequence", true, [&]() -> absl::Status {
-    auto n = registry_->release_sequence(req->session_id(), req->sequence_id());
+absl::Status KaraKVService::Handle(const v1::ReleaseSequenceRequest& req, v1::ReleaseSequenceReply* reply) {
+  return run("ReleaseSequence", true, [&]() -> absl::Status {
+    auto n = registry_->release_sequence(req.session_id(), req.sequence_id());
     if (!n.ok()) return n.status();
     reply->set_blocks_freed(static_cast<uint32_t>(*n));
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Append(grpc::CallbackServerContext* ctx, const v1::AppendRequest* req,
-                                                v1::AppendReply* reply) {
-  return serve(ctx, "Append", true, [&] { return DoAppend(*req, reply); });
+absl::Status KaraKVService::Handle(const v1::AppendRequest& req, v1::AppendReply* reply) {
+  return run("Append", true, [&] { return DoAppend(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
-                                              v1::StepReply* reply) {
-  if (rings_ != nullptr) rings_->count("Step", "grpc");
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(to_grpc(RunStep(*req, reply)));
-  return reactor;
+absl::Status KaraKVService::Handle(const v1::StepRequest& req, v1::StepReply* reply) { return RunStep(req, reply); }
+
+absl::Status KaraKVService::Handle(const v1::AttendRequest& req, v1::AttendReply* reply) {
+  return RunAttend(req, reply);
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
-                                                v1::AttendReply* reply) {
-  if (rings_ != nullptr) rings_->count("Attend", "grpc");
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(to_grpc(RunAttend(*req, reply)));
-  return reactor;
+absl::Status KaraKVService::Handle(const v1::ReadKVRequest& req, v1::ReadKVReply* reply) {
+  return run("ReadKV", false, [&] { return DoReadKV(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::ReadKV(grpc::CallbackServerContext* ctx, const v1::ReadKVRequest* req,
-                                                v1::ReadKVReply* reply) {
-  return serve(ctx, "ReadKV", false, [&] { return DoReadKV(*req, reply); });
+absl::Status KaraKVService::Handle(const v1::StatsRequest& req, v1::StatsReply* reply) {
+  return run("Stats", false, [&] { return DoStats(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
-                                               v1::StatsReply* reply) {
-  return serve(ctx, "Stats", false, [&] { return DoStats(*req, reply); });
-}
-
-grpc::ServerUnaryReactor* KaraKVService::ListSequences(grpc::CallbackServerContext* ctx,
-                                                       const v1::ListSequencesRequest* req,
-                                                       v1::ListSequencesReply* reply) {
-  return serve(ctx, "ListSequences", false, [&]() -> absl::Status {
+absl::Status KaraKVService::Handle(const v1::ListSequencesRequest& req, v1::ListSequencesReply* reply) {
+  return run("ListSequences", false, [&]() -> absl::Status {
     // A session's own listing shows its id; the operator view (no session) shows a tag instead.
-    for (const SequenceInfo& info : registry_->list_sequences(req->session_id())) {
-      fill_info(req->session_id().empty() ? operator_view(info) : info, reply->add_sequences());
+    for (const SequenceInfo& info : registry_->list_sequences(req.session_id())) {
+      fill_info(req.session_id().empty() ? operator_view(info) : info, reply->add_sequences());
     }
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Compact(grpc::CallbackServerContext* ctx, const v1::CompactRequest* req,
-                                                 v1::CompactReply* reply) {
-  return serve(ctx, "Compact", !req->dry_run(), [&] { return DoCompact(*req, reply); });
+absl::Status KaraKVService::Handle(const v1::CompactRequest& req, v1::CompactReply* reply) {
+  return run("Compact", !req.dry_run(), [&] { return DoCompact(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Inspect(grpc::CallbackServerContext* ctx, const v1::InspectRequest* req,
-                                                 v1::InspectReply* reply) {
-  return serve(ctx, "Inspect", false, [&] { return DoInspect(*req, reply); });
+absl::Status KaraKVService::Handle(const v1::InspectRequest& req, v1::InspectReply* reply) {
+  return run("Inspect", false, [&] { return DoInspect(req, reply); });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Lookup(grpc::CallbackServerContext* ctx, const v1::LookupRequest* req,
-                                                v1::LookupReply* reply) {
-  return serve(ctx, "Lookup", false, [&]() -> absl::Status {
-    auto n = registry_->lookup_prefix(req->session_id(), absl::MakeConstSpan(req->token_ids().data(),
-                                                                              req->token_ids_size()));
+void KaraKVService::start_draining() {
+  draining_.store(true);
+  events_.close_all(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                 "karakvd is draining for shutdown; the event stream ends"));
+}
+
+grpc::ServerWriteReactor<v1::Event>* KaraKVService::WatchEvents(grpc::CallbackServerContext*,
+                                                                 const v1::WatchEventsRequest* req) {
+  absl::Status refusal;
+  if (draining_.load()) {
+    refusal = absl::UnavailableError("karakvd is draining for shutdown; retry on another daemon or after restart");
+  } else if (req->session_id().empty()) {
+    refusal = absl::InvalidArgumentError("session_id is empty: WatchEvents shows one session's events; Attach first");
+  } else if (!registry_->has_session(req->session_id())) {
+    refusal = absl::NotFoundError(absl::StrCat("unknown session '", req->session_id(),
+                                               "' (never attached, detached, or its lease expired)"));
+  }
+  if (!refusal.ok()) metrics_->observe_rpc("WatchEvents", 0, refusal.code());
+  auto* reactor = events_.open(req->session_id(), to_grpc(refusal));
+  // The session may have ended between the check and the subscription: then nothing would end it.
+  if (refusal.ok() && !registry_->has_session(req->session_id())) {
+    events_.close_session(req->session_id(), grpc::Status::OK);
+  }
+  return reactor;
+}
+
+absl::Status KaraKVService::Handle(const v1::LookupRequest& req, v1::LookupReply* reply) {
+  return run("Lookup", false, [&]() -> absl::Status {
+    auto n = registry_->lookup_prefix(req.session_id(), absl::MakeConstSpan(req.token_ids().data(),
+                                                                             req.token_ids_size()));
     if (!n.ok()) return n.status();
     reply->set_cached_tokens(static_cast<uint32_t>(*n));
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KaraKVService::Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest*,
-                                              v1::PingReply*) {
-  return serve(ctx, "Ping", false, [] { return absl::OkStatus(); });
+absl::Status KaraKVService::Handle(const v1::PingRequest&, v1::PingReply* reply) {
+  return run("Ping", false, [&] {
+    reply->set_instance_id(instance_id_);
+    reply->set_calls_in_flight(static_cast<uint32_t>(std::max(0, in_flight_.load())));
+    return absl::OkStatus();
+  });
+}
+
+// The gRPC methods: the handler above, then Finish. Step and Attend also count their path.
+#define KARAKV_UNARY(Method)                                                                        \
+  grpc::ServerUnaryReactor* KaraKVService::Method(grpc::CallbackServerContext* ctx,                 \
+                                                  const v1::Method##Request* req, v1::Method##Reply* reply) { \
+    return finish(ctx, Handle(*req, reply));                                                          \
+  }
+KARAKV_UNARY(Attach)
+KARAKV_UNARY(Detach)
+KARAKV_UNARY(Heartbeat)
+KARAKV_UNARY(CreateSequence)
+KARAKV_UNARY(ForkSequence)
+KARAKV_UNARY(ReleaseSequence)
+KARAKV_UNARY(Append)
+KARAKV_UNARY(ReadKV)
+KARAKV_UNARY(Stats)
+KARAKV_UNARY(ListSequences)
+KARAKV_UNARY(Compact)
+KARAKV_UNARY(Inspect)
+KARAKV_UNARY(Lookup)
+KARAKV_UNARY(Ping)
+#undef KARAKV_UNARY
+
+grpc::ServerUnaryReactor* KaraKVService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
+                                              v1::StepReply* reply) {
+  if (rings_ != nullptr) rings_->count("Step", "grpc");
+  return finish(ctx, RunStep(*req, reply));
+}
+
+grpc::ServerUnaryReactor* KaraKVService::Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
+                                                v1::AttendReply* reply) {
+  if (rings_ != nullptr) rings_->count("Attend", "grpc");
+  return finish(ctx, RunAttend(*req, reply));
 }
 
 }  // namespace karakv::server

@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <memory>
+#include <vector>
 
 #include "karakv/v1/karakv.grpc.pb.h"
+#include "server/events.h"
 #include "server/metrics.h"
 #include "server/registry.h"
 
@@ -16,15 +18,27 @@ class RingServer;
 
 class KaraKVService final : public v1::KaraKV::CallbackService {
  public:
+  // An input tensor resolved to bytes. Inline bytes that are not 4-byte aligned are copied so the
+  // kernels can read them as floats.
+  struct Input {
+    ConstBytes bytes;
+    std::vector<uint8_t> copy;
+  };
+
   // check_invariants: debug mode that verifies the pool invariant after every mutating call.
   KaraKVService(Registry* registry, Metrics* metrics, bool check_invariants = false)
       : registry_(registry), metrics_(metrics), check_invariants_(check_invariants) {}
 
   // After this, every new call is refused with UNAVAILABLE; calls already running finish.
-  void start_draining() { draining_.store(true); }
+  // Open event streams end with UNAVAILABLE (after what they hold is sent).
+  void start_draining();
+  // The event streams (WatchEvents); the registry's events are published here.
+  EventHub& events() { return events_; }
   // Enables fast_path at Attach (server/ring.h); null (the default) refuses it.
   void set_rings(RingServer* rings) { rings_ = rings; }
   int in_flight() const { return in_flight_.load(); }
+  // Random for each daemon instance (AttachReply, HeartbeatReply and PingReply carry it).
+  const std::string& instance_id() const { return instance_id_; }
 
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext*, const v1::AttachRequest*, v1::AttachReply*) override;
   grpc::ServerUnaryReactor* Detach(grpc::CallbackServerContext*, const v1::DetachRequest*, v1::DetachReply*) override;
@@ -41,6 +55,7 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   grpc::ServerUnaryReactor* Compact(grpc::CallbackServerContext*, const v1::CompactRequest*, v1::CompactReply*) override;
   grpc::ServerUnaryReactor* Inspect(grpc::CallbackServerContext*, const v1::InspectRequest*, v1::InspectReply*) override;
   grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext*, const v1::LookupRequest*, v1::LookupReply*) override;
+  grpc::ServerWriteReactor<v1::Event>* WatchEvents(grpc::CallbackServerContext*, const v1::WatchEventsRequest*) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext*, const v1::PingRequest*, v1::PingReply*) override;
 
   // The handlers' bodies, callable without a transport (tests, fuzzers).
@@ -58,12 +73,32 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   absl::Status RunStep(const v1::StepRequest&, v1::StepReply*);
   absl::Status RunAttend(const v1::AttendRequest&, v1::AttendReply*);
 
+  // Every unary call exactly as its gRPC method serves it (draining check, metrics, invariant
+  // check after mutating calls), without a transport: the gRPC methods are these plus Finish, and
+  // tests and fuzzers (tests/fuzz) call them directly.
+  absl::Status Handle(const v1::AttachRequest&, v1::AttachReply*);
+  absl::Status Handle(const v1::DetachRequest&, v1::DetachReply*);
+  absl::Status Handle(const v1::HeartbeatRequest&, v1::HeartbeatReply*);
+  absl::Status Handle(const v1::CreateSequenceRequest&, v1::CreateSequenceReply*);
+  absl::Status Handle(const v1::ForkSequenceRequest&, v1::ForkSequenceReply*);
+  absl::Status Handle(const v1::ReleaseSequenceRequest&, v1::ReleaseSequenceReply*);
+  absl::Status Handle(const v1::AppendRequest&, v1::AppendReply*);
+  absl::Status Handle(const v1::StepRequest&, v1::StepReply*);
+  absl::Status Handle(const v1::AttendRequest&, v1::AttendReply*);
+  absl::Status Handle(const v1::ReadKVRequest&, v1::ReadKVReply*);
+  absl::Status Handle(const v1::StatsRequest&, v1::StatsReply*);
+  absl::Status Handle(const v1::ListSequencesRequest&, v1::ListSequencesReply*);
+  absl::Status Handle(const v1::CompactRequest&, v1::CompactReply*);
+  absl::Status Handle(const v1::InspectRequest&, v1::InspectReply*);
+  absl::Status Handle(const v1::LookupRequest&, v1::LookupReply*);
+  absl::Status Handle(const v1::PingRequest&, v1::PingReply*);
+
  private:
   template <typename Body>
   absl::Status run(const char* method, bool mutates, Body&& body);
-  template <typename Body>
-  grpc::ServerUnaryReactor* serve(grpc::CallbackServerContext* ctx, const char* method, bool mutates,
-                                  Body&& body);
+  static grpc::ServerUnaryReactor* finish(grpc::CallbackServerContext* ctx, const absl::Status& status);
+
+  size_t output_bytes(const v1::OutputRef& out, const Input& q, size_t rows) const;
 
   Registry* const registry_;
   Metrics* const metrics_;
@@ -71,7 +106,11 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   const bool check_invariants_;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
+  EventHub events_;
   const absl::Time started_ = absl::Now();
+  const std::string instance_id_ = new_instance_id();
+
+  static std::string new_instance_id();
 };
 
 grpc::Status to_grpc(const absl::Status& s);

@@ -3,6 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <tuple>
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -22,6 +27,10 @@
 
 ABSL_FLAG(std::string, target, "unix:/tmp/karakv.sock", "karakvd address: unix:/path or host:port");
 ABSL_FLAG(bool, json, false, "Print JSON instead of text");
+ABSL_FLAG(bool, tls, false, "Connect with TLS (implied by --tls_ca / --tls_cert); CA: --tls_ca or the system's roots");
+ABSL_FLAG(std::string, tls_ca, "", "PEM file of the CA that signed karakvd's certificate (karakvd --tls_cert)");
+ABSL_FLAG(std::string, tls_cert, "", "Mutual TLS: PEM file of this client's certificate (karakvd --tls_client_ca)");
+ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: PEM file of this client's private key");
 ABSL_FLAG(double, timeout, 5.0, "Seconds to wait for the daemon");
 ABSL_FLAG(bool, check_invariants, false, "stats: also run the pool invariant check");
 ABSL_FLAG(std::string, session, "", "sequences: only this session's sequences");
@@ -506,6 +515,32 @@ int cmd_top(const std::shared_ptr<grpc::Channel>& ch) {
 
 }  // namespace
 
+// Plaintext, or TLS when any --tls* flag is set; nullptr (after a message) when a file is unreadable.
+std::shared_ptr<grpc::ChannelCredentials> channel_credentials() {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca), cert = absl::GetFlag(FLAGS_tls_cert),
+                    key = absl::GetFlag(FLAGS_tls_key);
+  if (!absl::GetFlag(FLAGS_tls) && ca.empty() && cert.empty() && key.empty()) return grpc::InsecureChannelCredentials();
+  if (cert.empty() != key.empty()) {
+    std::fprintf(stderr, "karakv: --tls_cert and --tls_key go together (mutual TLS)\n");
+    return nullptr;
+  }
+  grpc::SslCredentialsOptions tls;
+  for (auto [flag, path, out] : {std::tuple{"tls_ca", ca, &tls.pem_root_certs},
+                                 std::tuple{"tls_cert", cert, &tls.pem_cert_chain},
+                                 std::tuple{"tls_key", key, &tls.pem_private_key}}) {
+    if (path.empty()) continue;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      std::fprintf(stderr, "karakv: --%s=%s: cannot read it (%s)\n", flag, path.c_str(), std::strerror(errno));
+      return nullptr;
+    }
+    std::ostringstream text;
+    text << in.rdbuf();
+    *out = text.str();
+  }
+  return grpc::SslCredentials(tls);
+}
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "karakv: talk to a running karakvd.\n"
@@ -519,7 +554,9 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = args[1];
   const std::string arg = args.size() == 3 ? args[2] : "";
-  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials());
+  auto credentials = channel_credentials();
+  if (!credentials) return 2;
+  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target), credentials);
   if (cmd == "health") return cmd_health(channel);
   if (cmd == "stats") return cmd_stats(channel);
   if (cmd == "sequences") return cmd_sequences(channel);

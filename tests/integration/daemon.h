@@ -20,10 +20,13 @@ namespace karakv::testing {
 
 class Daemon {
  public:
-  // `args` are extra karakvd flags (geometry, pool size, lease ...).
-  explicit Daemon(std::vector<std::string> args) {
+  // `args` are extra karakvd flags (geometry, pool size, lease ...); `socket` reuses a path (a
+  // daemon restarted where another one was), empty makes a new one.
+  explicit Daemon(std::vector<std::string> args, std::string socket = "") {
     static int counter = 0;
-    socket_ = "/tmp/karakv-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + ".sock";
+    socket_ = socket.empty()
+                  ? "/tmp/karakv-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + ".sock"
+                  : socket;
     args.insert(args.begin(), {KARAKVD_PATH, "--socket=" + socket_, "--log_level=warn", "--threads=2"});
     pid_ = fork();
     if (pid_ == 0) {
@@ -44,6 +47,14 @@ class Daemon {
   bool ready() const { return ready_; }
   std::string target() const { return "unix:" + socket_; }
   pid_t pid() const { return pid_; }
+  const std::string& socket() const { return socket_; }
+
+  // SIGKILL: a crash. It leaves its socket file behind, as a crashed daemon does.
+  void kill_now() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
 
   // SIGTERM, then the exit status (or -1 if it had to be killed).
   int stop() {

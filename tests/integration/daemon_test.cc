@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -388,12 +389,70 @@ TEST(DaemonTest, PoolExhaustionSaysWantedVsFreeAndKeepsServing) {
 }
 
 TEST(DaemonTest, SigtermDrainsAndExitsZero) {
-  Daemon d(geometry_flags("fp32"));
+  auto flags = geometry_flags("fp32");
+  flags.back() = "--pool_bytes=64MiB";
+  flags.push_back("--drain_seconds=3");
+  Daemon d(flags);
   ASSERT_TRUE(d.ready());
-  auto c = Client::Attach(d.options());
+  auto c = Client::Attach(d.options(32 << 20));
   ASSERT_TRUE(c.ok());
+  auto other = Client::Attach(d.options(0));
+  ASSERT_TRUE(other.ok());
+  const Geometry& g = (*c)->geometry();
+  // A long call: 1536 causal queries over an 8192-token sequence.
+  const int tokens = 8192, nq = 1536, layer = 2;
+  auto id = *(*c)->CreateSequence();
+  Buffer k = *(*c)->alloc((*c)->append_bytes(tokens)), v = *(*c)->alloc((*c)->append_bytes(tokens));
+  synthetic::fill_prompt(k.data(), g, kSeed, Tensor::kKey, 0, 0, tokens);
+  synthetic::fill_prompt(v.data(), g, kSeed, Tensor::kValue, 0, 0, tokens);
+  ASSERT_TRUE((*c)->Append(id, tokens, k, v).ok());
+  Buffer q = *(*c)->alloc((*c)->q_bytes(nq)), out = *(*c)->alloc((*c)->q_bytes(nq));
+  for (int i = 0; i < nq; ++i) {
+    synthetic::fill_query(q.as<float>().data() + i * g.q_token_elems(), g, kSeed, 0, layer, tokens - nq + i);
+  }
+  std::atomic<bool> done{false};
+  absl::Status attend;
+  std::thread t([&] {
+    attend = (*c)->Attend(id, layer, nq, q, out);
+    done = true;
+  });
+  // SIGTERM once the daemon serves it (Ping, which takes no lock, counts itself, hence 2).
+  auto stub = v1::KaraKV::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  auto ping = [&](v1::PingReply* r) {
+    grpc::ClientContext ctx;
+    return stub->Ping(&ctx, v1::PingRequest(), r);
+  };
+  bool in_flight = false;
+  for (int i = 0; i < 100000 && !in_flight && !done; ++i) {
+    v1::PingReply r;
+    in_flight = ping(&r).ok() && r.calls_in_flight() >= 2;
+  }
+  ASSERT_TRUE(in_flight) << "the Attend was never seen in flight";
+  ASSERT_EQ(kill(d.pid(), SIGTERM), 0);
+  // Once the daemon has taken the signal, new calls are refused, on another connection and on the
+  // one the Attend uses, while the Attend goes on.
+  grpc::Status refused_first;
+  for (int i = 0; i < 100000 && refused_first.ok(); ++i) {
+    v1::PingReply r;
+    refused_first = ping(&r);
+  }
+  const absl::Status refused = (*other)->Ping();
+  const absl::Status refused_same = (*c)->CreateSequence().status();
+  const bool refused_while_in_flight = !done;
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_EQ(refused_same.code(), absl::StatusCode::kUnavailable) << refused_same;
+  t.join();
+  EXPECT_TRUE(refused_while_in_flight) << "the Attend finished before the new calls were refused";
+  // The call in flight finished, with the right result.
+  ASSERT_TRUE(attend.ok()) << attend;
+  for (int i : {0, nq - 1}) {
+    auto ref = synthetic::dense_attention(g, kSeed, 0, layer, tokens - nq + i);
+    for (size_t j = 0; j < ref.size(); ++j) {
+      ASSERT_NEAR(out.as<float>()[i * g.q_token_elems() + j], ref[j], 1e-4) << "query " << i;
+    }
+  }
   EXPECT_EQ(d.stop(), 0);
-  EXPECT_EQ((*c)->Ping().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*other)->Ping().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(DaemonTest, CliReportsHealthStatsAndSequencesAsTextAndJson) {

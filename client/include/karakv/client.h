@@ -24,9 +24,34 @@ namespace karakv {
 using kernels::DType;
 using kernels::Geometry;
 
+// What the client does when karakvd goes away (docs in README, "Daemon restarts"). A call that finds
+// the daemon unreachable fails with UNAVAILABLE and the client probes it again on later calls, no
+// sooner than the backoff allows: initial_backoff after the first failed probe, times multiplier
+// after each further one, at most max_backoff, each wait scaled by a random factor in
+// [1 - jitter, 1 + jitter]. When the daemon answering is a new instance (it restarted), the client
+// attaches again with the same options (same staging size: the region is remapped at the same
+// address with its bytes kept, so Buffers stay valid). Sequences of the old instance are lost:
+// any call naming one fails with a status for which IsDaemonRestarted() is true; create them again
+// and re-prefill. The lost sequence ids are never handed out again by this client.
+struct ReattachOptions {
+  bool enabled = true;
+  absl::Duration initial_backoff = absl::Milliseconds(100);
+  absl::Duration max_backoff = absl::Seconds(5);
+  double multiplier = 2.0;
+  double jitter = 0.2;
+  // Failed probes after which the client stops trying (calls then fail with UNAVAILABLE saying so);
+  // 0: no limit.
+  int max_attempts = 0;
+};
+
 struct ClientOptions {
   // gRPC target: "unix:/path/to.sock" or "host:port".
   std::string target = "unix:/tmp/karakv.sock";
+  // TLS to a TCP target (karakvd --tls_cert): PEM files of the CA that signed the daemon's
+  // certificate (empty: the system's roots) and, for mutual TLS (karakvd --tls_client_ca), this
+  // client's certificate and key. Any of them set, or tls = true, makes the channel TLS.
+  bool tls = false;
+  std::string tls_ca_file, tls_cert_file, tls_key_file;
   std::string worker_id = "worker";
   std::string tenant = "default";
   // Prefix cache namespace: empty keeps cached prompts private to the tenant; a name shares them
@@ -48,7 +73,13 @@ struct ClientOptions {
   absl::Duration ring_spin = absl::Microseconds(50);
   // Fast path: how long to wait for room in a full command ring before using gRPC instead.
   absl::Duration ring_full_wait = absl::Milliseconds(1);
+  ReattachOptions reattach;
 };
+
+// True for the error of a call that named a sequence lost because karakvd restarted (status code
+// ABORTED, message "... the daemon restarted; re-prefill ..."): the sequence's KV cache is gone;
+// create a new sequence and append the prompt again. Such a call never returns data.
+bool IsDaemonRestarted(const absl::Status& status);
 
 // Bytes for one tensor, in staging or on the heap. Cheap to copy (heap bytes are shared).
 class Buffer {
@@ -114,6 +145,7 @@ struct DaemonStats {
   uint64_t blocks_total = 0, blocks_used = 0, blocks_free = 0, block_bytes = 0, pool_bytes = 0;
   uint64_t resident_tokens = 0, decode_steps = 0, tokens_appended = 0, lease_expiries = 0;
   uint64_t decode_tokens = 0;  // one per sequence per completed decode step
+  uint64_t preemptions = 0;    // sequences preempted on pool pressure (karakvd --preempt_on_pressure)
   uint32_t sequences = 0, sessions = 0;
   uint64_t logical_tokens = 0, query_cache_bytes = 0, score_bytes = 0;
   std::vector<PolicyStats> policies;
@@ -137,6 +169,36 @@ struct SequenceInfo {
   int32_t priority = 0, pending_layer = -1;
 };
 
+// One event of this session's stream (WatchEvents; karakv.proto's Event).
+struct Event {
+  enum class Kind { kPreempted, kCompaction, kSessionEnded, kDropped };
+  Kind kind = Kind::kCompaction;
+  uint64_t number = 0;     // 1, 2, ... per stream; 0 for kDropped
+  double time_unix = 0;
+  uint64_t sequence_id = 0;  // kPreempted, kCompaction
+  // kPreempted: why (the request, wanted vs free blocks, the priority rule); kSessionEnded: why.
+  std::string reason;
+  int32_t priority = 0;
+  uint32_t blocks_freed = 0, tokens_lost = 0;              // kPreempted
+  std::string policy;                                      // kCompaction
+  uint32_t tokens_before = 0, tokens_after = 0;            // kCompaction
+  bool lease_expired = false;                              // kSessionEnded
+  uint32_t sequences_released = 0;                         // kSessionEnded
+  uint64_t dropped = 0;  // kDropped: events lost because this reader fell behind
+};
+
+// A session's event stream. Next blocks until an event arrives or the stream ends.
+class EventStream {
+ public:
+  virtual ~EventStream() = default;
+  // False when the stream has ended; Finish() then says how (OK after kSessionEnded, UNAVAILABLE
+  // when the daemon drains, CANCELLED after Cancel()).
+  virtual bool Next(Event* event) = 0;
+  virtual absl::Status Finish() = 0;
+  // Ends the stream from any thread; a blocked Next returns false.
+  virtual void Cancel() = 0;
+};
+
 class Client {
  public:
   static absl::StatusOr<std::unique_ptr<Client>> Attach(const ClientOptions& options);
@@ -149,7 +211,14 @@ class Client {
   absl::Status Detach();
 
   const Geometry& geometry() const;
+  // The current session; it changes when the client re-attaches after a daemon restart.
   const std::string& session_id() const;
+  // The daemon instance this client is attached to (random per karakvd start).
+  const std::string& instance_id() const;
+  // How many times this client attached again after a daemon restart, and how many probes of an
+  // unreachable daemon it made in all.
+  uint64_t reattaches() const;
+  uint64_t reattach_probes() const;
   uint64_t staging_bytes() const;
   // Whether Step/Attend currently go through the fast path's ring (attached with fast_path, and
   // the ring was not closed). The rings follow the staging region: they start at offset
@@ -210,6 +279,10 @@ class Client {
   absl::StatusOr<std::vector<SequenceInfo>> ListSequences();
   absl::Status Heartbeat();
   absl::Status Ping();
+  // This session's events from now on: preempted sequences (karakvd --preempt_on_pressure),
+  // compactions, the session's end. Returns once the daemon has subscribed the stream (or refused
+  // it: then Next returns false and Finish says why).
+  absl::StatusOr<std::unique_ptr<EventStream>> WatchEvents();
 
  private:
   struct Impl;

@@ -10,7 +10,7 @@ Errors are KaraKVError subclasses named after the gRPC status code (NotFound, In
 ResourceExhausted, ...), carrying the daemon's message.
 """
 from .client import Client, Compaction, Geometry, health
-from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
+from .errors import (Aborted, AlreadyExists, Cancelled, DaemonRestarted, DataLoss, DeadlineExceeded,
                      FailedPrecondition, Internal, InvalidArgument, KaraKVError, NotFound,
                      OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
                      Unimplemented, Unknown)
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client", "Compaction", "Geometry", "health", "KaraKVError", "Aborted", "AlreadyExists",
-    "Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
+    "Cancelled", "DaemonRestarted", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
     "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted",
     "Unauthenticated", "Unavailable", "Unimplemented", "Unknown",
 ]

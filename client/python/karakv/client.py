@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -234,6 +236,8 @@ class Client:
         background thread sends Heartbeat every lease/3 so the lease never runs out while attached."""
         self = cls()
         self._timeout = rpc_timeout
+        self._attach_args = dict(target=target, worker_id=worker_id, tenant=tenant, staging_bytes=staging_bytes,
+                                 geometry=geometry, heartbeat=heartbeat, rpc_timeout=rpc_timeout)
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                    ("grpc.max_send_message_length", _MAX_MESSAGE)]
         self._channel = grpc.insecure_channel(target, options=options)
@@ -248,6 +252,7 @@ class Client:
             self._channel = self._stub = None
             raise
         self.session_id = reply.session_id
+        self.instance_id = reply.instance_id  # random per karakvd start: a change means a restart
         self.geometry = Geometry.from_proto(reply.geometry)
         self.lease_seconds = reply.lease_seconds
         self.staging_name = reply.staging_name
@@ -320,6 +325,42 @@ class Client:
             self.close()
         except Exception:
             pass
+
+    def reattach(self, timeout: float = 30.0, initial_backoff: float = 0.1, max_backoff: float = 5.0) -> None:
+        """After DaemonRestarted (or any loss of the session): attaches again with the same options,
+        retrying with exponential backoff (x2 per attempt, +-20% jitter) until `timeout` seconds
+        have passed. The new session has a new staging region: arrays from the old alloc() must
+        not be used again. Sequences are not restored; create them again and re-prefill."""
+        deadline = time.monotonic() + timeout
+        delay = initial_backoff
+        while True:
+            try:
+                fresh = Client.attach(**{**self._attach_args, "heartbeat": False})
+                break
+            except errors.Unavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, max_backoff)
+        old_staging, old_channel = self._staging, self._channel
+        self._attached = False
+        self._stop_heartbeats()
+        with self._lock:
+            for name in ("_channel", "_stub", "_staging", "_attached", "session_id", "instance_id", "geometry",
+                         "lease_seconds", "staging_name"):
+                setattr(self, name, getattr(fresh, name))
+            # `fresh` only lent its session: its own close() must not detach or unmap anything.
+            fresh._attached = False
+            fresh._staging = fresh._channel = fresh._stub = None
+        if old_staging is not None:
+            old_staging.close()
+        if old_channel is not None:
+            old_channel.close()
+        if self._attach_args["heartbeat"] and self.lease_seconds > 0:
+            self._stop_heartbeat = threading.Event()
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, args=(self.lease_seconds / 3.0,),
+                                                      name="karakv-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
 
     def heartbeat(self) -> int:
         """Renews the lease now; returns the lease in seconds."""
@@ -565,4 +606,21 @@ class Client:
         try:
             return rpc(request, timeout=self._timeout)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, method) from None
+            err = errors.from_rpc_error(e, method)
+        # An unknown session may mean karakvd restarted (everything of this session is gone) rather
+        # than an expired lease: the instance id tells them apart.
+        if isinstance(err, errors.NotFound) and "session" in err.message and self._restarted():
+            raise errors.DaemonRestarted(
+                f"the daemon restarted; re-prefill (karakvd instance {self.instance_id} is gone, every sequence "
+                f"of session {self.session_id} with it; Client.reattach() opens a new session) [{err.message}]",
+                method) from None
+        raise err from None
+
+    def _restarted(self) -> bool:
+        if not getattr(self, "instance_id", ""):
+            return False
+        try:
+            reply = self._stub.Ping(pb.PingRequest(), timeout=self._timeout)
+        except grpc.RpcError:
+            return False
+        return reply.instance_id != self.instance_id

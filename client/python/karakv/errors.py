@@ -64,6 +64,13 @@ class Aborted(KaraKVError):
     code = grpc.StatusCode.ABORTED
 
 
+class DaemonRestarted(Aborted):
+    """karakvd restarted since this client attached (its instance id changed): the session and every
+    sequence of it are gone. Nothing was computed on stale data. Call Client.reattach() for a new
+    session and staging region (arrays from the old alloc() are invalid), then create the sequences
+    again and re-prefill."""
+
+
 class OutOfRange(KaraKVError):
     code = grpc.StatusCode.OUT_OF_RANGE
 

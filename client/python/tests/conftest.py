@@ -23,8 +23,16 @@ class Daemon:
     def __init__(self, binary, args, workdir):
         self.socket = os.path.join(workdir, f"karakvd-{len(os.listdir(workdir))}.sock")
         self.target = "unix:" + self.socket
-        self.proc = subprocess.Popen([binary, "--socket=" + self.socket, "--log_level=warn", "--threads=2",
-                                      *args], preexec_fn=_die_with_parent)
+        self._binary, self._args = binary, args
+        self._start()
+
+    def _start(self, die_with_parent=True):
+        # preexec_fn makes Python fork() and run code in the child; once this process has gRPC
+        # channels open, gRPC's fork handlers can abort that child (seen: "epoll_wait error: Bad file
+        # descriptor", SIGABRT). Without it, subprocess uses vfork/exec and no handler runs.
+        self.proc = subprocess.Popen([self._binary, "--socket=" + self.socket, "--log_level=warn", "--threads=2",
+                                      *self._args], preexec_fn=_die_with_parent if die_with_parent else None)
+        args = self._args
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -38,6 +46,14 @@ class Daemon:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError("karakvd did not start serving within 20 s")
+
+    def crash_and_restart(self):
+        """SIGKILL, then a new karakvd (a new instance) on the same socket with the same flags."""
+        self.proc.kill()
+        self.proc.wait()
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+        self._start(die_with_parent=False)  # stop() still ends it after the test
 
     def stop(self):
         if self.proc.poll() is None:

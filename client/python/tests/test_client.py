@@ -207,3 +207,39 @@ def test_compact_dry_run_changes_nothing_then_compacts(daemon):
         assert done.tokens_after == 12 and done.kept == []
         _, _, positions = c.read_kv(seq)
         np.testing.assert_array_equal(positions[1, 1], [0, 1] + list(range(10, 20)))
+
+
+def test_restart_is_a_typed_error_and_reattach_gives_a_working_session(start_daemon):
+    d = start_daemon("--pool_bytes=4MiB")
+    with karakv.Client.attach(d.target, staging_bytes=1 << 20) as c:
+        old_instance, old_session = c.instance_id, c.session_id
+        assert len(old_instance) == 32
+        seq = c.create_sequence()
+        k, v = kv(9)
+        c.append(seq, k, v)
+        d.crash_and_restart()
+        # Every call on the old session says the daemon restarted, never returns data.
+        with pytest.raises(karakv.DaemonRestarted) as e:
+            c.read_kv(seq)
+        assert "the daemon restarted; re-prefill" in e.value.message
+        assert e.value.code == grpc.StatusCode.ABORTED and e.value.method == "ReadKV"
+        assert isinstance(e.value, karakv.Aborted)
+        with pytest.raises(karakv.DaemonRestarted):
+            c.append(seq, k, v)
+        c.reattach()
+        assert c.instance_id != old_instance and c.session_id != old_session
+        assert c.stats().sessions == 1 and c.list_sequences() == []
+        seq2 = c.create_sequence()
+        assert c.append(seq2, k, v) == 9
+        rk, rv, pos = c.read_kv(seq2)
+        np.testing.assert_array_equal(rk, k)
+        np.testing.assert_array_equal(np.asarray(pos).reshape(-1)[:9], np.arange(9))
+
+
+def test_an_expired_lease_stays_not_found(start_daemon):
+    d = start_daemon("--pool_bytes=4MiB", "--lease_seconds=1")
+    with karakv.Client.attach(d.target, heartbeat=False) as c:
+        time.sleep(2.5)
+        with pytest.raises(karakv.NotFound) as e:
+            c.create_sequence()
+        assert not isinstance(e.value, karakv.DaemonRestarted)

@@ -1,0 +1,277 @@
+// Pool pressure with --preempt_on_pressure: the request that does not fit preempts the sequences
+// of lowest priority (least recently used among equals) until it fits, never one it serves and
+// never one of its own priority or higher; when preempting cannot make it fit, it is refused and
+// nothing changes. The owners of preempted sequences get an event; calls on a preempted sequence
+// say so. Also the event queue's bound (a slow reader loses the oldest events, counted).
+#include <vector>
+
+#include "common/synthetic.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/events.h"
+#include "server/registry.h"
+#include "tests/server/test_geometry.h"
+
+namespace karakv::server {
+namespace {
+
+using ::testing::HasSubstr;
+using synthetic::Tensor;
+
+constexpr uint64_t kSeed = 23;
+constexpr int kBlocks = 16;  // block_size 4: 64 tokens in all
+
+class PreemptionTest : public ::testing::Test {
+ protected:
+  void make(bool preempt) {
+    RegistryConfig c;
+    c.geometry = testing::small_test_geometry(kernels::DType::kFloat32);
+    c.pool_bytes = int64_t(kBlocks) * c.geometry.block_bytes();
+    c.preempt_on_pressure = preempt;
+    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    reg_ = std::move(*r);
+    reg_->set_event_observer([this](const RegistryEvent& e) { events_.push_back(e); });
+  }
+
+  std::string attach(const std::string& tenant) {
+    auto a = reg_->attach("w", tenant, 0, kernels::Geometry{});
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? a->session_id : "";
+  }
+
+  uint64_t create(const std::string& session, int priority, const std::string& policy = "none") {
+    SequenceOptions o;
+    o.priority = priority;
+    o.policy = policy;
+    if (policy == "streaming") o.params = {{"c_max", 1000}, {"c_target", 8}};
+    auto id = reg_->create_sequence(session, o);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : 0;
+  }
+
+  absl::StatusOr<int32_t> append(const std::string& session, uint64_t seq, int n) {
+    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size());
+    synthetic::fill_prompt(k.data(), reg_->geometry(), kSeed, Tensor::kKey, seq, 0, n);
+    synthetic::fill_prompt(v.data(), reg_->geometry(), kSeed, Tensor::kValue, seq, 0, n);
+    return reg_->append(session, seq, n, k, v);
+  }
+
+  absl::Status step(const std::string& session, const std::vector<uint64_t>& ids, int64_t pos) {
+    const auto& g = reg_->geometry();
+    const size_t kvb = g.kv_token_elems() * kernels::dtype_size(g.dtype);
+    for (int l = 0; l < g.num_layers; ++l) {
+      std::vector<uint8_t> k(kvb * ids.size()), v(k.size());
+      std::vector<float> q(g.q_token_elems() * ids.size()), out(q.size());
+      for (size_t i = 0; i < ids.size(); ++i) {
+        synthetic::fill_token(k.data() + i * kvb, g, kSeed, Tensor::kKey, ids[i], l, pos);
+        synthetic::fill_token(v.data() + i * kvb, g, kSeed, Tensor::kValue, ids[i], l, pos);
+        synthetic::fill_query(q.data() + i * g.q_token_elems(), g, kSeed, ids[i], l, pos);
+      }
+      auto r = reg_->step(session, l, ids, k, v, ConstBytes(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4),
+                          MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
+      if (!r.ok()) return r.status();
+    }
+    return absl::OkStatus();
+  }
+
+  std::string state() {
+    EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+    RegistryStats st = reg_->stats();
+    std::string s = absl::StrCat("used=", st.blocks_used, " free=", st.blocks_free, " tokens=", st.resident_tokens,
+                                 " sequences=", st.sequences, " preemptions=", st.preemptions);
+    for (const auto& i : reg_->list_sequences("")) absl::StrAppend(&s, " [", i.id, " len=", i.length, "]");
+    return s;
+  }
+
+  std::vector<RegistryEvent> preempted() const {
+    std::vector<RegistryEvent> out;
+    for (const auto& e : events_) {
+      if (e.kind == RegistryEvent::Kind::kPreempted) out.push_back(e);
+    }
+    return out;
+  }
+
+  std::unique_ptr<Registry> reg_;
+  std::vector<RegistryEvent> events_;
+};
+
+TEST_F(PreemptionTest, PreemptsTheLowestPriorityLeastRecentlyUsedAndServesTheRequest) {
+  make(true);
+  const std::string a = attach("ta"), b = attach("tb"), c = attach("tc");
+  const uint64_t low_a = create(a, 0), low_b = create(b, 0), mid = create(b, 5), high = create(c, 10);
+  ASSERT_EQ(*append(a, low_a, 8), 8);
+  ASSERT_EQ(*append(b, low_b, 16), 16);
+  ASSERT_EQ(*append(a, low_a, 8), 16);  // low_a is now the more recently used of the two
+  ASSERT_EQ(*append(b, mid, 16), 16);
+  ASSERT_EQ(*append(c, high, 16), 16);
+  ASSERT_EQ(reg_->stats().blocks_free, 0);
+
+  auto r = append(c, high, 4);  // one block more: low_b goes
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, 20);
+  ASSERT_EQ(preempted().size(), 1u);
+  const RegistryEvent e = preempted()[0];
+  EXPECT_EQ(e.session_id, b);
+  EXPECT_EQ(e.sequence_id, low_b);
+  EXPECT_EQ(e.priority, 0);
+  EXPECT_EQ(e.blocks_freed, 4);
+  EXPECT_EQ(e.tokens, 16);
+  EXPECT_THAT(e.message, HasSubstr(absl::StrCat("sequence ", low_b, " (priority 0) was preempted to free blocks for a "
+                                                "higher-priority request: appending 4 tokens to sequence ",
+                                                high, " (priority 10) wanted 1 blocks, 0 free of 16")));
+  EXPECT_THAT(e.message, HasSubstr("re-prefill"));
+  const RegistryStats st = reg_->stats();
+  EXPECT_EQ(st.preemptions, 1u);
+  EXPECT_EQ(st.blocks_free, 3);
+  EXPECT_EQ(st.sequences, 3);
+  EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+
+  // Calls on the preempted sequence say what happened; another tenant still gets PERMISSION_DENIED.
+  auto again = append(b, low_b, 4);
+  ASSERT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_EQ(again.status().message(), e.message);
+  EXPECT_EQ(reg_->fork_sequence(b, low_b).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(append(a, low_b, 4).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(reg_->release_sequence(a, low_b).status().code(), absl::StatusCode::kPermissionDenied);
+  // Releasing it acknowledges the preemption; then it is unknown.
+  auto released = reg_->release_sequence(b, low_b);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 0);
+  EXPECT_EQ(append(b, low_b, 4).status().code(), absl::StatusCode::kNotFound);
+  // The other sequences are intact.
+  EXPECT_EQ(reg_->list_sequences(a)[0].length, 16);
+  EXPECT_TRUE(reg_->check_invariants().ok());
+}
+
+TEST_F(PreemptionTest, RefusesAndChangesNothingWhenPreemptingCannotMakeItFit) {
+  make(true);
+  const std::string a = attach("ta"), c = attach("tc");
+  const uint64_t low = create(a, 0), peer = create(a, 10), high = create(c, 10);
+  ASSERT_TRUE(append(a, low, 16).ok());
+  ASSERT_TRUE(append(a, peer, 16).ok());
+  ASSERT_TRUE(append(c, high, 32).ok());
+  const std::string before = state();
+  // 8 blocks wanted; only low (4 blocks) has a lower priority: peer, of equal priority, is never taken.
+  auto r = append(c, high, 32);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(r.status().message(),
+            absl::StrCat("KV pool full: appending 32 tokens to sequence ", high,
+                         " wanted 8 blocks, 0 free of 16; preempting every sequence of lower priority than 10 (1) "
+                         "would make only 4 available (karakvd --preempt_on_pressure)"));
+  EXPECT_EQ(state(), before);
+  EXPECT_TRUE(preempted().empty());
+  // A request of the lowest priority preempts nothing.
+  auto lowest = append(a, low, 4);
+  ASSERT_EQ(lowest.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(lowest.status().message()), HasSubstr("lower priority than 0 (0) would make only 0"));
+  EXPECT_EQ(state(), before);
+}
+
+TEST_F(PreemptionTest, OffByDefaultTheFullPoolRefuses) {
+  make(false);
+  const std::string a = attach("ta"), c = attach("tc");
+  const uint64_t low = create(a, 0), high = create(c, 10);
+  ASSERT_TRUE(append(a, low, 32).ok());
+  ASSERT_TRUE(append(c, high, 32).ok());
+  const std::string before = state();
+  auto r = append(c, high, 4);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.status().message(),
+            absl::StrCat("KV pool full: appending 4 tokens to sequence ", high, " wanted 1 blocks, 0 free of 16"));
+  EXPECT_EQ(state(), before);
+  EXPECT_TRUE(preempted().empty());
+}
+
+TEST_F(PreemptionTest, StepNeverPreemptsItsOwnBatchAndCountsSharedBlocksOnce) {
+  make(true);
+  const std::string a = attach("ta"), b = attach("tb");
+  // The batch: high (10) and low_in_batch (0), each at a block boundary, so the Step wants 2 blocks.
+  const uint64_t high = create(a, 10), low_in_batch = create(a, 0);
+  ASSERT_TRUE(append(a, high, 16).ok());
+  ASSERT_TRUE(append(a, low_in_batch, 16).ok());
+  // Outside it: a priority-0 parent and its fork share 4 blocks (so one alone frees nothing), and
+  // a priority-1 sequence of 4 blocks.
+  const uint64_t parent = create(b, 0);
+  ASSERT_TRUE(append(b, parent, 16).ok());
+  auto child = reg_->fork_sequence(b, parent);
+  ASSERT_TRUE(child.ok());
+  const uint64_t one = create(b, 1);
+  ASSERT_TRUE(append(b, one, 16).ok());
+  ASSERT_EQ(reg_->stats().blocks_free, 0);
+  // Lowest first: parent (frees nothing, its fork still holds the blocks), then child (frees 4).
+  // low_in_batch has priority 0 too but is served; `one` is not needed.
+  ASSERT_TRUE(step(a, {high, low_in_batch}, 16).ok());
+  ASSERT_EQ(preempted().size(), 2u);
+  EXPECT_EQ(preempted()[0].sequence_id, parent);
+  EXPECT_EQ(preempted()[0].blocks_freed, 0);
+  EXPECT_EQ(preempted()[1].sequence_id, *child);
+  EXPECT_EQ(preempted()[1].blocks_freed, 4);
+  EXPECT_THAT(preempted()[1].message, HasSubstr("Step over 2 sequences (priority 10) wanted 2 blocks, 0 free of 16"));
+  const RegistryStats st = reg_->stats();
+  EXPECT_EQ(st.blocks_free, 2);
+  EXPECT_EQ(st.preemptions, 2u);
+  std::vector<uint64_t> live;
+  for (const auto& i : reg_->list_sequences("")) live.push_back(i.id);
+  EXPECT_THAT(live, ::testing::UnorderedElementsAre(high, low_in_batch, one));
+  EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+}
+
+TEST_F(PreemptionTest, CompactionsAndSessionEndsAreEvents) {
+  make(false);
+  const std::string a = attach("ta"), b = attach("tb");
+  const uint64_t seq = create(a, 0, "streaming");
+  ASSERT_TRUE(append(a, seq, 20).ok());
+  ASSERT_TRUE(reg_->compact(a, seq, true).ok());  // a dry run is no event
+  EXPECT_TRUE(events_.empty());
+  ASSERT_TRUE(reg_->compact(a, seq, false).ok());
+  ASSERT_EQ(events_.size(), 1u);
+  EXPECT_EQ(events_[0].kind, RegistryEvent::Kind::kCompaction);
+  EXPECT_EQ(events_[0].session_id, a);
+  EXPECT_EQ(events_[0].sequence_id, seq);
+  EXPECT_EQ(events_[0].policy, "streaming");
+  EXPECT_EQ(events_[0].tokens_before, 20);
+  EXPECT_EQ(events_[0].tokens_after, 8);
+  ASSERT_TRUE(reg_->detach(a).ok());
+  ASSERT_EQ(events_.size(), 2u);
+  EXPECT_EQ(events_[1].kind, RegistryEvent::Kind::kSessionEnded);
+  EXPECT_EQ(events_[1].session_id, a);
+  EXPECT_FALSE(events_[1].lease_expired);
+  EXPECT_EQ(events_[1].sequences_released, 1);
+  create(b, 0);
+  EXPECT_EQ(reg_->expire_leases(absl::Now() + absl::Hours(1)), 1);
+  ASSERT_EQ(events_.size(), 3u);
+  EXPECT_EQ(events_[2].session_id, b);
+  EXPECT_TRUE(events_[2].lease_expired);
+  EXPECT_EQ(events_[2].message, "lease expired: no Heartbeat for 30s; the session's 1 sequences and staging were freed");
+}
+
+TEST(EventQueueTest, ASlowReaderLosesTheOldestEventsAndIsToldHowMany) {
+  EventQueue q(4);
+  for (int i = 0; i < 10; ++i) {
+    v1::Event e;
+    e.mutable_compaction()->set_sequence_id(100 + i);
+    q.push(e);
+  }
+  EXPECT_EQ(q.size(), 4u);
+  EXPECT_EQ(q.dropped_total(), 6u);
+  auto marker = q.pop();
+  ASSERT_TRUE(marker.has_value());
+  ASSERT_TRUE(marker->has_dropped());
+  EXPECT_EQ(marker->dropped().count(), 6u);
+  EXPECT_EQ(marker->number(), 0u);
+  for (int i = 6; i < 10; ++i) {
+    auto e = q.pop();
+    ASSERT_TRUE(e.has_value());
+    EXPECT_EQ(e->number(), uint64_t(i + 1));
+    EXPECT_EQ(e->compaction().sequence_id(), uint64_t(100 + i));
+  }
+  EXPECT_FALSE(q.pop().has_value());
+  // A loss after that is announced again, with its own count.
+  for (int i = 0; i < 5; ++i) q.push(v1::Event());
+  EXPECT_EQ(q.pop()->dropped().count(), 1u);
+  EXPECT_EQ(q.pop()->number(), 12u);
+}
+
+}  // namespace
+}  // namespace karakv::server

@@ -1,0 +1,209 @@
+// The service's handlers without a transport (KaraKVService::Handle, what each gRPC method runs
+// before Finish, and what the fuzz harnesses call), the ring server without threads
+// (RingServer::poll), and the regression tests of what fuzzing found (tests/fuzz).
+#include "server/service.h"
+
+#include <cstring>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "karakv/v1/ring.h"
+#include "server/metrics.h"
+#include "server/ring.h"
+#include "spdlog/spdlog.h"
+#include "test_geometry.h"
+
+namespace karakv::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spdlog::set_level(spdlog::level::err);
+    RegistryConfig rc;
+    rc.geometry = testing::small_test_geometry(kernels::DType::kFloat32);  // L2 Hq4 Hk2 D8, block 4
+    rc.pool_bytes = 32 * rc.geometry.block_bytes();
+    registry_ = *Registry::create(rc, kernels::make_cpu_backend(1));
+    metrics_ = *Metrics::create("");
+    service_ = std::make_unique<KaraKVService>(registry_.get(), metrics_.get(), true);
+    RingConfig cfg;
+    cfg.threads = false;
+    rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+    service_->set_rings(rings_.get());
+  }
+  void TearDown() override {
+    rings_->stop_all();
+    EXPECT_TRUE(registry_->check_invariants().ok());
+  }
+
+  std::string attach(bool fast_path = false) {
+    v1::AttachRequest req;
+    req.set_staging_bytes(1 << 16);
+    req.set_fast_path(fast_path);
+    v1::AttachReply reply;
+    EXPECT_TRUE(service_->Handle(req, &reply).ok());
+    return reply.session_id();
+  }
+  // A sequence with `tokens` tokens appended inline.
+  uint64_t sequence(const std::string& session, int tokens) {
+    v1::CreateSequenceRequest c;
+    c.set_session_id(session);
+    v1::CreateSequenceReply cr;
+    EXPECT_TRUE(service_->Handle(c, &cr).ok());
+    v1::AppendRequest a;
+    a.set_session_id(session);
+    a.set_sequence_id(cr.sequence_id());
+    a.set_num_tokens(tokens);
+    a.mutable_k()->set_data(std::string(registry_->append_bytes(tokens), '\0'));
+    a.mutable_v()->set_data(std::string(registry_->append_bytes(tokens), '\0'));
+    v1::AppendReply ar;
+    EXPECT_TRUE(service_->Handle(a, &ar).ok());
+    return cr.sequence_id();
+  }
+
+  std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<KaraKVService> service_;
+  std::unique_ptr<RingServer> rings_;
+};
+
+TEST_F(ServiceTest, HandleServesTheSessionlessAndSessionMethods) {
+  const std::string s = attach();
+  const uint64_t id = sequence(s, 5);
+  v1::ForkSequenceRequest fork;
+  fork.set_session_id(s);
+  fork.set_sequence_id(id);
+  v1::ForkSequenceReply forked;
+  ASSERT_TRUE(service_->Handle(fork, &forked).ok());
+  EXPECT_EQ(forked.sequence_id(), id + 1);
+  v1::ListSequencesRequest list;
+  list.set_session_id(s);
+  v1::ListSequencesReply listed;
+  ASSERT_TRUE(service_->Handle(list, &listed).ok());
+  ASSERT_EQ(listed.sequences_size(), 2);
+  EXPECT_EQ(listed.sequences(0).session_id(), s);
+  v1::HeartbeatRequest hb;
+  hb.set_session_id(s);
+  v1::HeartbeatReply hbr;
+  ASSERT_TRUE(service_->Handle(hb, &hbr).ok());
+  EXPECT_EQ(hbr.lease_seconds(), 30u);
+  v1::ReleaseSequenceRequest rel;
+  rel.set_session_id(s);
+  rel.set_sequence_id(forked.sequence_id());
+  v1::ReleaseSequenceReply relr;
+  ASSERT_TRUE(service_->Handle(rel, &relr).ok());
+  v1::DetachRequest det;
+  det.set_session_id(s);
+  v1::DetachReply detr;
+  ASSERT_TRUE(service_->Handle(det, &detr).ok());
+  EXPECT_EQ(detr.sequences_released(), 1u);
+  const absl::Status again = service_->Handle(hb, &hbr);
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(again.message(), HasSubstr("unknown session"));
+  v1::StatsRequest st;
+  st.set_check_invariants(true);
+  v1::StatsReply str;
+  ASSERT_TRUE(service_->Handle(st, &str).ok());
+  EXPECT_TRUE(str.invariants_checked());
+  EXPECT_EQ(str.invariant_error(), "");
+  EXPECT_EQ(str.blocks_used(), 0u);
+  EXPECT_EQ(str.sessions(), 0u);
+  // The failed Heartbeat is counted as the gRPC method would count it.
+  bool counted = false;
+  for (const auto& e : str.rpc_errors()) counted |= e.method() == "Heartbeat" && e.code() == "NOT_FOUND";
+  EXPECT_TRUE(counted);
+}
+
+TEST_F(ServiceTest, DrainingRefusesThroughHandleToo) {
+  service_->start_draining();
+  v1::PingReply reply;
+  const absl::Status s = service_->Handle(v1::PingRequest(), &reply);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("draining"));
+}
+
+// The ring server without threads: poll() runs exactly what the thread would.
+TEST_F(ServiceTest, RingPollRunsCommandsOnTheCallersThread) {
+  const std::string s = attach(true);
+  const uint64_t id = sequence(s, 5);
+  auto staging = *registry_->staging(s);
+  ring::Header* h = ring::header(staging->reserved());
+  ring::Command c{};
+  c.tag = 42;
+  c.op = uint32_t(ring::Op::kAttend);
+  c.sequence_id = id;
+  c.count = 1;
+  c.q = {0, registry_->q_bytes(1)};
+  c.out = {4096, registry_->q_bytes(1)};
+  std::memcpy(&ring::commands(staging->reserved())[0], &c, sizeof c);
+  h->sq_tail.store(1);
+  auto ran = rings_->poll(s);
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  EXPECT_EQ(*ran, 1);
+  ASSERT_EQ(h->cq_tail.load(), 1u);
+  const ring::Completion& done = ring::completions(staging->reserved())[0];
+  EXPECT_EQ(done.tag, 42u);
+  EXPECT_EQ(done.code, 0u) << std::string(done.message, done.message_bytes);
+  // Nothing waiting: nothing run.
+  EXPECT_EQ(*rings_->poll(s), 0);
+  // A garbage command closes the ring and the session, as on the thread.
+  c.op = 9;
+  std::memcpy(&ring::commands(staging->reserved())[1], &c, sizeof c);
+  h->sq_tail.store(2);
+  EXPECT_EQ(*rings_->poll(s), 0);
+  EXPECT_EQ(h->state.load(), uint32_t(ring::State::kClosed));
+  EXPECT_THAT(std::string(h->close_message), HasSubstr("has op 9"));
+  EXPECT_FALSE(registry_->staging(s).ok());
+  const auto gone = rings_->poll(s);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+}
+
+// Found with service_fuzzer (tests/fuzz/corpus/service_fuzzer/finding-attend-num-queries-4294967295):
+// a 17-byte Attend claiming 2^32 - 1 queries had the handler size its inline output, 512 GiB,
+// before anything checked num_queries against q. Now the output is sized only once q agrees.
+TEST_F(ServiceTest, AttendClaimingMoreQueriesThanItSendsAllocatesNothing) {
+  const std::string s = attach();
+  const uint64_t id = sequence(s, 5);
+  v1::AttendRequest req;
+  req.set_session_id(s);
+  req.set_sequence_id(id);
+  req.set_num_queries(4294967295u);
+  req.mutable_q()->set_data(std::string(registry_->q_bytes(1), '\0'));
+  v1::AttendReply reply;
+  absl::Status st = service_->Handle(req, &reply);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "num_queries 4294967295 is out of range, expected 1..2147483647");
+  EXPECT_EQ(reply.out().size(), 0u);
+  req.set_num_queries(1u << 24);  // in range, but q holds one query
+  st = service_->Handle(req, &reply);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "q has 128 bytes, expected 2147483648 ([N=16777216][Hq=4][D=8] fp32)");
+  EXPECT_EQ(reply.out().size(), 0u);
+  // Staging output: the range's length is checked against the claim, nothing is allocated.
+  req.mutable_out()->mutable_staging()->set_offset(0);
+  req.mutable_out()->mutable_staging()->set_length(128);
+  st = service_->Handle(req, &reply);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "out staging range has 128 bytes, expected 2147483648");
+}
+
+TEST_F(ServiceTest, StepWithMoreSequencesThanItsQueriesAllocatesNothing) {
+  const std::string s = attach();
+  const uint64_t id = sequence(s, 5);
+  v1::StepRequest req;
+  req.set_session_id(s);
+  for (int i = 0; i < 100000; ++i) req.add_sequence_ids(id);
+  req.mutable_k()->set_data(std::string(registry_->step_kv_bytes(1), '\0'));
+  req.mutable_v()->set_data(std::string(registry_->step_kv_bytes(1), '\0'));
+  req.mutable_q()->set_data(std::string(registry_->q_bytes(1), '\0'));
+  v1::StepReply reply;
+  const absl::Status st = service_->Handle(req, &reply);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "k has 64 bytes, expected 6400000 ([B=100000][Hk=2][D=8] fp32)");
+  EXPECT_EQ(reply.out().size(), 0u);
+}
+
+}  // namespace
+}  // namespace karakv::server
