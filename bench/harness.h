@@ -92,6 +92,8 @@ class ChildProcess {
   }
 
   const std::string& name() const { return name_; }
+  // The process id while it runs (-1 once it has ended and been reaped).
+  pid_t pid() const { return pid_; }
 
   bool running() {
     if (pid_ <= 0) return false;

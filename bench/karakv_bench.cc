@@ -11,6 +11,8 @@
 //   quant   quantized storage (kivi2/4, tq2/3/4, kara+kivi4): actual vs nominal compression ratio at
 //           1k/4k/16k tokens, attention error vs fp16, quantized attention time vs fp16
 //   serve   a continuous-batching serving sweep (serve.cc): output throughput vs max batch per policy (P4)
+//   soak    N worker processes doing random operations and crashes against one karakvd for T minutes
+//           (soak.cc): errors by code, pool invariant, sampled outputs vs a reference, daemon RSS
 #include <emmintrin.h>
 #include <fcntl.h>
 #include <omp.h>
@@ -59,6 +61,7 @@
 #include "common/synthetic.h"
 #include "harness.h"
 #include "serve.h"
+#include "soak.h"
 #include "karakv/client.h"
 #include "karakv/kernels/backend.h"
 #include "karakv/kernels/half.h"
@@ -2138,7 +2141,7 @@ absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
       "  p1      Append throughput vs Redis SET (target >= 3x)\n"
       "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
       "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"
@@ -2151,11 +2154,21 @@ int main(int argc, char** argv) {
       "          --quick: ~1 min)\n"
       "  ring    decode fast path: Step round trip via the shared-memory ring vs gRPC vs Ping (target <= 0.1x\n"
       "          of Ping), synthetic-worker decode tokens/s with and without the ring\n"
+      "  soak    --workers=N worker processes doing random Attach/Create/Append/Step/Compact/Fork/Release/\n"
+      "          Detach and crashes for --minutes=T against one karakvd (--seed): ops/s, errors by code,\n"
+      "          pool invariant, sampled Step outputs vs a float64 reference, daemon RSS growth; exits 1 on\n"
+      "          anything unexpected (runs alone, not part of 'all')\n"
       "  Several modes may be given: karakv-bench p5 memory");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() == 2 && std::string(args[1]) == "serve-worker") return serve_worker_main();
+  if (args.size() == 2 && std::string(args[1]) == "soak-worker") return soak_worker_main();
   if (args.size() < 2) {
-    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|all... [flags]  (--help for the flags)\n");
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|all... [flags]  (--help for the flags)\n");
+    return 2;
+  }
+  const bool soak = std::any_of(args.begin() + 1, args.end(), [](const char* a) { return std::string(a) == "soak"; });
+  if (soak && args.size() != 2) {
+    std::fprintf(stderr, "karakv-bench: soak runs alone (it has its own table and exit status)\n");
     return 2;
   }
   const std::vector<std::string> known = {"p1", "p2", "p3", "p5", "memory", "quant", "prefix", "ring"};
@@ -2164,10 +2177,10 @@ int main(int argc, char** argv) {
     const std::string m = args[i];
     if (m == "all") {
       modes.insert(modes.end(), known.begin(), known.end());
-    } else if (m == "serve" || std::find(known.begin(), known.end(), m) != known.end()) {
+    } else if (m == "serve" || m == "soak" || std::find(known.begin(), known.end(), m) != known.end()) {
       modes.push_back(m);
     } else {
-      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, ring, serve or all\n", m.c_str());
+      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, ring, serve, soak or all\n", m.c_str());
       return 2;
     }
   }
@@ -2178,13 +2191,16 @@ int main(int argc, char** argv) {
   sigemptyset(&sa.sa_mask);
   for (int sig : {SIGINT, SIGTERM, SIGALRM, SIGHUP}) sigaction(sig, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
-  alarm(static_cast<unsigned>(std::max(1, absl::GetFlag(FLAGS_timeout_s))));
+  // A soak longer than --timeout_s gets its length plus five minutes to stop and report.
+  const double limit = std::max<double>(1, absl::GetFlag(FLAGS_timeout_s));
+  alarm(static_cast<unsigned>(soak ? std::max(limit, soak_seconds() + 300) : limit));
 
   auto dir = TempDir::make();
   if (!dir.ok()) {
     std::fprintf(stderr, "karakv-bench: %s\n", dir.status().ToString().c_str());
     return 1;
   }
+  if (soak) return run_soak(*dir, absl::GetFlag(FLAGS_out_dir));
   std::vector<Row> all;
   std::vector<std::string> busy;  // other processes' CPU use just before each mode
   for (const std::string& m : modes) {

@@ -13,7 +13,11 @@ packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           # tests/ops: promtool and a real Prometheus server check the metrics, the alert rules and
           # every query of the Grafana dashboard; python3 runs those script tests
           # and parses the karakv-bench serve smoke test's CSVs.
-          prometheus python3)
+          prometheus python3
+          # tests/integration/tls_test.cc makes a throwaway CA and certificates with the openssl CLI.
+          openssl
+          # scripts/test.sh's fuzzing stage, tests/fuzz: clang with libFuzzer's runtime.
+          clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

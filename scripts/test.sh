@@ -13,15 +13,73 @@ bash scripts/fetch_smollm2.sh ||
 echo "==> running the test suite"
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 
+# Sanitizer findings from every process (test binaries, the karakvd daemons they start, workers,
+# the CLI) go to files under $1 as well as failing where they happen; a stage passes only when
+# none were written, so a finding in a daemon whose exit status a test ignores still fails CI.
+sanitizer_logs() {
+  rm -rf "$1" && mkdir -p "$1"
+  export ASAN_OPTIONS="log_path=$PWD/$1/asan:detect_leaks=1"
+  export UBSAN_OPTIONS="log_path=$PWD/$1/ubsan:print_stacktrace=1:halt_on_error=1"
+  export TSAN_OPTIONS="log_path=$PWD/$1/tsan:halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp"
+}
+check_sanitizer_logs() {
+  if compgen -G "$1/*" > /dev/null; then
+    echo "sanitizer findings (in $1):" >&2
+    cat "$1"/* >&2
+    exit 1
+  fi
+}
+integration_tests() {  # $1: build tree
+  (cd "$1/tests/integration" && ./integration_test --gtest_brief=1 && ./prefix_integration_test --gtest_brief=1 &&
+     ./ring_integration_test --gtest_brief=1)
+}
+
 # The unit tests of the kernels and of the daemon's core (pool, registry, policies, staging, ring,
-# prefix cache, limits) once more, built with AddressSanitizer (leaks included) and
-# UndefinedBehaviorSanitizer, any finding fatal. A separate tree, build-asan/; ccache keeps it cheap
-# after the first time.
-echo "==> the kernel and server unit tests under ASan + UBSan (build-asan/)"
+# prefix cache, limits), the integration tests (real daemons, workers and CLI, all instrumented)
+# and the fuzz harnesses' corpora once more, built with AddressSanitizer (leaks included) and
+# UndefinedBehaviorSanitizer, any finding fatal. A separate tree, build-asan/; ccache keeps it
+# cheap after the first time.
+echo "==> unit and integration tests under ASan + UBSan (build-asan/)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_SANITIZE=address,undefined \
   -DKARAKV_BUILD_BENCH=OFF > /dev/null
-cmake --build build-asan -j "$(nproc)" --target kernels_test server_test
-export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+cmake --build build-asan -j "$(nproc)" --target kernels_test server_test integration_test \
+  prefix_integration_test ring_integration_test service_fuzzer ring_fuzzer
+sanitizer_logs build-asan/sanitizer-logs
 ./build-asan/tests/kernels/kernels_test --gtest_brief=1
 ./build-asan/tests/server/server_test --gtest_brief=1
-echo "==> all tests passed (ctest suite, and the unit tests under ASan + UBSan)"
+integration_tests build-asan
+./build-asan/tests/fuzz/service_fuzzer tests/fuzz/corpus/service_fuzzer
+./build-asan/tests/fuzz/ring_fuzzer tests/fuzz/corpus/ring_fuzzer
+check_sanitizer_logs build-asan/sanitizer-logs
+
+# ThreadSanitizer over the daemon's core with its own threads (ring threads, the registry under
+# concurrent calls, lease expiry): server_test. Debian's libabsl and libgomp are not instrumented,
+# so TSan cannot see absl::Mutex or OpenMP's barriers: tests/tsan_absl_mutex.cc, preloaded,
+# reports each Mutex lock/unlock to TSan, and OMP_THREAD_LIMIT=1 keeps the kernels' parallel loops
+# on the calling thread. The integration tests are not run here: every handoff between gRPC's
+# threads happens inside Debian's uninstrumented libgrpc, and TSan reports races inside gRPC's own
+# call objects (docs/RELIABILITY.md). Suppressions, each explained: tests/tsan.supp.
+echo "==> server unit tests under TSan (build-tsan/)"
+cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_SANITIZE=thread \
+  -DKARAKV_BUILD_BENCH=OFF > /dev/null
+cmake --build build-tsan -j "$(nproc)" --target server_test tsan_absl_mutex
+sanitizer_logs build-tsan/sanitizer-logs
+LD_PRELOAD="$PWD/build-tsan/tests/libtsan_absl_mutex.so" OMP_THREAD_LIMIT=1 ./build-tsan/tests/server/server_test --gtest_brief=1
+check_sanitizer_logs build-tsan/sanitizer-logs
+unset ASAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS
+
+# libFuzzer (clang, ASan + UBSan) over the request handlers, their protobuf decoding and the fast
+# path's ring commands, 30 s a harness from the committed corpora (tests/fuzz/). A crash, a leak,
+# a broken pool invariant or a refusal without a message stops the run and fails CI; the input
+# is left in build-fuzz/findings/.
+echo "==> fuzzing the handlers and the ring for 30 s each (build-fuzz/)"
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_FUZZ=ON \
+  -DKARAKV_BUILD_BENCH=OFF > /dev/null
+cmake --build build-fuzz -j "$(nproc)" --target service_fuzzer ring_fuzzer
+mkdir -p build-fuzz/findings
+for f in service_fuzzer ring_fuzzer; do
+  rm -rf "build-fuzz/corpus/$f" && mkdir -p "build-fuzz/corpus/$f"
+  "./build-fuzz/tests/fuzz/$f" -max_total_time=30 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    -artifact_prefix="build-fuzz/findings/$f-" "build-fuzz/corpus/$f" "tests/fuzz/corpus/$f"
+done
+echo "==> all tests passed (ctest suite; unit and integration tests under ASan + UBSan; server tests under TSan; fuzzing)"
