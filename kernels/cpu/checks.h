@@ -43,14 +43,18 @@ class Allocations {
     map_.erase(p);
   }
   // Blocks in kv.pool when it is one of these allocations, else -1 (then block ids are only
-  // checked against 0). Asked before the arguments are validated, so a geometry that is not one
-  // (e.g. a zero block size) has no block count either: the validators refuse it.
+  // checked against 0). Asked before the arguments are validated (on every decode), so it only
+  // guards its own division: a geometry the validators will refuse (a zero or negative size) has
+  // no block count.
   long long pool_blocks(const PagedKV& kv) const {
-    if (!check_geometry("", kv).is_ok()) return -1;
+    const Geometry& g = kv.geometry;
+    if (g.num_layers <= 0 || g.num_kv_heads <= 0 || g.block_size <= 0 || g.head_dim <= 0) return -1;
+    const size_t block_bytes = g.block_bytes();
+    if (block_bytes == 0) return -1;  // the product wrapped
     std::lock_guard<std::mutex> lock(mu_);
     auto it = map_.find(kv.pool);
     if (it == map_.end()) return -1;
-    return static_cast<long long>(it->second / kv.geometry.block_bytes());
+    return static_cast<long long>(it->second / block_bytes);
   }
   // Calls f(pointer) for every live allocation and forgets them (a backend's destructor).
   template <typename F>

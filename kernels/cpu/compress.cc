@@ -173,8 +173,8 @@ void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
 }  // namespace
 
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
-                           float scale, float* out) {
-  KARAKV_RETURN_IF_ERROR(validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, -1));
+                           float scale, float* out, long long pool_blocks) {
+  KARAKV_RETURN_IF_ERROR(validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks));
 
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
@@ -204,8 +204,8 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 }
 
 KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
-                           int pool, float* out) {
-  KARAKV_RETURN_IF_ERROR(validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, -1));
+                           int pool, float* out, long long pool_blocks) {
+  KARAKV_RETURN_IF_ERROR(validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks));
   const int n = kv.seq_len[seq];
 
   const Geometry& geo = kv.geometry;
@@ -304,8 +304,9 @@ KernelStatus token2chunk(const float* scores, int n, int budget, int num_candida
   return KernelStatus::ok();
 }
 
-KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const int32_t* dst_blocks) {
-  KARAKV_RETURN_IF_ERROR(validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, -1));
+KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const int32_t* dst_blocks,
+                           long long pool_blocks) {
+  KARAKV_RETURN_IF_ERROR(validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks));
   if (num_kept == 0) return KernelStatus::ok();
   const Geometry& geo = kv.geometry;
   const int bs = geo.block_size;

@@ -17,7 +17,7 @@ namespace karakv::kernels::cpu {
 //   q:   [window][num_q_heads][head_dim] fp32
 //   out: [num_kv_heads][window] fp32
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
-                           const float* q, float scale, float* out);
+                           const float* q, float scale, float* out, long long pool_blocks = -1);
 
 // SnapKV scores over all n = seq_len[seq] slots: the mean attention of the last num_obs slots'
 // queries (causal inside the observation window) over them and the group's query heads, then an
@@ -26,7 +26,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 //   q:   [num_obs][num_q_heads][head_dim] fp32
 //   out: [num_kv_heads][n] fp32
 KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q,
-                           float scale, int pool, float* out);
+                           float scale, int pool, float* out, long long pool_blocks = -1);
 
 // Indices of the k largest scores (ties: lower index first), written ascending. Scores must not
 // be NaN (there is no order to break them by); -0.0 and +0.0 tie.
@@ -46,7 +46,7 @@ KernelStatus token2chunk(const float* scores, int n, int budget, int num_candida
 //   kept:       [num_layers][num_kv_heads][num_kept] int32, each row strictly ascending
 //   dst_blocks: [ceil(num_kept / block_size)] int32, distinct, none of them in seq's table
 KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
-                           const int32_t* dst_blocks);
+                           const int32_t* dst_blocks, long long pool_blocks = -1);
 
 // H2O's accumulation: for sequence s and KV head h with score_acc[s * num_kv_heads + h] non-null,
 // adds softmax(q_j . K^T * scale) over the seq_len[s] slots, summed over the group's query heads

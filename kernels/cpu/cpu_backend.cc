@@ -195,12 +195,12 @@ class CpuBackend final : public Backend {
   KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                              float scale, float* out) override {
     omp_set_num_threads(num_threads_);
-    return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out);
+    return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv));
   }
   KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                              int pool, float* out) override {
     omp_set_num_threads(num_threads_);
-    return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out);
+    return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv));
   }
   KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override { return cpu::top_k(scores, n, k, out); }
   KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
@@ -209,16 +209,14 @@ class CpuBackend final : public Backend {
   }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)));
     omp_set_num_threads(num_threads_);
-    return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks);
+    return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv));
   }
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens,
-                                                   dst_blocks, pool_blocks(kv)));
     omp_set_num_threads(num_threads_);
-    return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks);
+    return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks,
+                                 pool_blocks(kv));
   }
   int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const override {
     return cpu::quantized_tokens_per_block(g, format);

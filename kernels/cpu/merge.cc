@@ -35,8 +35,10 @@ KernelStatus check_cam_scores(std::string_view op, const int32_t* kept, int num_
 }
 
 KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
-                              const float* scores, int merge_tokens, const int32_t* dst_blocks) {
-  KARAKV_RETURN_IF_ERROR(validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks, -1));
+                              const float* scores, int merge_tokens, const int32_t* dst_blocks,
+                              long long pool_blocks) {
+  KARAKV_RETURN_IF_ERROR(
+      validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks, pool_blocks));
   const Geometry& g = kv.geometry;
   const int d = g.head_dim, n = end - begin, rows = g.num_layers * g.num_kv_heads;
   KernelStatus failed = KernelStatus::ok();

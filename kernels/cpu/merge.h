@@ -15,6 +15,7 @@ KernelStatus check_cam_scores(std::string_view op, const int32_t* kept, int num_
                               int end, int rows);
 
 KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
-                              const float* scores, int merge_tokens, const int32_t* dst_blocks);
+                              const float* scores, int merge_tokens, const int32_t* dst_blocks,
+                              long long pool_blocks = -1);
 
 }  // namespace karakv::kernels::cpu

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -96,5 +97,27 @@ KernelStatus dispatch_dtype(DType dtype, F&& f) {
 }
 
 inline int ceil_div(long long a, long long b) { return int((a + b - 1) / b); }
+
+// Copy kernels run one thread per element, grid-stride: threads per block, and a grid of at most
+// 65535 blocks (the loop covers the rest).
+constexpr int kCopyThreads = 256;
+inline int copy_grid(long long total) { return int(std::min<long long>(ceil_div(total, kCopyThreads), 65535)); }
+
+// Element i of a dense [layer][token][kv_head][head_dim] tensor (the layout of write_kv's input and
+// read_kv's output), split into its coordinates.
+struct DenseTokenIndex {
+  int layer, token, head, dim;
+};
+__device__ __forceinline__ DenseTokenIndex split_dense_index(long long i, int num_tokens, int num_kv_heads,
+                                                             int head_dim) {
+  DenseTokenIndex r;
+  r.dim = int(i % head_dim);
+  long long rest = i / head_dim;
+  r.head = int(rest % num_kv_heads);
+  rest /= num_kv_heads;
+  r.token = int(rest % num_tokens);
+  r.layer = int(rest / num_tokens);
+  return r;
+}
 
 }  // namespace karakv::kernels::cuda

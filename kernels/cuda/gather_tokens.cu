@@ -30,9 +30,7 @@ KernelStatus launch(const DeviceKV& kv, int seq, const int32_t* kept, int num_ke
                     cudaStream_t stream) {
   const long long total = (long long)kv.num_layers * kv.num_kv_heads * 2 * num_kept * kv.head_dim;
   if (total == 0) return KernelStatus::ok();
-  constexpr int kThreads = 256;
-  const int blocks = int(std::min<long long>((total + kThreads - 1) / kThreads, 65535));
-  gather_kernel<E><<<blocks, kThreads, 0, stream>>>(kv, seq, kept, num_kept, dst_blocks, total);
+  gather_kernel<E><<<copy_grid(total), kCopyThreads, 0, stream>>>(kv, seq, kept, num_kept, dst_blocks, total);
   KARAKV_CUDA_CHECK_LAUNCH("gather_tokens");
   return KernelStatus::ok();
 }

@@ -7,16 +7,10 @@ namespace {
 template <typename E>
 __global__ void read_kv_kernel(DeviceKV kv, int seq, int len, long long total, E* __restrict__ k, E* __restrict__ v) {
   const E* pool = static_cast<const E*>(kv.pool);
-  const int hd = kv.head_dim, hk = kv.num_kv_heads;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-    const int d = int(i % hd);
-    long long rest = i / hd;
-    const int h = int(rest % hk);
-    rest /= hk;
-    const int t = int(rest % len);
-    const int l = int(rest / len);
-    k[i] = pool[kv.token_offset(seq, t, l, 0, h) + d];
-    v[i] = pool[kv.token_offset(seq, t, l, 1, h) + d];
+    const DenseTokenIndex x = split_dense_index(i, len, kv.num_kv_heads, kv.head_dim);
+    k[i] = pool[kv.token_offset(seq, x.token, x.layer, 0, x.head) + x.dim];
+    v[i] = pool[kv.token_offset(seq, x.token, x.layer, 1, x.head) + x.dim];
   }
 }
 
@@ -24,9 +18,7 @@ template <typename E>
 KernelStatus launch(const DeviceKV& kv, int seq, int len, void* k, void* v, cudaStream_t stream) {
   const long long total = (long long)kv.num_layers * len * kv.num_kv_heads * kv.head_dim;
   if (total == 0) return KernelStatus::ok();
-  constexpr int kThreads = 256;
-  const int blocks = int(std::min<long long>((total + kThreads - 1) / kThreads, 65535));
-  read_kv_kernel<E><<<blocks, kThreads, 0, stream>>>(kv, seq, len, total, static_cast<E*>(k), static_cast<E*>(v));
+  read_kv_kernel<E><<<copy_grid(total), kCopyThreads, 0, stream>>>(kv, seq, len, total, static_cast<E*>(k), static_cast<E*>(v));
   KARAKV_CUDA_CHECK_LAUNCH("read_kv");
   return KernelStatus::ok();
 }

@@ -9,17 +9,11 @@ template <typename E>
 __global__ void write_kv_kernel(DeviceKV kv, int seq, int start_pos, int num_tokens, int layer_begin,
                                 long long total, const E* __restrict__ k, const E* __restrict__ v) {
   E* pool = static_cast<E*>(kv.pool);
-  const int hd = kv.head_dim, hk = kv.num_kv_heads;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-    const int d = int(i % hd);
-    long long rest = i / hd;
-    const int h = int(rest % hk);
-    rest /= hk;
-    const int t = int(rest % num_tokens);
-    const int l = int(rest / num_tokens);
-    const int pos = start_pos + t;
-    pool[kv.token_offset(seq, pos, layer_begin + l, 0, h) + d] = k[i];
-    pool[kv.token_offset(seq, pos, layer_begin + l, 1, h) + d] = v[i];
+    const DenseTokenIndex x = split_dense_index(i, num_tokens, kv.num_kv_heads, kv.head_dim);
+    const int pos = start_pos + x.token, layer = layer_begin + x.layer;
+    pool[kv.token_offset(seq, pos, layer, 0, x.head) + x.dim] = k[i];
+    pool[kv.token_offset(seq, pos, layer, 1, x.head) + x.dim] = v[i];
   }
 }
 
@@ -28,9 +22,7 @@ KernelStatus launch(const DeviceKV& kv, int seq, int start_pos, int num_tokens, 
                     const void* k, const void* v, cudaStream_t stream) {
   const long long total = (long long)num_layers * num_tokens * kv.num_kv_heads * kv.head_dim;
   if (total == 0) return KernelStatus::ok();
-  constexpr int kThreads = 256;
-  const int blocks = int(std::min<long long>((total + kThreads - 1) / kThreads, 65535));
-  write_kv_kernel<E><<<blocks, kThreads, 0, stream>>>(kv, seq, start_pos, num_tokens, layer_begin, total,
+  write_kv_kernel<E><<<copy_grid(total), kCopyThreads, 0, stream>>>(kv, seq, start_pos, num_tokens, layer_begin, total,
                                                       static_cast<const E*>(k), static_cast<const E*>(v));
   KARAKV_CUDA_CHECK_LAUNCH("write_kv");
   return KernelStatus::ok();

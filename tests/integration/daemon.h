@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -124,6 +125,36 @@ inline std::string http_get(int port, const std::string& path) {
   close(fd);
   const size_t body = resp.find("\r\n\r\n");
   return body == std::string::npos ? "" : resp.substr(body + 4);
+}
+
+// Runs `cmd` through the shell; returns its standard output and sets *exit_code (-1 when it did
+// not exit normally).
+inline std::string run_command(const std::string& cmd, int* exit_code) {
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) {
+    *exit_code = -1;
+    return out;
+  }
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+// A TCP port nobody listens on now (the kernel's pick for port 0 on loopback).
+inline int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
 }
 
 }  // namespace karakv::testing

@@ -35,16 +35,7 @@ std::vector<std::string> geometry_flags(const char* dtype) {
           std::string("--dtype=") + dtype, "--pool_bytes=16MiB"};
 }
 
-std::string run(const std::string& cmd, int* exit_code) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int status = pclose(p);
-  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
+std::string run(const std::string& cmd, int* exit_code) { return testing::run_command(cmd, exit_code); }
 
 // Tolerance of the attention outputs against the float64 reference. Both sides read the same
 // rounded K/V, so what remains is fp32 accumulation over a few hundred tokens.

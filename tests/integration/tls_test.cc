@@ -21,30 +21,9 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::Daemon;
+using testing::free_port;
 
-// A TCP port nobody listens on now (the kernel's pick for port 0).
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string run(const std::string& cmd, int* exit_code) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
+std::string run(const std::string& cmd, int* exit_code) { return testing::run_command(cmd, exit_code); }
 
 class TlsTest : public ::testing::Test {
  protected:

@@ -17,16 +17,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-std::string run(const std::string& cmd, int* exit_code) {
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int status = pclose(p);
-  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
+std::string run(const std::string& cmd, int* exit_code) { return testing::run_command(cmd, exit_code); }
 
 int count(const std::string& text, const std::string& what) {
   int n = 0;

@@ -17,13 +17,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/registry.h"
+#include "tests/server/registry_driver.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
 namespace {
 
 using ::testing::HasSubstr;
-using synthetic::Tensor;
 
 constexpr uint64_t kSeed = 11;
 
@@ -46,28 +46,11 @@ class LimitsTest : public ::testing::Test {
 
   absl::StatusOr<int32_t> append(const std::string& session, uint64_t seq, int n, int64_t pos0 = 0,
                                  absl::Span<const int32_t> ids = {}) {
-    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size());
-    synthetic::fill_prompt(k.data(), reg_->geometry(), kSeed, Tensor::kKey, seq, pos0, n);
-    synthetic::fill_prompt(v.data(), reg_->geometry(), kSeed, Tensor::kValue, seq, pos0, n);
-    return reg_->append(session, seq, n, k, v, {}, 0, ids);
+    return testing::append_synthetic(*reg_, kSeed, session, seq, n, pos0, ids);
   }
 
   absl::Status step(const std::string& session, const std::vector<uint64_t>& ids, int64_t pos) {
-    const auto& g = reg_->geometry();
-    const size_t kvb = g.kv_token_elems() * kernels::dtype_size(g.dtype);
-    for (int l = 0; l < g.num_layers; ++l) {
-      std::vector<uint8_t> k(kvb * ids.size()), v(k.size());
-      std::vector<float> q(g.q_token_elems() * ids.size()), out(q.size());
-      for (size_t i = 0; i < ids.size(); ++i) {
-        synthetic::fill_token(k.data() + i * kvb, g, kSeed, Tensor::kKey, ids[i], l, pos);
-        synthetic::fill_token(v.data() + i * kvb, g, kSeed, Tensor::kValue, ids[i], l, pos);
-        synthetic::fill_query(q.data() + i * g.q_token_elems(), g, kSeed, ids[i], l, pos);
-      }
-      auto r = reg_->step(session, l, ids, k, v, ConstBytes(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4),
-                          MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
-      if (!r.ok()) return r.status();
-    }
-    return absl::OkStatus();
+    return testing::step_synthetic(*reg_, kSeed, session, ids, pos);
   }
 
   // Everything a refused request could have changed, checked against the pool invariant.

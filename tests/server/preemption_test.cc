@@ -10,13 +10,13 @@
 #include "gtest/gtest.h"
 #include "server/events.h"
 #include "server/registry.h"
+#include "tests/server/registry_driver.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
 namespace {
 
 using ::testing::HasSubstr;
-using synthetic::Tensor;
 
 constexpr uint64_t kSeed = 23;
 constexpr int kBlocks = 16;  // block_size 4: 64 tokens in all
@@ -51,28 +51,11 @@ class PreemptionTest : public ::testing::Test {
   }
 
   absl::StatusOr<int32_t> append(const std::string& session, uint64_t seq, int n) {
-    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size());
-    synthetic::fill_prompt(k.data(), reg_->geometry(), kSeed, Tensor::kKey, seq, 0, n);
-    synthetic::fill_prompt(v.data(), reg_->geometry(), kSeed, Tensor::kValue, seq, 0, n);
-    return reg_->append(session, seq, n, k, v);
+    return testing::append_synthetic(*reg_, kSeed, session, seq, n);
   }
 
   absl::Status step(const std::string& session, const std::vector<uint64_t>& ids, int64_t pos) {
-    const auto& g = reg_->geometry();
-    const size_t kvb = g.kv_token_elems() * kernels::dtype_size(g.dtype);
-    for (int l = 0; l < g.num_layers; ++l) {
-      std::vector<uint8_t> k(kvb * ids.size()), v(k.size());
-      std::vector<float> q(g.q_token_elems() * ids.size()), out(q.size());
-      for (size_t i = 0; i < ids.size(); ++i) {
-        synthetic::fill_token(k.data() + i * kvb, g, kSeed, Tensor::kKey, ids[i], l, pos);
-        synthetic::fill_token(v.data() + i * kvb, g, kSeed, Tensor::kValue, ids[i], l, pos);
-        synthetic::fill_query(q.data() + i * g.q_token_elems(), g, kSeed, ids[i], l, pos);
-      }
-      auto r = reg_->step(session, l, ids, k, v, ConstBytes(reinterpret_cast<const uint8_t*>(q.data()), q.size() * 4),
-                          MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
-      if (!r.ok()) return r.status();
-    }
-    return absl::OkStatus();
+    return testing::step_synthetic(*reg_, kSeed, session, ids, pos);
   }
 
   std::string state() {
