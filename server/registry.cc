@@ -207,12 +207,16 @@ absl::StatusOr<AttachResult> Registry::attach(const std::string& worker_id, cons
   return result;
 }
 
+namespace {
+absl::Status unknown_session(const std::string& session_id) {
+  return absl::NotFoundError(
+      absl::StrCat("unknown session '", session_id, "' (never attached, detached, or its lease expired)"));
+}
+}  // namespace
+
 absl::StatusOr<Registry::Session*> Registry::find_session(const std::string& session_id) {
   auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("unknown session '", session_id,
-                                            "' (never attached, detached, or its lease expired)"));
-  }
+  if (it == sessions_.end()) return unknown_session(session_id);
   return &it->second;
 }
 
@@ -1590,6 +1594,14 @@ RegistryStats Registry::stats() const {
     ps.nominal_ratio = info.nominal_ratio;
   }
   return s;
+}
+
+absl::StatusOr<std::vector<SequenceInfo>> Registry::list_session_sequences(const std::string& session_id) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!sessions_.contains(session_id)) return unknown_session(session_id);
+  }
+  return list_sequences(session_id);
 }
 
 std::vector<SequenceInfo> Registry::list_sequences(const std::string& session_id) const {

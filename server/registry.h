@@ -252,6 +252,9 @@ class Registry {
   RegistryStats stats() const;
   // Empty session id lists every sequence.
   std::vector<SequenceInfo> list_sequences(const std::string& session_id) const;
+  // The sequences of one session; NOT_FOUND when the session is gone (a worker must not read that
+  // as an empty session of its own).
+  absl::StatusOr<std::vector<SequenceInfo>> list_session_sequences(const std::string& session_id) const;
   // DESIGN.md's invariant: free + used == total, and every used block is held by exactly as many
   // sequence tables as its reference count says.
   absl::Status check_invariants() const;

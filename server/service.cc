@@ -484,9 +484,13 @@ absl::Status KaraKVService::Handle(const v1::StatsRequest& req, v1::StatsReply* 
 absl::Status KaraKVService::Handle(const v1::ListSequencesRequest& req, v1::ListSequencesReply* reply) {
   return run("ListSequences", false, [&]() -> absl::Status {
     // A session's own listing shows its id; the operator view (no session) shows a tag instead.
-    for (const SequenceInfo& info : registry_->list_sequences(req.session_id())) {
-      fill_info(req.session_id().empty() ? operator_view(info) : info, reply->add_sequences());
+    if (req.session_id().empty()) {
+      for (const SequenceInfo& info : registry_->list_sequences("")) fill_info(operator_view(info), reply->add_sequences());
+      return absl::OkStatus();
     }
+    auto own = registry_->list_session_sequences(req.session_id());
+    if (!own.ok()) return own.status();
+    for (const SequenceInfo& info : *own) fill_info(info, reply->add_sequences());
     return absl::OkStatus();
   });
 }

@@ -102,6 +102,13 @@ TEST_F(ServiceTest, HandleServesTheSessionlessAndSessionMethods) {
   const absl::Status again = service_->Handle(hb, &hbr);
   EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(again.message(), HasSubstr("unknown session"));
+  // A gone session's listing is refused the same way, not answered with "no sequences" (a client
+  // would take that for an empty session of its own).
+  listed.Clear();
+  const absl::Status gone = service_->Handle(list, &listed);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(gone.message(), HasSubstr("unknown session"));
+  EXPECT_EQ(listed.sequences_size(), 0);
   v1::StatsRequest st;
   st.set_check_invariants(true);
   v1::StatsReply str;

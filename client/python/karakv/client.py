@@ -221,23 +221,38 @@ class Client:
         self._stub = None
         self._staging: _Staging | None = None
         self._attached = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered when a call under it re-attaches
         self._stop_heartbeat = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self._auto_reattach = False
+        self._reattach_timeout = 30.0
+        # Sequence ids this client got from the current daemon instance, and those lost with
+        # earlier instances (never handed out again by this client: an old id never names new data).
+        self._live: set[int] = set()
+        self._lost: set[int] = set()
 
     # ----------------------------------------------------------------------------- session
     @classmethod
     def attach(cls, target: str = "unix:/tmp/karakv.sock", *, worker_id: str = "worker",
                tenant: str = "default", staging_bytes: int = 64 << 20,
                geometry: Geometry | None = None, heartbeat: bool = True,
-               rpc_timeout: float = 60.0) -> "Client":
+               rpc_timeout: float = 60.0, auto_reattach: bool = True,
+               reattach_timeout: float = 30.0) -> "Client":
         """Attaches to the daemon at `target` ("unix:/path" or "host:port"). With `geometry` set,
         the daemon refuses the session unless it serves exactly that geometry. With `heartbeat`, a
-        background thread sends Heartbeat every lease/3 so the lease never runs out while attached."""
+        background thread sends Heartbeat every lease/3 so the lease never runs out while attached.
+
+        With `auto_reattach`, a call that finds karakvd restarted attaches again by itself (as
+        reattach(), for up to `reattach_timeout` seconds): a call naming a sequence of the old
+        instance raises DaemonRestarted (create it again and re-prefill), any other call is repeated
+        on the new session. Without it, every call raises DaemonRestarted until reattach()."""
         self = cls()
         self._timeout = rpc_timeout
+        self._auto_reattach = auto_reattach
+        self._reattach_timeout = reattach_timeout
         self._attach_args = dict(target=target, worker_id=worker_id, tenant=tenant, staging_bytes=staging_bytes,
-                                 geometry=geometry, heartbeat=heartbeat, rpc_timeout=rpc_timeout)
+                                 geometry=geometry, heartbeat=heartbeat, rpc_timeout=rpc_timeout,
+                                 auto_reattach=auto_reattach, reattach_timeout=reattach_timeout)
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                    ("grpc.max_send_message_length", _MAX_MESSAGE)]
         self._channel = grpc.insecure_channel(target, options=options)
@@ -329,8 +344,10 @@ class Client:
     def reattach(self, timeout: float = 30.0, initial_backoff: float = 0.1, max_backoff: float = 5.0) -> None:
         """After DaemonRestarted (or any loss of the session): attaches again with the same options,
         retrying with exponential backoff (x2 per attempt, +-20% jitter) until `timeout` seconds
-        have passed. The new session has a new staging region: arrays from the old alloc() must
-        not be used again. Sequences are not restored; create them again and re-prefill."""
+        have passed. The new session has a new staging region: arrays from the old alloc() stay
+        readable and can still be passed to calls (they are then sent inline, not through staging);
+        alloc() again for the fast path. Sequences are not restored; create them again and
+        re-prefill: calls naming an old sequence raise DaemonRestarted."""
         deadline = time.monotonic() + timeout
         delay = initial_backoff
         while True:
@@ -345,6 +362,8 @@ class Client:
         old_staging, old_channel = self._staging, self._channel
         self._attached = False
         self._stop_heartbeats()
+        self._lost |= self._live
+        self._live = set()
         with self._lock:
             for name in ("_channel", "_stub", "_staging", "_attached", "session_id", "instance_id", "geometry",
                          "lease_seconds", "staging_name"):
@@ -451,17 +470,36 @@ class Client:
             req.params[k] = float(v)
         for k, v in (prefill_params or {}).items():
             req.prefill_params[k] = float(v)
-        return self._call("CreateSequence", req).sequence_id
+        while True:
+            sequence_id = self._call("CreateSequence", req).sequence_id
+            if self._take_id(sequence_id):
+                return sequence_id
+            req.session_id = self.session_id
+
+    def _take_id(self, sequence_id: int) -> bool:
+        """Records an id the daemon handed out. False when this client had a sequence with that id
+        before a restart: the new one is released (the caller asks again)."""
+        if sequence_id not in self._lost:
+            self._live.add(sequence_id)
+            return True
+        self._call("ReleaseSequence", pb.ReleaseSequenceRequest(session_id=self.session_id,
+                                                                sequence_id=sequence_id), check_lost=False)
+        return False
 
     def fork(self, sequence_id: int) -> int:
         """A child sequence sharing the parent's blocks (copy on write)."""
-        return self._call("ForkSequence", pb.ForkSequenceRequest(session_id=self.session_id,
-                                                                 sequence_id=sequence_id)).sequence_id
+        while True:
+            child = self._call("ForkSequence", pb.ForkSequenceRequest(session_id=self.session_id,
+                                                                      sequence_id=sequence_id)).sequence_id
+            if self._take_id(child):
+                return child
 
     def release(self, sequence_id: int) -> int:
         """Releases the sequence; returns how many blocks went back to the pool."""
-        return self._call("ReleaseSequence", pb.ReleaseSequenceRequest(
+        freed = self._call("ReleaseSequence", pb.ReleaseSequenceRequest(
             session_id=self.session_id, sequence_id=sequence_id)).blocks_freed
+        self._live.discard(sequence_id)
+        return freed
 
     # ----------------------------------------------------------------------------- tensors
     def append(self, sequence_id: int, k: Any, v: Any, q: Any = None) -> int:
@@ -599,9 +637,11 @@ class Client:
         """This session's sequences (karakv.proto SequenceInfo messages)."""
         return list(self._call("ListSequences", pb.ListSequencesRequest(session_id=self.session_id)).sequences)
 
-    def _call(self, method: str, request):
+    def _call(self, method: str, request, check_lost: bool = True):
         if self._stub is None:
             raise errors.FailedPrecondition("the client is closed", method)
+        if check_lost:
+            self._check_lost(method, request)
         rpc = getattr(self._stub, "ForkSequence" if method == "Fork" else method)
         try:
             return rpc(request, timeout=self._timeout)
@@ -609,12 +649,44 @@ class Client:
             err = errors.from_rpc_error(e, method)
         # An unknown session may mean karakvd restarted (everything of this session is gone) rather
         # than an expired lease: the instance id tells them apart.
-        if isinstance(err, errors.NotFound) and "session" in err.message and self._restarted():
+        if not (isinstance(err, errors.NotFound) and "session" in err.message and self._restarted()):
+            raise err from None
+        gone = (f"karakvd instance {self.instance_id} is gone, every sequence of session {self.session_id} "
+                "with it")
+        if not self._auto_reattach or threading.current_thread() is self._heartbeat_thread:
             raise errors.DaemonRestarted(
-                f"the daemon restarted; re-prefill (karakvd instance {self.instance_id} is gone, every sequence "
-                f"of session {self.session_id} with it; Client.reattach() opens a new session) [{err.message}]",
+                f"the daemon restarted; re-prefill ({gone}; Client.reattach() opens a new session) [{err.message}]",
                 method) from None
-        raise err from None
+        self._lost |= self._live  # before reattach: a failed re-attach must not forget them either
+        self._live = set()
+        self.reattach(timeout=self._reattach_timeout)
+        if check_lost:
+            self._check_lost(method, request)
+        # Names no sequence (CreateSequence, ListSequences, Compact of all ...): the same call on the
+        # new session.
+        if "session_id" in request.DESCRIPTOR.fields_by_name:
+            request.session_id = self.session_id
+        rpc = getattr(self._stub, "ForkSequence" if method == "Fork" else method)
+        try:
+            return rpc(request, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, method) from None
+
+    def _check_lost(self, method: str, request) -> None:
+        """Raises DaemonRestarted when `request` names a sequence lost with an earlier instance."""
+        if not self._lost:
+            return
+        fields = request.DESCRIPTOR.fields_by_name
+        ids = list(request.sequence_ids) if "sequence_ids" in fields else []
+        if "sequence_id" in fields:
+            ids.append(request.sequence_id)
+        for sid in ids:
+            if sid in self._lost and sid not in self._live:
+                raise errors.DaemonRestarted(
+                    f"sequence {sid} was lost: the daemon restarted; re-prefill (karakvd at "
+                    f"{self._attach_args['target']} restarted and holds none of this client's earlier sequences; "
+                    f"this client re-attached as session {self.session_id}: create a new sequence and append the "
+                    "prompt again)", method)
 
     def _restarted(self) -> bool:
         if not getattr(self, "instance_id", ""):

@@ -211,7 +211,7 @@ def test_compact_dry_run_changes_nothing_then_compacts(daemon):
 
 def test_restart_is_a_typed_error_and_reattach_gives_a_working_session(start_daemon):
     d = start_daemon("--pool_bytes=4MiB")
-    with karakv.Client.attach(d.target, staging_bytes=1 << 20) as c:
+    with karakv.Client.attach(d.target, staging_bytes=1 << 20, auto_reattach=False) as c:
         old_instance, old_session = c.instance_id, c.session_id
         assert len(old_instance) == 32
         seq = c.create_sequence()
@@ -234,6 +234,42 @@ def test_restart_is_a_typed_error_and_reattach_gives_a_working_session(start_dae
         rk, rv, pos = c.read_kv(seq2)
         np.testing.assert_array_equal(rk, k)
         np.testing.assert_array_equal(np.asarray(pos).reshape(-1)[:9], np.arange(9))
+
+
+def test_auto_reattach_refuses_lost_sequences_and_repeats_other_calls(start_daemon):
+    d = start_daemon("--pool_bytes=4MiB")
+    with karakv.Client.attach(d.target, staging_bytes=1 << 20) as c:
+        old_instance, old_session = c.instance_id, c.session_id
+        lost = [c.create_sequence() for _ in range(3)]
+        k, v = kv(9)
+        for seq in lost:
+            c.append(seq, k, v)
+        buf = c.alloc(k.shape, np.float16)  # an array in the old staging region
+        buf[:] = k
+        d.crash_and_restart()
+        # The first call names no sequence: the client re-attaches and repeats it on the new session.
+        assert c.list_sequences() == []
+        assert c.instance_id != old_instance and c.session_id != old_session
+        assert c.stats().sessions == 1
+        # Every old sequence is refused with the typed error, before any RPC could read new data.
+        for seq in lost:
+            with pytest.raises(karakv.DaemonRestarted) as e:
+                c.read_kv(seq)
+            assert "the daemon restarted; re-prefill" in e.value.message and str(seq) in e.value.message
+            assert e.value.code == grpc.StatusCode.ABORTED
+        with pytest.raises(karakv.DaemonRestarted):
+            c.step(0, [lost[0]], *step_inputs(1))
+        # New sequences never reuse an old id (the new daemon numbers from the start again).
+        fresh = [c.create_sequence() for _ in range(4)]
+        assert not set(fresh) & set(lost)
+        assert c.append(fresh[0], k, v) == 9
+        rk, _, _ = c.read_kv(fresh[0])
+        np.testing.assert_array_equal(rk, k)
+        # The old staging array is still readable and still usable as input (sent inline now).
+        np.testing.assert_array_equal(buf, k)
+        assert c.append(fresh[1], buf, v) == 9
+        np.testing.assert_array_equal(c.read_kv(fresh[1])[0], k)
+        assert c.stats(check_invariants=True).sequences == len(fresh)
 
 
 def test_an_expired_lease_stays_not_found(start_daemon):
