@@ -952,14 +952,15 @@ absl::StatusOr<std::vector<Row>> run_ring(const TempDir& dir) {
     auto grpc_client = karakv::Client::Attach(o);
     if (!grpc_client.ok()) return grpc_client.status();
     struct Path {
-      karakv::Client* c;
-      karakv::Buffer k, v, q, out;
+      karakv::Client* c = nullptr;
+      karakv::Buffer k{}, v{}, q{}, out{};
       uint64_t seq = 0;
       int length = 0;
     };
     std::vector<Path> paths;
     for (karakv::Client* c : {ring_client->get(), grpc_client->get()}) {
-      Path p{c};
+      Path p;
+      p.c = c;
       p.k = *c->alloc(c->step_kv_bytes(1));
       p.v = *c->alloc(c->step_kv_bytes(1));
       p.q = *c->alloc(c->q_bytes(1));
