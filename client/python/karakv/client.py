@@ -653,7 +653,8 @@ class Client:
             raise err from None
         gone = (f"karakvd instance {self.instance_id} is gone, every sequence of session {self.session_id} "
                 "with it")
-        if not self._auto_reattach or threading.current_thread() is self._heartbeat_thread:
+        # Detach of a session the restart already ended has nothing left to do on a new one.
+        if not self._auto_reattach or method == "Detach" or threading.current_thread() is self._heartbeat_thread:
             raise errors.DaemonRestarted(
                 f"the daemon restarted; re-prefill ({gone}; Client.reattach() opens a new session) [{err.message}]",
                 method) from None
