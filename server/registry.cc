@@ -1597,15 +1597,17 @@ RegistryStats Registry::stats() const {
 }
 
 absl::StatusOr<std::vector<SequenceInfo>> Registry::list_session_sequences(const std::string& session_id) const {
-  {
-    absl::MutexLock lock(&mu_);
-    if (!sessions_.contains(session_id)) return unknown_session(session_id);
-  }
-  return list_sequences(session_id);
+  absl::MutexLock lock(&mu_);
+  if (!sessions_.contains(session_id)) return unknown_session(session_id);
+  return list_sequences_locked(session_id);
 }
 
 std::vector<SequenceInfo> Registry::list_sequences(const std::string& session_id) const {
   absl::MutexLock lock(&mu_);
+  return list_sequences_locked(session_id);
+}
+
+std::vector<SequenceInfo> Registry::list_sequences_locked(const std::string& session_id) const {
   std::vector<SequenceInfo> out;
   for (const auto& [id, seq] : sequences_) {
     if (!session_id.empty() && seq.session_id != session_id) continue;

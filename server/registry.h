@@ -340,6 +340,8 @@ class Registry {
 
   absl::StatusOr<Session*> find_session(const std::string& session_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<SequenceInfo> list_sequences_locked(const std::string& session_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Sequence*> find_sequence(const Session& session, uint64_t sequence_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks (new plus copy-on-write) that writing tokens [length, new_length) would take.

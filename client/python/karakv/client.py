@@ -348,6 +348,9 @@ class Client:
         readable and can still be passed to calls (they are then sent inline, not through staging);
         alloc() again for the fast path. Sequences are not restored; create them again and
         re-prefill: calls naming an old sequence raise DaemonRestarted."""
+        # Lost with the old session whether or not attaching again succeeds.
+        self._lost |= self._live
+        self._live = set()
         deadline = time.monotonic() + timeout
         delay = initial_backoff
         while True:
@@ -362,8 +365,6 @@ class Client:
         old_staging, old_channel = self._staging, self._channel
         self._attached = False
         self._stop_heartbeats()
-        self._lost |= self._live
-        self._live = set()
         with self._lock:
             for name in ("_channel", "_stub", "_staging", "_attached", "session_id", "instance_id", "geometry",
                          "lease_seconds", "staging_name"):
@@ -658,8 +659,6 @@ class Client:
             raise errors.DaemonRestarted(
                 f"the daemon restarted; re-prefill ({gone}; Client.reattach() opens a new session) [{err.message}]",
                 method) from None
-        self._lost |= self._live  # before reattach: a failed re-attach must not forget them either
-        self._live = set()
         self.reattach(timeout=self._reattach_timeout)
         if check_lost:
             self._check_lost(method, request)
