@@ -560,6 +560,9 @@ std::string self_exe() {
 struct Rss {
   double t = 0;  // seconds since the workers started
   uint64_t rss_kib = 0, anon_kib = 0, shmem_kib = 0;
+  // The daemon's malloc (Stats): in use, and taken from the OS. Growth in RSS with these flat is not
+  // the heap; growth in held with in use flat is fragmentation.
+  uint64_t heap_in_use_kib = 0, heap_held_kib = 0;
 };
 
 bool read_rss(pid_t pid, double t, Rss* out) {
@@ -601,6 +604,8 @@ Rss median_rss(const std::vector<Rss>& samples, double from, double to) {
   out.rss_kib = med(&Rss::rss_kib);
   out.anon_kib = med(&Rss::anon_kib);
   out.shmem_kib = med(&Rss::shmem_kib);
+  out.heap_in_use_kib = med(&Rss::heap_in_use_kib);
+  out.heap_held_kib = med(&Rss::heap_held_kib);
   return out;
 }
 
@@ -701,6 +706,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   const auto t0 = Clock::now();
   uint64_t invariant_checks = 0, invariant_failures = 0, monitor_errors = 0, peak_blocks = 0;
   std::vector<Rss> rss;
+  uint64_t heap_in_use = 0, heap_held = 0;  // from the last Stats
   auto check_invariant = [&](const char* when) {
     auto st = (*monitor)->Stats(true);
     if (!st.ok()) {
@@ -708,6 +714,8 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       failures.push_back(absl::StrCat("Stats (", when, "): ", st.status().ToString()));
       return;
     }
+    heap_in_use = st->heap_in_use_bytes;
+    heap_held = st->heap_held_bytes;
     ++invariant_checks;
     peak_blocks = std::max(peak_blocks, st->blocks_used);
     if (!st->invariants_checked || !st->invariant_error.empty()) {
@@ -725,7 +733,11 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       break;
     }
     check_invariant("during the run");
-    if (Rss r; read_rss(daemon_pid, t, &r)) rss.push_back(r);
+    if (Rss r; read_rss(daemon_pid, t, &r)) {
+      r.heap_in_use_kib = heap_in_use / 1024;
+      r.heap_held_kib = heap_held / 1024;
+      rss.push_back(r);
+    }
     for (int i = 0; i < workers; ++i) {
       if (procs[i]->running()) continue;
       reap(i, procs[i]->stop());
@@ -866,12 +878,15 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
                         "resources returned    %s\n"
                         "daemon RSS            start %d KiB (median over %.0f-%.0f s), end %d KiB (median over the last "
                         "%.0f s), growth %+.2f%% (limit %g%%), max %d KiB\n"
-                        "                      anon %d -> %d KiB, shmem %d -> %d KiB\n",
+                        "                      anon %d -> %d KiB, shmem %d -> %d KiB; malloc in use %d -> %d KiB, "
+                        "held %d -> %d KiB\n",
                         invariant_checks, invariant_failures, step_checks, step_mismatches, max_err, skipped,
                         kv_checks, kv_mismatches, peak_blocks, pool_blocks, crashes_seen, restarts, unexpected_exits, lease_expiries,
                         drain_s >= 0 ? absl::StrFormat("all, %.1f s after the workers ended", drain_s) : "NO",
                         rss_start.rss_kib, warmup, warmup + window, rss_end.rss_kib, window, growth, max_growth, rss_max,
-                        rss_start.anon_kib, rss_end.anon_kib, rss_start.shmem_kib, rss_end.shmem_kib);
+                        rss_start.anon_kib, rss_end.anon_kib, rss_start.shmem_kib, rss_end.shmem_kib,
+                        rss_start.heap_in_use_kib, rss_end.heap_in_use_kib, rss_start.heap_held_kib,
+                        rss_end.heap_held_kib);
   absl::StrAppend(&report, "\nresult: ", pass ? "PASS" : "FAIL", "\n");
   for (const std::string& f : failures) absl::StrAppend(&report, "  ", f, "\n");
   {
@@ -926,6 +941,10 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   row("rss", "end_anon_kib", absl::StrCat(rss_end.anon_kib));
   row("rss", "start_shmem_kib", absl::StrCat(rss_start.shmem_kib));
   row("rss", "end_shmem_kib", absl::StrCat(rss_end.shmem_kib));
+  row("rss", "start_heap_in_use_kib", absl::StrCat(rss_start.heap_in_use_kib));
+  row("rss", "end_heap_in_use_kib", absl::StrCat(rss_end.heap_in_use_kib));
+  row("rss", "start_heap_held_kib", absl::StrCat(rss_start.heap_held_kib));
+  row("rss", "end_heap_held_kib", absl::StrCat(rss_end.heap_held_kib));
   row("result", "verdict", pass ? "PASS" : "FAIL");
   if (!out_dir.empty()) {
     std::error_code ec;
@@ -937,8 +956,11 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       return 1;
     }
     std::ofstream series(out_dir + "/soak_rss.csv");
-    series << "t_s,rss_kib,anon_kib,shmem_kib\n";
-    for (const Rss& r : rss) series << absl::StrFormat("%.1f,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib);
+    series << "t_s,rss_kib,anon_kib,shmem_kib,heap_in_use_kib,heap_held_kib\n";
+    for (const Rss& r : rss) {
+      series << absl::StrFormat("%.1f,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib, r.heap_in_use_kib,
+                                r.heap_held_kib);
+    }
     progress("soak: wrote " + out_dir + "/soak.csv and soak_rss.csv (the daemon's RSS each second)");
   }
   return pass ? 0 : 1;

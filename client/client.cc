@@ -858,6 +858,8 @@ absl::StatusOr<DaemonStats> Client::Stats(bool check_invariants) {
   out.prefix_unused_blocks = r.prefix_unused_blocks();
   out.prefix_evictions = r.prefix_evictions();
   out.prefix_published_blocks = r.prefix_published_blocks();
+  out.heap_in_use_bytes = r.heap_in_use_bytes();
+  out.heap_held_bytes = r.heap_held_bytes();
   for (const auto& p : r.policies()) {
     PolicyStats ps;
     ps.policy = p.policy();

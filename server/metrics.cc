@@ -8,6 +8,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "server/heap_usage.h"
 
 namespace karakv::server {
 
@@ -113,6 +114,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->logical_tokens_ = gauge("karakv_logical_tokens", "Tokens ever appended to live sequences");
   m->query_cache_bytes_ = gauge("karakv_query_cache_bytes", "Bytes of queries kept for scoring (Kara, SnapKV)");
   m->score_bytes_ = gauge("karakv_score_bytes", "Bytes of accumulated attention kept (H2O)");
+  m->heap_in_use_bytes_ = gauge("karakv_heap_in_use_bytes", "Bytes the daemon's malloc has handed out and not got back");
+  m->heap_held_bytes_ = gauge("karakv_heap_held_bytes",
+                              "Bytes the daemon's malloc has taken from the OS (in use plus free chunks it keeps)");
   m->prefix_lookups_ = counter("karakv_prefix_lookups_total", "Prefix cache lookups (Lookup, CreateSequence from a prefix)");
   m->prefix_lookup_tokens_ = counter("karakv_prefix_lookup_tokens_total", "Token ids the prefix lookups carried");
   m->prefix_hit_tokens_ = counter("karakv_prefix_hit_tokens_total", "Tokens the prefix lookups found cached");
@@ -151,6 +155,9 @@ void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const ker
   logical_tokens_->Set(double(s.logical_tokens));
   query_cache_bytes_->Set(double(s.query_cache_bytes));
   score_bytes_->Set(double(s.score_bytes));
+  const HeapUsage heap = read_heap_usage();
+  heap_in_use_bytes_->Set(double(heap.in_use_bytes));
+  heap_held_bytes_->Set(double(heap.held_bytes));
   // A policy's gauges exist while it has live sequences; a stale ratio would outlive them otherwise.
   std::lock_guard<std::mutex> lock(policy_mu_);
   std::set<std::string> live;

@@ -83,6 +83,8 @@ class Metrics {
   prometheus::Gauge* logical_tokens_ = nullptr;
   prometheus::Gauge* query_cache_bytes_ = nullptr;
   prometheus::Gauge* score_bytes_ = nullptr;
+  prometheus::Gauge* heap_in_use_bytes_ = nullptr;
+  prometheus::Gauge* heap_held_bytes_ = nullptr;
   prometheus::Family<prometheus::Gauge>* compression_ratio_ = nullptr;
   prometheus::Family<prometheus::Gauge>* policy_kv_bytes_ = nullptr;
   std::mutex policy_mu_;                       // scrapes may refresh concurrently

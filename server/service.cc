@@ -3,6 +3,7 @@
 #include "server/service.h"
 
 #include "karakv/v1/ring.h"
+#include "server/heap_usage.h"
 #include "server/ring.h"
 
 #include "karakv/v1/geometry.h"
@@ -412,6 +413,9 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
   reply->set_prefix_unused_blocks(s.prefix_unused_blocks);
   reply->set_prefix_evictions(s.prefix_evictions);
   reply->set_prefix_published_blocks(s.prefix_published_blocks);
+  const HeapUsage heap = read_heap_usage();
+  reply->set_heap_in_use_bytes(heap.in_use_bytes);
+  reply->set_heap_held_bytes(heap.held_bytes);
   if (req.check_invariants()) {
     reply->set_invariants_checked(true);
     reply->set_invariant_error(std::string(registry_->check_invariants().message()));

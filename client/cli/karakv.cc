@@ -140,6 +140,8 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
                 prefix_hit_rate(r), (unsigned long long)r.prefix_cached_blocks(),
                 (unsigned long long)r.prefix_unused_blocks(), (unsigned long long)r.prefix_evictions(),
                 (unsigned long long)r.prefix_published_blocks());
+    std::printf(",\"heap_in_use_bytes\":%llu,\"heap_held_bytes\":%llu", (unsigned long long)r.heap_in_use_bytes(),
+                (unsigned long long)r.heap_held_bytes());
     std::printf(",\"decode_tokens\":%llu,\"rpc_errors\":[", (unsigned long long)r.decode_tokens());
     for (int i = 0; i < r.rpc_errors_size(); ++i) {
       const auto& e = r.rpc_errors(i);
@@ -196,6 +198,10 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
                 (unsigned long long)r.prefix_hit_tokens(), (unsigned long long)r.prefix_lookup_tokens(),
                 100.0 * prefix_hit_rate(r), (unsigned long long)r.prefix_cached_blocks(),
                 (unsigned long long)r.prefix_unused_blocks(), (unsigned long long)r.prefix_evictions());
+    if (r.heap_held_bytes() > 0) {
+      std::printf("heap             %.1f MiB in use of %.1f MiB held by malloc\n", r.heap_in_use_bytes() / 1048576.0,
+                  r.heap_held_bytes() / 1048576.0);
+    }
     if (r.invariants_checked()) {
       std::printf("invariants       %s\n", r.invariant_error().empty() ? "ok" : r.invariant_error().c_str());
     }

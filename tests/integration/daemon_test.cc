@@ -463,10 +463,12 @@ TEST(DaemonTest, CliReportsHealthStatsAndSequencesAsTextAndJson) {
   EXPECT_THAT(json, HasSubstr("\"blocks_used\":2,"));
   EXPECT_THAT(json, HasSubstr("\"resident_tokens\":20,"));
   EXPECT_THAT(json, HasSubstr("\"invariants_ok\":true"));
+  EXPECT_THAT(json, HasSubstr("\"heap_in_use_bytes\":"));
   std::string seqs = run(cli + " --json sequences", &code);
   EXPECT_THAT(seqs, HasSubstr(absl::StrCat("{\"id\":", id, ",")));
   EXPECT_THAT(seqs, HasSubstr("\"length\":20,"));
   EXPECT_THAT(run(cli + " stats", &code), HasSubstr("blocks used/free 2 / "));
+  EXPECT_THAT(run(cli + " stats", &code), HasSubstr("MiB held by malloc"));
   // A refused call shows up in both forms, by method and status code.
   EXPECT_EQ((*c)->Append(id + 1000, 20, k, v).status().code(), absl::StatusCode::kNotFound);
   json = run(cli + " --json stats", &code);

@@ -1,6 +1,7 @@
 // The service's handlers without a transport (KaraKVService::Handle, what each gRPC method runs
 // before Finish, and what the fuzz harnesses call), the ring server without threads
 // (RingServer::poll), and the regression tests of what fuzzing found (tests/fuzz).
+#include "server/heap_usage.h"
 #include "server/service.h"
 
 #include <cstring>
@@ -117,6 +118,9 @@ TEST_F(ServiceTest, HandleServesTheSessionlessAndSessionMethods) {
   EXPECT_EQ(str.invariant_error(), "");
   EXPECT_EQ(str.blocks_used(), 0u);
   EXPECT_EQ(str.sessions(), 0u);
+  // This test process's own malloc (zero under a sanitizer's allocator).
+  EXPECT_EQ(str.heap_in_use_bytes() > 0, read_heap_usage().glibc);
+  EXPECT_LE(str.heap_in_use_bytes(), str.heap_held_bytes());
   // The failed Heartbeat is counted as the gRPC method would count it.
   bool counted = false;
   for (const auto& e : str.rpc_errors()) counted |= e.method() == "Heartbeat" && e.code() == "NOT_FOUND";

@@ -155,6 +155,8 @@ struct DaemonStats {
   uint64_t prefix_cached_blocks = 0, prefix_unused_blocks = 0, prefix_evictions = 0, prefix_published_blocks = 0;
   bool invariants_checked = false;
   std::string invariant_error;
+  // The daemon's malloc: bytes in use and bytes taken from the OS (0 under a non-glibc allocator).
+  uint64_t heap_in_use_bytes = 0, heap_held_bytes = 0;
 };
 
 struct SequenceInfo {
