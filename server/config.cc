@@ -72,6 +72,8 @@ ABSL_FLAG(bool, prefix_cache_shared_namespaces, false,
           "Let Attach name a cache namespace shared across tenants (default: each tenant's own)");
 ABSL_FLAG(bool, fast_path, true,
           "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
+ABSL_FLAG(int32_t, ring_idle_threads, 16,
+          "Fast path: ring threads kept waiting for the next session once theirs ended (more end)");
 ABSL_FLAG(int32_t, ring_spin_us, 50, "Fast path: microseconds a ring thread busy-waits after a command before it sleeps");
 
 namespace karakv::server {
@@ -285,6 +287,11 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--ring_spin_us=", spin, ", expected 0..1000000"));
   }
   c.ring_spin = absl::Microseconds(spin);
+  c.ring_idle_threads = absl::GetFlag(FLAGS_ring_idle_threads);
+  if (c.ring_idle_threads < 0 || c.ring_idle_threads > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ring_idle_threads=", c.ring_idle_threads, ", expected 0..4096 waiting threads"));
+  }
   return c;
 }
 

@@ -59,6 +59,16 @@ RingServer::RingServer(KaraKVService* service, Registry* registry, Metrics* metr
                  .Help("Sessions with a fast-path ring thread")
                  .Register(*reg)
                  .Add({});
+  threads_alive_ = &prometheus::BuildGauge()
+                        .Name("karakv_ring_threads")
+                        .Help("Fast-path ring threads alive: serving a session or waiting for the next")
+                        .Register(*reg)
+                        .Add({});
+  threads_started_ = &prometheus::BuildCounter()
+                          .Name("karakv_ring_threads_started_total")
+                          .Help("Fast-path ring threads started (a session reuses a waiting one when it can)")
+                          .Register(*reg)
+                          .Add({});
   keepalive_ = reg;
 }
 
@@ -90,12 +100,22 @@ absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<St
   w->cq.emplace(ring::completions(base), &w->header->cq_tail, &w->header->cq_head);
   w->staging = std::move(staging);
   Worker* raw = w.get();
-  {
-    absl::MutexLock lock(&mu_);
-    workers_.push_back(std::move(w));
-  }
   active_->Increment();
-  if (config_.threads) raw->thread = std::thread([this, raw] { run(raw); });
+  absl::MutexLock lock(&mu_);
+  workers_.push_back(std::move(w));
+  if (!config_.threads) return absl::OkStatus();
+  if (idle_ > 0) {  // a thread whose session ended takes this one
+    --idle_;
+    handover_.push_back(raw);
+    return absl::OkStatus();
+  }
+  // Started under the lock, so reap() never sees the Thread before its std::thread is set.
+  auto t = std::make_unique<Thread>();
+  Thread* self = t.get();
+  threads_.push_back(std::move(t));
+  threads_started_->Increment();
+  threads_alive_->Increment();
+  self->thread = std::thread([this, self, raw] { serve(self, raw); });
   return absl::OkStatus();
 }
 
@@ -122,36 +142,42 @@ absl::StatusOr<int> RingServer::poll(const std::string& session_id) {
 }
 
 void RingServer::reap() {
-  std::vector<std::unique_ptr<Worker>> finished;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = std::partition(workers_.begin(), workers_.end(), [](const auto& w) { return !w->done.load(); });
-    for (auto j = it; j != workers_.end(); ++j) finished.push_back(std::move(*j));
-    workers_.erase(it, workers_.end());
-  }
-  for (auto& w : finished) {
-    if (w->thread.joinable()) w->thread.join();
-  }
+  std::vector<std::unique_ptr<Thread>> ended;
+  absl::MutexLock lock(&mu_);
+  // A ring is done once finish() stored `done`, its thread's last touch of it.
+  workers_.erase(std::remove_if(workers_.begin(), workers_.end(), [](const auto& w) { return w->done.load(); }),
+                 workers_.end());
+  auto it = std::partition(threads_.begin(), threads_.end(), [](const auto& t) { return !t->ended.load(); });
+  for (auto j = it; j != threads_.end(); ++j) ended.push_back(std::move(*j));
+  threads_.erase(it, threads_.end());
+  // `ended` is the thread's last store; joining here waits for its return only.
+  for (auto& t : ended) t->thread.join();
 }
 
 void RingServer::stop_all() {
   std::vector<std::unique_ptr<Worker>> all;
+  std::vector<std::unique_ptr<Thread>> threads;
   {
     absl::MutexLock lock(&mu_);
+    stopping_ = true;  // waiting threads wake, run what was handed to them (it stops at once) and end
     all.swap(workers_);
+    threads.swap(threads_);
   }
+  for (auto& w : all) w->stop.store(true);
   for (auto& w : all) {
-    w->stop.store(true);
-    if (!w->thread.joinable()) {
-      if (!w->done.load()) finish(w.get());  // a ring without a thread (RingConfig::threads)
+    if (!config_.threads) {
+      if (!w->done.load()) finish(w.get());  // a ring without a thread
       continue;
     }
     // A thread that already ended may have unmapped the ring: FUTEX_WAKE then fails with EFAULT.
     if (!w->done.load()) ring::futex_wake(&w->header->sq_doorbell);
   }
-  for (auto& w : all) {
-    if (w->thread.joinable()) w->thread.join();
-  }
+  for (auto& t : threads) t->thread.join();
+}
+
+int RingServer::threads() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(std::count_if(threads_.begin(), threads_.end(), [](const auto& t) { return !t->ended.load(); }));
 }
 
 int RingServer::active() const {
@@ -261,6 +287,25 @@ void RingServer::finish(Worker* w) {
   w->staging.reset();  // the region unmaps once the registry let go of it too
   active_->Decrement();
   w->done.store(true);
+}
+
+void RingServer::serve(Thread* self, Worker* first) {
+  Worker* w = first;
+  for (;;) {
+    run(w);
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || idle_ >= config_.idle_threads) break;
+    ++idle_;
+    mu_.Await(absl::Condition(this, &RingServer::handover_or_stop));
+    if (handover_.empty()) {  // stopping, and nothing was handed over
+      --idle_;
+      break;
+    }
+    w = handover_.back();
+    handover_.pop_back();
+  }
+  threads_alive_->Decrement();
+  self->ended.store(true);
 }
 
 void RingServer::run(Worker* w) {

@@ -6,6 +6,9 @@
 // Threads, not a poller pool: a decode step is a chain of dependent Steps (layer l + 1 needs layer
 // l's output), so a ring has at most a few commands in flight and its thread is either running one
 // or waiting; a thread per ring gives each session its own futex and no head-of-line blocking.
+// A thread whose session ended waits for the next session (up to `idle_threads` wait), so workers
+// that attach and detach all the time reuse threads, and the kernels' OpenMP team each thread
+// keeps, instead of making and ending both per session (which also grew the heap's arenas).
 // Waiting: spin for `spin` after the last command, then FUTEX_WAIT on the doorbell in slices of
 // `poll`, checking between slices that the session still exists (detach, lease expiry): the thread
 // ends within one slice of its session. A ring with impossible indices or a command that is not a
@@ -43,6 +46,8 @@ struct RingConfig {
   // false: start() lays out the rings but starts no thread; poll() then runs a session's waiting
   // commands on the caller's thread, exactly as the thread would (tests, fuzzers).
   bool threads = true;
+  // Threads kept waiting for the next session once theirs ended; more end.
+  int idle_threads = 16;
 };
 
 class RingServer {
@@ -55,7 +60,7 @@ class RingServer {
 
   // Lays out the rings in `staging`'s reserved tail and starts the session's consumer thread.
   absl::Status start(const std::string& session_id, std::shared_ptr<StagingRegion> staging);
-  // Joins the threads whose sessions ended.
+  // Forgets the rings whose sessions ended and joins the threads that ended.
   void reap();
   // Without threads (RingConfig::threads == false): runs the session's ring until it has no
   // command waiting (or no room for a completion) or closes. Returns the commands run, or
@@ -64,6 +69,8 @@ class RingServer {
   // Stops every thread (shutdown). Commands still queued are not run.
   void stop_all();
   int active() const;
+  // Threads alive: running a session's ring or waiting for the next session.
+  int threads() const;
 
   // karakv_decode_commands_total{method, path}: the gRPC handlers count their calls here too.
   void count(const char* method, const char* path);
@@ -80,10 +87,16 @@ class RingServer {
     ring::Completion done_slot;
     std::atomic<bool> stop{false};
     std::atomic<bool> done{false};
+  };
+  struct Thread {
     std::thread thread;
+    std::atomic<bool> ended{false};
   };
   enum class Turn { kWorked, kIdle, kClosed };
   void run(Worker* w);
+  // A pool thread's life: rings one after another, `first` then whatever start() hands over while
+  // it waits, until there are `idle_threads` waiting already or the server stops.
+  void serve(Thread* self, Worker* first);
   // One command taken from the ring, run and answered; or nothing to do; or the ring closed
   // (garbage in it, or the session ended).
   Turn turn(Worker* w);
@@ -96,12 +109,17 @@ class RingServer {
   // Tells the worker (state and reason in the ring header) that this ring takes no more commands.
   void mark_closed(Worker* w, const absl::Status& why);
   bool session_alive(const std::string& session_id);
+  bool handover_or_stop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !handover_.empty() || stopping_; }
 
   KaraKVService* const service_;
   Registry* const registry_;
   const RingConfig config_;
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Thread>> threads_ ABSL_GUARDED_BY(mu_);
+  std::vector<Worker*> handover_ ABSL_GUARDED_BY(mu_);  // rings given to waiting threads, not yet taken
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;                    // waiting threads not promised a ring
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 
   std::shared_ptr<prometheus::Registry> keepalive_;  // owns the families below when metrics is null
   prometheus::Family<prometheus::Counter>* commands_ = nullptr;
@@ -109,6 +127,8 @@ class RingServer {
   prometheus::Counter* corrupt_ = nullptr;
   prometheus::Histogram* depth_ = nullptr;
   prometheus::Gauge* active_ = nullptr;
+  prometheus::Gauge* threads_alive_ = nullptr;
+  prometheus::Counter* threads_started_ = nullptr;
   absl::Mutex counters_mu_;
   absl::flat_hash_map<std::string, prometheus::Counter*> command_counters_ ABSL_GUARDED_BY(counters_mu_);
 };

@@ -11,6 +11,7 @@
 #include "server/peer_gate.h"
 
 ABSL_DECLARE_FLAG(int32_t, layers);
+ABSL_DECLARE_FLAG(int32_t, ring_idle_threads);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, prefix_cache);
@@ -151,6 +152,20 @@ TEST(PeerAllowListTest, AdmitsByUidOrGidAndEveryoneWhenEmpty) {
   EXPECT_TRUE(list.admits(4242, 27));
   EXPECT_FALSE(list.admits(4242, 4242));
   EXPECT_FALSE(list.admits(65534, 0));
+}
+
+TEST_F(ConfigFileTest, RingIdleThreadsDefaultAndRefusal) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->ring_idle_threads, 16);
+  ASSERT_TRUE(apply_config_file(write("ring_idle_threads = 0\n")).ok());
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->ring_idle_threads, 0);
+  absl::SetFlag(&FLAGS_ring_idle_threads, -1);
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--ring_idle_threads=-1, expected 0..4096"), std::string::npos) << c.status();
 }
 
 }  // namespace

@@ -199,8 +199,8 @@ double metric(Metrics& m, const std::string& family, const std::map<std::string,
       std::map<std::string, std::string> got;
       for (const auto& l : metric.label) got[l.name] = l.value;
       if (got != labels) continue;
-      return f.type == prometheus::MetricType::Histogram ? double(metric.histogram.sample_count)
-                                                         : metric.counter.value;
+      if (f.type == prometheus::MetricType::Histogram) return double(metric.histogram.sample_count);
+      return f.type == prometheus::MetricType::Gauge ? metric.gauge.value : metric.counter.value;
     }
   }
   return -1;
@@ -242,6 +242,86 @@ TEST_F(RingServerTest, ThreadEndsWithItsSession) {
   rings_->reap();
   // The test holds the last reference to the mapping now.
   EXPECT_EQ(s.staging.use_count(), 1);
+}
+
+// Sessions one after another reuse the ring thread of the one before (and its kernel thread team);
+// with no idle threads allowed each session starts its own.
+TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
+  auto sessions_one_after_another = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      Session s = attach();
+      ASSERT_TRUE(registry_->detach(s.id).ok());
+      for (int j = 0; j < 400 && rings_->active() > 0; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      ASSERT_EQ(rings_->active(), 0);
+      // The thread is back waiting once it counts as idle again; give it that moment.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  const double started0 = metric(*metrics_, "karakv_ring_threads_started_total", {});
+  sessions_one_after_another(5);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 1);
+  EXPECT_EQ(rings_->threads(), 1);  // waiting for the next session
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 1);
+
+  // Three at once need three threads; afterwards at most idle_threads (here 2) stay.
+  rings_->stop_all();
+  RingConfig cfg;
+  cfg.spin = absl::ZeroDuration();
+  cfg.poll = absl::Milliseconds(5);
+  cfg.idle_threads = 2;
+  rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), nullptr, cfg);
+  service_->set_rings(rings_.get());
+  std::vector<Session> three = {attach(), attach(), attach()};
+  EXPECT_EQ(rings_->threads(), 3);
+  for (Session& s : three) ASSERT_TRUE(registry_->detach(s.id).ok());
+  for (int j = 0; j < 400 && (rings_->active() > 0 || rings_->threads() > 2); ++j) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(rings_->active(), 0);
+  EXPECT_EQ(rings_->threads(), 2);
+  // A reused thread serves its new session's commands: an unknown sequence is refused as before.
+  Session again = attach();
+  EXPECT_EQ(rings_->threads(), 2);
+  ring::Command c{};
+  c.op = uint32_t(ring::Op::kStep);
+  c.count = 1;
+  c.ids[0] = 777;
+  c.k = {0, 32};
+  c.v = {64, 32};
+  c.q = {128, 64};
+  c.out = {256, 64};
+  c.tag = 5;
+  submit(again, c);
+  ring::Completion done{};
+  ASSERT_TRUE(next_completion(again, &done));
+  EXPECT_EQ(done.tag, 5u);
+  EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kNotFound));
+
+  // With no idle threads allowed, every session starts its own.
+  rings_->stop_all();
+  cfg.idle_threads = 0;
+  rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+  service_->set_rings(rings_.get());
+  const double started1 = metric(*metrics_, "karakv_ring_threads_started_total", {});
+  sessions_one_after_another(3);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started1, 3);
+  for (int j = 0; j < 400 && rings_->threads() > 0; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(rings_->threads(), 0);
+}
+
+// Stopping with one thread waiting for a session and one running a session ends both, and the
+// running session's worker is told why.
+TEST_F(RingServerTest, StopAllEndsWaitingAndRunningThreads) {
+  Session running = attach();
+  Session gone = attach();
+  ASSERT_TRUE(registry_->detach(gone.id).ok());
+  for (int j = 0; j < 400 && rings_->active() > 1; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(rings_->active(), 1);
+  EXPECT_EQ(rings_->threads(), 2);
+  rings_->stop_all();
+  EXPECT_EQ(rings_->threads(), 0);
+  EXPECT_EQ(running.h->state.load(), uint32_t(ring::State::kClosed));
+  EXPECT_EQ(running.h->close_code, uint32_t(absl::StatusCode::kUnavailable));
 }
 
 }  // namespace
