@@ -74,6 +74,10 @@ ABSL_FLAG(bool, fast_path, true,
           "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
 ABSL_FLAG(int32_t, ring_idle_threads, 16,
           "Fast path: ring threads kept waiting for the next session once theirs ended (more end)");
+ABSL_FLAG(int32_t, malloc_arenas, 2,
+          "Most glibc malloc arenas (M_ARENA_MAX; 0: glibc's default, 8 per core, or MALLOC_ARENA_MAX). "
+          "Each thread that allocates gets an arena up to this many; fewer keep RSS from creeping as "
+          "threads come and go");
 ABSL_FLAG(int32_t, ring_spin_us, 50, "Fast path: microseconds a ring thread busy-waits after a command before it sleeps");
 
 namespace karakv::server {
@@ -287,6 +291,11 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--ring_spin_us=", spin, ", expected 0..1000000"));
   }
   c.ring_spin = absl::Microseconds(spin);
+  c.malloc_arenas = absl::GetFlag(FLAGS_malloc_arenas);
+  if (c.malloc_arenas < 0 || c.malloc_arenas > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--malloc_arenas=", c.malloc_arenas, ", expected 0 (glibc's default) or 1..1024"));
+  }
   c.ring_idle_threads = absl::GetFlag(FLAGS_ring_idle_threads);
   if (c.ring_idle_threads < 0 || c.ring_idle_threads > 4096) {
     return absl::InvalidArgumentError(

@@ -52,9 +52,15 @@ HeapUsage read_heap_usage() {
   return u;
 }
 
+bool limit_malloc_arenas(int n) {
+  if (n == 0) return true;
+  return glibc_malloc_in_use() && mallopt(M_ARENA_MAX, n) == 1;
+}
+
 #else
 
 HeapUsage read_heap_usage() { return {}; }
+bool limit_malloc_arenas(int n) { return n == 0; }
 
 #endif
 

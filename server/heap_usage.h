@@ -16,4 +16,11 @@ struct HeapUsage {
 
 HeapUsage read_heap_usage();
 
+// Caps glibc's malloc arenas at `n` (mallopt M_ARENA_MAX; 0 leaves glibc's default of 8 per core,
+// or MALLOC_ARENA_MAX from the environment). Call before threads start. glibc gives every new
+// thread an arena of its own up to the cap, and each arena's partly used pages add to RSS as
+// threads come and go; the daemon's big memory is the pool, not malloc, so a few arenas serve it.
+// Returns false where mallopt refused the value or the allocator is not glibc's.
+bool limit_malloc_arenas(int n);
+
 }  // namespace karakv::server

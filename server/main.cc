@@ -22,6 +22,7 @@
 #include "karakv/kernels/backend.h"
 #include "server/backend_select.h"
 #include "server/config.h"
+#include "server/heap_usage.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/peer_gate.h"
@@ -68,6 +69,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
+  // Before any thread of the daemon's starts (gRPC's, the kernels', the rings').
+  const bool arenas_capped = karakv::server::limit_malloc_arenas(config->malloc_arenas);
   if (absl::Status s = karakv::server::setup_logging(config->log_format, config->log_level); !s.ok()) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -158,6 +161,10 @@ int main(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus(true);
   const auto& g = (*registry)->geometry();
   const auto st = (*registry)->stats();
+  if (!arenas_capped) {
+    spdlog::warn("--malloc_arenas={} not applied: malloc is not glibc's (a sanitizer's or a preloaded one)",
+                 config->malloc_arenas);
+  }
   spdlog::info("serving on {}{}{}: layers={} q_heads={} kv_heads={} head_dim={} dtype={} block_size={}; pool {} blocks x {} bytes",
                config->socket_path.empty() ? "" : "unix:" + config->socket_path,
                config->tcp_address.empty() ? "" : (config->tls() ? (config->tls_client_ca_pem.empty() ? " tcp+tls:" : " tcp+mtls:") : " tcp:"),

@@ -12,6 +12,7 @@
 
 ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(int32_t, ring_idle_threads);
+ABSL_DECLARE_FLAG(int32_t, malloc_arenas);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, prefix_cache);
@@ -166,6 +167,18 @@ TEST_F(ConfigFileTest, RingIdleThreadsDefaultAndRefusal) {
   c = config_from_flags();
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find("--ring_idle_threads=-1, expected 0..4096"), std::string::npos) << c.status();
+}
+
+TEST_F(ConfigFileTest, MallocArenasDefaultAndRefusal) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->malloc_arenas, 2);
+  absl::SetFlag(&FLAGS_malloc_arenas, -3);
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--malloc_arenas=-3, expected 0 (glibc's default) or 1..1024"),
+            std::string::npos)
+      << c.status();
 }
 
 }  // namespace
