@@ -64,6 +64,19 @@ class RingServerTest : public ::testing::Test {
     s.h->sq_doorbell.fetch_add(1);
     ring::futex_wake(&s.h->sq_doorbell);
   }
+  // A one-sequence Step of `sequence` with small fixed staging ranges, tagged `tag`.
+  static ring::Command step_of(uint64_t sequence, uint64_t tag) {
+    ring::Command c{};
+    c.op = uint32_t(ring::Op::kStep);
+    c.count = 1;
+    c.ids[0] = sequence;
+    c.k = {0, 32};
+    c.v = {64, 32};
+    c.q = {128, 64};
+    c.out = {256, 64};
+    c.tag = tag;
+    return c;
+  }
   // Waits for the next completion, or for the ring to close.
   static bool next_completion(Session& s, ring::Completion* out) {
     for (int i = 0; i < 2000; ++i) {
@@ -89,15 +102,7 @@ class RingServerTest : public ::testing::Test {
 
 TEST_F(RingServerTest, StepErrorsMatchTheRpcHandler) {
   Session s = attach();
-  ring::Command c{};
-  c.op = uint32_t(ring::Op::kStep);
-  c.count = 1;
-  c.ids[0] = 12345;  // unknown sequence
-  c.k = {0, 32};
-  c.v = {64, 32};
-  c.q = {128, 64};
-  c.out = {256, 64};
-  c.tag = 9;
+  ring::Command c = step_of(12345, 9);  // an unknown sequence
   submit(s, c);
   ring::Completion done{};
   ASSERT_TRUE(next_completion(s, &done));
@@ -282,16 +287,7 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   // A reused thread serves its new session's commands: an unknown sequence is refused as before.
   Session again = attach();
   EXPECT_EQ(rings_->threads(), 2);
-  ring::Command c{};
-  c.op = uint32_t(ring::Op::kStep);
-  c.count = 1;
-  c.ids[0] = 777;
-  c.k = {0, 32};
-  c.v = {64, 32};
-  c.q = {128, 64};
-  c.out = {256, 64};
-  c.tag = 5;
-  submit(again, c);
+  submit(again, step_of(777, 5));
   ring::Completion done{};
   ASSERT_TRUE(next_completion(again, &done));
   EXPECT_EQ(done.tag, 5u);
