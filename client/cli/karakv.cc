@@ -201,6 +201,8 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
     if (r.heap_held_bytes() > 0) {
       std::printf("heap             %.1f MiB in use of %.1f MiB held by malloc\n", r.heap_in_use_bytes() / 1048576.0,
                   r.heap_held_bytes() / 1048576.0);
+    } else {
+      std::printf("heap             not reported: karakvd's malloc is not glibc's (a sanitizer's or a preloaded one)\n");
     }
     if (r.invariants_checked()) {
       std::printf("invariants       %s\n", r.invariant_error().empty() ? "ok" : r.invariant_error().c_str());
