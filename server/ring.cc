@@ -180,6 +180,11 @@ int RingServer::threads() const {
   return static_cast<int>(std::count_if(threads_.begin(), threads_.end(), [](const auto& t) { return !t->ended.load(); }));
 }
 
+int RingServer::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return idle_;
+}
+
 int RingServer::active() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return !w->done.load(); }));

@@ -71,6 +71,8 @@ class RingServer {
   int active() const;
   // Threads alive: running a session's ring or waiting for the next session.
   int threads() const;
+  // Of those, the ones waiting for a session and not yet handed one.
+  int waiting() const;
 
   // karakv_decode_commands_total{method, path}: the gRPC handlers count their calls here too.
   void count(const char* method, const char* path);

@@ -252,20 +252,24 @@ TEST_F(RingServerTest, ThreadEndsWithItsSession) {
 // Sessions one after another reuse the ring thread of the one before (and its kernel thread team);
 // with no idle threads allowed each session starts its own.
 TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
+  int idle_limit = 16;
   auto sessions_one_after_another = [&](int n) {
     for (int i = 0; i < n; ++i) {
       Session s = attach();
       ASSERT_TRUE(registry_->detach(s.id).ok());
       for (int j = 0; j < 400 && rings_->active() > 0; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       ASSERT_EQ(rings_->active(), 0);
-      // The thread is back waiting once it counts as idle again; give it that moment.
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      // The ring is closed before its thread goes back to waiting: wait for that too.
+      for (int j = 0; j < 400 && rings_->waiting() < std::min(rings_->threads(), idle_limit); ++j) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
     }
   };
   const double started0 = metric(*metrics_, "karakv_ring_threads_started_total", {});
   sessions_one_after_another(5);
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 1);
   EXPECT_EQ(rings_->threads(), 1);  // waiting for the next session
+  EXPECT_EQ(rings_->waiting(), 1);
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 1);
 
   // Three at once need three threads; afterwards at most idle_threads (here 2) stay.
@@ -279,11 +283,12 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   std::vector<Session> three = {attach(), attach(), attach()};
   EXPECT_EQ(rings_->threads(), 3);
   for (Session& s : three) ASSERT_TRUE(registry_->detach(s.id).ok());
-  for (int j = 0; j < 400 && (rings_->active() > 0 || rings_->threads() > 2); ++j) {
+  for (int j = 0; j < 400 && (rings_->active() > 0 || rings_->threads() > 2 || rings_->waiting() < 2); ++j) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EXPECT_EQ(rings_->active(), 0);
   EXPECT_EQ(rings_->threads(), 2);
+  EXPECT_EQ(rings_->waiting(), 2);
   // A reused thread serves its new session's commands: an unknown sequence is refused as before.
   Session again = attach();
   EXPECT_EQ(rings_->threads(), 2);
@@ -296,6 +301,7 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   // With no idle threads allowed, every session starts its own.
   rings_->stop_all();
   cfg.idle_threads = 0;
+  idle_limit = 0;
   rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
   service_->set_rings(rings_.get());
   const double started1 = metric(*metrics_, "karakv_ring_threads_started_total", {});
@@ -311,9 +317,12 @@ TEST_F(RingServerTest, StopAllEndsWaitingAndRunningThreads) {
   Session running = attach();
   Session gone = attach();
   ASSERT_TRUE(registry_->detach(gone.id).ok());
-  for (int j = 0; j < 400 && rings_->active() > 1; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int j = 0; j < 400 && (rings_->active() > 1 || rings_->waiting() < 1); ++j) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   EXPECT_EQ(rings_->active(), 1);
   EXPECT_EQ(rings_->threads(), 2);
+  EXPECT_EQ(rings_->waiting(), 1);
   rings_->stop_all();
   EXPECT_EQ(rings_->threads(), 0);
   EXPECT_EQ(running.h->state.load(), uint32_t(ring::State::kClosed));
