@@ -107,7 +107,6 @@ absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<St
   if (idle_ > 0) {  // a thread whose session ended takes this one
     --idle_;
     handover_.push_back(raw);
-    handover_cv_.Signal();
     return absl::OkStatus();
   }
   // Started under the lock, so reap() never sees the Thread before its std::thread is set.
@@ -161,7 +160,6 @@ void RingServer::stop_all() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;  // waiting threads wake, run what was handed to them (it stops at once) and end
-    handover_cv_.SignalAll();
     all.swap(workers_);
     threads.swap(threads_);
   }
@@ -303,7 +301,7 @@ void RingServer::serve(Thread* self, Worker* first) {
     absl::MutexLock lock(&mu_);
     if (stopping_ || idle_ >= config_.idle_threads) break;
     ++idle_;
-    while (handover_.empty() && !stopping_) handover_cv_.Wait(&mu_);
+    mu_.Await(absl::Condition(this, &RingServer::handover_or_stop));
     if (handover_.empty()) {  // stopping, and nothing was handed over
       --idle_;
       break;

@@ -111,6 +111,7 @@ class RingServer {
   // Tells the worker (state and reason in the ring header) that this ring takes no more commands.
   void mark_closed(Worker* w, const absl::Status& why);
   bool session_alive(const std::string& session_id);
+  bool handover_or_stop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !handover_.empty() || stopping_; }
 
   KaraKVService* const service_;
   Registry* const registry_;
@@ -121,10 +122,6 @@ class RingServer {
   std::vector<Worker*> handover_ ABSL_GUARDED_BY(mu_);  // rings given to waiting threads, not yet taken
   int idle_ ABSL_GUARDED_BY(mu_) = 0;                    // waiting threads not promised a ring
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Signalled when a ring is handed over or the server stops. A CondVar with the predicate checked
-  // in this code, not Mutex::Await: ThreadSanitizer (tests/tsan_absl_mutex.cc) cannot see the
-  // predicate evaluated inside an uninstrumented Await.
-  absl::CondVar handover_cv_;
 
   std::shared_ptr<prometheus::Registry> keepalive_;  // owns the families below when metrics is null
   prometheus::Family<prometheus::Counter>* commands_ = nullptr;
