@@ -1,7 +1,9 @@
-// Paged GQA attention on the CPU. Two passes over the sequence's blocks: scores from K (all query
-// heads of a group per K row, so K is read from memory once), a softmax over the score rows, then
-// V weighted by those scores (again once per group). Each block's (layer, head) run is
-// block_size * head_dim contiguous elements and stays in L1 while the group's heads use it.
+// Paged GQA attention on the CPU. The sequence's blocks go in chunks of about 512 tokens, each in
+// two passes: scores from K (all query heads of a group per K row, so K is read from memory once),
+// then V weighted by their softmax numerators (again once per group), folded into a running max,
+// sum and output (the online softmax), so the scratch does not grow with the sequence. Each
+// block's (layer, head) run is block_size * head_dim contiguous elements and stays in L1 while the
+// group's heads use it.
 // Decode is memory bound, so the loops aim at streaming K/V at full bandwidth: 16-bit storage is
 // widened in registers (F16C, or a shift for bf16), accumulated in fp32 with FMA, and the next
 // block is prefetched because the hardware prefetcher cannot guess where it is.
@@ -190,30 +192,40 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
     return;
   }
   const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
-  const size_t n = size_t(num_tokens);
+  // Tokens go in chunks of whole blocks; each chunk's scores are folded into a running max, sum and
+  // output (the online softmax), so the scratch is [query heads][chunk] whatever the length.
+  const int chunk_tokens = attention_chunk_tokens(bs);
+  const int chunk_blocks = chunk_tokens / bs;
+  const size_t stride = size_t(std::min(chunk_tokens, num_tokens));
 
-  scratch.scores.resize(size_t(num_q_heads) * n);
+  scratch.scores.resize(size_t(num_q_heads) * stride);
   scratch.query.resize(q_elems);
   scratch.acc.assign(q_elems, 0.0f);
-  scratch.inv_sum.resize(num_q_heads);
+  scratch.max.assign(num_q_heads, 0.0f);
+  scratch.sum.assign(num_q_heads, 0.0f);
   float* scores = scratch.scores.data();
   float* query = scratch.query.data();
   float* acc = scratch.acc.data();
-  float* inv = scratch.inv_sum.data();
+  float* max = scratch.max.data();
+  float* sum = scratch.sum.data();
   // Scaling q once is cheaper than scaling every score.
   for (size_t i = 0; i < q_elems; ++i) query[i] = q[i] * scale;
 
   // In each block the runs of consecutive KV heads are adjacent, so the task's heads form one
-  // contiguous region per (block, K or V). Regions are read in the order r = 0 .. 2 * num_blocks:
-  // every K region, then every V region. Consecutive blocks are far apart in the pool (a block
-  // holds every layer), so the hardware prefetcher stops at each region's end; prefetching
-  // kPrefetchRegions ahead keeps misses in flight instead of paying DRAM latency per region.
+  // contiguous region per (block, K or V). Regions are read chunk by chunk: the chunk's K regions,
+  // then its V regions. Consecutive blocks are far apart in the pool (a block holds every layer),
+  // so the hardware prefetcher stops at each region's end; prefetching kPrefetchRegions ahead (into
+  // the next chunk at a chunk's end) keeps misses in flight instead of paying DRAM latency per region.
   const int num_blocks = (num_tokens + bs - 1) / bs;
   const size_t run_elems = size_t(bs) * hd;
   const size_t region_bytes = num_kv_heads * run_elems * sizeof(storage_t<D>);
   auto region = [&](int r) {
-    const int k_or_v = r < num_blocks ? 0 : 1;
-    const int b = r - k_or_v * num_blocks;
+    // Every chunk before the last is full, so r's chunk is r / (2 * chunk_blocks).
+    const int first = r / (2 * chunk_blocks) * chunk_blocks;
+    const int blocks = std::min(chunk_blocks, num_blocks - first);
+    const int in_chunk = r - 2 * first;
+    const int k_or_v = in_chunk < blocks ? 0 : 1;
+    const int b = first + in_chunk - k_or_v * blocks;
     return pool + kv.run_offset(kv.block_of(seq, b * bs), layer, k_or_v, kv_head_begin);
   };
   // Each block's rows prefetch region r + kPrefetchRegions, one step per row of each head.
@@ -229,39 +241,58 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
   };
   for (int r = 0; r < kPrefetchRegions; ++r) prefetch_stream(r).finish();
 
-  for (int t0 = 0, r = 0; t0 < num_tokens; t0 += bs, ++r) {
-    PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
-    const int len = std::min(bs, num_tokens - t0);
-    const storage_t<D>* k = region(r);
-    for (int i = 0; i < num_kv_heads; ++i) {
-      for_head_chunks(g, [&](int h0, auto chunk) {
-        const int qh = i * g + h0;
-        score_run<D, decltype(chunk)::value, HD>(k + i * run_elems, len, hd, query + size_t(qh) * hd,
-                                                 scores + size_t(qh) * n + t0, n, pf);
-      });
+  int r = 0;  // the region being read
+  for (int c0 = 0; c0 < num_tokens; c0 += chunk_tokens) {
+    const int chunk_len = std::min(chunk_tokens, num_tokens - c0);
+    for (int t0 = 0; t0 < chunk_len; t0 += bs, ++r) {
+      PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
+      const int len = std::min(bs, chunk_len - t0);
+      const storage_t<D>* k = region(r);
+      for (int i = 0; i < num_kv_heads; ++i) {
+        for_head_chunks(g, [&](int h0, auto heads) {
+          const int qh = i * g + h0;
+          score_run<D, decltype(heads)::value, HD>(k + i * run_elems, len, hd, query + size_t(qh) * hd,
+                                                   scores + size_t(qh) * stride + t0, stride, pf);
+        });
+      }
+      pf.finish();
     }
-    pf.finish();
+
+    // Fold the chunk in: a larger max rescales what was accumulated under the old one. The first
+    // chunk (sum still 0) takes its own max, so a single chunk is the plain two-pass softmax.
+    for (int h = 0; h < num_q_heads; ++h) {
+      float* row = scores + size_t(h) * stride;
+      const float chunk_max = max_of(row, chunk_len);
+      if (c0 == 0) {
+        max[h] = chunk_max;
+      } else if (chunk_max > max[h]) {
+        const float factor = std::exp(max[h] - chunk_max);
+        for (int d = 0; d < hd; ++d) acc[size_t(h) * hd + d] *= factor;
+        sum[h] *= factor;
+        max[h] = chunk_max;
+      }
+      sum[h] += exp_shifted_sum(row, chunk_len, max[h]);
+    }
+
+    for (int t0 = 0; t0 < chunk_len; t0 += bs, ++r) {
+      PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
+      const int len = std::min(bs, chunk_len - t0);
+      const storage_t<D>* v = region(r);
+      for (int i = 0; i < num_kv_heads; ++i) {
+        for_head_chunks(g, [&](int h0, auto heads) {
+          const int qh = i * g + h0;
+          accumulate_run<D, decltype(heads)::value, HD>(v + i * run_elems, len, hd, scores + size_t(qh) * stride + t0,
+                                                        stride, acc + size_t(qh) * hd, pf);
+        });
+      }
+      pf.finish();
+    }
   }
 
-  for (int h = 0; h < num_q_heads; ++h)
-    inv[h] = 1.0f / softmax_numerators(scores + size_t(h) * n, num_tokens);
-
-  for (int t0 = 0, r = num_blocks; t0 < num_tokens; t0 += bs, ++r) {
-    PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
-    const int len = std::min(bs, num_tokens - t0);
-    const storage_t<D>* v = region(r);
-    for (int i = 0; i < num_kv_heads; ++i) {
-      for_head_chunks(g, [&](int h0, auto chunk) {
-        const int qh = i * g + h0;
-        accumulate_run<D, decltype(chunk)::value, HD>(v + i * run_elems, len, hd, scores + size_t(qh) * n + t0,
-                                                      n, acc + size_t(qh) * hd, pf);
-      });
-    }
-    pf.finish();
+  for (int h = 0; h < num_q_heads; ++h) {
+    const float inv = 1.0f / sum[h];
+    for (int d = 0; d < hd; ++d) out[size_t(h) * hd + d] = acc[size_t(h) * hd + d] * inv;
   }
-
-  for (int h = 0; h < num_q_heads; ++h)
-    for (int d = 0; d < hd; ++d) out[size_t(h) * hd + d] = acc[size_t(h) * hd + d] * inv[h];
 }
 
 }  // namespace

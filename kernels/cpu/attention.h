@@ -9,12 +9,24 @@
 
 namespace karakv::kernels::cpu {
 
-// Per-thread buffers reused across calls so the hot path never allocates once warm.
+// Tokens per chunk of the online softmax: attend_heads scores at most this many tokens (rounded
+// down to whole blocks, at least one block) before folding them into the running result, so its
+// scratch holds query heads x chunk floats whatever the sequence's length.
+constexpr int kAttentionChunkTokens = 512;
+
+// The chunk attend_heads uses for this block size: whole blocks, at least one.
+inline int attention_chunk_tokens(int block_size) {
+  return block_size >= kAttentionChunkTokens ? block_size : kAttentionChunkTokens / block_size * block_size;
+}
+
+// Per-thread buffers reused across calls so the hot path never allocates once warm. Their size
+// depends on the heads of a call and the block size, never on the number of tokens.
 struct AttentionScratch {
-  std::vector<float> scores;   // [query heads][num_tokens]
+  std::vector<float> scores;   // [query heads][chunk tokens]
   std::vector<float> query;    // [query heads][head_dim], pre-scaled
   std::vector<float> acc;      // [query heads][head_dim]
-  std::vector<float> inv_sum;  // [query heads]
+  std::vector<float> max;      // [query heads] running max of the scores seen
+  std::vector<float> sum;      // [query heads] running sum of exp(score - max)
 };
 
 // softmax(q . k * scale) . v for the query heads of KV heads [kv_head_begin, kv_head_begin +

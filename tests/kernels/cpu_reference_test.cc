@@ -6,6 +6,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu/attention.h"
 #include "kernel_test_util.h"
 
 namespace karakv::kernels::test {
@@ -145,6 +146,45 @@ TEST_P(CpuReferenceTest, SharpSoftmaxWithUnderflowingWeights) {
   }
 }
 
+// Attention folds chunks of cpu::attention_chunk_tokens into a running softmax. Three sequences of
+// a little over three chunks (block size 24: chunks of 504 tokens, not a power of two): scores that
+// rise chunk by chunk (every chunk raises the running max and rescales what came before), scores
+// that fall (the first chunk's max holds), and sharp random scores.
+TEST_P(CpuReferenceTest, OnlineSoftmaxAcrossChunks) {
+  const Geometry g = make_geometry(GetParam(), 2, 16, 24);
+  const int chunk = cpu::attention_chunk_tokens(g.block_size);
+  ASSERT_EQ(chunk, 504);
+  const int len = 3 * chunk + 7;
+  const std::vector<int> lens = {len, len, len};
+  PagedCache cache(*backend_, g, lens, rng_);
+  const size_t n = size_t(g.num_layers) * len * g.kv_token_elems();
+  std::vector<DenseKV> dense;
+  for (int trend : {1, -1}) {
+    // k[t] = level of t's chunk + noise; with q = 1 every score is head_dim * (level + noise).
+    std::vector<float> k = random_values(n, -0.1f, 0.1f, rng_);
+    for (size_t i = 0; i < n; ++i) {
+      const int token = int(i / g.kv_token_elems()) % len;
+      const int c = token / chunk;
+      k[i] += 0.25f * float(trend > 0 ? c : 3 - c);
+    }
+    dense.push_back(dense_kv(g, len, k, random_values(n, -1.0f, 1.0f, rng_)));
+  }
+  dense.push_back(random_dense_kv(g, len, rng_));
+  for (size_t s = 0; s < lens.size(); ++s) write_sequence(*backend_, cache, int(s), dense[s]);
+  std::vector<float> q(lens.size() * g.q_token_elems(), 1.0f);
+  const std::vector<float> sharp = random_values(g.q_token_elems(), -3.0f, 3.0f, rng_);
+  std::copy(sharp.begin(), sharp.end(), q.begin() + 2 * g.q_token_elems());
+  const std::vector<float> scales = {1.0f, 1.0f, 40.0f};
+  for (size_t s = 0; s < lens.size(); ++s) {
+    // decode_attention takes one scale for all sequences: one call per sequence's scale.
+    std::vector<float> out(q.size(), NAN);
+    const KernelStatus st = backend_->decode_attention(cache.view(), 1, q.data(), out.data(), scales[s]);
+    ASSERT_TRUE(st.is_ok()) << st.message;
+    const auto want = naive_attention(g, dense[s], 1, len, q.data() + s * g.q_token_elems(), scales[s]);
+    EXPECT_LE(max_abs_diff(out.data() + s * g.q_token_elems(), want), kAttentionTolerance) << "seq " << s;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllDtypes, CpuReferenceTest,
                          ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          [](const auto& info) { return std::string(name_of(info.param)); });
@@ -236,6 +276,25 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(1, 3, 4), ::testing::Values(64, 13),
                        ::testing::Values(16, 5)),
     attention_param_name);
+
+// The attention scratch a thread keeps between calls is [query heads][chunk], however long the
+// sequences it has attended over: long contexts must not leave megabytes behind on every thread.
+TEST(CpuAttentionScratchTest, ScratchDoesNotGrowWithTheSequence) {
+  const Geometry g = make_geometry(DType::kFloat16, 4, 32, 16);
+  const int chunk = cpu::attention_chunk_tokens(g.block_size);
+  const std::vector<int> lens = {10, chunk + 1, 10 * chunk + 3};
+  auto backend = make_cpu_backend(1);
+  std::mt19937 rng(11);
+  PagedCache cache(*backend, g, lens, rng);
+  for (size_t s = 0; s < lens.size(); ++s) write_sequence(*backend, cache, int(s), random_dense_kv(g, lens[s], rng));
+  const std::vector<float> q = random_values(g.q_token_elems(), -1.0f, 1.0f, rng);
+  std::vector<float> out(q.size());
+  cpu::AttentionScratch scratch;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    cpu::attend_heads(cache.view(), int(s), 0, 0, g.num_kv_heads, lens[s], q.data(), out.data(), 0.2f, scratch);
+    EXPECT_LE(scratch.scores.capacity(), size_t(g.num_q_heads) * chunk) << "after " << lens[s] << " tokens";
+  }
+}
 
 // Invalid arguments: kInvalidArgument with a message, and nothing written.
 class CpuInvalidArgumentTest : public ::testing::Test {

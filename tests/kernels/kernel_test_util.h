@@ -157,12 +157,13 @@ struct DenseKV {
   }
 };
 
-inline DenseKV random_dense_kv(const Geometry& g, int len, std::mt19937& rng) {
+// K and V given as [layers][len][kv heads][head_dim] floats, rounded to the geometry's dtype.
+inline DenseKV dense_kv(const Geometry& g, int len, const std::vector<float>& k, const std::vector<float>& v) {
   DenseKV kv;
   kv.len = len;
   const size_t n = size_t(g.num_layers) * len * g.kv_token_elems();
-  kv.k_bytes = encode(g.dtype, random_values(n, -1.0f, 1.0f, rng));
-  kv.v_bytes = encode(g.dtype, random_values(n, -1.0f, 1.0f, rng));
+  kv.k_bytes = encode(g.dtype, k);
+  kv.v_bytes = encode(g.dtype, v);
   kv.k.resize(n);
   kv.v.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -170,6 +171,12 @@ inline DenseKV random_dense_kv(const Geometry& g, int len, std::mt19937& rng) {
     kv.v[i] = decode_at(g.dtype, kv.v_bytes.data(), i);
   }
   return kv;
+}
+
+inline DenseKV random_dense_kv(const Geometry& g, int len, std::mt19937& rng) {
+  const size_t n = size_t(g.num_layers) * len * g.kv_token_elems();
+  std::vector<float> k = random_values(n, -1.0f, 1.0f, rng);
+  return dense_kv(g, len, k, random_values(n, -1.0f, 1.0f, rng));
 }
 
 // Writes `dense` into sequence `seq` the way a server does: a prefill chunk, then smaller appends,
