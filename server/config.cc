@@ -62,6 +62,10 @@ ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may 
 ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
           "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
 ABSL_FLAG(bool, check_invariants, false, "Debug: check the pool invariant after every mutating RPC");
+ABSL_FLAG(bool, mutex_deadlock_detection, false,
+          "Debug: Abseil's lock-order checking on every absl::Mutex the daemon and gRPC take (a global "
+          "graph, a stack trace per lock held while taking another). Debian's libabsl leaves it on; "
+          "off unless asked, it costs throughput and memory that grows with the graph");
 ABSL_FLAG(std::string, prefix_cache, "on",
           "Prefix cache: on | off. On, full prompt blocks appended with token ids are shared with later "
           "sequences of the same cache namespace (CreateSequence.prefix_token_ids, Lookup)");
@@ -78,6 +82,10 @@ ABSL_FLAG(int32_t, malloc_arenas, 2,
           "Most glibc malloc arenas (M_ARENA_MAX; 0: glibc's default, 8 per core, or MALLOC_ARENA_MAX). "
           "Each thread that allocates gets an arena up to this many; fewer keep RSS from creeping as "
           "threads come and go");
+ABSL_FLAG(int32_t, malloc_tcache_max, 256,
+          "Largest chunk (bytes) glibc's per-thread malloc caches keep (glibc.malloc.tcache_max; -1: glibc's "
+          "default, 1032). karakvd re-executes itself once with GLIBC_TUNABLES extended; a tcache_max "
+          "already in GLIBC_TUNABLES wins. Smaller keeps RSS from creeping as each thread's cache fills");
 ABSL_FLAG(int32_t, ring_spin_us, 50, "Fast path: microseconds a ring thread busy-waits after a command before it sleeps");
 
 namespace karakv::server {
@@ -285,6 +293,7 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   c.check_invariants = absl::GetFlag(FLAGS_check_invariants);
+  c.mutex_deadlock_detection = absl::GetFlag(FLAGS_mutex_deadlock_detection);
   c.fast_path = absl::GetFlag(FLAGS_fast_path);
   const int spin = absl::GetFlag(FLAGS_ring_spin_us);
   if (spin < 0 || spin > 1'000'000) {
@@ -295,6 +304,11 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   if (c.malloc_arenas < 0 || c.malloc_arenas > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("--malloc_arenas=", c.malloc_arenas, ", expected 0 (glibc's default) or 1..1024"));
+  }
+  c.malloc_tcache_max = absl::GetFlag(FLAGS_malloc_tcache_max);
+  if (c.malloc_tcache_max < -1 || c.malloc_tcache_max > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--malloc_tcache_max=", c.malloc_tcache_max,
+                                                   ", expected -1 (glibc's default) or 0..4096 bytes"));
   }
   c.ring_idle_threads = absl::GetFlag(FLAGS_ring_idle_threads);
   if (c.ring_idle_threads < 0 || c.ring_idle_threads > 4096) {

@@ -22,9 +22,11 @@ struct DaemonConfig {
   std::string log_level;
   absl::Duration drain_timeout;
   bool check_invariants = false;  // debug: verify the pool invariant after every mutating RPC
+  bool mutex_deadlock_detection = false;  // debug: absl::Mutex lock-order graph (SetMutexDeadlockDetectionMode)
   bool fast_path = true;          // accept Attach with fast_path (server/ring.h)
   absl::Duration ring_spin;
   int malloc_arenas = 2;          // glibc M_ARENA_MAX (0: glibc's default)
+  int malloc_tcache_max = 256;    // glibc.malloc.tcache_max, bytes (-1: glibc's default)
   int ring_idle_threads = 16;     // ring threads kept for the next session (RingConfig::idle_threads)
   int max_message_bytes = 1 << 30;  // gRPC receive and send limit
   // Unix socket peers admitted by SO_PEERCRED (server/peer_gate.h); both empty admits all.

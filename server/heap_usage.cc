@@ -1,6 +1,14 @@
 #include "server/heap_usage.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -15,6 +23,17 @@
 #endif
 
 namespace karakv::server {
+
+std::optional<std::string> tunables_with_tcache_max(const char* current, int max_bytes) {
+  if (max_bytes < 0) return std::nullopt;
+  const std::string setting = absl::StrCat("glibc.malloc.tcache_max=", max_bytes);
+  if (current == nullptr || *current == '\0') return setting;
+  // GLIBC_TUNABLES is a colon-separated list of name=value pairs.
+  for (absl::string_view pair : absl::StrSplit(current, ':')) {
+    if (absl::StartsWith(pair, "glibc.malloc.tcache_max=")) return std::nullopt;
+  }
+  return absl::StrCat(current, ":", setting);
+}
 
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33)) && \
     !defined(KARAKV_SANITIZER_MALLOC)
@@ -57,10 +76,45 @@ bool limit_malloc_arenas(int n) {
   return glibc_malloc_in_use() && mallopt(M_ARENA_MAX, n) == 1;
 }
 
+absl::Status apply_tcache_max(int max_bytes, char** argv) {
+  const char* current = std::getenv("GLIBC_TUNABLES");
+  const std::optional<std::string> tunables = tunables_with_tcache_max(current, max_bytes);
+  if (!tunables.has_value()) return absl::OkStatus();
+  const std::optional<std::string> before = current ? std::optional<std::string>(current) : std::nullopt;
+  if (!glibc_malloc_in_use()) {
+    return absl::FailedPreconditionError(absl::StrCat("--malloc_tcache_max=", max_bytes,
+                                                      " not applied: malloc is not glibc's (a sanitizer's or a "
+                                                      "preloaded one)"));
+  }
+  if (setenv("GLIBC_TUNABLES", tunables->c_str(), 1) != 0) {
+    return absl::InternalError(absl::StrCat("--malloc_tcache_max not applied: setenv: ", std::strerror(errno)));
+  }
+  // The binary's own path, not /proc/self/exe: the kernel names the process after the file it
+  // executes, and `ps` / `pgrep karakvd` should still find it. A binary replaced on disk since it
+  // started reads "... (deleted)": then /proc/self/exe still reaches the running one.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  std::string path = "/proc/self/exe";
+  if (n > 0 && !absl::EndsWith(absl::string_view(self, size_t(n)), " (deleted)")) path.assign(self, size_t(n));
+  execv(path.c_str(), argv);
+  const int err = errno;  // still here: the exec failed; put the environment back as it was
+  if (before.has_value()) setenv("GLIBC_TUNABLES", before->c_str(), 1);
+  else unsetenv("GLIBC_TUNABLES");
+  return absl::InternalError(absl::StrCat("--malloc_tcache_max=", max_bytes, " not applied: re-executing ", path,
+                                          " with GLIBC_TUNABLES=", *tunables,
+                                          " failed: ", std::strerror(err)));
+}
+
 #else
 
 HeapUsage read_heap_usage() { return {}; }
 bool limit_malloc_arenas(int n) { return n == 0; }
+absl::Status apply_tcache_max(int max_bytes, char**) {
+  if (max_bytes < 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("--malloc_tcache_max=", max_bytes,
+                                                    " not applied: malloc is not glibc's (a sanitizer's or a "
+                                                    "preloaded one)"));
+}
 
 #endif
 

@@ -5,6 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
 
 namespace karakv::server {
 
@@ -22,5 +26,23 @@ HeapUsage read_heap_usage();
 // threads come and go; the daemon's big memory is the pool, not malloc, so a few arenas serve it.
 // Returns false where mallopt refused the value or the allocator is not glibc's.
 bool limit_malloc_arenas(int n);
+
+// glibc's per-thread caches (tcache) keep up to 7 freed chunks of each size up to 1,032 bytes on
+// every thread, and mallinfo2 counts them as in use: the arena cannot hand them to another thread.
+// A thread's cache fills as it frees chunk sizes it has not cached yet, so with ~40 threads that
+// allocate (gRPC's, the ring threads, their OpenMP teams) the daemon's RSS creeps for minutes
+// (docs/RELIABILITY.md, soak). glibc reads the cache's limits only from GLIBC_TUNABLES at exec.
+//
+// The GLIBC_TUNABLES value that caps cached chunks at `max_bytes` (glibc.malloc.tcache_max),
+// appended to `current` (the variable's value, or null when unset). nullopt when there is
+// nothing to do: `max_bytes` < 0 (keep glibc's default), or `current` already sets tcache_max
+// (the operator's own setting wins, and a re-executed daemon finds its own).
+std::optional<std::string> tunables_with_tcache_max(const char* current, int max_bytes);
+// Caps glibc's per-thread caches at `max_bytes` (< 0: glibc's default) by re-executing this
+// program (its own binary, same argv, same pid) with GLIBC_TUNABLES extended, when the setting is
+// not in force yet and malloc is glibc's. Call first thing in main, before any thread starts.
+// Returns only when no re-exec was needed, or when it failed (the error says why; the daemon can
+// run on with glibc's default caches).
+absl::Status apply_tcache_max(int max_bytes, char** argv);
 
 }  // namespace karakv::server

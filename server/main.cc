@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -69,8 +70,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
-  // Before any thread of the daemon's starts (gRPC's, the kernels', the rings').
+  // Before any thread of the daemon's starts (gRPC's, the kernels', the rings'). The tcache cap
+  // re-executes karakvd (same pid and arguments) the first time through; on failure it runs on.
+  const absl::Status tcache_status = karakv::server::apply_tcache_max(config->malloc_tcache_max, argv);
   const bool arenas_capped = karakv::server::limit_malloc_arenas(config->malloc_arenas);
+  // A libabsl built without NDEBUG (Debian's) checks the lock order of every Mutex acquisition
+  // against a process-wide graph; that is a debugging aid, not something to run in production.
+  absl::SetMutexDeadlockDetectionMode(config->mutex_deadlock_detection ? absl::OnDeadlockCycle::kAbort
+                                                                       : absl::OnDeadlockCycle::kIgnore);
   if (absl::Status s = karakv::server::setup_logging(config->log_format, config->log_level); !s.ok()) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -161,6 +168,7 @@ int main(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus(true);
   const auto& g = (*registry)->geometry();
   const auto st = (*registry)->stats();
+  if (!tcache_status.ok()) spdlog::warn("{}", std::string(tcache_status.message()));
   if (!arenas_capped) {
     spdlog::warn("--malloc_arenas={} not applied: malloc is not glibc's (a sanitizer's or a preloaded one)",
                  config->malloc_arenas);

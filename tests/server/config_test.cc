@@ -1,18 +1,26 @@
 // Config: byte sizes, config files, and refusal of inconsistent settings.
 #include "server/config.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "server/peer_gate.h"
 
 ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(int32_t, ring_idle_threads);
 ABSL_DECLARE_FLAG(int32_t, malloc_arenas);
+ABSL_DECLARE_FLAG(int32_t, malloc_tcache_max);
+ABSL_DECLARE_FLAG(bool, mutex_deadlock_detection);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, prefix_cache);
@@ -167,6 +175,69 @@ TEST_F(ConfigFileTest, RingIdleThreadsDefaultAndRefusal) {
   c = config_from_flags();
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find("--ring_idle_threads=-1, expected 0..4096"), std::string::npos) << c.status();
+}
+
+TEST_F(ConfigFileTest, MallocTcacheMaxDefaultAndRefusal) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->malloc_tcache_max, 256);
+  absl::SetFlag(&FLAGS_malloc_tcache_max, -1);
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->malloc_tcache_max, -1);
+  for (int bad : {-2, 4097}) {
+    absl::SetFlag(&FLAGS_malloc_tcache_max, bad);
+    c = config_from_flags();
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(absl::StrCat("--malloc_tcache_max=", bad,
+                                                     ", expected -1 (glibc's default) or 0..4096 bytes")),
+              std::string::npos)
+        << c.status();
+  }
+}
+
+TEST_F(ConfigFileTest, MutexDeadlockDetectionIsOffUnlessAsked) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->mutex_deadlock_detection);
+  absl::SetFlag(&FLAGS_mutex_deadlock_detection, true);
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->mutex_deadlock_detection);
+}
+
+// In a child process: sets `mode`, takes two Mutexes in one order and then in the other, exits 0.
+// Returns the child's wait status.
+int inverted_lock_order_in_child(absl::OnDeadlockCycle mode) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    absl::SetMutexDeadlockDetectionMode(mode);
+    absl::Mutex a, b;
+    {
+      absl::MutexLock l(&a);
+      absl::MutexLock m(&b);
+    }
+    {
+      absl::MutexLock l(&b);
+      absl::MutexLock m(&a);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return status;
+}
+
+// karakvd sets kIgnore unless --mutex_deadlock_detection: a libabsl built without NDEBUG (Debian's)
+// otherwise checks every lock taken while another is held against a process-wide graph.
+TEST(AbslMutexTest, IgnoreModeTurnsTheLockOrderCheckOff) {
+  const int checked = inverted_lock_order_in_child(absl::OnDeadlockCycle::kAbort);
+  if (WIFEXITED(checked) && WEXITSTATUS(checked) == 0) {
+    GTEST_SKIP() << "this libabsl was built with NDEBUG: it has no lock-order check to turn off";
+  }
+  EXPECT_TRUE(WIFSIGNALED(checked) && WTERMSIG(checked) == SIGABRT) << "status " << checked;
+  const int ignored = inverted_lock_order_in_child(absl::OnDeadlockCycle::kIgnore);
+  EXPECT_TRUE(WIFEXITED(ignored) && WEXITSTATUS(ignored) == 0) << "status " << ignored;
 }
 
 TEST_F(ConfigFileTest, MallocArenasDefaultAndRefusal) {

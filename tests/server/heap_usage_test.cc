@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -80,6 +81,69 @@ TEST(HeapUsageDeathTest, ArenaCapLimitsTheArenasThreadsGet) {
   // The same threads without a cap get arenas of their own (glibc allows 8 per core; how many it
   // makes for eight threads varies from run to run, never one).
   EXPECT_EXIT(_exit(std::min(arenas_after_8_threads(0), 2)), ::testing::ExitedWithCode(2), "");
+}
+
+TEST(HeapUsageTest, TcacheTunableIsAppendedOnceAndNeverOverridesTheOperators) {
+  EXPECT_EQ(tunables_with_tcache_max(nullptr, 256), "glibc.malloc.tcache_max=256");
+  EXPECT_EQ(tunables_with_tcache_max("", 0), "glibc.malloc.tcache_max=0");
+  EXPECT_EQ(tunables_with_tcache_max("glibc.malloc.arena_max=1", 256),
+            "glibc.malloc.arena_max=1:glibc.malloc.tcache_max=256");
+  // Already set, by the operator or by the daemon before it re-executed itself: left alone.
+  EXPECT_EQ(tunables_with_tcache_max("glibc.malloc.tcache_max=64", 256), std::nullopt);
+  EXPECT_EQ(tunables_with_tcache_max("glibc.malloc.arena_max=1:glibc.malloc.tcache_max=64", 256), std::nullopt);
+  // A name that merely starts the same is another tunable.
+  EXPECT_EQ(tunables_with_tcache_max("glibc.malloc.tcache_max_x=1", 8), "glibc.malloc.tcache_max_x=1:glibc.malloc.tcache_max=8");
+  EXPECT_EQ(tunables_with_tcache_max(nullptr, -1), std::nullopt);
+  EXPECT_EQ(tunables_with_tcache_max("glibc.malloc.arena_max=1", -1), std::nullopt);
+}
+
+// On a thread of its own (an empty per-thread cache), frees 7 chunks of `size` bytes and returns 1
+// when malloc still counts them as in use (they went to the thread's cache), 0 when they went back
+// to the arena's free lists.
+int freed_chunks_stay_cached(size_t size) {
+  int cached = -1;
+  std::thread([&] {
+    void* chunks[7];
+    for (void*& c : chunks) c = std::malloc(size);
+    void* fence = std::malloc(size);  // keeps the seven from merging into the arena's top
+    const size_t before = mallinfo2().uordblks;
+    for (void* c : chunks) std::free(c);
+    const size_t after = mallinfo2().uordblks;
+    cached = before - after < 7 * size / 2 ? 1 : 0;
+    std::free(fence);
+  }).join();
+  return cached;
+}
+
+// Each EXPECT_EXIT below runs in a freshly executed copy of this binary ("threadsafe"), which
+// reads the environment's tunables at start as karakvd does after it re-executes itself; the copy
+// runs the test body up to the statement, so what comes before it must decide the same there.
+TEST(HeapUsageDeathTest, GlibcsDefaultCachesChunksOf512Bytes) {
+  if (!read_heap_usage().glibc) GTEST_SKIP() << "glibc's malloc is not the allocator in use";
+  const char* env = std::getenv("GLIBC_TUNABLES");
+  if (env != nullptr && std::strstr(env, "tcache") != nullptr) {
+    GTEST_SKIP() << "GLIBC_TUNABLES already sets the per-thread caches: " << env;
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(_exit(freed_chunks_stay_cached(512)), ::testing::ExitedWithCode(1), "");
+}
+
+TEST(HeapUsageDeathTest, TcacheTunableKeepsLargerChunksOutOfThePerThreadCaches) {
+  if (!read_heap_usage().glibc) GTEST_SKIP() << "glibc's malloc is not the allocator in use";
+  const char* env = std::getenv("GLIBC_TUNABLES");
+  const std::string saved = env ? env : "";
+  const std::optional<std::string> tunables = tunables_with_tcache_max(env, 256);
+  if (tunables.has_value()) {
+    setenv("GLIBC_TUNABLES", tunables->c_str(), 1);  // here; the copies find it set already
+  } else if (std::strstr(env, "glibc.malloc.tcache_max=256") == nullptr) {
+    GTEST_SKIP() << "GLIBC_TUNABLES sets another tcache_max already: " << env;
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // glibc ignores a tunable it does not know without a word: this is what shows the name is right.
+  EXPECT_EXIT(_exit(freed_chunks_stay_cached(512)), ::testing::ExitedWithCode(0), "") << std::getenv("GLIBC_TUNABLES");
+  EXPECT_EXIT(_exit(freed_chunks_stay_cached(128)), ::testing::ExitedWithCode(1), "") << std::getenv("GLIBC_TUNABLES");
+  if (saved.empty()) unsetenv("GLIBC_TUNABLES");
+  else setenv("GLIBC_TUNABLES", saved.c_str(), 1);
 }
 
 }  // namespace
