@@ -128,8 +128,10 @@ struct Client::Impl {
   }
 
   // Before a call, when karakvd was found gone: probe it (no sooner than the backoff allows) and,
-  // if it is a new instance, attach again. OK when the call may go ahead.
-  absl::Status recover(const char* method);
+  // if it is a new instance, attach again. OK when the call may go ahead. The heartbeat thread
+  // probes too (`reattach_if_restarted` false): the same instance back means the session may still
+  // be alive, and beats resume before its lease runs out; a new instance is left to the next call.
+  absl::Status recover(const char* method, bool reattach_if_restarted = true);
   absl::Status reattach(const char* method);
   absl::Status attach_rpc(v1::AttachReply* reply);
   // The typed error for a call naming a sequence lost with an earlier daemon instance.
@@ -274,7 +276,7 @@ absl::Status Client::Impl::attach_rpc(v1::AttachReply* reply) {
   return from_grpc(stub->Attach(&ctx, req, reply), "Attach");
 }
 
-absl::Status Client::Impl::recover(const char* method) {
+absl::Status Client::Impl::recover(const char* method, bool reattach_if_restarted) {
   {
     std::lock_guard<std::mutex> lock(state_mu);
     if (!down || !attached) return absl::OkStatus();
@@ -292,7 +294,7 @@ absl::Status Client::Impl::recover(const char* method) {
     return probe_failed(absl::Status(s.code(), absl::StrCat(method, ": karakvd at ", options.target,
                                                             " is unreachable: ", s.message())));
   }
-  if (restarted(reply)) return reattach(method);
+  if (restarted(reply)) return reattach_if_restarted ? reattach(method) : absl::OkStatus();
   // The same daemon instance: the session may have survived the gap.
   v1::HeartbeatRequest req;
   req.set_session_id(session());
@@ -471,10 +473,26 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& opti
     const absl::Duration period = absl::Seconds(im.lease_seconds) / 3;
     Impl* raw = &im;
     im.heartbeat = std::thread([raw, period] {
-      while (!raw->stop_heartbeat.WaitForNotificationWithTimeout(period)) {
+      absl::Duration wait = period;
+      while (!raw->stop_heartbeat.WaitForNotificationWithTimeout(wait)) {
+        wait = period;
+        bool down = false;
         {
           std::lock_guard<std::mutex> lock(raw->state_mu);
-          if (raw->down) continue;  // the next call probes the daemon and re-attaches
+          down = raw->down;
+        }
+        if (down) {
+          // Probe, with the calls' backoff, so that a session that outlived a transient UNAVAILABLE
+          // keeps its lease even when no call comes (the probe's Heartbeat is the beat). A restarted
+          // daemon is left to the next call, which re-attaches.
+          raw->recover("Heartbeat", /*reattach_if_restarted=*/false).IgnoreError();
+          std::lock_guard<std::mutex> lock(raw->state_mu);
+          const absl::Duration until_probe = raw->next_probe - absl::Now();
+          // Still down after a failed probe: try again when the backoff allows, not a beat later.
+          if (raw->down && raw->given_up.empty() && until_probe > absl::ZeroDuration()) {
+            wait = std::clamp(until_probe, absl::Milliseconds(10), period);
+          }
+          continue;
         }
         v1::HeartbeatRequest hreq;
         hreq.set_session_id(raw->session());

@@ -4,8 +4,11 @@
 // outputs must be bitwise equal to a run without the victims, and everything the victims held
 // (sessions, sequences, blocks, staging mappings) must go back to the daemon when their leases run
 // out. The measured time is printed (docs/RELIABILITY.md records it).
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,9 +17,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <dirent.h>
+#include <atomic>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -286,6 +292,102 @@ std::string temp_path(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/crash-", getpid(), "-", name);
 }
 
+// A Unix socket that forwards each connection to the daemon's and can cut them: cut_for(d) closes
+// every connection it carries and, for `d`, closes new ones as soon as they come, so calls and
+// heartbeats see UNAVAILABLE while the daemon itself runs on untouched.
+class CuttableProxy {
+ public:
+  explicit CuttableProxy(const std::string& daemon_socket)
+      : to_(daemon_socket), path_(temp_path("proxy.sock")) {
+    unlink(path_.c_str());
+    listen_fd_ = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un a = address(path_);
+    ok_ = listen_fd_ >= 0 && bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+          listen(listen_fd_, 16) == 0;
+    if (ok_) acceptor_ = std::thread([this] { accept_loop(); });
+  }
+  ~CuttableProxy() {
+    stopping_ = true;
+    shutdown(listen_fd_, SHUT_RDWR);
+    if (acceptor_.joinable()) acceptor_.join();
+    close(listen_fd_);
+    cut_all();
+    for (auto& t : pumps_) t.join();
+    unlink(path_.c_str());
+  }
+  bool ok() const { return ok_; }
+  std::string target() const { return "unix:" + path_; }
+  void cut_for(std::chrono::milliseconds d) {
+    refuse_until_ = std::chrono::steady_clock::now() + d;
+    cut_all();
+  }
+
+ private:
+  static sockaddr_un address(const std::string& path) {
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::snprintf(a.sun_path, sizeof(a.sun_path), "%s", path.c_str());
+    return a;
+  }
+  void cut_all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int fd : open_) shutdown(fd, SHUT_RDWR);  // both pumps see EOF and close their fds
+  }
+  void accept_loop() {
+    while (!stopping_) {
+      const int client = accept(listen_fd_, nullptr, nullptr);
+      if (client < 0) continue;
+      if (std::chrono::steady_clock::now() < refuse_until_.load()) {
+        close(client);
+        continue;
+      }
+      const int daemon = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un a = address(to_);
+      if (daemon < 0 || connect(daemon, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+        close(client);
+        if (daemon >= 0) close(daemon);
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      open_.insert(client);
+      open_.insert(daemon);
+      pumps_.emplace_back([this, client, daemon] { pump(client, daemon); });
+    }
+  }
+  void pump(int a, int b) {
+    pollfd fds[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+    char buf[1 << 16];
+    for (bool open = true; open;) {
+      if (poll(fds, 2, 200) < 0) break;
+      for (int i = 0; i < 2 && open; ++i) {
+        if (fds[i].revents == 0) continue;
+        const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+        open = n > 0;
+        for (ssize_t off = 0; open && off < n;) {
+          const ssize_t w = write(fds[1 - i].fd, buf + off, size_t(n - off));
+          open = w > 0;
+          off += w;
+        }
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    open_.erase(a);
+    open_.erase(b);
+    close(a);
+    close(b);
+  }
+
+  const std::string to_, path_;
+  int listen_fd_ = -1;
+  bool ok_ = false;
+  std::atomic<bool> stopping_{false};
+  std::atomic<std::chrono::steady_clock::time_point> refuse_until_{};
+  std::thread acceptor_;
+  std::mutex mu_;
+  std::set<int> open_;
+  std::vector<std::thread> pumps_;
+};
+
 // The survivors alone: the reference outputs.
 std::vector<std::string> undisturbed_run() {
   Daemon d(daemon_flags());
@@ -430,6 +532,7 @@ TEST_P(ReattachTest, SdkReattachesWithBackoffAfterARestartAndLostSequencesAreATy
   ASSERT_TRUE(d->ready());
   ClientOptions o = d->options(1 << 20);
   o.fast_path = GetParam();
+  o.heartbeat = false;  // the probes counted below are the calls' (a heartbeat would probe as well)
   o.reattach.initial_backoff = absl::Milliseconds(200);
   o.reattach.max_backoff = absl::Milliseconds(400);
   auto c = Client::Attach(o);
@@ -543,10 +646,46 @@ TEST(CrashTest, SdkReattachesOnTheNextCallAfterARestartItDidNotSee) {
   EXPECT_EQ((*c)->Stats(true)->invariant_error, "");
 }
 
+// A connection cut while the client makes no call: a heartbeat gets UNAVAILABLE. The heartbeat
+// thread must probe the daemon by itself and, finding the same instance, keep beating; otherwise
+// the session's lease runs out although daemon and client are both fine.
+TEST(CrashTest, HeartbeatsResumeAfterATransientUnavailableWithoutAnyCall) {
+  auto flags = daemon_flags();
+  flags.back() = "--lease_seconds=6";  // beats every 2 s
+  Daemon d(flags);
+  ASSERT_TRUE(d.ready());
+  CuttableProxy proxy(d.socket());
+  ASSERT_TRUE(proxy.ok());
+  ClientOptions o = d.options(0);
+  o.target = proxy.target();
+  auto c = Client::Attach(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto id = (*c)->CreateSequence();
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Longer than a beat's period, so that at least one beat meets a refused connection; gRPC's own
+  // reconnect backoff (1 s, then 1.6 s) may keep the channel failing for a while after it.
+  proxy.cut_for(std::chrono::milliseconds(2200));
+  std::this_thread::sleep_for(std::chrono::seconds(13));  // two leases without a call
+  // Probes happen only once a call or a heartbeat found the daemon unreachable: the cut was seen.
+  EXPECT_GE((*c)->reattach_probes(), 1u) << "no heartbeat saw the cut";
+  EXPECT_EQ((*c)->reattaches(), 0u);
+  auto direct = Client::Attach(d.options(0));
+  ASSERT_TRUE(direct.ok());
+  auto st = (*direct)->Stats(false);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->lease_expiries, 0u);
+  EXPECT_EQ(st->sessions, 2u);
+  auto seqs = (*c)->ListSequences();
+  ASSERT_TRUE(seqs.ok()) << seqs.status();
+  ASSERT_EQ(seqs->size(), 1u);
+  EXPECT_EQ((*seqs)[0].id, *id);
+}
+
 TEST(CrashTest, SdkGivesUpAfterMaxAttemptsAndADetachedClientNeverReattaches) {
   auto d = std::make_unique<Daemon>(daemon_flags());
   ASSERT_TRUE(d->ready());
   ClientOptions o = d->options(0);
+  o.heartbeat = false;  // the probes counted below are the calls' (a heartbeat would probe as well)
   o.reattach.initial_backoff = absl::Milliseconds(1);
   o.reattach.max_backoff = absl::Milliseconds(1);
   o.reattach.max_attempts = 3;
