@@ -24,6 +24,15 @@
 
 namespace karakv::server {
 
+namespace {
+
+absl::Status not_glibc(int max_bytes) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "--malloc_tcache_max=", max_bytes, " not applied: malloc is not glibc's (a sanitizer's or a preloaded one)"));
+}
+
+}  // namespace
+
 std::optional<std::string> tunables_with_tcache_max(const char* current, int max_bytes) {
   if (max_bytes < 0) return std::nullopt;
   const std::string setting = absl::StrCat("glibc.malloc.tcache_max=", max_bytes);
@@ -82,9 +91,7 @@ absl::Status apply_tcache_max(int max_bytes, char** argv) {
   if (!tunables.has_value()) return absl::OkStatus();
   const std::optional<std::string> before = current ? std::optional<std::string>(current) : std::nullopt;
   if (!glibc_malloc_in_use()) {
-    return absl::FailedPreconditionError(absl::StrCat("--malloc_tcache_max=", max_bytes,
-                                                      " not applied: malloc is not glibc's (a sanitizer's or a "
-                                                      "preloaded one)"));
+    return not_glibc(max_bytes);
   }
   if (setenv("GLIBC_TUNABLES", tunables->c_str(), 1) != 0) {
     return absl::InternalError(absl::StrCat("--malloc_tcache_max not applied: setenv: ", std::strerror(errno)));
@@ -111,9 +118,7 @@ HeapUsage read_heap_usage() { return {}; }
 bool limit_malloc_arenas(int n) { return n == 0; }
 absl::Status apply_tcache_max(int max_bytes, char**) {
   if (max_bytes < 0) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat("--malloc_tcache_max=", max_bytes,
-                                                    " not applied: malloc is not glibc's (a sanitizer's or a "
-                                                    "preloaded one)"));
+  return not_glibc(max_bytes);
 }
 
 #endif

@@ -42,6 +42,7 @@ namespace {
 using ::testing::HasSubstr;
 using synthetic::Tensor;
 using testing::Daemon;
+using testing::read_file;
 namespace v1 = ::karakv::v1;
 
 constexpr uint64_t kSeed = 11;
@@ -245,13 +246,6 @@ std::vector<uint64_t> ids_of(const std::string& line) {
     if (absl::SimpleAtoi(part, &id)) ids.push_back(id);
   }
   return ids;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
 }
 
 // Staging objects the daemon still maps (they are unlinked from /dev/shm once the worker has

@@ -11,6 +11,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -105,6 +107,14 @@ class Daemon {
   pid_t pid_ = -1;
   bool ready_ = false;
 };
+
+// A whole file's bytes ("" when it cannot be read): outputs workers wrote, files under /proc.
+inline std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
 
 // A plain HTTP/1.0 GET on loopback (a daemon's /metrics); returns the body, or "" when the
 // connection or the request fails.

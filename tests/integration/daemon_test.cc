@@ -11,6 +11,9 @@
 #include <cstdio>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -26,6 +29,7 @@ using ::testing::HasSubstr;
 using synthetic::Tensor;
 using testing::Daemon;
 using testing::http_get;
+using testing::read_file;
 namespace v1 = ::karakv::v1;
 
 constexpr uint64_t kSeed = 3;
@@ -448,31 +452,15 @@ TEST(DaemonTest, SigtermDrainsAndExitsZero) {
 
 // A daemon process's environment entry `name=...`, or "" without one.
 std::string environ_entry(pid_t pid, const std::string& name) {
-  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/environ").c_str(), "r");
-  if (f == nullptr) return "";
-  std::string all;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) all.append(buf, n);
-  std::fclose(f);
-  for (size_t at = 0; at < all.size();) {
-    const size_t end = all.find('\0', at);
-    const std::string entry = all.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
-    if (end == std::string::npos) break;
-    at = end + 1;
+  const std::string all = read_file(absl::StrCat("/proc/", pid, "/environ"));
+  for (absl::string_view entry : absl::StrSplit(all, '\0')) {
+    if (absl::ConsumePrefix(&entry, name + "=")) return std::string(entry);
   }
   return "";
 }
 
 std::string process_name(pid_t pid) {
-  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/comm").c_str(), "r");
-  if (f == nullptr) return "";
-  char buf[64] = {};
-  const bool read = std::fgets(buf, sizeof(buf), f) != nullptr;
-  std::fclose(f);
-  std::string name = read ? buf : "";
-  if (!name.empty() && name.back() == '\n') name.pop_back();
-  return name;
+  return std::string(absl::StripTrailingAsciiWhitespace(read_file(absl::StrCat("/proc/", pid, "/comm"))));
 }
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
