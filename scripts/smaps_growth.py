@@ -13,8 +13,9 @@ mappings that grew most. A mapping absent at T1 counts as new, one absent at T2 
 
 Kinds are inferred from what smaps shows: an anonymous read-write mapping right above a no-access
 one is a thread stack (glibc puts the guard page below the stack, in one mapping with it); an
-anonymous read-write mapping that starts on a 64 MiB boundary is the used head of a malloc arena
-heap (glibc maps those 64 MiB-aligned and opens them up as the arena grows).
+anonymous read-write mapping that starts on a 64 MiB boundary and is followed by the no-access
+rest of it (or fills all 64 MiB) is the used head of a malloc arena heap (glibc maps those
+64 MiB-aligned, no-access, and opens them up as the arena grows).
 """
 import argparse
 import collections
@@ -61,7 +62,7 @@ def record(args):
             time.sleep(args.every)
 
 
-def classify(m, prev):
+def classify(m, prev, nxt=None):
     size_kib = (m["hi"] - m["lo"]) // 1024
     path = m["path"]
     if path == "[heap]":
@@ -77,7 +78,8 @@ def classify(m, prev):
     guard_below = prev is not None and prev["hi"] == m["lo"] and prev["perms"].startswith("---")
     if guard_below and size_kib >= 64:
         return "thread stacks"
-    if m["lo"] % ARENA_ALIGN == 0:
+    rest_closed = nxt is not None and nxt["lo"] == m["hi"] and nxt["perms"].startswith("---") and not nxt["path"]
+    if m["lo"] % ARENA_ALIGN == 0 and (rest_closed or m["hi"] - m["lo"] == ARENA_ALIGN):
         return "malloc arena heaps"
     return "other anonymous"
 
@@ -95,7 +97,7 @@ def by_kind(snap):
     kinds = collections.Counter()
     maps = sorted(snap["maps"], key=lambda m: m["lo"])
     for i, m in enumerate(maps):
-        kinds[classify(m, maps[i - 1] if i else None)] += m["rss"]
+        kinds[classify(m, maps[i - 1] if i else None, maps[i + 1] if i + 1 < len(maps) else None)] += m["rss"]
     return kinds
 
 
