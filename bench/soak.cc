@@ -563,6 +563,7 @@ struct Rss {
   // The daemon's malloc (Stats): in use, and taken from the OS. Growth in RSS with these flat is not
   // the heap; growth in held with in use flat is fragmentation.
   uint64_t heap_in_use_kib = 0, heap_held_kib = 0;
+  uint64_t threads = 0;  // the daemon's threads: each brings a stack, malloc caches, kernel scratch
 };
 
 bool read_rss(pid_t pid, double t, Rss* out) {
@@ -577,6 +578,7 @@ bool read_rss(pid_t pid, double t, Rss* out) {
     field("VmRSS:", &r.rss_kib);
     field("RssAnon:", &r.anon_kib);
     field("RssShmem:", &r.shmem_kib);
+    field("Threads:", &r.threads);
   }
   *out = r;
   return r.rss_kib > 0;
@@ -606,6 +608,7 @@ Rss median_rss(const std::vector<Rss>& samples, double from, double to) {
   out.shmem_kib = med(&Rss::shmem_kib);
   out.heap_in_use_kib = med(&Rss::heap_in_use_kib);
   out.heap_held_kib = med(&Rss::heap_held_kib);
+  out.threads = med(&Rss::threads);
   return out;
 }
 
@@ -832,7 +835,9 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   const Rss rss_start = median_rss(rss, warmup, warmup + window);
   const Rss rss_end = median_rss(rss, run_s - window, run_s);
   uint64_t rss_max = 0;
+  uint64_t threads_max = 0;
   for (const Rss& r : rss) rss_max = std::max(rss_max, r.rss_kib);
+  for (const Rss& r : rss) threads_max = std::max(threads_max, r.threads);
   const double growth = rss_start.rss_kib > 0 ? 100.0 * (double(rss_end.rss_kib) - rss_start.rss_kib) / rss_start.rss_kib : 0;
   const double max_growth = absl::GetFlag(FLAGS_soak_max_rss_growth_pct);
   if (rss_start.rss_kib == 0) failures.push_back("the daemon's RSS could not be read");
@@ -879,14 +884,14 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
                         "daemon RSS            start %d KiB (median over %.0f-%.0f s), end %d KiB (median over the last "
                         "%.0f s), growth %+.2f%% (limit %g%%), max %d KiB\n"
                         "                      anon %d -> %d KiB, shmem %d -> %d KiB; malloc in use %d -> %d KiB, "
-                        "held %d -> %d KiB\n",
+                        "held %d -> %d KiB; threads %d -> %d (max %d)\n",
                         invariant_checks, invariant_failures, step_checks, step_mismatches, max_err, skipped,
                         kv_checks, kv_mismatches, peak_blocks, pool_blocks, crashes_seen, restarts, unexpected_exits, lease_expiries,
                         drain_s >= 0 ? absl::StrFormat("all, %.1f s after the workers ended", drain_s) : "NO",
                         rss_start.rss_kib, warmup, warmup + window, rss_end.rss_kib, window, growth, max_growth, rss_max,
                         rss_start.anon_kib, rss_end.anon_kib, rss_start.shmem_kib, rss_end.shmem_kib,
                         rss_start.heap_in_use_kib, rss_end.heap_in_use_kib, rss_start.heap_held_kib,
-                        rss_end.heap_held_kib);
+                        rss_end.heap_held_kib, rss_start.threads, rss_end.threads, threads_max);
   absl::StrAppend(&report, "\nresult: ", pass ? "PASS" : "FAIL", "\n");
   for (const std::string& f : failures) absl::StrAppend(&report, "  ", f, "\n");
   {
@@ -945,6 +950,9 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   row("rss", "end_heap_in_use_kib", absl::StrCat(rss_end.heap_in_use_kib));
   row("rss", "start_heap_held_kib", absl::StrCat(rss_start.heap_held_kib));
   row("rss", "end_heap_held_kib", absl::StrCat(rss_end.heap_held_kib));
+  row("rss", "start_threads", absl::StrCat(rss_start.threads));
+  row("rss", "end_threads", absl::StrCat(rss_end.threads));
+  row("rss", "max_threads", absl::StrCat(threads_max));
   row("result", "verdict", pass ? "PASS" : "FAIL");
   if (!out_dir.empty()) {
     std::error_code ec;
@@ -956,10 +964,10 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       return 1;
     }
     std::ofstream series(out_dir + "/soak_rss.csv");
-    series << "t_s,rss_kib,anon_kib,shmem_kib,heap_in_use_kib,heap_held_kib\n";
+    series << "t_s,rss_kib,anon_kib,shmem_kib,heap_in_use_kib,heap_held_kib,threads\n";
     for (const Rss& r : rss) {
-      series << absl::StrFormat("%.1f,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib, r.heap_in_use_kib,
-                                r.heap_held_kib);
+      series << absl::StrFormat("%.1f,%d,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib, r.heap_in_use_kib,
+                                r.heap_held_kib, r.threads);
     }
     progress("soak: wrote " + out_dir + "/soak.csv and soak_rss.csv (the daemon's RSS each second)");
   }

@@ -77,7 +77,8 @@ ABSL_FLAG(bool, prefix_cache_shared_namespaces, false,
 ABSL_FLAG(bool, fast_path, true,
           "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
 ABSL_FLAG(int32_t, ring_idle_threads, 16,
-          "Fast path: ring threads kept waiting for the next session once theirs ended (more end)");
+          "Fast path: ring threads started with the daemon (each with its kernels' thread team) and kept "
+          "waiting for sessions; more start while more sessions than this are open at once, and end with them");
 ABSL_FLAG(int32_t, malloc_arenas, 2,
           "Most glibc malloc arenas (M_ARENA_MAX; 0: glibc's default, 8 per core, or MALLOC_ARENA_MAX). "
           "Each thread that allocates gets an arena up to this many; fewer keep RSS from creeping as "

@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
   karakv::server::RingConfig ring_config;
   ring_config.spin = config->ring_spin;
   ring_config.idle_threads = config->ring_idle_threads;
+  if (config->fast_path) ring_config.start_threads = config->ring_idle_threads;
   karakv::server::RingServer rings(&service, registry->get(), metrics->get(), ring_config);
   if (config->fast_path) service.set_rings(&rings);
   karakv::server::Registry* registry_ptr = registry->get();

@@ -181,6 +181,9 @@ class Registry {
   const kernels::Geometry& geometry() const { return config_.geometry; }
   const RegistryConfig& config() const { return config_; }
   std::string_view backend_name() const { return backend_->name(); }
+  // The calling thread's kernel state, made up front (Backend::prepare_thread); for threads that
+  // will serve requests for a long time (the fast path's ring threads).
+  void prepare_kernel_thread() { backend_->prepare_thread(); }
 
   // Sessions. `worker_geometry` with num_layers == 0 means "whatever the daemon serves".
   // `reserved_bytes` follow the staging region in the same mapping, out of the requests' reach

@@ -70,6 +70,12 @@ RingServer::RingServer(KaraKVService* service, Registry* registry, Metrics* metr
                           .Register(*reg)
                           .Add({});
   keepalive_ = reg;
+  if (!config_.threads) return;
+  absl::MutexLock lock(&mu_);
+  for (int i = 0; i < config_.start_threads; ++i) {
+    ++idle_;  // counted as waiting from the start, so start() hands it the first sessions
+    spawn(nullptr);
+  }
 }
 
 RingServer::~RingServer() { stop_all(); }
@@ -109,14 +115,18 @@ absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<St
     handover_.push_back(raw);
     return absl::OkStatus();
   }
+  spawn(raw);
+  return absl::OkStatus();
+}
+
+void RingServer::spawn(Worker* first) {
   // Started under the lock, so reap() never sees the Thread before its std::thread is set.
   auto t = std::make_unique<Thread>();
   Thread* self = t.get();
   threads_.push_back(std::move(t));
   threads_started_->Increment();
   threads_alive_->Increment();
-  self->thread = std::thread([this, self, raw] { serve(self, raw); });
-  return absl::OkStatus();
+  self->thread = std::thread([this, self, first] { serve(self, first); });
 }
 
 absl::StatusOr<int> RingServer::poll(const std::string& session_id) {
@@ -295,12 +305,15 @@ void RingServer::finish(Worker* w) {
 }
 
 void RingServer::serve(Thread* self, Worker* first) {
+  registry_->prepare_kernel_thread();
   Worker* w = first;
   for (;;) {
-    run(w);
+    if (w != nullptr) run(w);
     absl::MutexLock lock(&mu_);
-    if (stopping_ || idle_ >= config_.idle_threads) break;
-    ++idle_;
+    if (w != nullptr) {  // a thread started with the server was counted as waiting already
+      if (stopping_ || idle_ >= config_.idle_threads) break;
+      ++idle_;
+    }
     mu_.Await(absl::Condition(this, &RingServer::handover_or_stop));
     if (handover_.empty()) {  // stopping, and nothing was handed over
       --idle_;

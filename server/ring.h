@@ -9,6 +9,8 @@
 // A thread whose session ended waits for the next session (up to `idle_threads` wait), so workers
 // that attach and detach all the time reuse threads, and the kernels' OpenMP team each thread
 // keeps, instead of making and ending both per session (which also grew the heap's arenas).
+// karakvd starts that many threads with the daemon (`start_threads`), each making its team
+// first, so the set of threads is fixed unless more sessions than that are open at once.
 // Waiting: spin for `spin` after the last command, then FUTEX_WAIT on the doorbell in slices of
 // `poll`, checking between slices that the session still exists (detach, lease expiry): the thread
 // ends within one slice of its session. A ring with impossible indices or a command that is not a
@@ -48,6 +50,12 @@ struct RingConfig {
   bool threads = true;
   // Threads kept waiting for the next session once theirs ended; more end.
   int idle_threads = 16;
+  // Threads started with the server, each waiting for a session once it has made its kernel
+  // state (Registry::prepare_kernel_thread). karakvd starts idle_threads of them, so its thread
+  // count (and the memory each thread brings) is fixed from the start instead of following the
+  // most fast-path sessions ever open at once; more start only when more sessions than that are
+  // open together.
+  int start_threads = 0;
 };
 
 class RingServer {
@@ -96,9 +104,12 @@ class RingServer {
   };
   enum class Turn { kWorked, kIdle, kClosed };
   void run(Worker* w);
-  // A pool thread's life: rings one after another, `first` then whatever start() hands over while
+  // A pool thread's life: its kernel state, then rings one after another, `first` (null: a thread
+  // started with the server, counted as waiting already) then whatever start() hands over while
   // it waits, until there are `idle_threads` waiting already or the server stops.
   void serve(Thread* self, Worker* first);
+  // Starts a thread for `first` (see serve()).
+  void spawn(Worker* first) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One command taken from the ring, run and answered; or nothing to do; or the ring closed
   // (garbage in it, or the session ended).
   Turn turn(Worker* w);

@@ -76,12 +76,17 @@ def main():
             fail(f"sessions and blocks not returned after the run (drain_s {get('daemon', 'drain_s')})")
         if get("rss", "start_kib") <= 0 or get("rss", "end_kib") <= 0:
             fail("the daemon's RSS was not read")
+        # karakvd starts its 16 ring threads with it; 3 workers never hold more fast-path sessions.
+        if get("rss", "start_threads") < 17 or get("rss", "max_threads") < get("rss", "start_threads"):
+            fail(f"the daemon's threads: start {get('rss', 'start_threads')}, max {get('rss', 'max_threads')} "
+                 "(expected at least its 16 ring threads and the main thread)")
         for needle in ("operation", "error code", "invariant checks", "daemon RSS", "result: PASS"):
             if needle not in proc.stdout:
                 fail(f"stdout lacks {needle!r}:\n{proc.stdout[-3000:]}")
     print(f"OK: {int(get('ops', 'total'))} operations ({get('ops', 'per_s')}/s), {int(crashes)} crashes, "
           f"{int(get('checks', 'step_outputs_checked'))} Step outputs and "
-          f"{int(get('checks', 'readkv_checked'))} caches checked, RSS growth {get('rss', 'growth_pct')}%")
+          f"{int(get('checks', 'readkv_checked'))} caches checked, RSS growth {get('rss', 'growth_pct')}%, "
+          f"threads {int(get('rss', 'start_threads'))} -> {int(get('rss', 'end_threads'))}")
 
 
 if __name__ == "__main__":

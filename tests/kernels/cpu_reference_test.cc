@@ -3,7 +3,11 @@
 // double-precision softmax over the same rounded K/V values.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cmath>
+#include <filesystem>
+#include <thread>
 #include <tuple>
 
 #include "cpu/attention.h"
@@ -419,6 +423,57 @@ TEST(CpuBackendTest, NamesAndSupport) {
   DType parsed;
   EXPECT_FALSE(parse_dtype("fp8", &parsed));
   EXPECT_FALSE(parse_dtype("", &parsed));
+}
+
+}  // namespace
+}  // namespace karakv::kernels::test
+
+namespace karakv::kernels::test {
+namespace {
+
+// Threads of this process, as the kernel lists them.
+int process_threads() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// prepare_thread makes the calling thread's OpenMP team (num_threads - 1 threads that live as
+// long as the calling thread), and the kernels that thread runs afterwards use that team: a
+// decode step starts no thread and still matches the float64 reference.
+TEST(CpuPrepareThreadTest, MakesTheCallersTeamOnceAndKernelsReuseIt) {
+  const int width = 2;
+  const int limit = omp_get_thread_limit();  // OMP_THREAD_LIMIT=1 leaves no team to make
+  const int team_threads = std::min(width, limit) - 1;
+  const Geometry g{1, 4, 2, 16, 8, DType::kFloat32};
+  std::unique_ptr<Backend> backend = make_cpu_backend(width);
+  std::mt19937 rng(7);
+  PagedCache cache(*backend, g, {40}, rng);
+  const DenseKV dense = random_dense_kv(g, 40, rng);
+  write_sequence(*backend, cache, 0, dense);
+  const std::vector<float> q = random_values(g.q_token_elems(), -2.0f, 2.0f, rng);
+  BackendBuffer qb(*backend, q.size() * 4), ob(*backend, q.size() * 4);
+  qb.upload(q);
+
+  int before = 0, prepared = 0, again = 0, after_kernel = 0;
+  std::vector<float> out;
+  std::thread server([&] {  // a fresh thread, as a ring thread is: no team yet
+    before = process_threads();
+    backend->prepare_thread();
+    prepared = process_threads();
+    backend->prepare_thread();
+    again = process_threads();
+    ASSERT_TRUE(backend->decode_attention(cache.view(), 0, qb.get<float>(), ob.get<float>(), 0.25f).is_ok());
+    after_kernel = process_threads();
+    out = ob.download<float>(q.size());
+  });
+  server.join();
+  EXPECT_EQ(prepared - before, team_threads);
+  EXPECT_EQ(again, prepared);
+  EXPECT_EQ(after_kernel, prepared);
+  const std::vector<double> want = naive_attention(g, dense, 0, 40, q.data(), 0.25f);
+  ASSERT_EQ(out.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(out[i], want[i], kAttentionTolerance) << i;
 }
 
 }  // namespace

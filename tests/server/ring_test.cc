@@ -311,6 +311,53 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   EXPECT_EQ(rings_->threads(), 0);
 }
 
+// karakvd's ring threads start with it: the first sessions take them (no thread starts), a session
+// beyond them starts one more, and once they end the started set is what waits again.
+TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
+  rings_->stop_all();
+  RingConfig cfg;
+  cfg.spin = absl::ZeroDuration();
+  cfg.poll = absl::Milliseconds(5);
+  cfg.idle_threads = 3;
+  cfg.start_threads = 3;
+  const double started0 = metric(*metrics_, "karakv_ring_threads_started_total", {});
+  rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+  service_->set_rings(rings_.get());
+  EXPECT_EQ(rings_->threads(), 3);
+  EXPECT_EQ(rings_->waiting(), 3);  // counted as waiting at once, before they have made their teams
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 3);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 3);
+
+  std::vector<Session> sessions = {attach(), attach(), attach()};
+  EXPECT_EQ(rings_->threads(), 3);
+  EXPECT_EQ(rings_->waiting(), 0);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 3);
+  sessions.push_back(attach());
+  EXPECT_EQ(rings_->threads(), 4);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 4);
+  // Each session is served by a thread of its own: an unknown sequence is refused on every ring.
+  for (size_t i = 0; i < sessions.size(); ++i) submit(sessions[i], step_of(900 + i, i + 1));
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    ring::Completion done{};
+    ASSERT_TRUE(next_completion(sessions[i], &done)) << i;
+    EXPECT_EQ(done.tag, i + 1);
+    EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kNotFound));
+  }
+
+  for (Session& s : sessions) ASSERT_TRUE(registry_->detach(s.id).ok());
+  for (int j = 0; j < 400 && (rings_->active() > 0 || rings_->threads() > 3 || rings_->waiting() < 3); ++j) {
+    rings_->reap();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(rings_->active(), 0);
+  EXPECT_EQ(rings_->threads(), 3);
+  EXPECT_EQ(rings_->waiting(), 3);
+  EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 3);
+  rings_->stop_all();
+  EXPECT_EQ(rings_->threads(), 0);
+  EXPECT_EQ(rings_->waiting(), 0);
+}
+
 // Stopping with one thread waiting for a session and one running a session ends both, and the
 // running session's worker is told why.
 TEST_F(RingServerTest, StopAllEndsWaitingAndRunningThreads) {

@@ -46,6 +46,11 @@ class Backend {
   // Whether `op` runs on this backend for storage dtype `dtype`; the server refuses what is not.
   virtual bool supports(Op op, DType dtype) const = 0;
 
+  // Makes what the calling thread needs before it runs kernels (the CPU backend: its OpenMP thread
+  // team, which libgomp keeps for the thread's lifetime), so a long-lived serving thread pays for
+  // it when it starts instead of in its first request. Optional; kernels work without it.
+  virtual void prepare_thread() {}
+
   // Memory for the block pool. Returned memory is zero-filled.
   virtual KernelStatus allocate(size_t bytes, void** out) = 0;
   virtual void free(void* ptr) = 0;
