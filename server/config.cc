@@ -87,6 +87,10 @@ ABSL_FLAG(int32_t, malloc_tcache_max, 256,
           "Largest chunk (bytes) glibc's per-thread malloc caches keep (glibc.malloc.tcache_max; -1: glibc's "
           "default, 1032). karakvd re-executes itself once with GLIBC_TUNABLES extended; a tcache_max "
           "already in GLIBC_TUNABLES wins. Smaller keeps RSS from creeping as each thread's cache fills");
+ABSL_FLAG(int32_t, malloc_mmap_threshold, 128 << 10,
+          "Bytes from which glibc's malloc gives each chunk a mapping of its own, returned to the OS on free "
+          "(M_MMAP_THRESHOLD; 0: glibc's dynamic threshold, which rises to the largest chunk freed so far). "
+          "Fixed, large short-lived buffers never grow the arenas that long-lived chunks then pin");
 ABSL_FLAG(int32_t, ring_spin_us, 50, "Fast path: microseconds a ring thread busy-waits after a command before it sleeps");
 
 namespace karakv::server {
@@ -310,6 +314,11 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   if (c.malloc_tcache_max < -1 || c.malloc_tcache_max > 4096) {
     return absl::InvalidArgumentError(absl::StrCat("--malloc_tcache_max=", c.malloc_tcache_max,
                                                    ", expected -1 (glibc's default) or 0..4096 bytes"));
+  }
+  c.malloc_mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold);
+  if (c.malloc_mmap_threshold != 0 && (c.malloc_mmap_threshold < 4096 || c.malloc_mmap_threshold > (32 << 20))) {
+    return absl::InvalidArgumentError(absl::StrCat("--malloc_mmap_threshold=", c.malloc_mmap_threshold,
+                                                   ", expected 0 (glibc's dynamic threshold) or 4096..33554432 bytes"));
   }
   c.ring_idle_threads = absl::GetFlag(FLAGS_ring_idle_threads);
   if (c.ring_idle_threads < 0 || c.ring_idle_threads > 4096) {

@@ -85,6 +85,11 @@ bool limit_malloc_arenas(int n) {
   return glibc_malloc_in_use() && mallopt(M_ARENA_MAX, n) == 1;
 }
 
+bool fix_malloc_mmap_threshold(int bytes) {
+  if (bytes == 0) return true;
+  return glibc_malloc_in_use() && mallopt(M_MMAP_THRESHOLD, bytes) == 1;
+}
+
 absl::Status apply_tcache_max(int max_bytes, char** argv) {
   const char* current = std::getenv("GLIBC_TUNABLES");
   const std::optional<std::string> tunables = tunables_with_tcache_max(current, max_bytes);
@@ -116,6 +121,7 @@ absl::Status apply_tcache_max(int max_bytes, char** argv) {
 
 HeapUsage read_heap_usage() { return {}; }
 bool limit_malloc_arenas(int n) { return n == 0; }
+bool fix_malloc_mmap_threshold(int bytes) { return bytes == 0; }
 absl::Status apply_tcache_max(int max_bytes, char**) {
   if (max_bytes < 0) return absl::OkStatus();
   return not_glibc(max_bytes);

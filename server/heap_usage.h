@@ -27,6 +27,16 @@ HeapUsage read_heap_usage();
 // Returns false where mallopt refused the value or the allocator is not glibc's.
 bool limit_malloc_arenas(int n);
 
+// Fixes glibc's mmap threshold at `bytes` (mallopt M_MMAP_THRESHOLD; 0 keeps glibc's dynamic
+// threshold). glibc starts at 128 KiB and raises the threshold to the size of each mmapped chunk
+// that is freed (up to 32 MiB), so after the daemon's first large short-lived buffer (a ReadKV or
+// Step reply, a compaction's scratch, a gRPC message) every later one comes from an arena; a burst
+// of them alive at once grows the arena, and small long-lived chunks allocated above the gap keep
+// it resident: RSS that steps up and does not come back (docs/RELIABILITY.md, soak). With the
+// threshold fixed, every chunk this large or larger is a mapping of its own, returned on free.
+// Returns false where mallopt refused the value or the allocator is not glibc's.
+bool fix_malloc_mmap_threshold(int bytes);
+
 // glibc's per-thread caches (tcache) keep up to 7 freed chunks of each size up to 1,032 bytes on
 // every thread, and mallinfo2 counts them as in use: the arena cannot hand them to another thread.
 // A thread's cache fills as it frees chunk sizes it has not cached yet, so with ~40 threads that

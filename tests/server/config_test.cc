@@ -20,6 +20,7 @@ ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(int32_t, ring_idle_threads);
 ABSL_DECLARE_FLAG(int32_t, malloc_arenas);
 ABSL_DECLARE_FLAG(int32_t, malloc_tcache_max);
+ABSL_DECLARE_FLAG(int32_t, malloc_mmap_threshold);
 ABSL_DECLARE_FLAG(bool, mutex_deadlock_detection);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
@@ -191,6 +192,27 @@ TEST_F(ConfigFileTest, MallocTcacheMaxDefaultAndRefusal) {
     EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(c.status().message().find(absl::StrCat("--malloc_tcache_max=", bad,
                                                      ", expected -1 (glibc's default) or 0..4096 bytes")),
+              std::string::npos)
+        << c.status();
+  }
+}
+
+TEST_F(ConfigFileTest, MallocMmapThresholdDefaultAndRefusal) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->malloc_mmap_threshold, 128 << 10);
+  for (int good : {0, 4096, 32 << 20}) {
+    absl::SetFlag(&FLAGS_malloc_mmap_threshold, good);
+    c = config_from_flags();
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->malloc_mmap_threshold, good);
+  }
+  for (int bad : {-1, 4095, (32 << 20) + 1}) {
+    absl::SetFlag(&FLAGS_malloc_mmap_threshold, bad);
+    c = config_from_flags();
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(absl::StrCat("--malloc_mmap_threshold=", bad,
+                                                     ", expected 0 (glibc's dynamic threshold) or 4096..33554432 bytes")),
               std::string::npos)
         << c.status();
   }

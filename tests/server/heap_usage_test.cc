@@ -83,6 +83,41 @@ TEST(HeapUsageDeathTest, ArenaCapLimitsTheArenasThreadsGet) {
   EXPECT_EXIT(_exit(std::min(arenas_after_8_threads(0), 2)), ::testing::ExitedWithCode(2), "");
 }
 
+// Frees a 1 MiB chunk (mmapped: above glibc's initial 128 KiB threshold), then returns 1 when a
+// 512 KiB chunk allocated after it is a mapping of its own as well, 0 when it came from an arena,
+// 2 when the threshold (`fixed` > 0) was refused. The threshold is process-wide, so the test below
+// runs this in a process of its own.
+int large_chunk_mmapped_after_a_larger_one_was_freed(int fixed) {
+  if (fixed > 0 && !fix_malloc_mmap_threshold(fixed)) return 2;
+  // Called through volatile pointers: the compiler may drop a malloc / free pair it can see.
+  static void* (*volatile const allocate)(size_t) = std::malloc;
+  static void (*volatile const release)(void*) = std::free;
+  void* first = allocate(1 << 20);
+  std::memset(first, 1, 1 << 20);
+  release(first);
+  const size_t before = mallinfo2().hblkhd;  // bytes in chunks mmapped on their own
+  void* second = allocate(512 << 10);
+  std::memset(second, 1, 512 << 10);
+  const size_t after = mallinfo2().hblkhd;
+  release(second);
+  return after >= before + (512 << 10) ? 1 : 0;
+}
+
+TEST(HeapUsageDeathTest, FixedMmapThresholdKeepsLargeChunksOutOfTheArenas) {
+  if (!read_heap_usage().glibc) GTEST_SKIP() << "glibc's malloc is not the allocator in use";
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      (std::getenv("GLIBC_TUNABLES") != nullptr && std::strstr(std::getenv("GLIBC_TUNABLES"), "mmap_threshold"))) {
+    GTEST_SKIP() << "the environment sets glibc's mmap threshold already";
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // glibc's dynamic threshold rose to 1 MiB when the first chunk was freed: the second one comes
+  // from an arena. That is what karakvd's default setting prevents.
+  EXPECT_EXIT(_exit(large_chunk_mmapped_after_a_larger_one_was_freed(0)), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(_exit(large_chunk_mmapped_after_a_larger_one_was_freed(128 << 10)), ::testing::ExitedWithCode(1), "");
+  // Below the fixed threshold a chunk still comes from an arena.
+  EXPECT_EXIT(_exit(large_chunk_mmapped_after_a_larger_one_was_freed(1 << 20)), ::testing::ExitedWithCode(0), "");
+}
+
 TEST(HeapUsageTest, TcacheTunableIsAppendedOnceAndNeverOverridesTheOperators) {
   EXPECT_EQ(tunables_with_tcache_max(nullptr, 256), "glibc.malloc.tcache_max=256");
   EXPECT_EQ(tunables_with_tcache_max("", 0), "glibc.malloc.tcache_max=0");
