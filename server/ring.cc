@@ -2,6 +2,8 @@
 // (every tensor in staging), run it through the service's own handler, post the status.
 #include "server/ring.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -305,6 +307,7 @@ void RingServer::finish(Worker* w) {
 }
 
 void RingServer::serve(Thread* self, Worker* first) {
+  pthread_setname_np(pthread_self(), "karakv-ring");  // as top -H and /proc/PID/task/*/comm show it
   registry_->prepare_kernel_thread();
   Worker* w = first;
   for (;;) {

@@ -3,6 +3,8 @@
 // thread's end with its session. The ring itself is tested in ring_spsc_test.cc.
 #include "server/ring.h"
 
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <thread>
@@ -93,6 +95,16 @@ class RingServerTest : public ::testing::Test {
     return false;
   }
   bool session_alive(const std::string& id) { return registry_->staging(id).ok(); }
+  // Threads of this process whose name (/proc/self/task/*/comm) is `name`.
+  static int threads_named(const std::string& name) {
+    int n = 0;
+    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+      std::ifstream comm(task.path() / "comm");
+      std::string line;
+      if (std::getline(comm, line) && line == name) ++n;
+    }
+    return n;
+  }
 
   std::unique_ptr<Registry> registry_;
   std::unique_ptr<Metrics> metrics_;
@@ -327,6 +339,10 @@ TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
   EXPECT_EQ(rings_->waiting(), 3);  // counted as waiting at once, before they have made their teams
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 3);
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 3);
+  // Named, so top -H and /proc show them (the kernels' team threads they make inherit the name;
+  // this registry's backend runs one thread, so there are none here).
+  for (int j = 0; j < 400 && threads_named("karakv-ring") < 3; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(threads_named("karakv-ring"), 3);
 
   std::vector<Session> sessions = {attach(), attach(), attach()};
   EXPECT_EQ(rings_->threads(), 3);
