@@ -45,7 +45,7 @@ ABSL_FLAG(int32_t, soak_pool_blocks_per_worker, 40,
           "soak: pool blocks per worker (a worker may hold up to 288: the pool fills now and then)");
 ABSL_FLAG(double, soak_check_fraction, 0.1, "soak: fraction of Step calls whose outputs are checked against the reference");
 ABSL_FLAG(double, soak_crash_mean_s, 20, "soak: mean seconds between a worker's start and its deliberate crash (0: no crashes)");
-ABSL_FLAG(double, soak_warmup_s, -1, "soak: seconds before the starting RSS is taken (-1: a fifth of the run, at most 60)");
+ABSL_FLAG(double, soak_warmup_s, -1, "soak: seconds before the starting RSS is taken (-1: a fifth of the run, at most 120)");
 ABSL_FLAG(double, soak_max_rss_growth_pct, 1.0, "soak: fail when the daemon's RSS grows more than this (percent)");
 
 // The worker role's own settings, passed by the driver on its command line.
@@ -830,7 +830,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     unexpected_errors += errors[c][1];
   }
   const double warmup = absl::GetFlag(FLAGS_soak_warmup_s) >= 0 ? absl::GetFlag(FLAGS_soak_warmup_s)
-                                                                 : std::min(60.0, seconds / 5);
+                                                                 : std::min(120.0, seconds / 5);
   const double window = std::max(1.0, std::min(30.0, seconds / 10));
   const Rss rss_start = median_rss(rss, warmup, warmup + window);
   const Rss rss_end = median_rss(rss, run_s - window, run_s);

@@ -87,7 +87,7 @@ ABSL_FLAG(int32_t, malloc_tcache_max, 256,
           "Largest chunk (bytes) glibc's per-thread malloc caches keep (glibc.malloc.tcache_max; -1: glibc's "
           "default, 1032). karakvd re-executes itself once with GLIBC_TUNABLES extended; a tcache_max "
           "already in GLIBC_TUNABLES wins. Smaller keeps RSS from creeping as each thread's cache fills");
-ABSL_FLAG(int32_t, malloc_mmap_threshold, 128 << 10,
+ABSL_FLAG(int32_t, malloc_mmap_threshold, 256 << 10,
           "Bytes from which glibc's malloc gives each chunk a mapping of its own, returned to the OS on free "
           "(M_MMAP_THRESHOLD; 0: glibc's dynamic threshold, which rises to the largest chunk freed so far). "
           "Fixed, large short-lived buffers never grow the arenas that long-lived chunks then pin");

@@ -27,7 +27,7 @@ struct DaemonConfig {
   absl::Duration ring_spin;
   int malloc_arenas = 2;          // glibc M_ARENA_MAX (0: glibc's default)
   int malloc_tcache_max = 256;    // glibc.malloc.tcache_max, bytes (-1: glibc's default)
-  int malloc_mmap_threshold = 128 << 10;  // glibc M_MMAP_THRESHOLD, bytes (0: glibc's dynamic one)
+  int malloc_mmap_threshold = 256 << 10;  // glibc M_MMAP_THRESHOLD, bytes (0: glibc's dynamic one)
   int ring_idle_threads = 16;     // ring threads kept for the next session (RingConfig::idle_threads)
   int max_message_bytes = 1 << 30;  // gRPC receive and send limit
   // Unix socket peers admitted by SO_PEERCRED (server/peer_gate.h); both empty admits all.

@@ -200,7 +200,7 @@ TEST_F(ConfigFileTest, MallocTcacheMaxDefaultAndRefusal) {
 TEST_F(ConfigFileTest, MallocMmapThresholdDefaultAndRefusal) {
   auto c = config_from_flags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->malloc_mmap_threshold, 128 << 10);
+  EXPECT_EQ(c->malloc_mmap_threshold, 256 << 10);
   for (int good : {0, 4096, 32 << 20}) {
     absl::SetFlag(&FLAGS_malloc_mmap_threshold, good);
     c = config_from_flags();
