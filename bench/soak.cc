@@ -892,6 +892,18 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
                         rss_start.anon_kib, rss_end.anon_kib, rss_start.shmem_kib, rss_end.shmem_kib,
                         rss_start.heap_in_use_kib, rss_end.heap_in_use_kib, rss_start.heap_held_kib,
                         rss_end.heap_held_kib, rss_start.threads, rss_end.threads, threads_max);
+  // The trend apart from the second-to-second swings (the workers' staging mapped in comes and
+  // goes with their sessions): medians of each whole minute.
+  if (run_s >= 120) {
+    std::vector<std::string> rss_by_minute, anon_by_minute;
+    for (int m = 0; (m + 1) * 60 <= run_s + 1; ++m) {
+      const Rss r = median_rss(rss, m * 60, m * 60 + 59.999);
+      rss_by_minute.push_back(absl::StrCat(r.rss_kib));
+      anon_by_minute.push_back(absl::StrCat(r.anon_kib));
+    }
+    absl::StrAppend(&report, "RSS by minute (KiB)   ", absl::StrJoin(rss_by_minute, " "), "\n",
+                    "RssAnon by minute     ", absl::StrJoin(anon_by_minute, " "), "\n");
+  }
   absl::StrAppend(&report, "\nresult: ", pass ? "PASS" : "FAIL", "\n");
   for (const std::string& f : failures) absl::StrAppend(&report, "  ", f, "\n");
   {
