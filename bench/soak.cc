@@ -836,8 +836,10 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   const Rss rss_end = median_rss(rss, run_s - window, run_s);
   uint64_t rss_max = 0;
   uint64_t threads_max = 0;
-  for (const Rss& r : rss) rss_max = std::max(rss_max, r.rss_kib);
-  for (const Rss& r : rss) threads_max = std::max(threads_max, r.threads);
+  for (const Rss& r : rss) {
+    rss_max = std::max(rss_max, r.rss_kib);
+    threads_max = std::max(threads_max, r.threads);
+  }
   const double growth = rss_start.rss_kib > 0 ? 100.0 * (double(rss_end.rss_kib) - rss_start.rss_kib) / rss_start.rss_kib : 0;
   const double max_growth = absl::GetFlag(FLAGS_soak_max_rss_growth_pct);
   if (rss_start.rss_kib == 0) failures.push_back("the daemon's RSS could not be read");

@@ -73,8 +73,16 @@ int main(int argc, char** argv) {
   // Before any thread of the daemon's starts (gRPC's, the kernels', the rings'). The tcache cap
   // re-executes karakvd (same pid and arguments) the first time through; on failure it runs on.
   const absl::Status tcache_status = karakv::server::apply_tcache_max(config->malloc_tcache_max, argv);
-  const bool arenas_capped = karakv::server::limit_malloc_arenas(config->malloc_arenas);
-  const bool mmap_threshold_fixed = karakv::server::fix_malloc_mmap_threshold(config->malloc_mmap_threshold);
+  // The mallopt settings, each refused only where malloc is not glibc's (warned about below).
+  const struct {
+    const char* flag;
+    int value;
+    bool applied;
+  } mallopts[] = {
+      {"malloc_arenas", config->malloc_arenas, karakv::server::limit_malloc_arenas(config->malloc_arenas)},
+      {"malloc_mmap_threshold", config->malloc_mmap_threshold,
+       karakv::server::fix_malloc_mmap_threshold(config->malloc_mmap_threshold)},
+  };
   // A libabsl built without NDEBUG (Debian's) checks the lock order of every Mutex acquisition
   // against a process-wide graph; that is a debugging aid, not something to run in production.
   absl::SetMutexDeadlockDetectionMode(config->mutex_deadlock_detection ? absl::OnDeadlockCycle::kAbort
@@ -171,13 +179,10 @@ int main(int argc, char** argv) {
   const auto& g = (*registry)->geometry();
   const auto st = (*registry)->stats();
   if (!tcache_status.ok()) spdlog::warn("{}", std::string(tcache_status.message()));
-  if (!arenas_capped) {
-    spdlog::warn("--malloc_arenas={} not applied: malloc is not glibc's (a sanitizer's or a preloaded one)",
-                 config->malloc_arenas);
-  }
-  if (!mmap_threshold_fixed) {
-    spdlog::warn("--malloc_mmap_threshold={} not applied: malloc is not glibc's (a sanitizer's or a preloaded one)",
-                 config->malloc_mmap_threshold);
+  for (const auto& m : mallopts) {
+    if (!m.applied) {
+      spdlog::warn("--{}={} not applied: malloc is not glibc's (a sanitizer's or a preloaded one)", m.flag, m.value);
+    }
   }
   spdlog::info("serving on {}{}{}: layers={} q_heads={} kv_heads={} head_dim={} dtype={} block_size={}; pool {} blocks x {} bytes",
                config->socket_path.empty() ? "" : "unix:" + config->socket_path,
