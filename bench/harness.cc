@@ -25,6 +25,34 @@ double percentile(std::vector<double> v, double p) {
   return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
 }
 
+namespace {
+double median(std::vector<double>& v) {
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + mid, v.end());
+  const double hi = v[mid];
+  if (v.size() % 2 == 1) return hi;
+  return (*std::max_element(v.begin(), v.begin() + mid) + hi) / 2;
+}
+}  // namespace
+
+Line theil_sen(const std::vector<double>& x, const std::vector<double>& y) {
+  const size_t n = std::min(x.size(), y.size());
+  std::vector<double> v;
+  v.reserve(n * (n - (n > 0)) / 2);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = i + 1; j < n; ++j) {
+      if (x[j] != x[i]) v.push_back((y[j] - y[i]) / (x[j] - x[i]));
+    }
+  }
+  Line line;
+  if (!v.empty()) line.slope = median(v);
+  if (n == 0) return line;
+  v.clear();
+  for (size_t i = 0; i < n; ++i) v.push_back(y[i] - line.slope * x[i]);
+  line.intercept = median(v);
+  return line;
+}
+
 std::atomic<pid_t> g_children[kMaxChildren];
 namespace {
 char g_cleanup_paths[kMaxCleanupPaths][512];  // files to unlink, then the temp dir (last) to rmdir

@@ -35,6 +35,15 @@ double seconds_since(Clock::time_point t);
 void progress(const std::string& line);
 // Nearest-rank percentile, p in (0, 100].
 double percentile(std::vector<double> v, double p);
+// A straight line fitted after Theil and Sen: its slope is the median of the slopes between every
+// two points with different x, its intercept the median of y - slope * x (medians of an even count
+// average the middle two). Unlike least squares it is not tilted by short swings or outliers (up to
+// about 29% of the points). Needs at least two distinct x; otherwise the slope is 0.
+struct Line {
+  double slope = 0, intercept = 0;
+  double at(double x) const { return intercept + slope * x; }
+};
+Line theil_sen(const std::vector<double>& x, const std::vector<double>& y);
 void sleep_ms(int ms);
 
 // Children are tracked in async-signal-safe globals so that SIGINT, SIGTERM and the --timeout_s

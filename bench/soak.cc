@@ -45,8 +45,11 @@ ABSL_FLAG(int32_t, soak_pool_blocks_per_worker, 40,
           "soak: pool blocks per worker (a worker may hold up to 288: the pool fills now and then)");
 ABSL_FLAG(double, soak_check_fraction, 0.1, "soak: fraction of Step calls whose outputs are checked against the reference");
 ABSL_FLAG(double, soak_crash_mean_s, 20, "soak: mean seconds between a worker's start and its deliberate crash (0: no crashes)");
-ABSL_FLAG(double, soak_warmup_s, -1, "soak: seconds before the starting RSS is taken (-1: a fifth of the run, at most 120)");
-ABSL_FLAG(double, soak_max_rss_growth_pct, 1.0, "soak: fail when the daemon's RSS grows more than this (percent)");
+ABSL_FLAG(double, soak_warmup_s, -1,
+          "soak: seconds of warm-up before the RSS trend starts (-1: a fifth of the run, at most 120)");
+ABSL_FLAG(double, soak_max_rss_growth_pct, 1.0,
+          "soak: fail when the daemon's RSS grows more than this (percent) along its trend from the warm-up's end "
+          "to the run's end");
 
 // The worker role's own settings, passed by the driver on its command line.
 ABSL_FLAG(std::string, soak_worker_target, "", "soak-worker (internal): karakvd address");
@@ -736,7 +739,8 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       break;
     }
     check_invariant("during the run");
-    if (Rss r; read_rss(daemon_pid, t, &r)) {
+    // Times kept to the millisecond, as soak_rss.csv writes them, so its trend can be refitted.
+    if (Rss r; read_rss(daemon_pid, std::round(t * 1000) / 1000, &r)) {
       r.heap_in_use_kib = heap_in_use / 1024;
       r.heap_held_kib = heap_held / 1024;
       rss.push_back(r);
@@ -829,8 +833,10 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     expected_errors += errors[c][0];
     unexpected_errors += errors[c][1];
   }
-  const double warmup = absl::GetFlag(FLAGS_soak_warmup_s) >= 0 ? absl::GetFlag(FLAGS_soak_warmup_s)
-                                                                 : std::min(120.0, seconds / 5);
+  // Kept to the millisecond, as soak.csv writes it.
+  const double warmup = std::round(1000 * (absl::GetFlag(FLAGS_soak_warmup_s) >= 0 ? absl::GetFlag(FLAGS_soak_warmup_s)
+                                                                                   : std::min(120.0, seconds / 5))) /
+                        1000;
   const double window = std::max(1.0, std::min(30.0, seconds / 10));
   const Rss rss_start = median_rss(rss, warmup, warmup + window);
   const Rss rss_end = median_rss(rss, run_s - window, run_s);
@@ -840,12 +846,41 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     rss_max = std::max(rss_max, r.rss_kib);
     threads_max = std::max(threads_max, r.threads);
   }
-  const double growth = rss_start.rss_kib > 0 ? 100.0 * (double(rss_end.rss_kib) - rss_start.rss_kib) / rss_start.rss_kib : 0;
+  const double window_growth =
+      rss_start.rss_kib > 0 ? 100.0 * (double(rss_end.rss_kib) - rss_start.rss_kib) / rss_start.rss_kib : 0;
+  // The growth judged: RSS's trend from the end of the warm-up to the end of the run, a Theil-Sen
+  // line through every sample in between. The daemon's RSS swings by over a MiB from one second to
+  // the next (the workers' staging segments are mapped in and out with their sessions), so two short
+  // windows at the ends measure the swing of the moment as much as growth; the line uses them all.
+  // At most kTrendPoints samples, every k-th, keep the fit's pairs bounded on long runs.
+  constexpr size_t kTrendPoints = 3000;
+  std::vector<const Rss*> after_warmup;
+  for (const Rss& r : rss) {
+    if (r.t >= warmup) after_warmup.push_back(&r);
+  }
+  const size_t stride = std::max<size_t>(1, (after_warmup.size() + kTrendPoints - 1) / kTrendPoints);
+  std::vector<double> trend_t, trend_rss, trend_anon;
+  for (size_t i = 0; i < after_warmup.size(); i += stride) {
+    trend_t.push_back(after_warmup[i]->t);
+    trend_rss.push_back(double(after_warmup[i]->rss_kib));
+    trend_anon.push_back(double(after_warmup[i]->anon_kib));
+  }
+  const Line rss_line = theil_sen(trend_t, trend_rss), anon_line = theil_sen(trend_t, trend_anon);
+  const double end_s = std::round(run_s * 1000) / 1000;  // as soak.csv writes it
+  auto trend_growth = [&](const Line& l) {
+    return l.at(warmup) > 0 ? 100.0 * (l.at(end_s) - l.at(warmup)) / l.at(warmup) : 0;
+  };
+  const double growth = trend_growth(rss_line), anon_growth = trend_growth(anon_line);
   const double max_growth = absl::GetFlag(FLAGS_soak_max_rss_growth_pct);
-  if (rss_start.rss_kib == 0) failures.push_back("the daemon's RSS could not be read");
+  if (rss_start.rss_kib == 0 || trend_t.size() < 2) {
+    failures.push_back(absl::StrFormat("the daemon's RSS could not be read (%d samples after the %.0f s warm-up)",
+                                       trend_t.size(), warmup));
+  }
   if (growth > max_growth) {
-    failures.push_back(absl::StrFormat("the daemon's RSS grew %.2f%% (%d -> %d KiB), above --soak_max_rss_growth_pct=%g",
-                                       growth, rss_start.rss_kib, rss_end.rss_kib, max_growth));
+    failures.push_back(absl::StrFormat(
+        "the daemon's RSS grew %.2f%% along its trend (%.0f -> %.0f KiB from %.0f s to the end), above "
+        "--soak_max_rss_growth_pct=%g",
+        growth, rss_line.at(warmup), rss_line.at(end_s), warmup, max_growth));
   }
   // Each deliberate crash leaves one session to its lease; any other expiry is a live worker's.
   if (lease_expiries != uint64_t(crashes_seen)) {
@@ -883,14 +918,17 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
                         "pool use              peak %d of %d blocks (sampled each second)\n"
                         "worker crashes        %d (restarts %d, unexpected exits %d); daemon lease expiries %d\n"
                         "resources returned    %s\n"
-                        "daemon RSS            start %d KiB (median over %.0f-%.0f s), end %d KiB (median over the last "
-                        "%.0f s), growth %+.2f%% (limit %g%%), max %d KiB\n"
+                        "daemon RSS            trend %.0f -> %.0f KiB from %.0f s to the end (Theil-Sen line through %d "
+                        "samples), growth %+.2f%% (limit %g%%); RssAnon's trend %+.2f%%\n"
+                        "                      start %d KiB (median over %.0f-%.0f s), end %d KiB (median over the last "
+                        "%.0f s): %+.2f%%; max %d KiB\n"
                         "                      anon %d -> %d KiB, shmem %d -> %d KiB; malloc in use %d -> %d KiB, "
                         "held %d -> %d KiB; threads %d -> %d (max %d)\n",
                         invariant_checks, invariant_failures, step_checks, step_mismatches, max_err, skipped,
                         kv_checks, kv_mismatches, peak_blocks, pool_blocks, crashes_seen, restarts, unexpected_exits, lease_expiries,
                         drain_s >= 0 ? absl::StrFormat("all, %.1f s after the workers ended", drain_s) : "NO",
-                        rss_start.rss_kib, warmup, warmup + window, rss_end.rss_kib, window, growth, max_growth, rss_max,
+                        rss_line.at(warmup), rss_line.at(end_s), warmup, trend_t.size(), growth, max_growth, anon_growth,
+                        rss_start.rss_kib, warmup, warmup + window, rss_end.rss_kib, window, window_growth, rss_max,
                         rss_start.anon_kib, rss_end.anon_kib, rss_start.shmem_kib, rss_end.shmem_kib,
                         rss_start.heap_in_use_kib, rss_end.heap_in_use_kib, rss_start.heap_held_kib,
                         rss_end.heap_held_kib, rss_start.threads, rss_end.threads, threads_max);
@@ -928,6 +966,8 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   row("run", "seconds", absl::StrFormat("%.1f", run_s));
   row("run", "seed", absl::StrCat(absl::GetFlag(FLAGS_seed)));
   row("run", "lease_seconds", absl::StrCat(lease));
+  row("run", "warmup_s", absl::StrFormat("%.3f", warmup));
+  row("run", "end_s", absl::StrFormat("%.3f", end_s));
   row("run", "pool_blocks", absl::StrCat(pool_blocks));
   for (int o = 0; o < kNumOps; ++o) row("ops", kOpNames[o], absl::StrCat(ops[o]));
   row("ops", "total", absl::StrCat(ops_total));
@@ -954,7 +994,13 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   row("daemon", "drain_s", absl::StrFormat("%.1f", drain_s));
   row("rss", "start_kib", absl::StrCat(rss_start.rss_kib));
   row("rss", "end_kib", absl::StrCat(rss_end.rss_kib));
-  row("rss", "growth_pct", absl::StrFormat("%.2f", growth));
+  row("rss", "window_growth_pct", absl::StrFormat("%.2f", window_growth));
+  row("rss", "trend_points", absl::StrCat(trend_t.size()));
+  row("rss", "trend_stride", absl::StrCat(stride));
+  row("rss", "trend_start_kib", absl::StrFormat("%.3f", rss_line.at(warmup)));
+  row("rss", "trend_end_kib", absl::StrFormat("%.3f", rss_line.at(end_s)));
+  row("rss", "growth_pct", absl::StrFormat("%.4f", growth));
+  row("rss", "anon_growth_pct", absl::StrFormat("%.4f", anon_growth));
   row("rss", "max_kib", absl::StrCat(rss_max));
   row("rss", "start_anon_kib", absl::StrCat(rss_start.anon_kib));
   row("rss", "end_anon_kib", absl::StrCat(rss_end.anon_kib));
@@ -980,7 +1026,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     std::ofstream series(out_dir + "/soak_rss.csv");
     series << "t_s,rss_kib,anon_kib,shmem_kib,heap_in_use_kib,heap_held_kib,threads\n";
     for (const Rss& r : rss) {
-      series << absl::StrFormat("%.1f,%d,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib, r.heap_in_use_kib,
+      series << absl::StrFormat("%.3f,%d,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib, r.heap_in_use_kib,
                                 r.heap_held_kib, r.threads);
     }
     progress("soak: wrote " + out_dir + "/soak.csv and soak_rss.csv (the daemon's RSS each second)");

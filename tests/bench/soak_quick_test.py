@@ -5,7 +5,9 @@ output differing from the reference, every crashed worker's session and blocks b
 must show that each kind of operation, crash and check actually happened.
 
 The RSS limit is loose here (a 24-second run is mostly allocator warm-up); the 1% goal is judged
-by the 10-minute figure in docs/RELIABILITY.md.
+by the 10-minute figure in docs/RELIABILITY.md. The growth the soak judges, the Theil-Sen trend of
+the daemon's RSS after the warm-up, is refitted here from soak_rss.csv with a plain float64 loop
+and must agree.
 
 Usage: soak_quick_test.py KARAKV_BENCH KARAKVD
 """
@@ -21,6 +23,43 @@ OPS = ["attach", "create", "append", "step", "compact", "fork", "release", "deta
 def fail(msg):
     print(f"FAIL: {msg}")
     sys.exit(1)
+
+
+def median(v):
+    v = sorted(v)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def theil_sen(points):
+    """The median slope over all pairs of points with different t, and the median intercept."""
+    slopes = [(yj - yi) / (tj - ti) for i, (ti, yi) in enumerate(points) for tj, yj in points[i + 1:] if tj != ti]
+    slope = median(slopes) if slopes else 0.0
+    return slope, median([y - slope * t for t, y in points])
+
+
+def check_trend(out, get):
+    """The soak's RSS trend against an independent refit of the samples it wrote."""
+    with open(os.path.join(out, "soak_rss.csv"), newline="") as f:
+        samples = [(float(r["t_s"]), int(r["rss_kib"]), int(r["anon_kib"])) for r in csv.DictReader(f)]
+    warmup, end = get("run", "warmup_s"), get("run", "end_s")
+    after = [s for s in samples if s[0] >= warmup]
+    stride = int(get("rss", "trend_stride"))
+    if stride != max(1, -(-len(after) // 3000)):
+        fail(f"trend stride {stride} for {len(after)} samples, expected one that keeps at most 3000")
+    after = after[::stride]
+    if len(after) < 10 or get("rss", "trend_points") != len(after):
+        fail(f"{len(after)} RSS samples after the {warmup} s warm-up, soak.csv says {get('rss', 'trend_points')}")
+    for column, key in ((1, "growth_pct"), (2, "anon_growth_pct")):
+        slope, intercept = theil_sen([(s[0], s[column]) for s in after])
+        start, stop = intercept + slope * warmup, intercept + slope * end
+        want = 100 * (stop - start) / start
+        if abs(get("rss", key) - want) > 1e-3:
+            fail(f"soak.csv rss,{key} {get('rss', key)}, a float64 Theil-Sen refit says {want:.4f}")
+        if key == "growth_pct" and (abs(get("rss", "trend_start_kib") - start) > 1e-2 or
+                                    abs(get("rss", "trend_end_kib") - stop) > 1e-2):
+            fail(f"trend {get('rss', 'trend_start_kib')} -> {get('rss', 'trend_end_kib')} KiB, "
+                 f"the refit says {start:.3f} -> {stop:.3f}")
 
 
 def main():
@@ -76,6 +115,7 @@ def main():
             fail(f"sessions and blocks not returned after the run (drain_s {get('daemon', 'drain_s')})")
         if get("rss", "start_kib") <= 0 or get("rss", "end_kib") <= 0:
             fail("the daemon's RSS was not read")
+        check_trend(out, get)
         # karakvd starts its 16 ring threads with it; 3 workers never hold more fast-path sessions.
         if get("rss", "start_threads") < 17 or get("rss", "max_threads") < get("rss", "start_threads"):
             fail(f"the daemon's threads: start {get('rss', 'start_threads')}, max {get('rss', 'max_threads')} "
