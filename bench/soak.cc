@@ -567,6 +567,8 @@ struct Rss {
   // the heap; growth in held with in use flat is fragmentation.
   uint64_t heap_in_use_kib = 0, heap_held_kib = 0;
   uint64_t threads = 0;  // the daemon's threads: each brings a stack, malloc caches, kernel scratch
+  // What the daemon holds for its clients (Stats): its malloc in use follows these.
+  uint64_t sequences = 0, blocks_used = 0, query_cache_kib = 0;
 };
 
 bool read_rss(pid_t pid, double t, Rss* out) {
@@ -712,7 +714,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   const auto t0 = Clock::now();
   uint64_t invariant_checks = 0, invariant_failures = 0, monitor_errors = 0, peak_blocks = 0;
   std::vector<Rss> rss;
-  uint64_t heap_in_use = 0, heap_held = 0;  // from the last Stats
+  uint64_t heap_in_use = 0, heap_held = 0, live_sequences = 0, blocks_used = 0, query_cache = 0;  // from the last Stats
   auto check_invariant = [&](const char* when) {
     auto st = (*monitor)->Stats(true);
     if (!st.ok()) {
@@ -722,6 +724,9 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     }
     heap_in_use = st->heap_in_use_bytes;
     heap_held = st->heap_held_bytes;
+    live_sequences = st->sequences;
+    blocks_used = st->blocks_used;
+    query_cache = st->query_cache_bytes;
     ++invariant_checks;
     peak_blocks = std::max(peak_blocks, st->blocks_used);
     if (!st->invariants_checked || !st->invariant_error.empty()) {
@@ -743,6 +748,9 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     if (Rss r; read_rss(daemon_pid, std::round(t * 1000) / 1000, &r)) {
       r.heap_in_use_kib = heap_in_use / 1024;
       r.heap_held_kib = heap_held / 1024;
+      r.sequences = live_sequences;
+      r.blocks_used = blocks_used;
+      r.query_cache_kib = query_cache / 1024;
       rss.push_back(r);
     }
     for (int i = 0; i < workers; ++i) {
@@ -1024,10 +1032,11 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       return 1;
     }
     std::ofstream series(out_dir + "/soak_rss.csv");
-    series << "t_s,rss_kib,anon_kib,shmem_kib,heap_in_use_kib,heap_held_kib,threads\n";
+    series << "t_s,rss_kib,anon_kib,shmem_kib,heap_in_use_kib,heap_held_kib,threads,sequences,blocks_used,query_cache_kib\n";
     for (const Rss& r : rss) {
-      series << absl::StrFormat("%.3f,%d,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib, r.heap_in_use_kib,
-                                r.heap_held_kib, r.threads);
+      series << absl::StrFormat("%.3f,%d,%d,%d,%d,%d,%d,%d,%d,%d\n", r.t, r.rss_kib, r.anon_kib, r.shmem_kib,
+                                r.heap_in_use_kib, r.heap_held_kib, r.threads, r.sequences, r.blocks_used,
+                                r.query_cache_kib);
     }
     progress("soak: wrote " + out_dir + "/soak.csv and soak_rss.csv (the daemon's RSS each second)");
   }
