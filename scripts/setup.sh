@@ -16,8 +16,10 @@ packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           prometheus python3
           # tests/integration/tls_test.cc makes a throwaway CA and certificates with the openssl CLI.
           openssl
-          # scripts/test.sh's fuzzing stage, tests/fuzz: clang with libFuzzer's runtime.
-          clang libclang-rt-14-dev)
+          # scripts/test.sh's fuzzing stage, tests/fuzz: clang with libFuzzer's runtime; its
+          # TSan stage for the kernels' OpenMP threads: LLVM's OpenMP runtime with Archer, which
+          # tells TSan about OpenMP's barriers.
+          clang libclang-rt-14-dev libomp-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -53,19 +53,38 @@ integration_tests build-asan
 check_sanitizer_logs build-asan/sanitizer-logs
 
 # ThreadSanitizer over the daemon's core with its own threads (ring threads, the registry under
-# concurrent calls, lease expiry): server_test. Debian's libabsl and libgomp are not instrumented,
-# so TSan cannot see absl::Mutex or OpenMP's barriers: tests/tsan_absl_mutex.cc, preloaded,
-# reports each Mutex lock/unlock to TSan, and OMP_THREAD_LIMIT=1 keeps the kernels' parallel loops
-# on the calling thread. The integration tests are not run here: every handoff between gRPC's
-# threads happens inside Debian's uninstrumented libgrpc, and TSan reports races inside gRPC's own
-# call objects (docs/RELIABILITY.md). Suppressions, each explained: tests/tsan.supp.
-echo "==> server unit tests under TSan (build-tsan/)"
+# concurrent calls, lease expiry): server_test; then the integration tests, whose karakvd daemons,
+# workers and CLI are instrumented too. Debian's libabsl, libgrpc and libgomp are not instrumented,
+# so TSan cannot see absl::Mutex, gRPC's handoffs between its threads or OpenMP's barriers:
+# tests/tsan_absl_mutex.cc, preloaded, reports each Mutex lock/unlock to TSan; OMP_THREAD_LIMIT=1
+# keeps the kernels' parallel loops on the calling thread; and for the integration tests
+# ignore_noninstrumented_modules=1 leaves out the memory accesses made inside those libraries
+# (gRPC's own call objects), so a race is reported when both accesses are in code built here
+# (docs/RELIABILITY.md). Suppressions, each explained: tests/tsan.supp.
+echo "==> server unit tests and integration tests under TSan (build-tsan/)"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_SANITIZE=thread \
   -DKARAKV_BUILD_BENCH=OFF > /dev/null
-cmake --build build-tsan -j "$(nproc)" --target server_test tsan_absl_mutex
+cmake --build build-tsan -j "$(nproc)" --target server_test tsan_absl_mutex integration_test \
+  prefix_integration_test ring_integration_test
 sanitizer_logs build-tsan/sanitizer-logs
-LD_PRELOAD="$PWD/build-tsan/tests/libtsan_absl_mutex.so" OMP_THREAD_LIMIT=1 ./build-tsan/tests/server/server_test --gtest_brief=1
+export LD_PRELOAD="$PWD/build-tsan/tests/libtsan_absl_mutex.so" OMP_THREAD_LIMIT=1
+./build-tsan/tests/server/server_test --gtest_brief=1
+TSAN_OPTIONS="$TSAN_OPTIONS:ignore_noninstrumented_modules=1" integration_tests build-tsan
+unset LD_PRELOAD OMP_THREAD_LIMIT
 check_sanitizer_logs build-tsan/sanitizer-logs
+
+# The kernels' OpenMP threads under TSan: a clang tree (build-tsan-omp/) on LLVM's OpenMP runtime,
+# which loads its Archer tool when TSan is present; Archer tells TSan about OpenMP's barriers,
+# critical sections and reductions, so kernels_test runs its parallel loops on 4 threads and a race
+# between two of them is reported (Archer needs ignore_noninstrumented_modules=1 for libomp itself).
+echo "==> kernel unit tests under TSan on 4 OpenMP threads (build-tsan-omp/)"
+CC=clang CXX=clang++ cmake -S . -B build-tsan-omp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DKARAKV_SANITIZE=thread -DKARAKV_BUILD_BENCH=OFF > /dev/null
+cmake --build build-tsan-omp -j "$(nproc)" --target kernels_test
+sanitizer_logs build-tsan-omp/sanitizer-logs
+TSAN_OPTIONS="$TSAN_OPTIONS:ignore_noninstrumented_modules=1" OMP_NUM_THREADS=4 \
+  ./build-tsan-omp/tests/kernels/kernels_test --gtest_brief=1
+check_sanitizer_logs build-tsan-omp/sanitizer-logs
 unset ASAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS
 
 # libFuzzer (clang, ASan + UBSan) over the request handlers, their protobuf decoding and the fast
@@ -82,4 +101,4 @@ for f in service_fuzzer ring_fuzzer; do
   "./build-fuzz/tests/fuzz/$f" -max_total_time=30 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="build-fuzz/findings/$f-" "build-fuzz/corpus/$f" "tests/fuzz/corpus/$f"
 done
-echo "==> all tests passed (ctest suite; unit and integration tests under ASan + UBSan; server tests under TSan; fuzzing)"
+echo "==> all tests passed (ctest suite; unit and integration tests under ASan + UBSan; server, integration and kernel tests under TSan; fuzzing)"

@@ -14,7 +14,8 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 TEST_ONLY_PACKAGES = {"libgtest-dev", "libgmock-dev", "libbenchmark-dev", "redis-server", "ccache",
-                      "python3-venv", "prometheus", "python3", "openssl", "clang", "libclang-rt-14-dev"}
+                      "python3-venv", "prometheus", "python3", "openssl", "clang", "libclang-rt-14-dev",
+                      "libomp-14-dev"}
 
 
 def hadolint(path):

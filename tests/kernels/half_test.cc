@@ -12,6 +12,15 @@
 namespace karakv::kernels {
 namespace {
 
+// clang before 15 has no _Float16 on x86-64; the fp16 tests need it as their reference and run in
+// every GCC build (the main tree and the ASan one), the bf16 tests everywhere.
+#if defined(__clang__) && __clang_major__ < 15
+#define KARAKV_HAVE_FLOAT16 0
+#else
+#define KARAKV_HAVE_FLOAT16 1
+#endif
+
+#if KARAKV_HAVE_FLOAT16
 // volatile keeps GCC from folding the conversions at compile time: the runtime routine is the
 // reference.
 uint16_t gcc_float_to_half(float f) {
@@ -86,6 +95,9 @@ TEST(HalfTest, FloatToHalfRandomAndFp16RangeSweep) {
     if (HasFatalFailure()) return;
   }
 }
+#else
+TEST(HalfTest, Fp16AgainstFloat16) { GTEST_SKIP() << "no _Float16 in this compiler to check fp16 against"; }
+#endif
 
 // bf16 reference: round the float (exactly representable in double) to 8 significant bits by
 // integer arithmetic on the bit pattern, ties to even; NaN stays NaN.
