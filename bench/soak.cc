@@ -571,6 +571,10 @@ struct Rss {
   uint64_t sequences = 0, blocks_used = 0, query_cache_kib = 0;
 };
 
+// Seconds kept to the millisecond, as soak.csv and soak_rss.csv write them, so that the trend can
+// be refitted from the files over exactly the samples the soak used.
+double to_ms(double seconds) { return std::round(seconds * 1000) / 1000; }
+
 bool read_rss(pid_t pid, double t, Rss* out) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
@@ -714,7 +718,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
   const auto t0 = Clock::now();
   uint64_t invariant_checks = 0, invariant_failures = 0, monitor_errors = 0, peak_blocks = 0;
   std::vector<Rss> rss;
-  uint64_t heap_in_use = 0, heap_held = 0, live_sequences = 0, blocks_used = 0, query_cache = 0;  // from the last Stats
+  karakv::DaemonStats last_stats;  // the daemon's own figures, sampled beside its RSS
   auto check_invariant = [&](const char* when) {
     auto st = (*monitor)->Stats(true);
     if (!st.ok()) {
@@ -722,11 +726,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       failures.push_back(absl::StrCat("Stats (", when, "): ", st.status().ToString()));
       return;
     }
-    heap_in_use = st->heap_in_use_bytes;
-    heap_held = st->heap_held_bytes;
-    live_sequences = st->sequences;
-    blocks_used = st->blocks_used;
-    query_cache = st->query_cache_bytes;
+    last_stats = *st;
     ++invariant_checks;
     peak_blocks = std::max(peak_blocks, st->blocks_used);
     if (!st->invariants_checked || !st->invariant_error.empty()) {
@@ -744,13 +744,12 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
       break;
     }
     check_invariant("during the run");
-    // Times kept to the millisecond, as soak_rss.csv writes them, so its trend can be refitted.
-    if (Rss r; read_rss(daemon_pid, std::round(t * 1000) / 1000, &r)) {
-      r.heap_in_use_kib = heap_in_use / 1024;
-      r.heap_held_kib = heap_held / 1024;
-      r.sequences = live_sequences;
-      r.blocks_used = blocks_used;
-      r.query_cache_kib = query_cache / 1024;
+    if (Rss r; read_rss(daemon_pid, to_ms(t), &r)) {
+      r.heap_in_use_kib = last_stats.heap_in_use_bytes / 1024;
+      r.heap_held_kib = last_stats.heap_held_bytes / 1024;
+      r.sequences = last_stats.sequences;
+      r.blocks_used = last_stats.blocks_used;
+      r.query_cache_kib = last_stats.query_cache_bytes / 1024;
       rss.push_back(r);
     }
     for (int i = 0; i < workers; ++i) {
@@ -841,10 +840,8 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     expected_errors += errors[c][0];
     unexpected_errors += errors[c][1];
   }
-  // Kept to the millisecond, as soak.csv writes it.
-  const double warmup = std::round(1000 * (absl::GetFlag(FLAGS_soak_warmup_s) >= 0 ? absl::GetFlag(FLAGS_soak_warmup_s)
-                                                                                   : std::min(120.0, seconds / 5))) /
-                        1000;
+  const double warmup = to_ms(absl::GetFlag(FLAGS_soak_warmup_s) >= 0 ? absl::GetFlag(FLAGS_soak_warmup_s)
+                                                                      : std::min(120.0, seconds / 5));
   const double window = std::max(1.0, std::min(30.0, seconds / 10));
   const Rss rss_start = median_rss(rss, warmup, warmup + window);
   const Rss rss_end = median_rss(rss, run_s - window, run_s);
@@ -874,7 +871,7 @@ int run_soak(const TempDir& dir, const std::string& out_dir) {
     trend_anon.push_back(double(after_warmup[i]->anon_kib));
   }
   const Line rss_line = theil_sen(trend_t, trend_rss), anon_line = theil_sen(trend_t, trend_anon);
-  const double end_s = std::round(run_s * 1000) / 1000;  // as soak.csv writes it
+  const double end_s = to_ms(run_s);
   auto trend_growth = [&](const Line& l) {
     return l.at(warmup) > 0 ? 100.0 * (l.at(end_s) - l.at(warmup)) / l.at(warmup) : 0;
   };
