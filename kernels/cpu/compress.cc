@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "scratch.h"
 #include "simd.h"
 #include "validate.h"
 
@@ -29,12 +30,18 @@ constexpr int kKeyTile = 8;
 
 int padded_keys(int num_keys) { return (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
-// Per-thread buffers reused across calls.
+// Per-thread buffers reused across calls (scratch.h).
 struct ScoreScratch {
   std::vector<float> keys;   // [padded_keys / kKeyTile][head_dim][kKeyTile]
   std::vector<float> query;  // [2][head_dim], pre-scaled
   std::vector<float> rows;   // [2][padded_keys]
 };
+
+// At the end of each thread's share of a parallel loop.
+void release_large_scratch(ScoreScratch& scratch) {
+  release_if_large(scratch.keys);
+  release_if_large(scratch.rows);
+}
 
 ScoreScratch& thread_scratch() {
   static thread_local ScoreScratch scratch;
@@ -184,12 +191,16 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
   std::vector<float> partial(size_t(hq) * window);
   dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-#pragma omp parallel for schedule(dynamic)
-    for (int qh = 0; qh < hq; ++qh) {
-      ScoreScratch& scratch = thread_scratch();
-      load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
-      softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, window, scale, window, hd,
-                          [window](int) { return window; }, scratch, partial.data() + size_t(qh) * window);
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic)
+      for (int qh = 0; qh < hq; ++qh) {
+        ScoreScratch& scratch = thread_scratch();
+        load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
+        softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, window, scale, window, hd,
+                            [window](int) { return window; }, scratch, partial.data() + size_t(qh) * window);
+      }
+      release_large_scratch(thread_scratch());
     }
   });
   for (int h = 0; h < geo.num_kv_heads; ++h) {
@@ -216,12 +227,16 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
   std::vector<float> partial(size_t(hq) * n);
   dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-#pragma omp parallel for schedule(dynamic)
-    for (int qh = 0; qh < hq; ++qh) {
-      ScoreScratch& scratch = thread_scratch();
-      load_key_tiles<D>(kv, seq, layer, qh / g, 0, n, scratch);
-      softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, num_obs, scale, n, hd,
-                          [prefix](int i) { return prefix + i + 1; }, scratch, partial.data() + size_t(qh) * n);
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic)
+      for (int qh = 0; qh < hq; ++qh) {
+        ScoreScratch& scratch = thread_scratch();
+        load_key_tiles<D>(kv, seq, layer, qh / g, 0, n, scratch);
+        softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, num_obs, scale, n, hd,
+                            [prefix](int i) { return prefix + i + 1; }, scratch, partial.data() + size_t(qh) * n);
+      }
+      release_large_scratch(thread_scratch());
     }
   });
   // Every query counts in the mean, including those that cannot see a slot.
@@ -348,21 +363,25 @@ KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, 
   const int hd = geo.head_dim;
   dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-#pragma omp parallel for collapse(2) schedule(dynamic)
-    for (int s = 0; s < kv.num_seqs; ++s) {
-      for (int h = 0; h < geo.num_kv_heads; ++h) {
-        float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
-        const int len = kv.seq_len[s];
-        if (acc == nullptr || len == 0) continue;
-        ScoreScratch& scratch = thread_scratch();
-        load_key_tiles<D>(kv, s, layer, h, 0, len, scratch);
-        std::vector<float> probs(len);
-        for (int j = 0; j < g; ++j) {
-          const float* qj = q + (size_t(s) * geo.num_q_heads + h * g + j) * hd;
-          softmax_column_sums(qj, hd, 1, scale, len, hd, [len](int) { return len; }, scratch, probs.data());
-          for (int i = 0; i < len; ++i) acc[i] += probs[i];
+#pragma omp parallel
+    {
+#pragma omp for collapse(2) schedule(dynamic)
+      for (int s = 0; s < kv.num_seqs; ++s) {
+        for (int h = 0; h < geo.num_kv_heads; ++h) {
+          float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
+          const int len = kv.seq_len[s];
+          if (acc == nullptr || len == 0) continue;
+          ScoreScratch& scratch = thread_scratch();
+          load_key_tiles<D>(kv, s, layer, h, 0, len, scratch);
+          std::vector<float> probs(len);
+          for (int j = 0; j < g; ++j) {
+            const float* qj = q + (size_t(s) * geo.num_q_heads + h * g + j) * hd;
+            softmax_column_sums(qj, hd, 1, scale, len, hd, [len](int) { return len; }, scratch, probs.data());
+            for (int i = 0; i < len; ++i) acc[i] += probs[i];
+          }
         }
       }
+      release_large_scratch(thread_scratch());
     }
   });
   return KernelStatus::ok();

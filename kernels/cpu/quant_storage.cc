@@ -13,6 +13,7 @@
 #include "checks.h"
 #include "karakv/kernels/half.h"
 #include "quant.h"
+#include "scratch.h"
 
 namespace karakv::kernels::cpu {
 namespace {
@@ -75,6 +76,12 @@ void attend_one(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, i
   if (acc != nullptr) {
     for (int i = 0; i < n; ++i) acc[i] += p[i];
   }
+}
+
+// Each thread's attention probabilities over the visible tokens, reused across calls (scratch.h).
+std::vector<float>& thread_probs() {
+  static thread_local std::vector<float> p;
+  return p;
 }
 
 }  // namespace
@@ -166,19 +173,23 @@ KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
   for (int s = 0; s < kv.num_seqs; ++s) KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, kv.seq_len[s]));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
-#pragma omp parallel for collapse(2) schedule(dynamic)
-  for (int s = 0; s < kv.num_seqs; ++s) {
-    for (int qh = 0; qh < g.num_q_heads; ++qh) {
-      static thread_local std::vector<float> p;
-      const int h = qh / gs;
-      float* acc = score_acc ? score_acc[size_t(s) * g.num_kv_heads + h] : nullptr;
-      attend_one(kv, qkv, s, layer, h, q + (size_t(s) * g.num_q_heads + qh) * d, kv.seq_len[s], scale,
-                 out + (size_t(s) * g.num_q_heads + qh) * d, nullptr, p);
-      if (acc != nullptr) {
+#pragma omp parallel
+  {
+    std::vector<float>& p = thread_probs();
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      for (int qh = 0; qh < g.num_q_heads; ++qh) {
+        const int h = qh / gs;
+        float* acc = score_acc ? score_acc[size_t(s) * g.num_kv_heads + h] : nullptr;
+        attend_one(kv, qkv, s, layer, h, q + (size_t(s) * g.num_q_heads + qh) * d, kv.seq_len[s], scale,
+                   out + (size_t(s) * g.num_q_heads + qh) * d, nullptr, p);
+        if (acc != nullptr) {
 #pragma omp critical
-        for (size_t i = 0; i < p.size(); ++i) acc[i] += p[i];
+          for (size_t i = 0; i < p.size(); ++i) acc[i] += p[i];
+        }
       }
     }
+    release_if_large(p);
   }
   return KernelStatus::ok();
 }
@@ -196,13 +207,17 @@ KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
   KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
-#pragma omp parallel for collapse(2) schedule(dynamic)
-  for (int i = 0; i < num_queries; ++i) {
-    for (int qh = 0; qh < g.num_q_heads; ++qh) {
-      static thread_local std::vector<float> p;
-      attend_one(kv, qkv, seq, layer, qh / gs, q + (size_t(i) * g.num_q_heads + qh) * d, len - num_queries + i + 1,
-                 scale, out + (size_t(i) * g.num_q_heads + qh) * d, nullptr, p);
+#pragma omp parallel
+  {
+    std::vector<float>& p = thread_probs();
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int i = 0; i < num_queries; ++i) {
+      for (int qh = 0; qh < g.num_q_heads; ++qh) {
+        attend_one(kv, qkv, seq, layer, qh / gs, q + (size_t(i) * g.num_q_heads + qh) * d,
+                   len - num_queries + i + 1, scale, out + (size_t(i) * g.num_q_heads + qh) * d, nullptr, p);
+      }
     }
+    release_if_large(p);
   }
   return KernelStatus::ok();
 }

@@ -3,6 +3,10 @@
 // kernels: dense K/V indexed directly, O(n^2) rank-based top-k, Token2Chunk spelled out step by step.
 #include <gtest/gtest.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <cmath>
 #include <set>
 #include <tuple>
@@ -223,6 +227,53 @@ TEST(CompressSnapKVTest, PoolOneEqualsRawMeanAndUniformKeysGiveUniformRows) {
   EXPECT_NEAR(out[6], 2 * (a + b + c) / 3 / 3, 1e-7);
   EXPECT_NEAR(out[7], (a + b + c) / 3, 1e-7);  // window slot: raw mean, not pooled
   EXPECT_NEAR(out[9], c / 3, 1e-7);
+}
+
+// Bytes malloc hands out now (arenas plus its own mmaps), or -1 where that cannot be read: not
+// glibc's malloc, or a sanitizer's in its place.
+long long malloc_in_use() {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  return -1;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+  return -1;
+#endif
+#endif
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 33)
+  const struct mallinfo2 m = mallinfo2();
+  return (long long)(m.uordblks + m.hblkhd);
+#else
+  return -1;
+#endif
+}
+
+// The per-thread scratch a long sequence's scoring needed (its keys widened to fp32: 1 MiB here)
+// is given back when the call ends, so a thread does not hold memory for the longest sequence it
+// ever scored (kernels/cpu/scratch.h).
+TEST(CompressScratchTest, LongSequenceScratchIsGivenBackAfterTheCall) {
+  if (malloc_in_use() < 0) GTEST_SKIP() << "malloc is not glibc's here";
+  std::unique_ptr<Backend> backend = make_cpu_backend(2);
+  std::mt19937 rng(11);
+  const Geometry g = compress_geometry(DType::kFloat32, 2, 64, 16, 1, 2);
+  const int n = 4096, num_obs = 4;
+  PagedCache cache(*backend, g, {n}, rng);
+  write_sequence(*backend, cache, 0, random_dense_kv(g, n, rng));
+  const std::vector<float> q = random_values(size_t(num_obs) * g.q_token_elems(), -1.0f, 1.0f, rng);
+  const int window = 512;  // its keys: 128 KiB per thread
+  const std::vector<float> q_window = random_values(size_t(window) * g.q_token_elems(), -1.0f, 1.0f, rng);
+  std::vector<float> out(size_t(g.num_kv_heads) * n);
+  // A short call first, so the thread team and its small buffers exist before the baseline.
+  cache.set_seq_len(0, 64);
+  ASSERT_TRUE(cpu::snapkv_scores(cache.view(), 0, 0, num_obs, q.data(), 0.125f, 1, out.data()).is_ok());
+  cache.set_seq_len(0, n);
+  for (int call = 0; call < 3; ++call) {
+    const long long before = malloc_in_use();
+    ASSERT_TRUE(cpu::snapkv_scores(cache.view(), 0, 0, num_obs, q.data(), 0.125f, 1, out.data()).is_ok());
+    ASSERT_TRUE(cpu::window_scores(cache.view(), 0, 0, n - window, window, q_window.data(), 0.125f, out.data()).is_ok());
+    const long long kept = malloc_in_use() - before;
+    EXPECT_LT(kept, 256 << 10) << "call " << call << ": " << kept << " bytes still held after scoring " << n
+                               << " keys of head_dim " << g.head_dim;
+  }
 }
 
 // ---- top_k ----------------------------------------------------------------------------------------
