@@ -1,9 +1,14 @@
 // POSIX shared memory: shm_open(O_CREAT | O_EXCL, 0600) with a 128-bit random name, unlinked when
 // the session ends. Only processes of the daemon's user that were told the name can open it.
+// Every page is allocated when the region is made (posix_fallocate) and mapped into the daemon
+// (MAP_POPULATE): a full /dev/shm refuses the Attach with RESOURCE_EXHAUSTED instead of raising
+// SIGBUS in whichever process first touches a page that cannot be had, and the daemon's resident
+// memory for a session is its whole region from the start, not whatever the worker touched so far.
 #include "server/staging.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -21,6 +26,14 @@ std::string random_name() {
   uint64_t hi = (uint64_t(rd()) << 32) | rd();
   uint64_t lo = (uint64_t(rd()) << 32) | rd();
   return absl::StrFormat("/karakv-%d-%016x%016x", getpid(), hi, lo);
+}
+
+// " (/dev/shm: F of T bytes free)", or nothing where it cannot be read.
+std::string shm_space() {
+  struct statvfs st;
+  if (statvfs("/dev/shm", &st) != 0) return "";
+  return absl::StrCat(" (/dev/shm: ", uint64_t(st.f_bavail) * st.f_frsize, " of ",
+                      uint64_t(st.f_blocks) * st.f_frsize, " bytes free)");
 }
 
 }  // namespace
@@ -44,7 +57,15 @@ absl::StatusOr<std::unique_ptr<StagingRegion>> StagingRegion::create(size_t byte
       return absl::ResourceExhaustedError(absl::StrCat("cannot size staging region to ", size,
                                                        " bytes: ", std::strerror(err)));
     }
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate a staging region of ", size, " bytes in shared memory: ", std::strerror(err),
+          shm_space(), "; ask for less staging or give /dev/shm more room (Kubernetes: the emptyDir's "
+          "sizeLimit; Docker: --shm-size)"));
+    }
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
     if (p == MAP_FAILED) {
       const int err = errno;

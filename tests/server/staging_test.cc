@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -45,6 +46,34 @@ TEST(StagingTest, ObjectIsOwnerOnlyAndRemovedWithTheRegion) {
     close(fd);
   }
   EXPECT_LT(shm_open(name.c_str(), O_RDONLY, 0), 0);
+}
+
+// Every page exists once the region does, so touching one later cannot fail (SIGBUS on a full
+// /dev/shm); the object's allocated blocks cover the whole region.
+TEST(StagingTest, EveryPageIsAllocatedAtCreation) {
+  auto r = StagingRegion::create(1 << 20, 1 << 16);
+  ASSERT_TRUE(r.ok()) << r.status();
+  int fd = shm_open((*r)->name().c_str(), O_RDONLY, 0);
+  ASSERT_GE(fd, 0);
+  struct stat st;
+  ASSERT_EQ(fstat(fd, &st), 0);
+  close(fd);
+  EXPECT_EQ(size_t(st.st_size), (*r)->size() + (*r)->reserved_size());
+  EXPECT_GE(uint64_t(st.st_blocks) * 512, uint64_t(st.st_size));
+}
+
+// A region larger than /dev/shm can ever hold is refused with RESOURCE_EXHAUSTED naming the space
+// there, and leaves no object behind. (tmpfs refuses such an fallocate before allocating a page.)
+TEST(StagingTest, RefusesMoreThanSharedMemoryHolds) {
+  struct statvfs vfs;
+  ASSERT_EQ(statvfs("/dev/shm", &vfs), 0);
+  const uint64_t total = uint64_t(vfs.f_blocks) * vfs.f_frsize;
+  if (total == 0) GTEST_SKIP() << "/dev/shm reports no size";
+  auto r = StagingRegion::create(total + (1 << 20));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("/dev/shm"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("bytes free"), std::string::npos) << r.status();
 }
 
 TEST(StagingTest, NamesDiffer) {
