@@ -1,9 +1,9 @@
 // POSIX shared memory: shm_open(O_CREAT | O_EXCL, 0600) with a 128-bit random name, unlinked when
 // the session ends. Only processes of the daemon's user that were told the name can open it.
-// Every page is allocated when the region is made (posix_fallocate) and mapped into the daemon
-// (MAP_POPULATE): a full /dev/shm refuses the Attach with RESOURCE_EXHAUSTED instead of raising
-// SIGBUS in whichever process first touches a page that cannot be had, and the daemon's resident
-// memory for a session is its whole region from the start, not whatever the worker touched so far.
+// Every page is allocated when the region is made (posix_fallocate): a full /dev/shm refuses the
+// Attach with RESOURCE_EXHAUSTED instead of raising SIGBUS in whichever process first touches a page
+// that cannot be had. The pages are not mapped in up front (MAP_POPULATE): that made the daemon's
+// RSS swing by a whole region with every session that came or went (docs/RELIABILITY.md).
 #include "server/staging.h"
 
 #include <fcntl.h>
@@ -65,7 +65,7 @@ absl::StatusOr<std::unique_ptr<StagingRegion>> StagingRegion::create(size_t byte
           shm_space(), "; ask for less staging or give /dev/shm more room (Kubernetes: the emptyDir's "
           "sizeLimit; Docker: --shm-size)"));
     }
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED) {
       const int err = errno;
