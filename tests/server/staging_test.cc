@@ -63,7 +63,7 @@ TEST(StagingTest, EveryPageIsAllocatedAtCreation) {
 }
 
 // A region larger than /dev/shm can ever hold is refused with RESOURCE_EXHAUSTED naming the space
-// there, and leaves no object behind. (tmpfs refuses such an fallocate before allocating a page.)
+// there. (tmpfs refuses such an fallocate before allocating a page.)
 TEST(StagingTest, RefusesMoreThanSharedMemoryHolds) {
   struct statvfs vfs;
   ASSERT_EQ(statvfs("/dev/shm", &vfs), 0);
