@@ -13,6 +13,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "../common/dispatch.h"
 #include "simd.h"
 
 namespace karakv::kernels::cpu {
@@ -300,20 +301,16 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
 void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,
                   int num_tokens, const float* q, float* out, float scale,
                   AttentionScratch& scratch) {
-  auto with_head_dim = [&](auto dtype) {
+  // The caller validated the geometry (common::check_geometry), so the dtype is one the dispatch
+  // knows and its status is always OK.
+  common::dispatch_dtype(kv.geometry.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-    // Common head dims get fully unrolled loops; any other runs the same code with runtime bounds.
-    switch (kv.geometry.head_dim) {
-      case 64: return attend_heads_typed<D, 64>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
-      case 128: return attend_heads_typed<D, 128>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
-      default: return attend_heads_typed<D, 0>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
-    }
-  };
-  switch (kv.geometry.dtype) {
-    case DType::kFloat32: return with_head_dim(std::integral_constant<DType, DType::kFloat32>{});
-    case DType::kFloat16: return with_head_dim(std::integral_constant<DType, DType::kFloat16>{});
-    case DType::kBFloat16: return with_head_dim(std::integral_constant<DType, DType::kBFloat16>{});
-  }
+    // Common head dims get fully unrolled loops; any other (HD 0) runs the same code with runtime bounds.
+    common::dispatch_head_dim(kv.geometry.head_dim, [&](auto head_dim) {
+      constexpr int HD = decltype(head_dim)::value;
+      attend_heads_typed<D, HD>(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, scratch);
+    });
+  });
 }
 
 }  // namespace karakv::kernels::cpu

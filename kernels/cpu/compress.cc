@@ -13,10 +13,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "checks.h"
+#include "../common/checks.h"
+#include "../common/dispatch.h"
+#include "../common/validate.h"
 #include "scratch.h"
 #include "simd.h"
-#include "validate.h"
 
 namespace karakv::kernels::cpu {
 namespace {
@@ -152,16 +153,6 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
   }
 }
 
-// Calls f(std::integral_constant<DType, D>) for the cache's storage dtype.
-template <typename F>
-void dispatch_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(std::integral_constant<DType, DType::kFloat32>{});
-    case DType::kFloat16: return f(std::integral_constant<DType, DType::kFloat16>{});
-    case DType::kBFloat16: return f(std::integral_constant<DType, DType::kBFloat16>{});
-  }
-}
-
 // Orders indices by score descending, ties by the lower index: the selection rule of every
 // top-k in COMPRESSION.md. A strict weak order as long as no score is NaN.
 struct BetterScore {
@@ -181,7 +172,8 @@ void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
 
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                            float scale, float* out, long long pool_blocks) {
-  KARAKV_RETURN_IF_ERROR(validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks));
+  KARAKV_RETURN_IF_ERROR(
+      common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks));
 
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
@@ -189,7 +181,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
   const int hd = geo.head_dim;
   // Per query head column sums, reduced over each group in order below.
   std::vector<float> partial(size_t(hq) * window);
-  dispatch_dtype(geo.dtype, [&](auto dtype) {
+  const KernelStatus dispatched = common::dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
 #pragma omp parallel
     {
@@ -203,6 +195,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
       release_large_scratch(thread_scratch());
     }
   });
+  if (!dispatched.is_ok()) return dispatched;
   for (int h = 0; h < geo.num_kv_heads; ++h) {
     float* o = out + size_t(h) * window;
     std::copy_n(partial.data() + size_t(h) * g * window, window, o);
@@ -216,7 +209,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 
 KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                            int pool, float* out, long long pool_blocks) {
-  KARAKV_RETURN_IF_ERROR(validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks));
+  KARAKV_RETURN_IF_ERROR(common::validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks));
   const int n = kv.seq_len[seq];
 
   const Geometry& geo = kv.geometry;
@@ -225,7 +218,7 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
   const int hd = geo.head_dim;
   const int prefix = n - num_obs;
   std::vector<float> partial(size_t(hq) * n);
-  dispatch_dtype(geo.dtype, [&](auto dtype) {
+  const KernelStatus dispatched = common::dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
 #pragma omp parallel
     {
@@ -239,6 +232,7 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
       release_large_scratch(thread_scratch());
     }
   });
+  if (!dispatched.is_ok()) return dispatched;
   // Every query counts in the mean, including those that cannot see a slot.
   const float inv_count = 1.0f / float(size_t(num_obs) * g);
   const int half = pool / 2;
@@ -262,7 +256,7 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
 }
 
 KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
-  KARAKV_RETURN_IF_ERROR(validate_top_k(scores, n, k, out));
+  KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, n, k, out));
   std::vector<int32_t> idx(n);
   for (int i = 0; i < n; ++i) idx[i] = i;
   partition_best(scores, idx, k);
@@ -272,7 +266,7 @@ KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
 }
 
 KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
-  KARAKV_RETURN_IF_ERROR(validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
+  KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
 
   std::vector<int32_t> idx(n);
   for (int i = 0; i < n; ++i) idx[i] = i;
@@ -321,7 +315,7 @@ KernelStatus token2chunk(const float* scores, int n, int budget, int num_candida
 
 KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const int32_t* dst_blocks,
                            long long pool_blocks) {
-  KARAKV_RETURN_IF_ERROR(validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks));
+  KARAKV_RETURN_IF_ERROR(common::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks));
   if (num_kept == 0) return KernelStatus::ok();
   const Geometry& geo = kv.geometry;
   const int bs = geo.block_size;
@@ -357,11 +351,11 @@ KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, 
   constexpr std::string_view op = "decode_attention_accumulate";
   if (score_acc == nullptr) return KernelStatus::invalid(std::string(op) + ": score_acc must be non-null");
   // The same checks as the attention it follows (it writes no output of its own, hence q twice).
-  KARAKV_RETURN_IF_ERROR(validate_decode(op, kv, layer, q, q, -1));
+  KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, q, -1));
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
   const int hd = geo.head_dim;
-  dispatch_dtype(geo.dtype, [&](auto dtype) {
+  return common::dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
 #pragma omp parallel
     {
@@ -384,7 +378,6 @@ KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, 
       release_large_scratch(thread_scratch());
     }
   });
-  return KernelStatus::ok();
 }
 
 }  // namespace karakv::kernels::cpu

@@ -11,12 +11,13 @@
 #include <mutex>
 #include <string>
 
+#include "../common/allocations.h"
+#include "../common/checks.h"
+#include "../common/validate.h"
 #include "attention.h"
-#include "checks.h"
 #include "compress.h"
 #include "merge.h"
 #include "quant_storage.h"
-#include "validate.h"
 #include "karakv/kernels/backend.h"
 
 namespace karakv::kernels {
@@ -88,7 +89,7 @@ class CpuBackend final : public Backend {
   KernelStatus write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin,
                         int num_layers, const void* k, const void* v) override {
     KARAKV_RETURN_IF_ERROR(
-        cpu::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
+        common::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
     if (num_tokens == 0 || num_layers == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
 
@@ -118,7 +119,7 @@ class CpuBackend final : public Backend {
 
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,
                                 float scale) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_decode("decode_attention", kv, layer, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_decode("decode_attention", kv, layer, q, out, pool_blocks(kv)));
     if (kv.num_seqs == 0) return KernelStatus::ok();
 
     const Geometry& geo = kv.geometry;
@@ -142,7 +143,7 @@ class CpuBackend final : public Backend {
 
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries,
                                 const float* q, float* out, float scale) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
     if (num_queries == 0) return KernelStatus::ok();
     const int len = kv.seq_len[seq];
 
@@ -162,7 +163,7 @@ class CpuBackend final : public Backend {
   }
 
   KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
     const int len = kv.seq_len[seq];
     if (len == 0) return KernelStatus::ok();
 
@@ -189,7 +190,7 @@ class CpuBackend final : public Backend {
   }
 
   KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_copy_block(kv, src, dst, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_copy_block(kv, src, dst, pool_blocks(kv)));
     if (src == dst) return KernelStatus::ok();
     const size_t bytes = kv.geometry.block_bytes();
     auto* pool = static_cast<char*>(kv.pool);
@@ -256,7 +257,7 @@ class CpuBackend final : public Backend {
   long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
 
   const int num_threads_;
-  cpu::Allocations allocations_;
+  common::Allocations allocations_;
 };
 
 }  // namespace

@@ -8,37 +8,18 @@
 #include <string>
 #include <vector>
 
-#include "checks.h"
+#include "../common/checks.h"
+#include "../common/validate.h"
 #include "karakv/kernels/half.h"
 #include "quant.h"
-#include "validate.h"
 
 namespace karakv::kernels::cpu {
-
-KernelStatus check_cam_scores(std::string_view op, const int32_t* kept, int num_kept, const float* scores, int begin,
-                              int end, int rows) {
-  const int n = end - begin;
-  for (int r = 0; r < rows && num_kept > 0; ++r) {
-    const int32_t* row = kept + size_t(r) * num_kept;
-    // Kept slots are ascending and distinct, so some slot before the last kept one is evicted
-    // exactly when the kept slots do not fill [begin, last kept].
-    if (row[num_kept - 1] - begin + 1 == num_kept) continue;
-    const float* score = scores + size_t(r) * n;
-    for (int i = 0; i < n; ++i) {
-      if (!std::isfinite(score[i]))
-        return KernelStatus::invalid(std::string(op) + ": scores[row " + std::to_string(r) + "][" + std::to_string(i) +
-                                     "] = " + std::to_string(score[i]) +
-                                     " is not finite (a merging row needs finite attention scores)");
-    }
-  }
-  return KernelStatus::ok();
-}
 
 KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                               const float* scores, int merge_tokens, const int32_t* dst_blocks,
                               long long pool_blocks) {
   KARAKV_RETURN_IF_ERROR(
-      validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks, pool_blocks));
+      common::validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks, pool_blocks));
   const Geometry& g = kv.geometry;
   const int d = g.head_dim, n = end - begin, rows = g.num_layers * g.num_kv_heads;
   KernelStatus failed = KernelStatus::ok();

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "../common/checks.h"
+#include "../common/dispatch.h"
 #include "karakv/kernels/half.h"
 
 namespace karakv::kernels::cpu {
@@ -53,15 +55,10 @@ struct Thresholds {
   }
 };
 
-// The one place a format's bit width turns into a compile-time constant.
+// The one place a format's bit width turns into a compile-time constant (common/dispatch.h).
 template <typename Fn>
 KernelStatus with_bits(QuantFormat f, Fn&& fn) {
-  switch (quant_bits(f)) {
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-  }
-  return KernelStatus::invalid("unknown quant format " + std::to_string(int(f)));
+  return common::dispatch_quant_bits(f, quant_bits(f), std::forward<Fn>(fn));
 }
 
 // codes[0, count) (each < 2^B) into count*B/8 bytes, LSB first; count a multiple of 8.
@@ -185,12 +182,6 @@ KernelStatus check_non_null(std::string_view op, std::initializer_list<std::pair
     if (p == nullptr) return invalid(op, std::string(name) + " is null");
   return KernelStatus::ok();
 }
-
-#define KARAKV_RETURN_IF_ERROR(expr)      \
-  do {                                    \
-    KernelStatus status_ = (expr);        \
-    if (!status_.is_ok()) return status_; \
-  } while (0)
 
 // ---- the rotation ----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "checks.h"
+#include "../common/checks.h"
 #include "karakv/kernels/half.h"
 #include "quant.h"
 #include "scratch.h"
@@ -30,7 +30,7 @@ size_t slot_index(const PagedKV& kv, int seq, int slot, int layer, int kvi, int 
 }
 
 KernelStatus check_qkv(std::string_view op, const PagedKV& kv, const QuantizedKV& q) {
-  KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
+  KARAKV_RETURN_IF_ERROR(common::check_geometry(op, kv));
   if (q.tokens_per_block < 1 || q.tokens_per_block != quantized_tokens_per_block(kv.geometry, q.format))
     return KernelStatus::invalid(std::string(op) + ": tokens_per_block " + std::to_string(q.tokens_per_block) +
                                  " does not match the format's " +
@@ -102,15 +102,15 @@ int quantized_tokens_per_block(const Geometry& g, kernels::QuantFormat format) {
 KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q, int32_t dst) {
   constexpr std::string_view op = "quantize_tokens";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, q));
-  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+  KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(common::check_seq_index(op, kv, seq));
   const int n = q.tokens_per_block;
   if (slot_begin < 0 || slot_begin + n > kv.seq_len[seq])
     return KernelStatus::invalid(std::string(op) + ": slots [" + std::to_string(slot_begin) + ", " +
                                  std::to_string(slot_begin + n) + ") not within seq_len " +
                                  std::to_string(kv.seq_len[seq]));
-  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, slot_begin, slot_begin + n));
-  if (dst < 0) return KernelStatus::invalid(out_of_range(op, "dst block", dst, 0, INT32_MAX));
+  KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, seq, slot_begin, slot_begin + n));
+  if (dst < 0) return KernelStatus::invalid(common::out_of_range(op, "dst block", dst, 0, INT32_MAX));
   const Geometry& g = kv.geometry;
   const QuantFormat f = q.format;
   const int rows = g.num_layers * g.num_kv_heads;
@@ -140,7 +140,7 @@ KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const Q
 KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) {
   constexpr std::string_view op = "dequantize_block";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, q));
-  if (block < 0) return KernelStatus::invalid(out_of_range(op, "block", block, 0, INT32_MAX));
+  if (block < 0) return KernelStatus::invalid(common::out_of_range(op, "block", block, 0, INT32_MAX));
   if (k == nullptr || v == nullptr) return KernelStatus::invalid(std::string(op) + ": k and v must be non-null");
   const Geometry& g = kv.geometry;
   const QuantFormat f = q.format;
@@ -167,10 +167,10 @@ KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
                                         float* out, float scale, float* const* score_acc) {
   constexpr std::string_view op = "decode_attention_quantized";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, qkv));
-  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
   if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
-  for (int s = 0; s < kv.num_seqs; ++s) KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, 0, kv.seq_len[s]));
+  for (int s = 0; s < kv.num_seqs; ++s) KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, s, 0, kv.seq_len[s]));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
 #pragma omp parallel
@@ -198,13 +198,13 @@ KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
                                         int num_queries, const float* q, float* out, float scale) {
   constexpr std::string_view op = "causal_attention_quantized";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, qkv));
-  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
-  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
-  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(common::check_seq_index(op, kv, seq));
+  KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
   const int len = kv.seq_len[seq];
   if (num_queries < 1 || num_queries > len)
-    return KernelStatus::invalid(out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
-  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len));
+    return KernelStatus::invalid(common::out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
+  KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, seq, 0, len));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
 #pragma omp parallel

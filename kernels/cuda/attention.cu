@@ -196,17 +196,15 @@ KernelStatus launch_for_head_dim(const DeviceKV& kv, int layer, const AttentionR
                                  float scale, int head_chunks, int tokens_per_split, int num_splits, float* part_ml,
                                  float* part_acc, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
-  switch (kv.head_dim) {
-    case 64:
-      return launch_partial<T, VEC, 64 / VEC, 1, G>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
-                                                    num_splits, part_ml, part_acc, stream);
-    case 128:
-      return launch_partial<T, VEC, 128 / VEC, 1, G>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
-                                                     num_splits, part_ml, part_acc, stream);
-    default:
+  return common::dispatch_head_dim(kv.head_dim, [&](auto head_dim) {
+    constexpr int HD = decltype(head_dim)::value;  // 64, 128, or 0 for any other
+    if constexpr (HD == 0)
       return launch_partial<T, 1, 32, kMaxHeadDim / 32, G>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
                                                            num_splits, part_ml, part_acc, stream);
-  }
+    else
+      return launch_partial<T, VEC, HD / VEC, 1, G>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
+                                                    num_splits, part_ml, part_acc, stream);
+  });
 }
 
 // Probabilities for H2O: one CTA per (sequence, KV head), one thread per token; the group's
@@ -255,7 +253,7 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
   if (auto st = arena.take(slots * 2, &part_ml); !st.is_ok()) return st;
   if (auto st = arena.take(slots * kv.head_dim, &part_acc); !st.is_ok()) return st;
 
-  KernelStatus st = dispatch_dtype(dtype, [&](auto tag) {
+  KernelStatus st = common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     using T = storage_t<D>;
     return G == 1 ? launch_for_head_dim<T, 1>(kv, layer, rows, q, scale, head_chunks, tokens_per_split, num_splits,
@@ -277,7 +275,7 @@ KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int
   if (kv.num_seqs == 0) return KernelStatus::ok();
   const dim3 grid(kv.num_seqs, kv.num_kv_heads);
   const size_t smem = size_t(kv.group_size()) * kv.head_dim * sizeof(float);
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     if (smem > 48 * 1024)  // a large group's queries: opt in to more shared memory (Hopper: up to 227 KB)
       KARAKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(probabilities_kernel<storage_t<D>>,

@@ -54,7 +54,7 @@ KernelStatus launch_cam_merge(const DeviceKV& kv, DType dtype, int seq, int begi
   if (num_kept == 0 || rows == 0 || end <= begin) return KernelStatus::ok();
   float* values = nullptr;
   if (auto st = arena.take(size_t(rows) * num_kept * kv.head_dim, &values); !st.is_ok()) return st;
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     cam_merge_kernel<storage_t<D>><<<rows, std::min(kv.head_dim, 256), 0, stream>>>(
         kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks, values);

@@ -12,6 +12,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../common/dispatch.h"
 #include "karakv/kernels/types.h"
 
 namespace karakv::kernels::cuda {
@@ -82,18 +83,6 @@ __device__ __forceinline__ float dot_row(const float* q, const T* k, int head_di
   float s = 0.0f;
   for (int d = 0; d < head_dim; ++d) s = fmaf(q[d], to_float(k[d]), s);
   return s;
-}
-
-// Calls f(std::integral_constant<DType, D>{}) for the runtime dtype (kernels are templates on the
-// storage type).
-template <typename F>
-KernelStatus dispatch_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(std::integral_constant<DType, DType::kFloat32>{});
-    case DType::kFloat16: return f(std::integral_constant<DType, DType::kFloat16>{});
-    case DType::kBFloat16: return f(std::integral_constant<DType, DType::kBFloat16>{});
-  }
-  return KernelStatus::invalid("unknown dtype");
 }
 
 inline int ceil_div(long long a, long long b) { return int((a + b - 1) / b); }

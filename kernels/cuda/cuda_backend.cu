@@ -5,8 +5,9 @@
 // may be device memory (e.g. a CUDA IPC staging region) or host memory; host tensors are copied
 // through device scratch. Tables and index arrays (block_table, table_offset, seq_len, kept,
 // dst_blocks, scores of top_k / token2chunk / cam_merge_values, score_acc) are host memory, as the
-// server keeps them; they are validated on the host with the CPU backend's checks before anything
-// is launched, so an invalid call changes nothing, then uploaded for the call.
+// server keeps them; they are validated on the host with the checks every backend shares
+// (common/validate.h) before anything is launched, so an invalid call changes nothing, then
+// uploaded for the call.
 //
 // Calls are serialised by a mutex (one stream, one scratch arena) and each returns after its
 // stream has synchronized: when it returns OK its outputs are complete, and a kernel fault
@@ -19,8 +20,9 @@
 #include <string>
 #include <vector>
 
-#include "../cpu/checks.h"
-#include "../cpu/validate.h"
+#include "../common/allocations.h"
+#include "../common/checks.h"
+#include "../common/validate.h"
 #include "arena.h"
 #include "attention.cuh"
 #include "cam_merge.cuh"
@@ -118,7 +120,7 @@ class CudaBackend final : public Backend {
   KernelStatus write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin, int num_layers,
                         const void* k, const void* v) override {
     KARAKV_RETURN_IF_ERROR(
-        cpu::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
+        common::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
     if (num_tokens == 0 || num_layers == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
     Call call(*this);
@@ -146,7 +148,7 @@ class CudaBackend final : public Backend {
 
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries, const float* q, float* out,
                                 float scale) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(check_head_dim("causal_attention", kv));
     if (num_queries == 0) return KernelStatus::ok();
     const int len = kv.seq_len[seq];
@@ -171,7 +173,7 @@ class CudaBackend final : public Backend {
   }
 
   KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
     const int len = kv.seq_len[seq];
     if (len == 0) return KernelStatus::ok();
     Call call(*this);
@@ -187,7 +189,7 @@ class CudaBackend final : public Backend {
   }
 
   KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_copy_block(kv, src, dst, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_copy_block(kv, src, dst, pool_blocks(kv)));
     if (src == dst) return KernelStatus::ok();
     Call call(*this);
     const size_t bytes = kv.geometry.block_bytes();
@@ -199,7 +201,8 @@ class CudaBackend final : public Backend {
 
   KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                              float scale, float* out) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(
+        common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(check_head_dim("window_scores", kv));
     Call call(*this);
     DeviceKV dkv;
@@ -215,7 +218,8 @@ class CudaBackend final : public Backend {
 
   KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale, int pool,
                              float* out) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(
+        common::validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(check_head_dim("snapkv_scores", kv));
     const int n = kv.seq_len[seq];
     Call call(*this);
@@ -231,7 +235,7 @@ class CudaBackend final : public Backend {
   }
 
   KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_top_k(scores, n, k, out));
+    KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, n, k, out));
     if (k == 0) return KernelStatus::ok();
     Call call(*this);
     const float* ds = nullptr;
@@ -244,7 +248,7 @@ class CudaBackend final : public Backend {
 
   KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
                            int32_t* out) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
+    KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
     if (budget == 0) return KernelStatus::ok();
     Call call(*this);
     const float* ds = nullptr;
@@ -257,7 +261,7 @@ class CudaBackend final : public Backend {
 
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)));
     if (num_kept == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
     const int rows = geo.num_layers * geo.num_kv_heads;
@@ -274,7 +278,7 @@ class CudaBackend final : public Backend {
 
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens,
+    KARAKV_RETURN_IF_ERROR(common::validate_cam_merge(kv, seq, begin, end, kept, num_kept, scores, merge_tokens,
                                                    dst_blocks, pool_blocks(kv)));
     const Geometry& g = kv.geometry;
     const int rows = g.num_layers * g.num_kv_heads, n = end - begin;
@@ -406,7 +410,7 @@ class CudaBackend final : public Backend {
 
   KernelStatus decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* const* score_acc,
                       std::string_view op) {
-    KARAKV_RETURN_IF_ERROR(cpu::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(check_head_dim(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
     int max_len = 0;
@@ -466,7 +470,7 @@ class CudaBackend final : public Backend {
   const std::string device_name_;
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
-  cpu::Allocations allocations_;
+  common::Allocations allocations_;
   Arena arena_;
 };
 

@@ -53,7 +53,7 @@ KernelStatus launch_snapkv_scores(const DeviceKV& kv, DType dtype, int seq, int 
   float *lse = nullptr, *mean = nullptr;
   if (auto st = arena.take(size_t(kv.num_q_heads) * num_obs, &lse); !st.is_ok()) return st;
   if (auto st = arena.take(size_t(kv.num_kv_heads) * n, &mean); !st.is_ok()) return st;
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     using T = storage_t<D>;
     row_lse_kernel<T><<<dim3(ceil_div(num_obs, kScoreWarps), kv.num_q_heads), kScoreWarps * 32, 0, stream>>>(

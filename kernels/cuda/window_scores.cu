@@ -35,7 +35,7 @@ KernelStatus launch_window_scores(const DeviceKV& kv, DType dtype, int seq, int 
   if (kv.head_dim > 256) return KernelStatus::invalid("cuda window_scores: head_dim > 256");
   float* lse = nullptr;
   if (auto st = arena.take(size_t(kv.num_q_heads) * window, &lse); !st.is_ok()) return st;
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     using T = storage_t<D>;
     row_lse_kernel<T><<<dim3(ceil_div(window, kScoreWarps), kv.num_q_heads), kScoreWarps * 32, 0, stream>>>(

@@ -6,10 +6,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "karakv/kernels/types.h"
 
-namespace karakv::kernels::cpu {
+namespace karakv::kernels::common {
 
 KernelStatus validate_write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin,
                                int num_layers, const void* k, const void* v, long long pool_blocks);
@@ -33,4 +34,4 @@ KernelStatus validate_cam_merge(const PagedKV& kv, int seq, int begin, int end, 
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks,
                                 long long pool_blocks);
 
-}  // namespace karakv::kernels::cpu
+}  // namespace karakv::kernels::common

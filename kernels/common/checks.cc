@@ -1,9 +1,9 @@
-// Argument checks shared by the CPU kernels (checks.h).
+// Argument checks of the paged cache shared by every backend (checks.h).
 #include "checks.h"
 
 #include <cstdint>
 
-namespace karakv::kernels::cpu {
+namespace karakv::kernels::common {
 
 std::string out_of_range(std::string_view op, std::string_view what, long long value, long long lo,
                          long long hi) {
@@ -70,4 +70,4 @@ KernelStatus check_covered(std::string_view op, const PagedKV& kv, int seq, long
   return KernelStatus::ok();
 }
 
-}  // namespace karakv::kernels::cpu
+}  // namespace karakv::kernels::common

@@ -1,34 +1,14 @@
-// Argument checks shared by the CPU kernels: each returns kInvalidArgument with a message that
-// names the op, the bad value and the allowed range, before any memory is touched.
+// Allocations: a backend's live allocate() results and their sizes, the same for every backend, so
+// the validators can bound block ids by the pool they index.
 #pragma once
 
+#include <cstddef>
 #include <map>
 #include <mutex>
-#include <string>
-#include <string_view>
 
 #include "karakv/kernels/types.h"
 
-namespace karakv::kernels::cpu {
-
-#define KARAKV_RETURN_IF_ERROR(expr)      \
-  do {                                    \
-    KernelStatus status_ = (expr);        \
-    if (!status_.is_ok()) return status_; \
-  } while (0)
-
-// "op: what value out of range [lo, hi)"
-std::string out_of_range(std::string_view op, std::string_view what, long long value, long long lo, long long hi);
-// Pool pointer, geometry values and dtype.
-KernelStatus check_geometry(std::string_view op, const PagedKV& kv);
-// check_geometry plus the per-sequence arrays.
-KernelStatus check_tables(std::string_view op, const PagedKV& kv);
-KernelStatus check_seq_index(std::string_view op, const PagedKV& kv, int seq);
-KernelStatus check_layer(std::string_view op, const PagedKV& kv, int layer);
-// Tokens [begin, end) of `seq` must be covered by its block table, with block ids inside the pool
-// (pool_blocks < 0: pool size unknown, only the lower bound is checked).
-KernelStatus check_covered(std::string_view op, const PagedKV& kv, int seq, long long begin, long long end,
-                           long long pool_blocks = -1);
+namespace karakv::kernels::common {
 
 // The memory a backend handed out with allocate(), so block ids can be checked against the size of
 // the pool they index (a stale or corrupt block table must not reach outside it). Thread-safe.
@@ -69,4 +49,4 @@ class Allocations {
   std::map<const void*, size_t> map_;  // live allocate() results -> requested bytes
 };
 
-}  // namespace karakv::kernels::cpu
+}  // namespace karakv::kernels::common
