@@ -51,7 +51,8 @@ class ConfigFileTest : public ::testing::Test {
  protected:
   absl::FlagSaver saver_;  // restores every flag after each test
   std::string write(const std::string& text) {
-    std::string path = ::testing::TempDir() + "/karakvd_test.conf";
+    // Per process: ctest runs each test in its own process, several at once.
+    std::string path = absl::StrCat(::testing::TempDir(), "/karakvd_test.", getpid(), ".conf");
     std::ofstream(path) << text;
     return path;
   }
@@ -61,9 +62,9 @@ TEST_F(ConfigFileTest, AppliesValuesAndComments) {
   ASSERT_TRUE(apply_config_file(write("# geometry\nlayers = 5\n--dtype=bf16  # storage\n\npool_bytes=64MiB\n")).ok());
   auto c = config_from_flags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->registry.geometry.num_layers, 5);
-  EXPECT_EQ(c->registry.geometry.dtype, kernels::DType::kBFloat16);
-  EXPECT_EQ(c->registry.pool_bytes, 64ll << 20);
+  EXPECT_EQ(c->core.geometry.num_layers, 5);
+  EXPECT_EQ(c->core.geometry.dtype, kernels::DType::kBFloat16);
+  EXPECT_EQ(c->core.pool_bytes, 64ll << 20);
 }
 
 TEST_F(ConfigFileTest, RefusesUnknownSettingsAndBadValues) {
@@ -89,16 +90,16 @@ TEST_F(ConfigFileTest, RefusesInconsistentGeometry) {
 TEST_F(ConfigFileTest, PrefixCacheSettings) {
   auto c = config_from_flags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE(c->registry.prefix_cache);
-  EXPECT_EQ(c->registry.prefix_cache_max_fraction, 1.0);
-  EXPECT_FALSE(c->registry.prefix_cache_shared_namespaces);
+  EXPECT_TRUE(c->core.prefix_cache);
+  EXPECT_EQ(c->core.prefix_cache_max_fraction, 1.0);
+  EXPECT_FALSE(c->core.prefix_cache_shared_namespaces);
   ASSERT_TRUE(apply_config_file(write("prefix_cache = off\nprefix_cache_max_fraction = 0.25\n"
                                       "prefix_cache_shared_namespaces = true\n")).ok());
   c = config_from_flags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_FALSE(c->registry.prefix_cache);
-  EXPECT_EQ(c->registry.prefix_cache_max_fraction, 0.25);
-  EXPECT_TRUE(c->registry.prefix_cache_shared_namespaces);
+  EXPECT_FALSE(c->core.prefix_cache);
+  EXPECT_EQ(c->core.prefix_cache_max_fraction, 0.25);
+  EXPECT_TRUE(c->core.prefix_cache_shared_namespaces);
   absl::SetFlag(&FLAGS_prefix_cache, "maybe");
   EXPECT_NE(config_from_flags().status().message().find("--prefix_cache=maybe, expected on or off"), std::string::npos);
   absl::SetFlag(&FLAGS_prefix_cache, "on");
@@ -110,9 +111,9 @@ TEST_F(ConfigFileTest, PrefixCacheSettings) {
 TEST_F(ConfigFileTest, LimitsDefaultToNoneAndRefuseBadValues) {
   auto c = config_from_flags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->registry.max_sessions, 0);
-  EXPECT_EQ(c->registry.max_sequences_per_session, 0);
-  EXPECT_EQ(c->registry.tenant_block_quota, 0);
+  EXPECT_EQ(c->core.max_sessions, 0);
+  EXPECT_EQ(c->core.max_sequences_per_session, 0);
+  EXPECT_EQ(c->core.tenant_block_quota, 0);
   EXPECT_EQ(c->max_message_bytes, 1 << 30);  // what the server always allowed
   ASSERT_TRUE(apply_config_file(
                   write("max_sessions = 8\nmax_sequences_per_session = 64\ntenant_block_quota = 1000\n"
@@ -120,9 +121,9 @@ TEST_F(ConfigFileTest, LimitsDefaultToNoneAndRefuseBadValues) {
                   .ok());
   c = config_from_flags();
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->registry.max_sessions, 8);
-  EXPECT_EQ(c->registry.max_sequences_per_session, 64);
-  EXPECT_EQ(c->registry.tenant_block_quota, 1000);
+  EXPECT_EQ(c->core.max_sessions, 8);
+  EXPECT_EQ(c->core.max_sequences_per_session, 64);
+  EXPECT_EQ(c->core.tenant_block_quota, 1000);
   EXPECT_EQ(c->max_message_bytes, 4 << 20);
   absl::SetFlag(&FLAGS_max_sessions, -1);
   c = config_from_flags();
