@@ -34,7 +34,7 @@ integration_tests() {  # $1: build tree
      ./ring_integration_test --gtest_brief=1)
 }
 
-# The unit tests of the kernels and of the daemon's core (pool, registry, policies, staging, ring,
+# The unit tests of the kernels and of the daemon's core (pool, sessions, sequence store, compactor, policies, staging, ring,
 # prefix cache, limits), the integration tests (real daemons, workers and CLI, all instrumented)
 # and the fuzz harnesses' corpora once more, built with AddressSanitizer (leaks included) and
 # UndefinedBehaviorSanitizer, any finding fatal. A separate tree, build-asan/; ccache keeps it
@@ -52,7 +52,7 @@ integration_tests build-asan
 ./build-asan/tests/fuzz/ring_fuzzer tests/fuzz/corpus/ring_fuzzer
 check_sanitizer_logs build-asan/sanitizer-logs
 
-# ThreadSanitizer over the daemon's core with its own threads (ring threads, the registry under
+# ThreadSanitizer over the daemon's core with its own threads (ring threads, the core under
 # concurrent calls, lease expiry): server_test; then the integration tests, whose karakvd daemons,
 # workers and CLI are instrumented too. Debian's libabsl, libgrpc and libgomp are not instrumented,
 # so TSan cannot see absl::Mutex, gRPC's handoffs between its threads or OpenMP's barriers:

@@ -1,6 +1,6 @@
 // The paged block pool's bookkeeping: which blocks are free and how many sequences reference each
-// used one. The bytes themselves live in backend memory owned by the registry. Not thread-safe:
-// the registry serialises access.
+// used one. The bytes themselves live in backend memory owned by the sequence store. Not thread-safe:
+// the core serialises access.
 #pragma once
 
 #include <cstdint>

@@ -197,7 +197,7 @@ absl::Status tls_from_flags(DaemonConfig& c) {
 
 absl::StatusOr<DaemonConfig> config_from_flags() {
   DaemonConfig c;
-  kernels::Geometry& g = c.registry.geometry;
+  kernels::Geometry& g = c.core.geometry;
   g.num_layers = absl::GetFlag(FLAGS_layers);
   g.num_q_heads = absl::GetFlag(FLAGS_q_heads);
   g.num_kv_heads = absl::GetFlag(FLAGS_kv_heads);
@@ -210,25 +210,25 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   if (absl::Status s = validate_geometry(g); !s.ok()) return s;
   auto pool = parse_bytes(absl::GetFlag(FLAGS_pool_bytes));
   if (!pool.ok()) return absl::InvalidArgumentError(absl::StrCat("--pool_bytes: ", pool.status().message()));
-  c.registry.pool_bytes = *pool;
+  c.core.pool_bytes = *pool;
   auto staging = parse_bytes(absl::GetFlag(FLAGS_max_staging_bytes));
   if (!staging.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--max_staging_bytes: ", staging.status().message()));
   }
-  c.registry.max_staging_bytes = static_cast<uint64_t>(*staging);
-  c.registry.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  if (c.registry.max_sessions < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--max_sessions=", c.registry.max_sessions,
+  c.core.max_staging_bytes = static_cast<uint64_t>(*staging);
+  c.core.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  if (c.core.max_sessions < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_sessions=", c.core.max_sessions,
                                                    ", expected >= 0 (0: no limit)"));
   }
-  c.registry.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
-  if (c.registry.max_sequences_per_session < 0) {
+  c.core.max_sequences_per_session = absl::GetFlag(FLAGS_max_sequences_per_session);
+  if (c.core.max_sequences_per_session < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--max_sequences_per_session=",
-                                                   c.registry.max_sequences_per_session, ", expected >= 0 (0: no limit)"));
+                                                   c.core.max_sequences_per_session, ", expected >= 0 (0: no limit)"));
   }
-  c.registry.tenant_block_quota = absl::GetFlag(FLAGS_tenant_block_quota);
-  if (c.registry.tenant_block_quota < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--tenant_block_quota=", c.registry.tenant_block_quota,
+  c.core.tenant_block_quota = absl::GetFlag(FLAGS_tenant_block_quota);
+  if (c.core.tenant_block_quota < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--tenant_block_quota=", c.core.tenant_block_quota,
                                                    ", expected >= 0 (0: no quota)"));
   }
   auto message = parse_bytes(absl::GetFlag(FLAGS_max_message_bytes));
@@ -242,23 +242,23 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.max_message_bytes = static_cast<int>(*message);
   const int lease = absl::GetFlag(FLAGS_lease_seconds);
   if (lease < 1) return absl::InvalidArgumentError(absl::StrCat("--lease_seconds=", lease, ", expected >= 1"));
-  c.registry.lease = absl::Seconds(lease);
-  c.registry.max_sequences_per_tick = absl::GetFlag(FLAGS_max_sequences_per_tick);
-  if (c.registry.max_sequences_per_tick < 0) {
+  c.core.lease = absl::Seconds(lease);
+  c.core.max_sequences_per_tick = absl::GetFlag(FLAGS_max_sequences_per_tick);
+  if (c.core.max_sequences_per_tick < 0) {
     return absl::InvalidArgumentError("--max_sequences_per_tick must be >= 0");
   }
   const std::string prefix = absl::GetFlag(FLAGS_prefix_cache);
   if (prefix != "on" && prefix != "off") {
     return absl::InvalidArgumentError(absl::StrCat("--prefix_cache=", prefix, ", expected on or off"));
   }
-  c.registry.prefix_cache = prefix == "on";
-  c.registry.prefix_cache_max_fraction = absl::GetFlag(FLAGS_prefix_cache_max_fraction);
-  if (!(c.registry.prefix_cache_max_fraction >= 0.0 && c.registry.prefix_cache_max_fraction <= 1.0)) {
+  c.core.prefix_cache = prefix == "on";
+  c.core.prefix_cache_max_fraction = absl::GetFlag(FLAGS_prefix_cache_max_fraction);
+  if (!(c.core.prefix_cache_max_fraction >= 0.0 && c.core.prefix_cache_max_fraction <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat("--prefix_cache_max_fraction=",
-                                                   c.registry.prefix_cache_max_fraction, ", expected 0..1"));
+                                                   c.core.prefix_cache_max_fraction, ", expected 0..1"));
   }
-  c.registry.prefix_cache_shared_namespaces = absl::GetFlag(FLAGS_prefix_cache_shared_namespaces);
-  c.registry.preempt_on_pressure = absl::GetFlag(FLAGS_preempt_on_pressure);
+  c.core.prefix_cache_shared_namespaces = absl::GetFlag(FLAGS_prefix_cache_shared_namespaces);
+  c.core.preempt_on_pressure = absl::GetFlag(FLAGS_preempt_on_pressure);
   c.socket_path = absl::GetFlag(FLAGS_socket);
   c.tcp_address = absl::GetFlag(FLAGS_listen_tcp);
   if (c.socket_path.empty() && c.tcp_address.empty()) {

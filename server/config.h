@@ -6,12 +6,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/registry.h"
+#include "server/core.h"
 
 namespace karakv::server {
 
 struct DaemonConfig {
-  RegistryConfig registry;  // registry.preempt_on_pressure: --preempt_on_pressure
+  CoreConfig core;  // core.preempt_on_pressure: --preempt_on_pressure
   std::string socket_path;   // Unix domain socket; empty disables it
   std::string tcp_address;   // host:port; empty disables TCP
   std::string metrics_listen;

@@ -31,11 +31,11 @@ std::optional<v1::Event> EventQueue::pop() {
   return e;
 }
 
-v1::Event to_event(const RegistryEvent& e) {
+v1::Event to_event(const CoreEvent& e) {
   v1::Event out;
   out.set_time_unix(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   switch (e.kind) {
-    case RegistryEvent::Kind::kPreempted: {
+    case CoreEvent::Kind::kPreempted: {
       auto* p = out.mutable_preempted();
       p->set_sequence_id(e.sequence_id);
       p->set_reason(e.message);
@@ -44,7 +44,7 @@ v1::Event to_event(const RegistryEvent& e) {
       p->set_tokens_lost(static_cast<uint32_t>(e.tokens));
       break;
     }
-    case RegistryEvent::Kind::kCompaction: {
+    case CoreEvent::Kind::kCompaction: {
       auto* c = out.mutable_compaction();
       c->set_sequence_id(e.sequence_id);
       c->set_policy(e.policy);
@@ -52,7 +52,7 @@ v1::Event to_event(const RegistryEvent& e) {
       c->set_tokens_after(static_cast<uint32_t>(e.tokens_after));
       break;
     }
-    case RegistryEvent::Kind::kSessionEnded: {
+    case CoreEvent::Kind::kSessionEnded: {
       auto* s = out.mutable_session_ended();
       s->set_lease_expired(e.lease_expired);
       s->set_sequences_released(static_cast<uint32_t>(e.sequences_released));
@@ -172,7 +172,7 @@ grpc::ServerWriteReactor<v1::Event>* EventHub::open(const std::string& session_i
   return stream.get();
 }
 
-void EventHub::publish(const RegistryEvent& event) {
+void EventHub::publish(const CoreEvent& event) {
   std::vector<std::shared_ptr<EventStream>> targets;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -182,7 +182,7 @@ void EventHub::publish(const RegistryEvent& event) {
   if (targets.empty()) return;
   const v1::Event e = to_event(event);
   for (auto& s : targets) s->deliver(e);
-  if (event.kind == RegistryEvent::Kind::kSessionEnded) {
+  if (event.kind == CoreEvent::Kind::kSessionEnded) {
     for (auto& s : targets) s->close(grpc::Status::OK);
   }
 }

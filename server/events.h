@@ -1,7 +1,7 @@
 // The event stream (WatchEvents): what happened to a session's sequences that no reply of its own
 // said (preemption, compaction, the session's end). Every stream has a bounded queue; a reader too
 // slow for it loses the oldest events and is then told how many, so publishing never blocks the
-// daemon (events are published under the registry's lock).
+// daemon (events are published under the core's lock).
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,7 @@
 
 #include "grpcpp/grpcpp.h"
 #include "karakv/v1/karakv.pb.h"
-#include "server/registry.h"
+#include "server/core.h"
 
 namespace karakv::server {
 
@@ -38,8 +38,8 @@ class EventQueue {
   uint64_t dropped_total_ = 0;
 };
 
-// The proto form of a registry event.
-v1::Event to_event(const RegistryEvent& e);
+// The proto form of a core event.
+v1::Event to_event(const CoreEvent& e);
 
 class EventStream;
 
@@ -51,7 +51,7 @@ class EventHub {
   // with `refusal` when that is not OK.
   grpc::ServerWriteReactor<v1::Event>* open(const std::string& session_id, const grpc::Status& refusal);
   // Queues the event for every stream of its session; a SessionEnded event also ends them (OK).
-  void publish(const RegistryEvent& event);
+  void publish(const CoreEvent& event);
   // Ends one session's streams (after what they hold is sent) with `status`.
   void close_session(const std::string& session_id, const grpc::Status& status);
   // Ends every stream with `status` and refuses new ones with it (drain).

@@ -1,4 +1,4 @@
-// karakvd: builds the config, the backend, the registry and the gRPC server, then serves until
+// karakvd: builds the config, the backend, the core and the gRPC server, then serves until
 // SIGTERM/SIGINT, when it drains (new calls get UNAVAILABLE, running calls finish) and exits 0.
 #include <signal.h>
 #include <unistd.h>
@@ -27,7 +27,7 @@
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/peer_gate.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "server/ring.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
@@ -102,18 +102,18 @@ int main(int argc, char** argv) {
   auto selected = karakv::server::select_backend(config->backend, config->cuda_device, config->kernel_threads);
   if (!selected.ok()) return fail(selected.status());
   spdlog::info("backend: {} ({})", selected->backend->description(), selected->reason);
-  auto registry = karakv::server::Registry::create(config->registry, std::move(selected->backend));
-  if (!registry.ok()) return fail(registry.status());
+  auto core = karakv::server::Core::create(config->core, std::move(selected->backend));
+  if (!core.ok()) return fail(core.status());
   auto metrics = karakv::server::Metrics::create(config->metrics_listen);
   if (!metrics.ok()) return fail(metrics.status());
   karakv::server::Metrics* metrics_ptr = metrics->get();
-  (*registry)->set_compaction_observer([metrics_ptr](const karakv::server::CompactionResult& r) {
+  (*core)->set_compaction_observer([metrics_ptr](const karakv::server::CompactionResult& r) {
     metrics_ptr->compaction(r.policy, r.tokens_before - r.tokens_after, r.seconds);
   });
-  karakv::server::KaraKVService service(registry->get(), metrics->get(), config->check_invariants);
+  karakv::server::KaraKVService service(core->get(), metrics->get(), config->check_invariants);
   karakv::server::EventHub* events = &service.events();
-  (*registry)->set_event_observer([metrics_ptr, events](const karakv::server::RegistryEvent& e) {
-    if (e.kind == karakv::server::RegistryEvent::Kind::kPreempted) {
+  (*core)->set_event_observer([metrics_ptr, events](const karakv::server::CoreEvent& e) {
+    if (e.kind == karakv::server::CoreEvent::Kind::kPreempted) {
       spdlog::warn("preempted: {} ({} blocks freed, {} tokens lost)", e.message, e.blocks_freed, e.tokens);
       metrics_ptr->preempted();
     }
@@ -123,11 +123,11 @@ int main(int argc, char** argv) {
   ring_config.spin = config->ring_spin;
   ring_config.idle_threads = config->ring_idle_threads;
   if (config->fast_path) ring_config.start_threads = config->ring_idle_threads;
-  karakv::server::RingServer rings(&service, registry->get(), metrics->get(), ring_config);
+  karakv::server::RingServer rings(&service.gate(), core->get(), metrics->get(), ring_config);
   if (config->fast_path) service.set_rings(&rings);
-  karakv::server::Registry* registry_ptr = registry->get();
-  metrics_ptr->set_refresher([metrics_ptr, registry_ptr, events] {
-    metrics_ptr->update_state(registry_ptr->stats(), registry_ptr->geometry().block_bytes(), registry_ptr->geometry());
+  karakv::server::Core* core_ptr = core->get();
+  metrics_ptr->set_refresher([metrics_ptr, core_ptr, events] {
+    metrics_ptr->update_state(core_ptr->stats(), core_ptr->geometry().block_bytes(), core_ptr->geometry());
     metrics_ptr->set_events_dropped(events->dropped_total());
   });
 
@@ -176,8 +176,8 @@ int main(int argc, char** argv) {
                  absl::StrJoin(config->allowed_gids, ","));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
-  const auto& g = (*registry)->geometry();
-  const auto st = (*registry)->stats();
+  const auto& g = (*core)->geometry();
+  const auto st = (*core)->stats();
   if (!tcache_status.ok()) spdlog::warn("{}", std::string(tcache_status.message()));
   for (const auto& m : mallopts) {
     if (!m.applied) {
@@ -195,9 +195,9 @@ int main(int argc, char** argv) {
   // Lease reaper: frees the sessions of workers that stopped sending heartbeats.
   absl::Notification stop;
   std::thread reaper([&] {
-    const absl::Duration period = std::min(absl::Seconds(1), config->registry.lease / 4);
+    const absl::Duration period = std::min(absl::Seconds(1), config->core.lease / 4);
     while (!stop.WaitForNotificationWithTimeout(period)) {
-      const int n = (*registry)->expire_leases(absl::Now());
+      const int n = (*core)->expire_leases(absl::Now());
       if (n > 0) {
         spdlog::warn("lease expired for {} session(s); their sequences and staging were freed", n);
         (*metrics)->lease_expired(n);

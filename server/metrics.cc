@@ -15,7 +15,7 @@ namespace karakv::server {
 // The registry as the exposer sees it: runs the refresher, then collects.
 class Metrics::Refreshing : public prometheus::Collectable {
  public:
-  explicit Refreshing(std::shared_ptr<prometheus::Registry> registry) : registry_(std::move(registry)) {}
+  explicit Refreshing(std::shared_ptr<prometheus::Registry> registry) : core_(std::move(registry)) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
     std::function<void()> refresh;
     {
@@ -23,7 +23,7 @@ class Metrics::Refreshing : public prometheus::Collectable {
       refresh = refresh_;
     }
     if (refresh) refresh();
-    return registry_->Collect();
+    return core_->Collect();
   }
   void set(std::function<void()> f) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -31,7 +31,7 @@ class Metrics::Refreshing : public prometheus::Collectable {
   }
 
  private:
-  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Registry> core_;
   mutable std::mutex mu_;
   std::function<void()> refresh_;
 };
@@ -40,9 +40,9 @@ void Metrics::set_refresher(std::function<void()> refresh) { collectable_->set(s
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& listen) {
   std::unique_ptr<Metrics> m(new Metrics());
-  m->registry_ = std::make_shared<prometheus::Registry>();
-  m->collectable_ = std::make_shared<Refreshing>(m->registry_);
-  auto& reg = *m->registry_;
+  m->core_ = std::make_shared<prometheus::Registry>();
+  m->collectable_ = std::make_shared<Refreshing>(m->core_);
+  auto& reg = *m->core_;
   m->rpc_latency_ = &prometheus::BuildHistogram()
                          .Name("karakv_rpc_duration_seconds")
                          .Help("Time to serve one RPC, by method")
@@ -143,7 +143,7 @@ void Metrics::observe_rpc(const std::string& method, double seconds, absl::Statu
   }
 }
 
-void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const kernels::Geometry&) {
+void Metrics::update_state(const CoreStats& s, size_t block_bytes, const kernels::Geometry&) {
   blocks_total_->Set(s.blocks_total);
   blocks_used_->Set(s.blocks_used);
   blocks_free_->Set(s.blocks_free);
@@ -179,8 +179,8 @@ void Metrics::update_state(const RegistryStats& s, size_t block_bytes, const ker
   update_prefix_cache(s);
 }
 
-void Metrics::update_prefix_cache(const RegistryStats& s) {
-  // The registry keeps the totals; counters advance by what happened since the last snapshot.
+void Metrics::update_prefix_cache(const CoreStats& s) {
+  // The core keeps the totals; counters advance by what happened since the last snapshot.
   auto advance = [](prometheus::Counter* c, uint64_t total) {
     if (double(total) > c->Value()) c->Increment(double(total) - c->Value());
   };

@@ -16,7 +16,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "server/registry.h"
+#include "server/core.h"
 
 namespace karakv::server {
 
@@ -32,8 +32,8 @@ class Metrics {
 
   // One finished RPC: its latency and, when it failed, its status code.
   void observe_rpc(const std::string& method, double seconds, absl::StatusCode code);
-  // Pool, sequence and session gauges from a registry snapshot.
-  void update_state(const RegistryStats& stats, size_t block_bytes, const kernels::Geometry& g);
+  // Pool, sequence and session gauges from a core snapshot.
+  void update_state(const CoreStats& stats, size_t block_bytes, const kernels::Geometry& g);
   void lease_expired(int n);
   void preempted();
   // Events the WatchEvents streams have dropped so far (the counter follows this total).
@@ -46,9 +46,9 @@ class Metrics {
   std::vector<RpcErrorCount> rpc_errors() const;
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
   void compaction(const std::string& policy, int tokens_removed, double seconds);
-  // Prefix cache counters and gauges from a registry snapshot (called by update_state).
-  void update_prefix_cache(const RegistryStats& stats);
-  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // Prefix cache counters and gauges from a core snapshot (called by update_state).
+  void update_prefix_cache(const CoreStats& stats);
+  std::shared_ptr<prometheus::Registry> registry() const { return core_; }
   // Called at every scrape, before the metrics are read: state gauges are refreshed then, not on
   // the request path.
   void set_refresher(std::function<void()> refresh);
@@ -56,7 +56,7 @@ class Metrics {
  private:
   Metrics() = default;
   class Refreshing;
-  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Registry> core_;
   std::shared_ptr<Refreshing> collectable_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   prometheus::Family<prometheus::Histogram>* rpc_latency_ = nullptr;

@@ -2,6 +2,8 @@
 #include "server/policy.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -34,14 +36,43 @@ absl::StatusOr<PolicyParams> resolve_params(const std::string& policy, const std
   return out;
 }
 
-namespace policy_util {
-
-absl::Status check(const kernels::KernelStatus& s) {
-  if (s.is_ok()) return absl::OkStatus();
-  if (s.code == kernels::KernelStatus::Code::kUnsupported) return absl::UnimplementedError(s.message);
-  if (s.code == kernels::KernelStatus::Code::kInvalidArgument) return absl::InvalidArgumentError(s.message);
-  return absl::InternalError(s.message);
+namespace {
+// Filled by KARAKV_REGISTER_POLICY during static initialisation, read-only afterwards.
+std::map<std::string, PolicyEntry>& policy_table() {
+  static auto* table = new std::map<std::string, PolicyEntry>();
+  return *table;
 }
+}  // namespace
+
+bool register_policy(PolicyEntry entry) {
+  std::string name = entry.name;
+  if (!policy_table().emplace(name, std::move(entry)).second) {
+    std::fprintf(stderr, "karakv: policy '%s' is registered twice\n", name.c_str());
+    std::abort();
+  }
+  return true;
+}
+
+std::vector<std::string> policy_names() {
+  std::vector<std::string> out;
+  for (const auto& [name, e] : policy_table()) out.push_back(name);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
+                                                    const std::map<std::string, double>& params,
+                                                    const kernels::Geometry& geometry) {
+  auto it = policy_table().find(name);
+  if (it == policy_table().end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown policy '", name, "'; expected one of: ", absl::StrJoin(policy_names(), ", ")));
+  }
+  auto p = resolve_params(name, it->second.params(geometry), params);
+  if (!p.ok()) return p.status();
+  return it->second.make(*p, geometry);
+}
+
+namespace policy_util {
 
 void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer, float* out) {
   const size_t row = seq.geometry->q_token_elems();
@@ -75,7 +106,7 @@ absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vec
         if (seq.position(l, h, s) < sinks || s >= n - keep_last) row[s] = kMustKeep;
       }
       int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * plan.num_kept;
-      if (absl::Status st = check(backend.top_k(row, n, plan.num_kept, out)); !st.ok()) return st;
+      if (absl::Status st = to_status(backend.top_k(row, n, plan.num_kept, out)); !st.ok()) return st;
     }
   }
   return plan;

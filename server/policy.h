@@ -1,7 +1,10 @@
 // The compression policy interface. A policy looks at one sequence's resident cache (through the
 // kernels) and returns a CompactionPlan: which slots of a slot range to keep, per layer and KV
-// head, the same count for every head. The registry applies plans; policies never touch the pool.
-// Adding a policy: its own file under policies/ plus one line in policies/registry.cc.
+// head, the same count for every head. The compactor applies plans; policies never touch the pool.
+// A policy keeps what it learns about one sequence (Kara's tail, H2O's accumulated attention) in a
+// PolicyState it makes itself; the compactor holds that state and hands it back on every hook.
+// Adding a policy: one file under policies/ that ends with KARAKV_REGISTER_POLICY (CMake picks up
+// every file there).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "karakv/kernels/backend.h"
+#include "server/validation.h"
 
 namespace karakv::server {
 
@@ -42,13 +46,23 @@ class PolicyParams {
 absl::StatusOr<PolicyParams> resolve_params(const std::string& policy, const std::vector<ParamSpec>& specs,
                                             const std::map<std::string, double>& given);
 
+// A policy's per-sequence state, opaque to everything but the policy that made it.
+class PolicyState {
+ public:
+  virtual ~PolicyState() = default;
+  // For ForkSequence: the child starts with the parent's state.
+  virtual std::unique_ptr<PolicyState> clone() const = 0;
+  // Host memory it holds (Stats' score_bytes).
+  virtual size_t bytes() const { return 0; }
+};
+
 // What a policy sees of a sequence. Slots are indices into the resident cache (0..resident-1).
 struct SequenceView {
   const kernels::Geometry* geometry = nullptr;
   int32_t resident = 0;        // tokens in the cache
   int32_t logical = 0;         // tokens ever appended (next position)
   int32_t prompt = 0;          // tokens appended before the first decode step
-  int32_t tail_start = 0;      // Kara: first slot of the tail (block-aligned, after the compressed region)
+  bool decoding = false;       // a Step has run: the prompt is fixed
   // Slots [0, fp_offset) are quantized; the PagedKV a policy gets holds slots from fp_offset on,
   // so kernel slot indices are slot - fp_offset.
   int32_t fp_offset = 0;
@@ -57,8 +71,9 @@ struct SequenceView {
   const float* queries = nullptr;
   int32_t queries_first = 0;
   int32_t num_queries = 0;
-  // Accumulated attention per slot (H2O), [num_layers * num_kv_heads][>= resident]; null when not kept.
-  const std::vector<std::vector<float>>* attention = nullptr;
+  // The sequence's state made by its own policy (Policy::make_state); null when it keeps none, and
+  // when the viewer is another policy (a prefill policy sees no state).
+  const PolicyState* state = nullptr;
   // Position of slot `slot` for (layer, head).
   std::function<int32_t(int layer, int head, int32_t slot)> position;
 
@@ -90,6 +105,7 @@ enum class Trigger {
 
 class Policy {
  public:
+  using State = PolicyState;
   virtual ~Policy() = default;
   virtual const std::string& name() const = 0;
   virtual Trigger trigger() const = 0;
@@ -116,20 +132,49 @@ class Policy {
   // The plan for this sequence now. `kv` holds this one sequence as index 0.
   virtual absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
                                               kernels::Backend& backend) const = 0;
+
+  // Per-sequence state. The hooks below get the state this returned (null: the policy keeps none).
+  virtual std::unique_ptr<State> make_state(const kernels::Geometry& geometry) const { return nullptr; }
+  // The cache now covers `slots` slots (an Append, a prefix hit, or a Step's new token before its
+  // layers run): grow per-slot state.
+  virtual void on_grow(State* state, int32_t slots) const {}
+  // The prompt is complete and fixed (the first Step); `seq` is the sequence at that moment.
+  virtual void on_decode_start(State* state, const SequenceView& seq) const {}
+  // `plan` was applied to the sequence (by this policy when `own`, else by its prefill policy);
+  // `resident_before` is the cache length the plan was made for.
+  virtual void on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before, bool own) const {}
+  // Where a decode step adds each resident slot's attention for (layer, KV head), or null: the
+  // daemon then runs the plain decode kernel. [>= resident + 1] fp32.
+  virtual float* accumulator(State* state, int layer, int kv_head) const { return nullptr; }
+  // The first slot the policy may still rewrite: older slots may be quantized by the storage
+  // format, and (query_window() < 0) their queries dropped. Default: none (the resident length).
+  virtual int32_t first_open_slot(const SequenceView& seq) const { return seq.resident; }
+  // Among sequences due at the same tick, larger goes first (Kara: the longer tail).
+  virtual int64_t urgency(const SequenceView& seq) const { return 0; }
 };
+
+// The policy table: every file under policies/ registers its policy with one
+// KARAKV_REGISTER_POLICY(name, params_function, make_function) line.
+struct PolicyEntry {
+  std::string name;
+  std::vector<ParamSpec> (*params)(const kernels::Geometry&);
+  absl::StatusOr<std::unique_ptr<Policy>> (*make)(const PolicyParams&, const kernels::Geometry&);
+};
+// Adds an entry; refuses (aborts at start-up) a name registered twice.
+bool register_policy(PolicyEntry entry);
+#define KARAKV_REGISTER_POLICY(name, params, make) \
+  static const bool karakv_policy_registered_##params = ::karakv::server::register_policy({name, params, make})
 
 // Builds the named policy with the given parameters (defaults filled, ranges checked).
 // The geometry is needed to check block alignment of budgets.
 absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
                                                     const std::map<std::string, double>& params,
                                                     const kernels::Geometry& geometry);
-// Names of every registered policy, for error messages and --help.
+// Names of every registered policy, sorted, for error messages and --help.
 std::vector<std::string> policy_names();
 
 // Helpers shared by the policies (policy.cc).
 namespace policy_util {
-// Converts a KernelStatus into an absl::Status.
-absl::Status check(const kernels::KernelStatus& s);
 // Score that wins every top-k: for tokens a policy must keep (sinks, observation window).
 inline constexpr float kMustKeep = 3.0e38f;
 // Copies the queries of slots [first, first + n) at `layer` out of the query cache:

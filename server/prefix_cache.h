@@ -1,5 +1,5 @@
 // Content-addressed prompt blocks shared across workers: stable chained block keys and the index
-// of cached blocks with their least-recently-used order. The registry owns the references: the
+// of cached blocks with their least-recently-used order. The sequence store owns the references: the
 // cache holds one reference on every block it indexes, and evicts only blocks no sequence holds.
 #pragma once
 

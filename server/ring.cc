@@ -1,5 +1,5 @@
-// The fast path's consumer threads: take a command, rebuild the request the RPC would have carried
-// (every tensor in staging), run it through the service's own handler, post the status.
+// The fast path's consumer threads: take a command, resolve its staging ranges, run it through the
+// request gate's Step or Attend entry (the one the gRPC handlers call), post the status.
 #include "server/ring.h"
 
 #include <pthread.h>
@@ -8,8 +8,8 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "karakv/v1/karakv.pb.h"
-#include "server/service.h"
+#include "server/core.h"
+#include "server/request_gate.h"
 #include "spdlog/spdlog.h"
 
 namespace karakv::server {
@@ -18,9 +18,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-void set_range(const ring::Range& r, v1::StagingRange* out) {
-  out->set_offset(r.offset);
-  out->set_length(r.length);
+// A command's tensor in the session's staging region, checked as the RPC's staging ranges are.
+absl::Status resolve(const StagingRegion& staging, const ring::Range& r, const char* what, absl::Span<uint8_t>* out) {
+  auto p = staging.resolve(r.offset, r.length, 4, what);
+  if (!p.ok()) return p.status();
+  *out = absl::Span<uint8_t>(*p, r.length);
+  return absl::OkStatus();
 }
 
 void set_status(const absl::Status& s, ring::Completion* c) {
@@ -33,8 +36,8 @@ void set_status(const absl::Status& s, ring::Completion* c) {
 
 }  // namespace
 
-RingServer::RingServer(KaraKVService* service, Registry* registry, Metrics* metrics, RingConfig config)
-    : service_(service), registry_(registry), config_(config) {
+RingServer::RingServer(RequestGate* gate, Core* core, Metrics* metrics, RingConfig config)
+    : gate_(gate), core_(core), config_(config) {
   // Tests may run without metrics: the families then live in a registry of their own.
   auto reg = metrics != nullptr ? metrics->registry() : std::make_shared<prometheus::Registry>();
   commands_ = &prometheus::BuildCounter()
@@ -202,7 +205,7 @@ int RingServer::active() const {
   return static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](const auto& w) { return !w->done.load(); }));
 }
 
-bool RingServer::session_alive(const std::string& session_id) { return registry_->staging(session_id).ok(); }
+bool RingServer::session_alive(const std::string& session_id) { return core_->staging(session_id).ok(); }
 
 void RingServer::mark_closed(Worker* w, const absl::Status& why) {
   ring::Header* h = w->header;
@@ -220,41 +223,55 @@ void RingServer::close(Worker* w, const std::string& why) {
   corrupt_->Increment();
   mark_closed(w, absl::FailedPreconditionError(
                      absl::StrCat("karakvd closed the fast-path ring and the session: ", why)));
-  registry_->detach(w->session_id).IgnoreError();
+  core_->detach(w->session_id).IgnoreError();
 }
 
 bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Completion* done) {
   done->tag = cmd.tag;
+  const StagingRegion& staging = *w.staging;
   if (cmd.op == uint32_t(ring::Op::kStep)) {
     if (cmd.count > ring::Command::kMaxIds) return false;
     count("Step", "ring");
-    v1::StepRequest req;
-    req.set_session_id(w.session_id);
-    req.set_layer(cmd.layer);
-    req.mutable_sequence_ids()->Add(cmd.ids, cmd.ids + cmd.count);
-    set_range(cmd.k, req.mutable_k()->mutable_staging());
-    set_range(cmd.v, req.mutable_v()->mutable_staging());
-    set_range(cmd.q, req.mutable_q()->mutable_staging());
-    set_range(cmd.out, req.mutable_out()->mutable_staging());
-    req.set_scale(cmd.scale);
-    v1::StepReply reply;
-    set_status(service_->RunStep(req, &reply), done);
-    done->decode_step = reply.decode_step();
-    done->compactions = reply.compactions();
+    absl::Span<uint8_t> k, v, q, out;
+    // In the order and with the checks of the gRPC handler's resolution (service.cc).
+    absl::Status resolution = check_batch(cmd.count);
+    if (resolution.ok()) resolution = resolve(staging, cmd.k, "k", &k);
+    if (resolution.ok()) resolution = resolve(staging, cmd.v, "v", &v);
+    if (resolution.ok()) resolution = resolve(staging, cmd.q, "q", &q);
+    if (resolution.ok()) resolution = check_output_range("out", cmd.out.length, core_->q_bytes(cmd.count), true);
+    if (resolution.ok()) resolution = resolve(staging, cmd.out, "out", &out);
+    StepCall call;
+    call.session_id = w.session_id;
+    call.layer = cmd.layer;
+    call.sequence_ids = absl::MakeConstSpan(cmd.ids, cmd.count);
+    call.k = k;
+    call.v = v;
+    call.q = q;
+    call.out = out;
+    call.scale = cmd.scale;
+    auto r = gate_->step(call, resolution);
+    set_status(r.status(), done);
+    if (r.ok()) {
+      done->decode_step = r->decode_step;
+      done->compactions = static_cast<uint32_t>(r->compactions);
+    }
     return true;
   }
   if (cmd.op == uint32_t(ring::Op::kAttend)) {
     count("Attend", "ring");
-    v1::AttendRequest req;
-    req.set_session_id(w.session_id);
-    req.set_sequence_id(cmd.sequence_id);
-    req.set_layer(cmd.layer);
-    req.set_num_queries(cmd.count);
-    set_range(cmd.q, req.mutable_q()->mutable_staging());
-    set_range(cmd.out, req.mutable_out()->mutable_staging());
-    req.set_scale(cmd.scale);
-    v1::AttendReply reply;
-    set_status(service_->RunAttend(req, &reply), done);
+    absl::Span<uint8_t> q, out;
+    absl::Status resolution = resolve(staging, cmd.q, "q", &q);
+    if (resolution.ok()) resolution = check_output_range("out", cmd.out.length, core_->q_bytes(cmd.count), true);
+    if (resolution.ok()) resolution = resolve(staging, cmd.out, "out", &out);
+    AttendCall call;
+    call.session_id = w.session_id;
+    call.sequence_id = cmd.sequence_id;
+    call.layer = cmd.layer;
+    call.num_queries = cmd.count;
+    call.q = q;
+    call.out = out;
+    call.scale = cmd.scale;
+    set_status(gate_->attend(call, resolution), done);
     return true;
   }
   return false;
@@ -301,14 +318,14 @@ RingServer::Turn RingServer::turn(Worker* w) {
 
 void RingServer::finish(Worker* w) {
   if (w->stop.load()) mark_closed(w, absl::UnavailableError("karakvd is shutting down"));
-  w->staging.reset();  // the region unmaps once the registry let go of it too
+  w->staging.reset();  // the region unmaps once the core let go of it too
   active_->Decrement();
   w->done.store(true);
 }
 
 void RingServer::serve(Thread* self, Worker* first) {
   pthread_setname_np(pthread_self(), "karakv-ring");  // as top -H and /proc/PID/task/*/comm show it
-  registry_->prepare_kernel_thread();
+  core_->prepare_kernel_thread();
   Worker* w = first;
   for (;;) {
     if (w != nullptr) run(w);
@@ -355,7 +372,7 @@ void RingServer::run(Worker* w) {
       wakeups_->Increment();
       last_work = Clock::now();
     } else if (rc == ETIMEDOUT && !session_alive(w->session_id)) {
-      // Detached or lease expired: the registry already freed its blocks.
+      // Detached or lease expired: the core already freed its blocks.
       mark_closed(w, absl::NotFoundError(absl::StrCat("unknown session '", w->session_id,
                                                       "' (detached, or its lease expired)")));
       break;

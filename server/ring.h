@@ -1,7 +1,8 @@
 // The daemon's end of the decode fast path: one consumer thread per session that attached with
 // fast_path. It takes Step and Attend commands from the session's command ring (karakv/v1/ring.h),
-// runs them through the very handlers the gRPC path runs (KaraKVService::RunStep / RunAttend: same
-// validation, registry calls, status codes, metrics) and posts the outcome to the completion ring.
+// resolves their staging ranges and calls the request gate's Step / Attend entries that the gRPC
+// handlers call too (same validation, core calls, status codes, metrics), and posts the outcome to
+// the completion ring.
 //
 // Threads, not a poller pool: a decode step is a chain of dependent Steps (layer l + 1 needs layer
 // l's output), so a ring has at most a few commands in flight and its thread is either running one
@@ -35,12 +36,12 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "server/metrics.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "server/staging.h"
 
 namespace karakv::server {
 
-class KaraKVService;
+class RequestGate;
 
 struct RingConfig {
   absl::Duration spin = absl::Microseconds(50);  // busy-wait after a command before sleeping
@@ -51,7 +52,7 @@ struct RingConfig {
   // Threads kept waiting for the next session once theirs ended; more end.
   int idle_threads = 16;
   // Threads started with the server, each waiting for a session once it has made its kernel
-  // state (Registry::prepare_kernel_thread). karakvd starts idle_threads of them, so its thread
+  // state (Core::prepare_kernel_thread). karakvd starts idle_threads of them, so its thread
   // count (and the memory each thread brings) is fixed from the start instead of following the
   // most fast-path sessions ever open at once; more start only when more sessions than that are
   // open together.
@@ -61,7 +62,7 @@ struct RingConfig {
 class RingServer {
  public:
   // `metrics` may be null (tests); the ring's families are registered on its registry.
-  RingServer(KaraKVService* service, Registry* registry, Metrics* metrics, RingConfig config);
+  RingServer(RequestGate* gate, Core* core, Metrics* metrics, RingConfig config);
   ~RingServer();
   RingServer(const RingServer&) = delete;
   RingServer& operator=(const RingServer&) = delete;
@@ -124,8 +125,8 @@ class RingServer {
   bool session_alive(const std::string& session_id);
   bool handover_or_stop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !handover_.empty() || stopping_; }
 
-  KaraKVService* const service_;
-  Registry* const registry_;
+  RequestGate* const gate_;
+  Core* const core_;
   const RingConfig config_;
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);

@@ -1,12 +1,11 @@
 // Request handling: every tensor reference is resolved and bounds-checked against the caller's own
-// staging region before the registry (and so any kernel) sees it.
+// staging region before the core (and so any kernel) sees it.
 #include "server/service.h"
 
+#include "karakv/v1/geometry.h"
 #include "karakv/v1/ring.h"
 #include "server/heap_usage.h"
 #include "server/ring.h"
-
-#include "karakv/v1/geometry.h"
 
 #include <algorithm>
 #include <chrono>
@@ -73,10 +72,7 @@ absl::StatusOr<MutableBytes> resolve_output(const v1::OutputRef& ref, const Stag
         what, " refers to staging memory but this session attached without a staging region"));
   }
   const uint64_t length = ref.staging().length();
-  if (exact ? length != want : length < want) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " staging range has ", length,
-                                                   " bytes, expected ", exact ? "" : "at least ", want));
-  }
+  if (absl::Status s = check_output_range(what, length, want, exact); !s.ok()) return s;
   auto p = staging->resolve(ref.staging().offset(), length, 4, what);
   if (!p.ok()) return p.status();
   return MutableBytes(*p, want);
@@ -87,10 +83,10 @@ bool uses_staging(const v1::OutputRef& r) { return r.has_staging(); }
 
 // The session's staging region, looked up only when some tensor of the request lives there.
 template <typename... Refs>
-absl::StatusOr<std::shared_ptr<StagingRegion>> staging_for(Registry* registry, const std::string& session,
+absl::StatusOr<std::shared_ptr<StagingRegion>> staging_for(Core* core, const std::string& session,
                                                            const Refs&... refs) {
   if (!(uses_staging(refs) || ...)) return std::shared_ptr<StagingRegion>();
-  return registry->staging(session);
+  return core->staging(session);
 }
 
 }  // namespace
@@ -105,51 +101,19 @@ grpc::Status to_grpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-template <typename Body>
-absl::Status KaraKVService::run(const char* method, bool mutates, Body&& body) {
-  const auto start = std::chrono::steady_clock::now();
-  absl::Status status;
-  ++in_flight_;
-  if (draining_.load()) {
-    status = absl::UnavailableError("karakvd is draining for shutdown; retry on another daemon or after restart");
-  } else {
-    status = body();
-  }
-  --in_flight_;
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  metrics_->observe_rpc(method, seconds, status.code());
-  if (!status.ok() && spdlog::should_log(spdlog::level::debug)) {
-    spdlog::debug("{} refused: {}: {}", method, absl::StatusCodeToString(status.code()), std::string(status.message()));
-  }
-  if (mutates && check_invariants_) {
-    if (absl::Status inv = registry_->check_invariants(); !inv.ok()) {
-      spdlog::critical("pool invariant broken after {}: {}", method, std::string(inv.message()));
-      metrics_->invariant_violation();
-    }
-  }
-  return status;
-}
-
 grpc::ServerUnaryReactor* KaraKVService::finish(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(to_grpc(status));
   return reactor;
 }
 
-absl::Status KaraKVService::RunStep(const v1::StepRequest& req, v1::StepReply* reply) {
-  // Gauges only move when a step allocates (layer 0); later layers skip the snapshot.
-  return run("Step", req.layer() == 0, [&] { return DoStep(req, reply); });
-}
-
-absl::Status KaraKVService::RunAttend(const v1::AttendRequest& req, v1::AttendReply* reply) {
-  return run("Attend", false, [&] { return DoAttend(req, reply); });
-}
-
 absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachReply* reply) {
+  // No geometry (or every field zero) means "the daemon's"; any field sent and all are compared.
   kernels::Geometry wg;
+  wg.dtype = core_->geometry().dtype;
   if (req.has_geometry()) {
     wg = from_proto(req.geometry());
-    if (req.geometry().dtype() == v1::DTYPE_UNSPECIFIED) wg.dtype = registry_->geometry().dtype;
+    if (req.geometry().dtype() == v1::DTYPE_UNSPECIFIED) wg.dtype = core_->geometry().dtype;
   }
   if (req.fast_path() && rings_ == nullptr) {
     return absl::FailedPreconditionError("fast_path: this karakvd runs with --fast_path=false; attach without it");
@@ -157,23 +121,23 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   if (req.fast_path() && req.staging_bytes() == 0) {
     return absl::InvalidArgumentError("fast_path needs a staging region: set staging_bytes > 0");
   }
-  auto r = registry_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
+  auto r = core_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
                              req.staging_bytes(), wg, req.cache_namespace(),
                              req.fast_path() ? ring::kRingBytes : 0);
   if (!r.ok()) return r.status();
   if (req.fast_path()) {
-    auto staging = registry_->staging(r->session_id);
+    auto staging = core_->staging(r->session_id);
     absl::Status s = staging.ok() ? rings_->start(r->session_id, *staging) : staging.status();
     if (!s.ok()) {
-      registry_->detach(r->session_id).IgnoreError();
+      core_->detach(r->session_id).IgnoreError();
       return s;
     }
     reply->set_ring_offset(r->staging_bytes);
     reply->set_ring_bytes((*staging)->reserved_size());
   }
   reply->set_session_id(r->session_id);
-  reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
-  *reply->mutable_geometry() = to_proto(registry_->geometry());
+  reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(core_->config().lease)));
+  *reply->mutable_geometry() = to_proto(core_->geometry());
   reply->set_staging_name(r->staging_name);
   reply->set_staging_bytes(r->staging_bytes);
   reply->set_instance_id(instance_id_);
@@ -183,7 +147,7 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
 }
 
 absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendReply* reply) {
-  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.q());
+  auto staging = staging_for(core_, req.session_id(), req.k(), req.v(), req.q());
   if (!staging.ok()) return staging.status();
   Input k, v, q;
   if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
@@ -191,7 +155,7 @@ absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendRep
   if (req.num_query_tokens() > 0 || req.q().location_case() != v1::TensorRef::LOCATION_NOT_SET) {
     if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
   }
-  auto r = registry_->append(req.session_id(), req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
+  auto r = core_->append(req.session_id(), req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
                              k.bytes, v.bytes, q.bytes, static_cast<int32_t>(req.num_query_tokens()),
                              absl::MakeConstSpan(req.token_ids().data(), req.token_ids_size()));
   if (!r.ok()) return r.status();
@@ -208,7 +172,7 @@ absl::Status KaraKVService::DoCreateSequence(const v1::CreateSequenceRequest& re
   o.priority = req.priority();
   o.storage = req.storage();
   o.prefix_token_ids.assign(req.prefix_token_ids().begin(), req.prefix_token_ids().end());
-  auto r = registry_->create_sequence_from_prefix(req.session_id(), o);
+  auto r = core_->create_sequence_from_prefix(req.session_id(), o);
   if (!r.ok()) return r.status();
   reply->set_sequence_id(r->first);
   reply->set_cached_tokens(static_cast<uint32_t>(r->second));
@@ -258,7 +222,7 @@ void fill_heads(const std::vector<std::vector<int32_t>>& rows, int num_kv_heads,
 }  // namespace
 
 absl::Status KaraKVService::DoCompact(const v1::CompactRequest& req, v1::CompactReply* reply) {
-  auto r = registry_->compact(req.session_id(), req.sequence_id(), req.dry_run());
+  auto r = core_->compact(req.session_id(), req.sequence_id(), req.dry_run());
   if (!r.ok()) return r.status();
   for (const CompactionResult& c : *r) {
     v1::SequenceCompaction* s = reply->add_sequences();
@@ -267,16 +231,16 @@ absl::Status KaraKVService::DoCompact(const v1::CompactRequest& req, v1::Compact
     s->set_tokens_before(c.tokens_before);
     s->set_tokens_after(c.tokens_after);
     s->set_skipped(c.skipped);
-    fill_heads(c.kept, registry_->geometry().num_kv_heads, s->mutable_kept());
+    fill_heads(c.kept, core_->geometry().num_kv_heads, s->mutable_kept());
   }
   return absl::OkStatus();
 }
 
 absl::Status KaraKVService::DoInspect(const v1::InspectRequest& req, v1::InspectReply* reply) {
-  auto r = registry_->inspect(req.sequence_id());
+  auto r = core_->inspect(req.sequence_id());
   if (!r.ok()) return r.status();
   fill_info(operator_view(r->first), reply->mutable_info());
-  fill_heads(r->second, registry_->geometry().num_kv_heads, reply->mutable_heads());
+  fill_heads(r->second, core_->geometry().num_kv_heads, reply->mutable_heads());
   return absl::OkStatus();
 }
 
@@ -285,66 +249,79 @@ absl::Status KaraKVService::DoInspect(const v1::InspectRequest& req, v1::Inspect
 // otherwise a request of a few bytes claiming 2^32 queries would have the daemon allocate half a
 // terabyte. A disagreeing q gets an empty output and the registry refuses q with its own message.
 size_t KaraKVService::output_bytes(const v1::OutputRef& out, const Input& q, size_t rows) const {
-  const size_t want = registry_->q_bytes(rows);
+  const size_t want = core_->q_bytes(rows);
   return out.has_staging() || q.bytes.size() == want ? want : 0;
 }
 
-absl::Status KaraKVService::DoStep(const v1::StepRequest& req, v1::StepReply* reply) {
-  if (req.sequence_ids_size() == 0) {
-    return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
-  }
-  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.q(), req.out());
-  if (!staging.ok()) return staging.status();
+absl::Status KaraKVService::Handle(const v1::StepRequest& req, v1::StepReply* reply) {
   Input k, v, q;
-  if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
-  if (auto s = resolve_input(req.v(), staging->get(), "v", &v); !s.ok()) return s;
-  if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
-  auto out = resolve_output(req.out(), staging->get(), output_bytes(req.out(), q, req.sequence_ids_size()),
-                            true, "out", reply->mutable_out());
-  if (!out.ok()) return out.status();
-  auto r = registry_->step(req.session_id(), req.layer(), req.sequence_ids(), k.bytes, v.bytes,
-                           q.bytes, *out, req.scale());
+  absl::StatusOr<MutableBytes> out = MutableBytes();
+  // An empty batch first: the output is sized by it.
+  absl::Status resolution = check_batch(req.sequence_ids_size());
+  auto staging = staging_for(core_, req.session_id(), req.k(), req.v(), req.q(), req.out());
+  if (resolution.ok()) resolution = staging.status();
+  if (resolution.ok()) resolution = resolve_input(req.k(), staging->get(), "k", &k);
+  if (resolution.ok()) resolution = resolve_input(req.v(), staging->get(), "v", &v);
+  if (resolution.ok()) resolution = resolve_input(req.q(), staging->get(), "q", &q);
+  if (resolution.ok()) {
+    out = resolve_output(req.out(), staging->get(), output_bytes(req.out(), q, req.sequence_ids_size()), true, "out",
+                         reply->mutable_out());
+    resolution = out.status();
+  }
+  StepCall call;
+  call.session_id = req.session_id();
+  call.layer = req.layer();
+  call.sequence_ids = absl::MakeConstSpan(req.sequence_ids().data(), req.sequence_ids_size());
+  call.k = k.bytes;
+  call.v = v.bytes;
+  call.q = q.bytes;
+  if (out.ok()) call.out = *out;
+  call.scale = req.scale();
+  auto r = gate_.step(call, resolution);
   if (!r.ok()) {
     reply->clear_out();
     return r.status();
   }
   reply->set_decode_step(r->decode_step);
   reply->set_compactions(r->compactions);
-  if (req.layer() + 1 == registry_->geometry().num_layers) {
-    metrics_->decode_step(req.sequence_ids_size(), r->step_seconds, r->first_step_seconds);
-  }
   return absl::OkStatus();
 }
 
-absl::Status KaraKVService::DoAttend(const v1::AttendRequest& req, v1::AttendReply* reply) {
-  auto staging = staging_for(registry_, req.session_id(), req.q(), req.out());
-  if (!staging.ok()) return staging.status();
-  if (req.num_queries() > uint32_t(std::numeric_limits<int32_t>::max())) {
-    return absl::InvalidArgumentError(absl::StrCat("num_queries ", req.num_queries(), " is out of range, expected 1..",
-                                                   std::numeric_limits<int32_t>::max()));
-  }
+absl::Status KaraKVService::Handle(const v1::AttendRequest& req, v1::AttendReply* reply) {
   Input q;
-  if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
-  auto out = resolve_output(req.out(), staging->get(), output_bytes(req.out(), q, req.num_queries()), true,
-                            "out", reply->mutable_out());
-  if (!out.ok()) return out.status();
-  absl::Status s = registry_->attend(req.session_id(), req.sequence_id(), req.layer(),
-                                     static_cast<int32_t>(req.num_queries()), q.bytes, *out, req.scale());
+  absl::StatusOr<MutableBytes> out = MutableBytes();
+  auto staging = staging_for(core_, req.session_id(), req.q(), req.out());
+  absl::Status resolution = staging.status();
+  if (resolution.ok()) resolution = resolve_input(req.q(), staging->get(), "q", &q);
+  if (resolution.ok()) {
+    out = resolve_output(req.out(), staging->get(), output_bytes(req.out(), q, req.num_queries()), true, "out",
+                         reply->mutable_out());
+    resolution = out.status();
+  }
+  AttendCall call;
+  call.session_id = req.session_id();
+  call.sequence_id = req.sequence_id();
+  call.layer = req.layer();
+  call.num_queries = req.num_queries();
+  call.q = q.bytes;
+  if (out.ok()) call.out = *out;
+  call.scale = req.scale();
+  absl::Status s = gate_.attend(call, resolution);
   if (!s.ok()) reply->clear_out();
   return s;
 }
 
 absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVReply* reply) {
-  auto staging = staging_for(registry_, req.session_id(), req.k(), req.v(), req.positions());
+  auto staging = staging_for(core_, req.session_id(), req.k(), req.v(), req.positions());
   if (!staging.ok()) return staging.status();
   auto targets = [&](int32_t tokens) -> absl::StatusOr<ReadKVTargets> {
     ReadKVTargets t;
-    const size_t kv_bytes = registry_->append_bytes(tokens);
+    const size_t kv_bytes = core_->append_bytes(tokens);
     auto k = resolve_output(req.k(), staging->get(), kv_bytes, false, "k", reply->mutable_k());
     if (!k.ok()) return k.status();
     auto v = resolve_output(req.v(), staging->get(), kv_bytes, false, "v", reply->mutable_v());
     if (!v.ok()) return v.status();
-    const size_t rows = size_t(registry_->geometry().num_layers) * registry_->geometry().num_kv_heads;
+    const size_t rows = size_t(core_->geometry().num_layers) * core_->geometry().num_kv_heads;
     auto p = resolve_output(req.positions(), staging->get(), rows * tokens * 4, false, "positions",
                             reply->mutable_positions());
     if (!p.ok()) return p.status();
@@ -353,7 +330,7 @@ absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVRep
     t.positions = *p;
     return t;
   };
-  auto r = registry_->read_kv(req.session_id(), req.sequence_id(), targets);
+  auto r = core_->read_kv(req.session_id(), req.sequence_id(), targets);
   if (!r.ok()) {
     reply->Clear();
     return r.status();
@@ -363,10 +340,10 @@ absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVRep
 }
 
 absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply* reply) {
-  const RegistryStats s = registry_->stats();
-  const kernels::Geometry& g = registry_->geometry();
+  const CoreStats s = core_->stats();
+  const kernels::Geometry& g = core_->geometry();
   *reply->mutable_geometry() = to_proto(g);
-  reply->set_backend(std::string(registry_->backend_name()));
+  reply->set_backend(std::string(core_->backend_name()));
   reply->set_blocks_total(s.blocks_total);
   reply->set_blocks_used(s.blocks_used);
   reply->set_blocks_free(s.blocks_free);
@@ -405,7 +382,7 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
     ps->set_nominal_ratio(p.nominal_ratio);
     ps->set_actual_ratio(p.kv_bytes ? double(p.fp16_bytes) / double(p.kv_bytes) : 0.0);
   }
-  reply->set_prefix_cache_enabled(registry_->config().prefix_cache);
+  reply->set_prefix_cache_enabled(core_->config().prefix_cache);
   reply->set_prefix_lookups(s.prefix_lookups);
   reply->set_prefix_lookup_tokens(s.prefix_lookup_tokens);
   reply->set_prefix_hit_tokens(s.prefix_hit_tokens);
@@ -418,18 +395,18 @@ absl::Status KaraKVService::DoStats(const v1::StatsRequest& req, v1::StatsReply*
   reply->set_heap_held_bytes(heap.held_bytes);
   if (req.check_invariants()) {
     reply->set_invariants_checked(true);
-    reply->set_invariant_error(std::string(registry_->check_invariants().message()));
+    reply->set_invariant_error(std::string(core_->check_invariants().message()));
   }
   return absl::OkStatus();
 }
 
 absl::Status KaraKVService::Handle(const v1::AttachRequest& req, v1::AttachReply* reply) {
-  return run("Attach", true, [&] { return DoAttach(req, reply); });
+  return gate_.run("Attach", true, [&] { return DoAttach(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::DetachRequest& req, v1::DetachReply* reply) {
-  return run("Detach", true, [&]() -> absl::Status {
-    auto n = registry_->detach(req.session_id());
+  return gate_.run("Detach", true, [&]() -> absl::Status {
+    auto n = core_->detach(req.session_id());
     if (!n.ok()) return n.status();
     spdlog::info("session {} detached: {} sequence(s) released", req.session_id(), *n);
     reply->set_sequences_released(static_cast<uint32_t>(*n));
@@ -438,20 +415,20 @@ absl::Status KaraKVService::Handle(const v1::DetachRequest& req, v1::DetachReply
 }
 
 absl::Status KaraKVService::Handle(const v1::HeartbeatRequest& req, v1::HeartbeatReply* reply) {
-  return run("Heartbeat", false, [&]() -> absl::Status {
-    reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(registry_->config().lease)));
+  return gate_.run("Heartbeat", false, [&]() -> absl::Status {
+    reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(core_->config().lease)));
     reply->set_instance_id(instance_id_);
-    return registry_->heartbeat(req.session_id());
+    return core_->heartbeat(req.session_id());
   });
 }
 
 absl::Status KaraKVService::Handle(const v1::CreateSequenceRequest& req, v1::CreateSequenceReply* reply) {
-  return run("CreateSequence", true, [&] { return DoCreateSequence(req, reply); });
+  return gate_.run("CreateSequence", true, [&] { return DoCreateSequence(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::ForkSequenceRequest& req, v1::ForkSequenceReply* reply) {
-  return run("ForkSequence", true, [&]() -> absl::Status {
-    auto id = registry_->fork_sequence(req.session_id(), req.sequence_id());
+  return gate_.run("ForkSequence", true, [&]() -> absl::Status {
+    auto id = core_->fork_sequence(req.session_id(), req.sequence_id());
     if (!id.ok()) return id.status();
     reply->set_sequence_id(*id);
     return absl::OkStatus();
@@ -459,8 +436,8 @@ absl::Status KaraKVService::Handle(const v1::ForkSequenceRequest& req, v1::ForkS
 }
 
 absl::Status KaraKVService::Handle(const v1::ReleaseSequenceRequest& req, v1::ReleaseSequenceReply* reply) {
-  return run("ReleaseSequence", true, [&]() -> absl::Status {
-    auto n = registry_->release_sequence(req.session_id(), req.sequence_id());
+  return gate_.run("ReleaseSequence", true, [&]() -> absl::Status {
+    auto n = core_->release_sequence(req.session_id(), req.sequence_id());
     if (!n.ok()) return n.status();
     reply->set_blocks_freed(static_cast<uint32_t>(*n));
     return absl::OkStatus();
@@ -468,31 +445,25 @@ absl::Status KaraKVService::Handle(const v1::ReleaseSequenceRequest& req, v1::Re
 }
 
 absl::Status KaraKVService::Handle(const v1::AppendRequest& req, v1::AppendReply* reply) {
-  return run("Append", true, [&] { return DoAppend(req, reply); });
-}
-
-absl::Status KaraKVService::Handle(const v1::StepRequest& req, v1::StepReply* reply) { return RunStep(req, reply); }
-
-absl::Status KaraKVService::Handle(const v1::AttendRequest& req, v1::AttendReply* reply) {
-  return RunAttend(req, reply);
+  return gate_.run("Append", true, [&] { return DoAppend(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::ReadKVRequest& req, v1::ReadKVReply* reply) {
-  return run("ReadKV", false, [&] { return DoReadKV(req, reply); });
+  return gate_.run("ReadKV", false, [&] { return DoReadKV(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::StatsRequest& req, v1::StatsReply* reply) {
-  return run("Stats", false, [&] { return DoStats(req, reply); });
+  return gate_.run("Stats", false, [&] { return DoStats(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::ListSequencesRequest& req, v1::ListSequencesReply* reply) {
-  return run("ListSequences", false, [&]() -> absl::Status {
+  return gate_.run("ListSequences", false, [&]() -> absl::Status {
     // A session's own listing shows its id; the operator view (no session) shows a tag instead.
     if (req.session_id().empty()) {
-      for (const SequenceInfo& info : registry_->list_sequences("")) fill_info(operator_view(info), reply->add_sequences());
+      for (const SequenceInfo& info : core_->list_sequences("")) fill_info(operator_view(info), reply->add_sequences());
       return absl::OkStatus();
     }
-    auto own = registry_->list_session_sequences(req.session_id());
+    auto own = core_->list_session_sequences(req.session_id());
     if (!own.ok()) return own.status();
     for (const SequenceInfo& info : *own) fill_info(info, reply->add_sequences());
     return absl::OkStatus();
@@ -500,15 +471,15 @@ absl::Status KaraKVService::Handle(const v1::ListSequencesRequest& req, v1::List
 }
 
 absl::Status KaraKVService::Handle(const v1::CompactRequest& req, v1::CompactReply* reply) {
-  return run("Compact", !req.dry_run(), [&] { return DoCompact(req, reply); });
+  return gate_.run("Compact", !req.dry_run(), [&] { return DoCompact(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::InspectRequest& req, v1::InspectReply* reply) {
-  return run("Inspect", false, [&] { return DoInspect(req, reply); });
+  return gate_.run("Inspect", false, [&] { return DoInspect(req, reply); });
 }
 
 void KaraKVService::start_draining() {
-  draining_.store(true);
+  gate_.start_draining();
   events_.close_all(grpc::Status(grpc::StatusCode::UNAVAILABLE,
                                  "karakvd is draining for shutdown; the event stream ends"));
 }
@@ -516,26 +487,26 @@ void KaraKVService::start_draining() {
 grpc::ServerWriteReactor<v1::Event>* KaraKVService::WatchEvents(grpc::CallbackServerContext*,
                                                                  const v1::WatchEventsRequest* req) {
   absl::Status refusal;
-  if (draining_.load()) {
-    refusal = absl::UnavailableError("karakvd is draining for shutdown; retry on another daemon or after restart");
+  if (gate_.draining()) {
+    refusal = draining_status();
   } else if (req->session_id().empty()) {
     refusal = absl::InvalidArgumentError("session_id is empty: WatchEvents shows one session's events; Attach first");
-  } else if (!registry_->has_session(req->session_id())) {
+  } else if (!core_->has_session(req->session_id())) {
     refusal = absl::NotFoundError(absl::StrCat("unknown session '", req->session_id(),
                                                "' (never attached, detached, or its lease expired)"));
   }
   if (!refusal.ok()) metrics_->observe_rpc("WatchEvents", 0, refusal.code());
   auto* reactor = events_.open(req->session_id(), to_grpc(refusal));
   // The session may have ended between the check and the subscription: then nothing would end it.
-  if (refusal.ok() && !registry_->has_session(req->session_id())) {
+  if (refusal.ok() && !core_->has_session(req->session_id())) {
     events_.close_session(req->session_id(), grpc::Status::OK);
   }
   return reactor;
 }
 
 absl::Status KaraKVService::Handle(const v1::LookupRequest& req, v1::LookupReply* reply) {
-  return run("Lookup", false, [&]() -> absl::Status {
-    auto n = registry_->lookup_prefix(req.session_id(), absl::MakeConstSpan(req.token_ids().data(),
+  return gate_.run("Lookup", false, [&]() -> absl::Status {
+    auto n = core_->lookup_prefix(req.session_id(), absl::MakeConstSpan(req.token_ids().data(),
                                                                              req.token_ids_size()));
     if (!n.ok()) return n.status();
     reply->set_cached_tokens(static_cast<uint32_t>(*n));
@@ -544,9 +515,9 @@ absl::Status KaraKVService::Handle(const v1::LookupRequest& req, v1::LookupReply
 }
 
 absl::Status KaraKVService::Handle(const v1::PingRequest&, v1::PingReply* reply) {
-  return run("Ping", false, [&] {
+  return gate_.run("Ping", false, [&] {
     reply->set_instance_id(instance_id_);
-    reply->set_calls_in_flight(static_cast<uint32_t>(std::max(0, in_flight_.load())));
+    reply->set_calls_in_flight(static_cast<uint32_t>(std::max(0, gate_.in_flight())));
     return absl::OkStatus();
   });
 }
@@ -576,13 +547,13 @@ KARAKV_UNARY(Ping)
 grpc::ServerUnaryReactor* KaraKVService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                               v1::StepReply* reply) {
   if (rings_ != nullptr) rings_->count("Step", "grpc");
-  return finish(ctx, RunStep(*req, reply));
+  return finish(ctx, Handle(*req, reply));
 }
 
 grpc::ServerUnaryReactor* KaraKVService::Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
                                                 v1::AttendReply* reply) {
   if (rings_ != nullptr) rings_->count("Attend", "grpc");
-  return finish(ctx, RunAttend(*req, reply));
+  return finish(ctx, Handle(*req, reply));
 }
 
 }  // namespace karakv::server

@@ -1,5 +1,6 @@
-// The gRPC face of the registry (callback API): resolves tensors to staging or inline bytes,
-// refuses work while draining, maps absl::Status to gRPC status, and records metrics per RPC.
+// The gRPC face of the core (callback API): resolves tensors to staging or inline bytes and calls
+// the core through the request gate (draining, metrics, invariant checks); maps absl::Status to
+// gRPC status.
 #pragma once
 
 #include <atomic>
@@ -9,7 +10,8 @@
 #include "karakv/v1/karakv.grpc.pb.h"
 #include "server/events.h"
 #include "server/metrics.h"
-#include "server/registry.h"
+#include "server/core.h"
+#include "server/request_gate.h"
 
 namespace karakv::server {
 
@@ -26,17 +28,19 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   };
 
   // check_invariants: debug mode that verifies the pool invariant after every mutating call.
-  KaraKVService(Registry* registry, Metrics* metrics, bool check_invariants = false)
-      : registry_(registry), metrics_(metrics), check_invariants_(check_invariants) {}
+  KaraKVService(Core* core, Metrics* metrics, bool check_invariants = false)
+      : core_(core), metrics_(metrics), gate_(core, metrics, check_invariants) {}
 
   // After this, every new call is refused with UNAVAILABLE; calls already running finish.
   // Open event streams end with UNAVAILABLE (after what they hold is sent).
   void start_draining();
-  // The event streams (WatchEvents); the registry's events are published here.
+  // The gate every call goes through; the fast path's ring uses it too.
+  RequestGate& gate() { return gate_; }
+  // The event streams (WatchEvents); the core's events are published here.
   EventHub& events() { return events_; }
   // Enables fast_path at Attach (server/ring.h); null (the default) refuses it.
   void set_rings(RingServer* rings) { rings_ = rings; }
-  int in_flight() const { return in_flight_.load(); }
+  int in_flight() const { return gate_.in_flight(); }
   // Random for each daemon instance (AttachReply, HeartbeatReply and PingReply carry it).
   const std::string& instance_id() const { return instance_id_; }
 
@@ -58,24 +62,10 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   grpc::ServerWriteReactor<v1::Event>* WatchEvents(grpc::CallbackServerContext*, const v1::WatchEventsRequest*) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext*, const v1::PingRequest*, v1::PingReply*) override;
 
-  // The handlers' bodies, callable without a transport (tests, fuzzers).
-  absl::Status DoAttach(const v1::AttachRequest&, v1::AttachReply*);
-  absl::Status DoCreateSequence(const v1::CreateSequenceRequest&, v1::CreateSequenceReply*);
-  absl::Status DoAppend(const v1::AppendRequest&, v1::AppendReply*);
-  absl::Status DoCompact(const v1::CompactRequest&, v1::CompactReply*);
-  absl::Status DoInspect(const v1::InspectRequest&, v1::InspectReply*);
-  absl::Status DoStep(const v1::StepRequest&, v1::StepReply*);
-  absl::Status DoAttend(const v1::AttendRequest&, v1::AttendReply*);
-  absl::Status DoReadKV(const v1::ReadKVRequest&, v1::ReadKVReply*);
-  absl::Status DoStats(const v1::StatsRequest&, v1::StatsReply*);
-  // Step and Attend exactly as the RPC handlers serve them (draining check, metrics, invariant
-  // check): the fast path's ring consumer calls these.
-  absl::Status RunStep(const v1::StepRequest&, v1::StepReply*);
-  absl::Status RunAttend(const v1::AttendRequest&, v1::AttendReply*);
-
   // Every unary call exactly as its gRPC method serves it (draining check, metrics, invariant
   // check after mutating calls), without a transport: the gRPC methods are these plus Finish, and
-  // tests and fuzzers (tests/fuzz) call them directly.
+  // tests and fuzzers (tests/fuzz) call them directly. Step and Attend resolve their tensors and
+  // call the gate's span entries (RequestGate::step / attend), as the ring does.
   absl::Status Handle(const v1::AttachRequest&, v1::AttachReply*);
   absl::Status Handle(const v1::DetachRequest&, v1::DetachReply*);
   absl::Status Handle(const v1::HeartbeatRequest&, v1::HeartbeatReply*);
@@ -94,18 +84,21 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   absl::Status Handle(const v1::PingRequest&, v1::PingReply*);
 
  private:
-  template <typename Body>
-  absl::Status run(const char* method, bool mutates, Body&& body);
+  absl::Status DoAttach(const v1::AttachRequest&, v1::AttachReply*);
+  absl::Status DoCreateSequence(const v1::CreateSequenceRequest&, v1::CreateSequenceReply*);
+  absl::Status DoAppend(const v1::AppendRequest&, v1::AppendReply*);
+  absl::Status DoCompact(const v1::CompactRequest&, v1::CompactReply*);
+  absl::Status DoInspect(const v1::InspectRequest&, v1::InspectReply*);
+  absl::Status DoReadKV(const v1::ReadKVRequest&, v1::ReadKVReply*);
+  absl::Status DoStats(const v1::StatsRequest&, v1::StatsReply*);
   static grpc::ServerUnaryReactor* finish(grpc::CallbackServerContext* ctx, const absl::Status& status);
 
   size_t output_bytes(const v1::OutputRef& out, const Input& q, size_t rows) const;
 
-  Registry* const registry_;
+  Core* const core_;
   Metrics* const metrics_;
+  RequestGate gate_;
   RingServer* rings_ = nullptr;
-  const bool check_invariants_;
-  std::atomic<bool> draining_{false};
-  std::atomic<int> in_flight_{0};
   EventHub events_;
   const absl::Time started_ = absl::Now();
   const std::string instance_id_ = new_instance_id();

@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "server/policies/policies.h"
+#include "server/policy.h"
 #include "server/policies/threshold.h"
 
 namespace karakv::server {
@@ -91,5 +91,7 @@ absl::StatusOr<std::unique_ptr<Policy>> make_chunkkv(const PolicyParams& p, cons
   if (auto s = check_snapkv_scored("chunkkv", p); !s.ok()) return s;
   return std::make_unique<ChunkKVPolicy>(p);
 }
+
+KARAKV_REGISTER_POLICY("chunkkv", chunkkv_params, make_chunkkv);
 
 }  // namespace karakv::server

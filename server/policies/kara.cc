@@ -5,10 +5,21 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "server/policies/policies.h"
+#include "server/policy.h"
 
 namespace karakv::server {
 namespace {
+
+// Where the uncompressed tail begins: block-aligned, right after the prompt and the windows
+// already compressed. Set when decoding starts and after each of Kara's own compactions.
+struct KaraState final : PolicyState {
+  int32_t tail_start = 0;
+  std::unique_ptr<PolicyState> clone() const override { return std::make_unique<KaraState>(*this); }
+};
+
+int32_t tail_start(const SequenceView& seq) {
+  return seq.state != nullptr ? static_cast<const KaraState*>(seq.state)->tail_start : seq.resident;
+}
 
 class KaraPolicy final : public Policy {
  public:
@@ -38,21 +49,36 @@ class KaraPolicy final : public Policy {
     return {kernels::Op::kWindowScores, kernels::Op::kToken2Chunk, kernels::Op::kGatherTokens};
   }
 
+  std::unique_ptr<State> make_state(const kernels::Geometry&) const override { return std::make_unique<KaraState>(); }
+  void on_decode_start(State* state, const SequenceView& seq) const override {
+    const int32_t b = seq.geometry->block_size;
+    static_cast<KaraState*>(state)->tail_start = (seq.resident + b - 1) / b * b;
+  }
+  void on_compacted(State* state, const CompactionPlan& plan, int32_t, bool own) const override {
+    if (own) static_cast<KaraState*>(state)->tail_start = plan.begin + plan.num_kept;
+  }
+  // The tail may still be compressed; before decoding, nothing is fixed yet.
+  int32_t first_open_slot(const SequenceView& seq) const override {
+    return seq.decoding ? tail_start(seq) : seq.resident;
+  }
+  // Longest tail first.
+  int64_t urgency(const SequenceView& seq) const override { return seq.resident - tail_start(seq); }
+
   bool due(const SequenceView& seq, bool) const override {
-    return seq.resident - seq.tail_start >= window_ && seq.queries_first <= seq.tail_start &&
-           seq.queries_first + seq.num_queries >= seq.tail_start + window_;
+    const int32_t tail = tail_start(seq);
+    return seq.resident - tail >= window_ && seq.queries_first <= tail && seq.queries_first + seq.num_queries >= tail + window_;
   }
 
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
                                       kernels::Backend& backend) const override {
     const kernels::Geometry& g = *seq.geometry;
     if (!due(seq, true)) {
-      return absl::FailedPreconditionError(absl::StrCat("kara: tail holds ", seq.resident - seq.tail_start,
+      return absl::FailedPreconditionError(absl::StrCat("kara: tail holds ", seq.resident - tail_start(seq),
                                                         " tokens with queries, a window needs ", window_));
     }
     CompactionPlan plan;
-    plan.begin = seq.tail_start;
-    plan.end = seq.tail_start + window_;
+    plan.begin = tail_start(seq);
+    plan.end = plan.begin + window_;
     plan.num_kept = budget_;
     plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * budget_);
     if (merge_ > 0) plan.scores.resize(size_t(g.num_layers) * g.num_kv_heads * window_);
@@ -61,7 +87,7 @@ class KaraPolicy final : public Policy {
     const float scale = 1.0f / std::sqrt(float(g.head_dim));
     for (int l = 0; l < g.num_layers; ++l) {
       policy_util::gather_queries(seq, plan.begin, window_, l, q.data());
-      if (auto s = policy_util::check(backend.window_scores(kv, 0, l, plan.begin - seq.fp_offset, window_, q.data(),
+      if (auto s = to_status(backend.window_scores(kv, 0, l, plan.begin - seq.fp_offset, window_, q.data(),
                                                             scale, scores.data()));
           !s.ok()) {
         return s;
@@ -76,7 +102,7 @@ class KaraPolicy final : public Policy {
           if (seq.position(l, h, plan.begin + i) < sinks_) row[i] = policy_util::kMustKeep;
         }
         int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * budget_;
-        if (auto s = policy_util::check(backend.token2chunk(row, window_, budget_, candidates_, max_gap_, out));
+        if (auto s = to_status(backend.token2chunk(row, window_, budget_, candidates_, max_gap_, out));
             !s.ok()) {
           return s;
         }
@@ -119,5 +145,7 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
   }
   return std::make_unique<KaraPolicy>(p, g);
 }
+
+KARAKV_REGISTER_POLICY("kara", kara_params, make_kara);
 
 }  // namespace karakv::server

@@ -1,5 +1,5 @@
 // none: no compression (the vLLM-like baseline).
-#include "server/policies/policies.h"
+#include "server/policy.h"
 
 namespace karakv::server {
 namespace {
@@ -23,5 +23,7 @@ std::vector<ParamSpec> none_params(const kernels::Geometry&) { return {}; }
 absl::StatusOr<std::unique_ptr<Policy>> make_none(const PolicyParams&, const kernels::Geometry&) {
   return std::make_unique<NonePolicy>();
 }
+
+KARAKV_REGISTER_POLICY("none", none_params, make_none);
 
 }  // namespace karakv::server

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "server/policies/policies.h"
+#include "server/policy.h"
 #include "server/policies/threshold.h"
 
 namespace karakv::server {
@@ -19,7 +19,7 @@ absl::StatusOr<std::vector<float>> snapkv_all_scores(const SequenceView& seq, co
   for (int l = 0; l < g.num_layers; ++l) {
     policy_util::gather_queries(seq, n - w_obs, w_obs, l, q.data());
     float* out = scores.data() + size_t(l) * g.num_kv_heads * n;
-    if (auto s = policy_util::check(backend.snapkv_scores(kv, 0, l, w_obs, q.data(), scale, pool, out)); !s.ok()) {
+    if (auto s = to_status(backend.snapkv_scores(kv, 0, l, w_obs, q.data(), scale, pool, out)); !s.ok()) {
       return s;
     }
   }
@@ -52,5 +52,7 @@ absl::StatusOr<std::unique_ptr<Policy>> make_snapkv(const PolicyParams& p, const
   if (auto s = check_snapkv_scored("snapkv", p); !s.ok()) return s;
   return std::make_unique<SnapKVPolicy>(p);
 }
+
+KARAKV_REGISTER_POLICY("snapkv", snapkv_params, make_snapkv);
 
 }  // namespace karakv::server

@@ -1,6 +1,6 @@
 // streaming (StreamingLLM): at c_max keep the attention sinks plus the most recent tokens,
 // c_target in all.
-#include "server/policies/policies.h"
+#include "server/policy.h"
 #include "server/policies/threshold.h"
 
 namespace karakv::server {
@@ -28,5 +28,7 @@ absl::StatusOr<std::unique_ptr<Policy>> make_streaming(const PolicyParams& p, co
   if (auto s = check_threshold("streaming", p, p.geti("sinks")); !s.ok()) return s;
   return std::make_unique<StreamingPolicy>(p);
 }
+
+KARAKV_REGISTER_POLICY("streaming", streaming_params, make_streaming);
 
 }  // namespace karakv::server

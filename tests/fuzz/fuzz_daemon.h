@@ -1,4 +1,4 @@
-// The daemon the fuzz harnesses drive, in process: a registry with a small pool, the service whose
+// The daemon the fuzz harnesses drive, in process: a core with a small pool, the service whose
 // handlers the gRPC methods call (KaraKVService::Handle) and a ring server without threads
 // (RingServer::poll runs a session's commands on the caller's thread). A fresh one per input, so
 // every input replays alike.
@@ -13,7 +13,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "karakv/kernels/backend.h"
 #include "server/metrics.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "server/ring.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
@@ -46,28 +46,28 @@ inline server::Metrics* fuzz_metrics() {
 }
 
 struct Daemon {
-  std::unique_ptr<server::Registry> registry;
+  std::unique_ptr<server::Core> core;
   std::unique_ptr<server::KaraKVService> service;
   std::unique_ptr<server::RingServer> rings;
 
-  explicit Daemon(const server::RegistryConfig& config) {
-    auto r = server::Registry::create(config, kernels::make_cpu_backend(1));
+  explicit Daemon(const server::CoreConfig& config) {
+    auto r = server::Core::create(config, kernels::make_cpu_backend(1));
     if (!r.ok()) {
-      std::fprintf(stderr, "fuzz: Registry::create: %s\n", r.status().ToString().c_str());
+      std::fprintf(stderr, "fuzz: Core::create: %s\n", r.status().ToString().c_str());
       std::abort();
     }
-    registry = std::move(*r);
-    service = std::make_unique<server::KaraKVService>(registry.get(), fuzz_metrics(), false);
+    core = std::move(*r);
+    service = std::make_unique<server::KaraKVService>(core.get(), fuzz_metrics(), false);
     server::RingConfig rc;
     rc.threads = false;
-    rings = std::make_unique<server::RingServer>(service.get(), registry.get(), fuzz_metrics(), rc);
+    rings = std::make_unique<server::RingServer>(&service->gate(), core.get(), fuzz_metrics(), rc);
     service->set_rings(rings.get());
   }
   ~Daemon() { rings->stop_all(); }
 
   // The pool invariant after every call: a broken one is a finding.
   void check(const char* after) const {
-    absl::Status s = registry->check_invariants();
+    absl::Status s = core->check_invariants();
     if (!s.ok()) {
       std::fprintf(stderr, "fuzz: pool invariant broken after %s: %s\n", after, s.ToString().c_str());
       std::abort();

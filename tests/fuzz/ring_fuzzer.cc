@@ -23,8 +23,8 @@ namespace v1 = ::karakv::v1;
   std::abort();
 }
 
-server::RegistryConfig ring_config() {
-  server::RegistryConfig c;
+server::CoreConfig ring_config() {
+  server::CoreConfig c;
   c.geometry = fuzz_geometry(kernels::DType::kFloat32);
   c.pool_bytes = int64_t(kPoolBlocks) * c.geometry.block_bytes();
   c.max_staging_bytes = kMaxStagingBytes;
@@ -46,7 +46,7 @@ Worker attach(Daemon& d) {
   if (!d.service->Handle(req, &reply).ok()) fail("fast-path Attach refused");
   Worker w;
   w.session = reply.session_id();
-  w.staging = *d.registry->staging(w.session);
+  w.staging = *d.core->staging(w.session);
   w.h = ring::header(w.staging->reserved());
   // Small finite floats everywhere, so commands that pass validation run real attention.
   float* f = reinterpret_cast<float*>(w.staging->base());
@@ -60,7 +60,7 @@ Worker attach(Daemon& d) {
     a.set_session_id(w.session);
     a.set_sequence_id(cr.sequence_id());
     a.set_num_tokens(5);
-    const uint64_t bytes = d.registry->append_bytes(5);
+    const uint64_t bytes = d.core->append_bytes(5);
     a.mutable_k()->mutable_staging()->set_offset(0);
     a.mutable_k()->mutable_staging()->set_length(bytes);
     a.mutable_v()->mutable_staging()->set_offset(bytes);
@@ -100,7 +100,7 @@ void poll(Daemon& d, Worker& w) {
     if (std::memchr(w.h->close_message, '\0', sizeof(w.h->close_message)) == nullptr) {
       fail("ring close message not terminated");
     }
-    if (d.registry->staging(w.session).ok()) fail("ring closed but its session lives on");
+    if (d.core->staging(w.session).ok()) fail("ring closed but its session lives on");
   }
 }
 
@@ -113,7 +113,7 @@ void session_event(Daemon& d, Worker& w, uint8_t e) {
       check_refusal(d.service->Handle(req, &reply), "Detach");
       break;
     }
-    case 1: d.registry->expire_leases(absl::Now() + absl::Hours(1)); break;
+    case 1: d.core->expire_leases(absl::Now() + absl::Hours(1)); break;
     case 2: {
       v1::HeartbeatRequest req;
       req.set_session_id(w.session);

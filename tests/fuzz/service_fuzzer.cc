@@ -16,8 +16,8 @@ namespace {
 
 namespace v1 = ::karakv::v1;
 
-server::RegistryConfig config_for(uint8_t options) {
-  server::RegistryConfig c;
+server::CoreConfig config_for(uint8_t options) {
+  server::CoreConfig c;
   c.geometry = fuzz_geometry((options & kOptFloat16)    ? kernels::DType::kFloat16
                              : (options & kOptBFloat16) ? kernels::DType::kBFloat16
                                                         : kernels::DType::kFloat32);
@@ -71,7 +71,7 @@ void call(Input& in, const char* method, const std::string& body, uint8_t sessio
 
 void write_staging(Input& in, const std::string& body, uint8_t session) {
   if (in.sessions.empty()) return;
-  auto staging = in.daemon.registry->staging(in.sessions[session % in.sessions.size()]);
+  auto staging = in.daemon.core->staging(in.sessions[session % in.sessions.size()]);
   if (!staging.ok() || *staging == nullptr || body.size() < 2) return;
   const size_t offset = uint8_t(body[0]) | (size_t(uint8_t(body[1])) << 8);
   if (offset >= (*staging)->size()) return;
@@ -129,7 +129,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case kLookup: call<v1::LookupRequest, v1::LookupReply>(in, "Lookup", body, session); break;
       case kPing: call<v1::PingRequest, v1::PingReply>(in, "Ping", body, session); break;
       case kExpireLeases:
-        in.daemon.registry->expire_leases(absl::Now() + absl::Hours(1));
+        in.daemon.core->expire_leases(absl::Now() + absl::Hours(1));
         in.daemon.check("lease expiry");
         break;
       case kWriteStaging: write_staging(in, body, session); break;

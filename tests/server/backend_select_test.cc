@@ -1,9 +1,9 @@
-// Backend choice (--backend) and the registry's refusal of what the chosen backend cannot run.
+// Backend choice (--backend) and the core's refusal of what the chosen backend cannot run.
 #include "server/backend_select.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -99,15 +99,15 @@ class PartialBackend final : public kernels::Backend {
 
 class BackendRefusalTest : public ::testing::Test {
  protected:
-  std::unique_ptr<Registry> make(std::vector<kernels::Op> missing) {
-    RegistryConfig c;
+  std::unique_ptr<Core> make(std::vector<kernels::Op> missing) {
+    CoreConfig c;
     c.geometry = testing::small_test_geometry(kernels::DType::kFloat16, /*head_dim=*/32);
     c.pool_bytes = int64_t(32) * c.geometry.block_bytes();
-    auto r = Registry::create(c, std::make_unique<PartialBackend>(std::move(missing)));
+    auto r = Core::create(c, std::make_unique<PartialBackend>(std::move(missing)));
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? std::move(*r) : nullptr;
   }
-  absl::StatusOr<uint64_t> create(Registry& reg, SequenceOptions o) {
+  absl::StatusOr<uint64_t> create(Core& reg, SequenceOptions o) {
     auto a = reg.attach("w", "t", 0, kernels::Geometry{});
     if (!a.ok()) return a.status();
     return reg.create_sequence(a->session_id, o);

@@ -1,4 +1,4 @@
-// Drives a Registry with the synthetic K/V/Q of common/synthetic.h, as a model worker would:
+// Drives a Core with the synthetic K/V/Q of common/synthetic.h, as a model worker would:
 // the server tests that need "append n tokens" or "step these sequences through every layer"
 // without caring about the tensors' values.
 #pragma once
@@ -10,13 +10,13 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/synthetic.h"
-#include "server/registry.h"
+#include "server/core.h"
 
 namespace karakv::server::testing {
 
 // Appends n prompt tokens of `seq` at positions pos0.. (token ids `ids`, if any, for the prefix
-// cache); returns what Registry::append returns.
-inline absl::StatusOr<int32_t> append_synthetic(Registry& reg, uint64_t seed, const std::string& session,
+// cache); returns what Core::append returns.
+inline absl::StatusOr<int32_t> append_synthetic(Core& reg, uint64_t seed, const std::string& session,
                                                 uint64_t seq, int n, int64_t pos0 = 0,
                                                 absl::Span<const int32_t> ids = {}) {
   std::vector<uint8_t> k(reg.append_bytes(n)), v(k.size());
@@ -26,7 +26,7 @@ inline absl::StatusOr<int32_t> append_synthetic(Registry& reg, uint64_t seed, co
 }
 
 // One decode step at position `pos` for each of `ids`, layer by layer; the first refusal ends it.
-inline absl::Status step_synthetic(Registry& reg, uint64_t seed, const std::string& session,
+inline absl::Status step_synthetic(Core& reg, uint64_t seed, const std::string& session,
                                    const std::vector<uint64_t>& ids, int64_t pos) {
   const auto& g = reg.geometry();
   const size_t kvb = g.kv_token_elems() * kernels::dtype_size(g.dtype);

@@ -1,6 +1,6 @@
-// Registry: sequences, forks with copy on write, leases, step ordering, and that every refused
+// Core: sequences, forks with copy on write, leases, step ordering, and that every refused
 // request leaves the state exactly as it was.
-#include "server/registry.h"
+#include "server/core.h"
 
 #include <cstring>
 
@@ -34,11 +34,11 @@ class RegistryTest : public ::testing::Test {
   void SetUp() override { make(64); }
 
   void make(int blocks, kernels::DType dtype = kernels::DType::kFloat32) {
-    RegistryConfig c;
+    CoreConfig c;
     c.geometry = small_geometry(dtype);
     c.pool_bytes = int64_t(blocks) * c.geometry.block_bytes();
     c.lease = absl::Seconds(5);
-    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, kernels::make_cpu_backend(1));
     ASSERT_TRUE(r.ok()) << r.status();
     reg_ = std::move(*r);
     auto a = reg_->attach("w", "tenant-a", 0, kernels::Geometry{});
@@ -48,7 +48,7 @@ class RegistryTest : public ::testing::Test {
 
   Snapshot snapshot() {
     Snapshot s;
-    RegistryStats st = reg_->stats();
+    CoreStats st = reg_->stats();
     s.used = st.blocks_used;
     s.free = st.blocks_free;
     s.tokens = st.resident_tokens;
@@ -132,7 +132,7 @@ class RegistryTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<Registry> reg_;
+  std::unique_ptr<Core> reg_;
   std::string session_;
 };
 
@@ -235,7 +235,7 @@ TEST_F(RegistryTest, LeaseExpiryFreesEverythingTheSessionOwned) {
   ASSERT_TRUE(reg_->heartbeat(other->session_id).ok());
   // Only the first session's lease is allowed to lapse.
   EXPECT_EQ(reg_->expire_leases(absl::Now() + absl::Seconds(6)), 2);
-  RegistryStats st = reg_->stats();
+  CoreStats st = reg_->stats();
   EXPECT_EQ(st.blocks_used, 0);
   EXPECT_EQ(st.sessions, 0);
   EXPECT_EQ(st.lease_expiries, 2u);

@@ -1,4 +1,4 @@
-// Limits and isolation inside the registry: session and sequence limits, per-tenant block quotas
+// Limits and isolation inside the core: session and sequence limits, per-tenant block quotas
 // and the staging size limit refuse with a message naming the limit, the value asked and the flag,
 // and leave the state (and the pool invariant) exactly as it was; another tenant's sequence is
 // PERMISSION_DENIED; a staging object cannot be opened by another local user.
@@ -16,8 +16,8 @@
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/registry.h"
-#include "tests/server/registry_driver.h"
+#include "server/core.h"
+#include "tests/server/core_driver.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -29,11 +29,11 @@ constexpr uint64_t kSeed = 11;
 
 class LimitsTest : public ::testing::Test {
  protected:
-  void make(const RegistryConfig& overrides) {
-    RegistryConfig c = overrides;
+  void make(const CoreConfig& overrides) {
+    CoreConfig c = overrides;
     c.geometry = testing::small_test_geometry(kernels::DType::kFloat32);
     c.pool_bytes = int64_t(64) * c.geometry.block_bytes();
-    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, kernels::make_cpu_backend(1));
     ASSERT_TRUE(r.ok()) << r.status();
     reg_ = std::move(*r);
   }
@@ -56,7 +56,7 @@ class LimitsTest : public ::testing::Test {
   // Everything a refused request could have changed, checked against the pool invariant.
   std::string state() {
     EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
-    RegistryStats st = reg_->stats();
+    CoreStats st = reg_->stats();
     std::string s = absl::StrCat("used=", st.blocks_used, " free=", st.blocks_free, " tokens=", st.resident_tokens,
                                  " sessions=", st.sessions, " sequences=", st.sequences);
     for (const auto& i : reg_->list_sequences("")) {
@@ -65,7 +65,7 @@ class LimitsTest : public ::testing::Test {
     return s;
   }
 
-  std::unique_ptr<Registry> reg_;
+  std::unique_ptr<Core> reg_;
 };
 
 // Shared-memory objects this process made (the staging regions are named /karakv-<pid>-...).
@@ -80,7 +80,7 @@ int own_shm_objects() {
 }
 
 TEST_F(LimitsTest, MaxSessionsRefusesAttachAndLeavesNoStaging) {
-  RegistryConfig c;
+  CoreConfig c;
   c.max_sessions = 2;
   make(c);
   const int shm_before = own_shm_objects();
@@ -98,7 +98,7 @@ TEST_F(LimitsTest, MaxSessionsRefusesAttachAndLeavesNoStaging) {
 }
 
 TEST_F(LimitsTest, MaxSequencesPerSessionRefusesCreateAndFork) {
-  RegistryConfig c;
+  CoreConfig c;
   c.max_sequences_per_session = 2;
   make(c);
   const std::string s = attach("t");
@@ -122,7 +122,7 @@ TEST_F(LimitsTest, MaxSequencesPerSessionRefusesCreateAndFork) {
 }
 
 TEST_F(LimitsTest, TenantBlockQuotaRefusesAppendStepForkAndPrefixCreate) {
-  RegistryConfig c;
+  CoreConfig c;
   c.tenant_block_quota = 3;
   make(c);
   const std::string a = attach("tenant-a");
@@ -169,7 +169,7 @@ TEST_F(LimitsTest, TenantBlockQuotaRefusesAppendStepForkAndPrefixCreate) {
 }
 
 TEST_F(LimitsTest, NoLimitsByDefault) {
-  make(RegistryConfig{});
+  make(CoreConfig{});
   const std::string s = attach("t");
   for (int i = 0; i < 20; ++i) ASSERT_TRUE(reg_->attach("w", "t", 0, kernels::Geometry{}).ok());
   std::vector<uint64_t> ids;
@@ -180,7 +180,7 @@ TEST_F(LimitsTest, NoLimitsByDefault) {
 }
 
 TEST_F(LimitsTest, StagingLimitNamesItsFlag) {
-  RegistryConfig c;
+  CoreConfig c;
   c.max_staging_bytes = 1 << 20;
   make(c);
   auto r = reg_->attach("w", "t", (1 << 20) + 1, kernels::Geometry{});
@@ -191,7 +191,7 @@ TEST_F(LimitsTest, StagingLimitNamesItsFlag) {
 }
 
 TEST_F(LimitsTest, AnotherTenantsSequenceIsPermissionDenied) {
-  make(RegistryConfig{});
+  make(CoreConfig{});
   const std::string owner = attach("tenant-a");
   const std::string intruder = attach("tenant-b");
   const uint64_t seq = *reg_->create_sequence(owner, {});

@@ -8,7 +8,7 @@
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "tests/server/test_geometry.h"
 #include "karakv/kernels/half.h"
 #include "tests/kernels/token2chunk_reference.h"
@@ -25,10 +25,10 @@ kernels::Geometry geometry() { return testing::small_test_geometry(kernels::DTyp
 class Driver {
  public:
   explicit Driver(uint64_t seed, int blocks = 4096) : seed_(seed) {
-    RegistryConfig c;
+    CoreConfig c;
     c.geometry = geometry();
     c.pool_bytes = int64_t(blocks) * c.geometry.block_bytes();
-    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, kernels::make_cpu_backend(1));
     EXPECT_TRUE(r.ok()) << r.status();
     reg = std::move(*r);
     session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
@@ -73,7 +73,7 @@ class Driver {
   std::vector<std::vector<int32_t>> positions(uint64_t seq) { return reg->inspect(seq)->second; }
   SequenceInfo info(uint64_t seq) { return reg->inspect(seq)->first; }
 
-  std::unique_ptr<Registry> reg;
+  std::unique_ptr<Core> reg;
   std::string session;
 
  private:
@@ -201,11 +201,11 @@ TEST(KaraPolicyTest, KeepsWhatAFloat64ReferenceChoosesFromTheStepsQueries) {
 }
 
 TEST(KaraPolicyTest, CompressesOnlyAtTicksLongestTailFirstWithCap) {
-  RegistryConfig c;
+  CoreConfig c;
   c.geometry = geometry();
   c.pool_bytes = 4096ll * c.geometry.block_bytes();
   c.max_sequences_per_tick = 1;
-  auto reg = *Registry::create(c, kernels::make_cpu_backend(1));
+  auto reg = *Core::create(c, kernels::make_cpu_backend(1));
   Driver d(5);
   d.reg = std::move(reg);
   d.session = d.reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
@@ -349,7 +349,7 @@ TEST(PolicyParamsTest, BadValuesAreRefusedNamingParameterAndRange) {
   refused("snapkv", {{"pool", 4}}, "must be odd");
   refused("snapkv", {{"w_obs", 2.5}}, "expected an integer");
   refused("h2o", {{"recent_ratio", -1}}, "recent_ratio=-1 out of range");
-  refused("magic", {}, "unknown policy 'magic'; expected one of: none, kara, snapkv, chunkkv, streaming, h2o");
+  refused("magic", {}, "unknown policy 'magic'; expected one of: chunkkv, h2o, kara, none, snapkv, streaming");
   SequenceOptions o;
   o.policy = "none";
   o.prefill_policy = "kara";
@@ -486,7 +486,7 @@ namespace karakv::server {
 namespace {
 
 // Returns V, and K in *keys.
-std::vector<uint8_t> read_values(Registry& reg, const std::string& session, uint64_t seq, std::vector<uint8_t>* keys) {
+std::vector<uint8_t> read_values(Core& reg, const std::string& session, uint64_t seq, std::vector<uint8_t>* keys) {
   std::vector<uint8_t> k, v, p;
   auto r = reg.read_kv(session, seq, [&](int32_t t) -> absl::StatusOr<ReadKVTargets> {
     k.resize(reg.append_bytes(t));

@@ -9,8 +9,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/events.h"
-#include "server/registry.h"
-#include "tests/server/registry_driver.h"
+#include "server/core.h"
+#include "tests/server/core_driver.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -24,14 +24,14 @@ constexpr int kBlocks = 16;  // block_size 4: 64 tokens in all
 class PreemptionTest : public ::testing::Test {
  protected:
   void make(bool preempt) {
-    RegistryConfig c;
+    CoreConfig c;
     c.geometry = testing::small_test_geometry(kernels::DType::kFloat32);
     c.pool_bytes = int64_t(kBlocks) * c.geometry.block_bytes();
     c.preempt_on_pressure = preempt;
-    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, kernels::make_cpu_backend(1));
     ASSERT_TRUE(r.ok()) << r.status();
     reg_ = std::move(*r);
-    reg_->set_event_observer([this](const RegistryEvent& e) { events_.push_back(e); });
+    reg_->set_event_observer([this](const CoreEvent& e) { events_.push_back(e); });
   }
 
   std::string attach(const std::string& tenant) {
@@ -60,23 +60,23 @@ class PreemptionTest : public ::testing::Test {
 
   std::string state() {
     EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
-    RegistryStats st = reg_->stats();
+    CoreStats st = reg_->stats();
     std::string s = absl::StrCat("used=", st.blocks_used, " free=", st.blocks_free, " tokens=", st.resident_tokens,
                                  " sequences=", st.sequences, " preemptions=", st.preemptions);
     for (const auto& i : reg_->list_sequences("")) absl::StrAppend(&s, " [", i.id, " len=", i.length, "]");
     return s;
   }
 
-  std::vector<RegistryEvent> preempted() const {
-    std::vector<RegistryEvent> out;
+  std::vector<CoreEvent> preempted() const {
+    std::vector<CoreEvent> out;
     for (const auto& e : events_) {
-      if (e.kind == RegistryEvent::Kind::kPreempted) out.push_back(e);
+      if (e.kind == CoreEvent::Kind::kPreempted) out.push_back(e);
     }
     return out;
   }
 
-  std::unique_ptr<Registry> reg_;
-  std::vector<RegistryEvent> events_;
+  std::unique_ptr<Core> reg_;
+  std::vector<CoreEvent> events_;
 };
 
 TEST_F(PreemptionTest, PreemptsTheLowestPriorityLeastRecentlyUsedAndServesTheRequest) {
@@ -94,7 +94,7 @@ TEST_F(PreemptionTest, PreemptsTheLowestPriorityLeastRecentlyUsedAndServesTheReq
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, 20);
   ASSERT_EQ(preempted().size(), 1u);
-  const RegistryEvent e = preempted()[0];
+  const CoreEvent e = preempted()[0];
   EXPECT_EQ(e.session_id, b);
   EXPECT_EQ(e.sequence_id, low_b);
   EXPECT_EQ(e.priority, 0);
@@ -104,7 +104,7 @@ TEST_F(PreemptionTest, PreemptsTheLowestPriorityLeastRecentlyUsedAndServesTheReq
                                                 "higher-priority request: appending 4 tokens to sequence ",
                                                 high, " (priority 10) wanted 1 blocks, 0 free of 16")));
   EXPECT_THAT(e.message, HasSubstr("re-prefill"));
-  const RegistryStats st = reg_->stats();
+  const CoreStats st = reg_->stats();
   EXPECT_EQ(st.preemptions, 1u);
   EXPECT_EQ(st.blocks_free, 3);
   EXPECT_EQ(st.sequences, 3);
@@ -191,7 +191,7 @@ TEST_F(PreemptionTest, StepNeverPreemptsItsOwnBatchAndCountsSharedBlocksOnce) {
   EXPECT_EQ(preempted()[1].sequence_id, *child);
   EXPECT_EQ(preempted()[1].blocks_freed, 4);
   EXPECT_THAT(preempted()[1].message, HasSubstr("Step over 2 sequences (priority 10) wanted 2 blocks, 0 free of 16"));
-  const RegistryStats st = reg_->stats();
+  const CoreStats st = reg_->stats();
   EXPECT_EQ(st.blocks_free, 2);
   EXPECT_EQ(st.preemptions, 2u);
   std::vector<uint64_t> live;
@@ -209,7 +209,7 @@ TEST_F(PreemptionTest, CompactionsAndSessionEndsAreEvents) {
   EXPECT_TRUE(events_.empty());
   ASSERT_TRUE(reg_->compact(a, seq, false).ok());
   ASSERT_EQ(events_.size(), 1u);
-  EXPECT_EQ(events_[0].kind, RegistryEvent::Kind::kCompaction);
+  EXPECT_EQ(events_[0].kind, CoreEvent::Kind::kCompaction);
   EXPECT_EQ(events_[0].session_id, a);
   EXPECT_EQ(events_[0].sequence_id, seq);
   EXPECT_EQ(events_[0].policy, "streaming");
@@ -217,7 +217,7 @@ TEST_F(PreemptionTest, CompactionsAndSessionEndsAreEvents) {
   EXPECT_EQ(events_[0].tokens_after, 8);
   ASSERT_TRUE(reg_->detach(a).ok());
   ASSERT_EQ(events_.size(), 2u);
-  EXPECT_EQ(events_[1].kind, RegistryEvent::Kind::kSessionEnded);
+  EXPECT_EQ(events_[1].kind, CoreEvent::Kind::kSessionEnded);
   EXPECT_EQ(events_[1].session_id, a);
   EXPECT_FALSE(events_[1].lease_expired);
   EXPECT_EQ(events_[1].sequences_released, 1);

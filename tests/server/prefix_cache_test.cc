@@ -9,7 +9,7 @@
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -68,12 +68,12 @@ class PrefixRegistryTest : public ::testing::Test {
  protected:
   void make(int blocks, double max_fraction = 1.0, bool shared_namespaces = false,
             kernels::Geometry geometry = small_geometry()) {
-    RegistryConfig c;
+    CoreConfig c;
     c.geometry = geometry;
     c.pool_bytes = int64_t(blocks) * c.geometry.block_bytes();
     c.prefix_cache_max_fraction = max_fraction;
     c.prefix_cache_shared_namespaces = shared_namespaces;
-    auto r = Registry::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, kernels::make_cpu_backend(1));
     ASSERT_TRUE(r.ok()) << r.status();
     reg_ = std::move(*r);
     a_ = attach("tenant-a");
@@ -182,7 +182,7 @@ class PrefixRegistryTest : public ::testing::Test {
     return n.ok() ? *n : -1;
   }
 
-  std::unique_ptr<Registry> reg_;
+  std::unique_ptr<Core> reg_;
   std::string a_, b_;
 };
 
@@ -221,7 +221,7 @@ TEST_F(PrefixRegistryTest, SecondSessionStartsFromCachedPromptBitwiseLikeFullPre
   auto infos = reg_->list_sequences(b_);
   ASSERT_EQ(infos.size(), 1u);
   EXPECT_EQ(infos[0].shared_blocks, 5);
-  const RegistryStats st = reg_->stats();
+  const CoreStats st = reg_->stats();
   EXPECT_EQ(st.prefix_lookups, 2u);
   EXPECT_EQ(st.prefix_lookup_tokens, 40u);
   EXPECT_EQ(st.prefix_hit_tokens, 24u);
@@ -263,7 +263,7 @@ TEST_F(PrefixRegistryTest, EvictsLeastRecentlyUsedFirstAndNeverWhatASequenceHold
     const uint64_t id = publish(a_, p, key);
     ASSERT_TRUE(reg_->release_sequence(a_, id).ok());
   }
-  RegistryStats st = reg_->stats();
+  CoreStats st = reg_->stats();
   EXPECT_EQ(st.prefix_cached_blocks, 6);
   EXPECT_EQ(st.prefix_unused_blocks, 6);
   EXPECT_EQ(st.blocks_free, 2);
@@ -308,7 +308,7 @@ TEST_F(PrefixRegistryTest, WatermarkEvictsUnusedBlocksBeyondTheFraction) {
   ASSERT_TRUE(reg_->release_sequence(a_, s1).ok());
   EXPECT_EQ(reg_->stats().prefix_unused_blocks, 3);
   ASSERT_TRUE(reg_->release_sequence(a_, s2).ok());
-  const RegistryStats st = reg_->stats();
+  const CoreStats st = reg_->stats();
   EXPECT_EQ(st.prefix_unused_blocks, 4);
   EXPECT_EQ(st.prefix_evictions, 2u);
   EXPECT_EQ(lookup(a_, ids(100, 12)), 4);  // the older prompt lost its last two blocks

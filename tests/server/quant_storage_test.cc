@@ -8,7 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "karakv/kernels/half.h"
-#include "server/registry.h"
+#include "server/core.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -21,7 +21,7 @@ kernels::Geometry geometry() { return testing::small_test_geometry(kernels::DTyp
 
 // One whole decode step of token `pos` of `seq` (values keyed by `key`, seeded by `seed`).
 // Fills `outs` with each layer's attention output ([L][Hq][D]) when given.
-absl::Status step_token(Registry& reg, const std::string& session, uint64_t seq, uint64_t key, uint64_t seed,
+absl::Status step_token(Core& reg, const std::string& session, uint64_t seq, uint64_t key, uint64_t seed,
                         int64_t pos, std::vector<float>* outs = nullptr) {
   const auto& g = reg.geometry();
   const uint64_t ids[] = {seq};
@@ -45,10 +45,10 @@ absl::Status step_token(Registry& reg, const std::string& session, uint64_t seq,
 class QuantStorageTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    RegistryConfig c;
+    CoreConfig c;
     c.geometry = geometry();
     c.pool_bytes = 512ll * c.geometry.block_bytes();
-    reg_ = std::move(*Registry::create(c, kernels::make_cpu_backend(2)));
+    reg_ = std::move(*Core::create(c, kernels::make_cpu_backend(2)));
     session_ = reg_->attach("w", "t", 0, kernels::Geometry{})->session_id;
   }
 
@@ -140,7 +140,7 @@ class QuantStorageTest : public ::testing::TestWithParam<const char*> {
     return max_err;
   }
 
-  std::unique_ptr<Registry> reg_;
+  std::unique_ptr<Core> reg_;
   std::string session_;
 };
 
@@ -196,10 +196,10 @@ TEST_P(QuantStorageTest, DequantizedCacheStaysCloseToWhatWasWritten) {
 INSTANTIATE_TEST_SUITE_P(Formats, QuantStorageTest, ::testing::Values("kivi2", "kivi4", "tq2", "tq3", "tq4"));
 
 TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTouch) {
-  RegistryConfig c;
+  CoreConfig c;
   c.geometry = geometry();
   c.pool_bytes = 512ll * c.geometry.block_bytes();
-  auto reg = std::move(*Registry::create(c, kernels::make_cpu_backend(2)));
+  auto reg = std::move(*Core::create(c, kernels::make_cpu_backend(2)));
   const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions o;
   o.policy = "kara+kivi4";
@@ -221,7 +221,7 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   // Kara's kept tokens (and the prompt) are what got quantized: the tail never is.
   EXPECT_LT(info.quantized, info.length - 16);
   EXPECT_LT(info.length, 400);
-  const RegistryStats st = reg->stats();
+  const CoreStats st = reg->stats();
   const PolicyStats& ps = st.policies.at("kara+kivi4");
   EXPECT_GT(double(ps.fp16_bytes) / double(ps.kv_bytes), 2.0);
   EXPECT_EQ(ps.nominal_ratio, 4.0);
@@ -232,10 +232,10 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
 TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedStorage) {
   std::vector<std::vector<int32_t>> kept[2];
   for (int quantized = 0; quantized < 2; ++quantized) {
-    RegistryConfig c;
+    CoreConfig c;
     c.geometry = geometry();
     c.pool_bytes = 512ll * c.geometry.block_bytes();
-    auto reg = std::move(*Registry::create(c, kernels::make_cpu_backend(1)));
+    auto reg = std::move(*Core::create(c, kernels::make_cpu_backend(1)));
     const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
     SequenceOptions o;
     o.policy = quantized ? "kara+tq4" : "kara";
@@ -289,10 +289,10 @@ TEST_P(QuantStorageTest, ThresholdPoliciesRecompressQuantizedCaches) {
 }
 
 TEST(QuantStorageCompositionTest, RefusesWhatItCannotServeNamingWhy) {
-  RegistryConfig c;
+  CoreConfig c;
   c.geometry = geometry();
   c.pool_bytes = 64ll * c.geometry.block_bytes();
-  auto reg = std::move(*Registry::create(c, kernels::make_cpu_backend(1)));
+  auto reg = std::move(*Core::create(c, kernels::make_cpu_backend(1)));
   const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions o;
   o.policy = "none+kivi8";
@@ -303,7 +303,7 @@ TEST(QuantStorageCompositionTest, RefusesWhatItCannotServeNamingWhy) {
   EXPECT_THAT(std::string(reg->create_sequence(session, o).status().message()), HasSubstr("residual=-3"));
   // KIVI needs head_dim % 32 == 0.
   c.geometry.head_dim = 24;
-  auto small = std::move(*Registry::create(c, kernels::make_cpu_backend(1)));
+  auto small = std::move(*Core::create(c, kernels::make_cpu_backend(1)));
   const std::string s2 = small->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions k;
   k.policy = "none+kivi4";

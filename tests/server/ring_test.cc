@@ -27,16 +27,16 @@ class RingServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     spdlog::set_level(spdlog::level::err);  // the garbage tests log a warning per closed session
-    RegistryConfig rc;
+    CoreConfig rc;
     rc.geometry = {2, 2, 1, 8, 4, kernels::DType::kFloat32};
     rc.pool_bytes = 1 << 20;
-    registry_ = *Registry::create(rc, kernels::make_cpu_backend(1));
+    core_ = *Core::create(rc, kernels::make_cpu_backend(1));
     metrics_ = *Metrics::create("");
-    service_ = std::make_unique<KaraKVService>(registry_.get(), metrics_.get(), true);
+    service_ = std::make_unique<KaraKVService>(core_.get(), metrics_.get(), true);
     RingConfig cfg;
     cfg.spin = absl::ZeroDuration();
     cfg.poll = absl::Milliseconds(5);
-    rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+    rings_ = std::make_unique<RingServer>(&service_->gate(), core_.get(), metrics_.get(), cfg);
     service_->set_rings(rings_.get());
   }
   void TearDown() override { rings_->stop_all(); }
@@ -51,10 +51,10 @@ class RingServerTest : public ::testing::Test {
     req.set_staging_bytes(1 << 16);
     req.set_fast_path(true);
     v1::AttachReply reply;
-    EXPECT_TRUE(service_->DoAttach(req, &reply).ok());
+    EXPECT_TRUE(service_->Handle(req, &reply).ok());
     EXPECT_EQ(reply.ring_offset(), reply.staging_bytes());
     EXPECT_GE(reply.ring_bytes(), ring::kRingBytes);
-    Session s{reply.session_id(), *registry_->staging(reply.session_id()), nullptr};
+    Session s{reply.session_id(), *core_->staging(reply.session_id()), nullptr};
     s.h = ring::header(s.staging->reserved());
     EXPECT_TRUE(ring::layout_matches(s.staging->reserved()));
     return s;
@@ -94,7 +94,7 @@ class RingServerTest : public ::testing::Test {
     ADD_FAILURE() << "no completion within 2 s";
     return false;
   }
-  bool session_alive(const std::string& id) { return registry_->staging(id).ok(); }
+  bool session_alive(const std::string& id) { return core_->staging(id).ok(); }
   // Threads of this process whose name (/proc/self/task/*/comm) is `name`.
   static int threads_named(const std::string& name) {
     int n = 0;
@@ -106,7 +106,7 @@ class RingServerTest : public ::testing::Test {
     return n;
   }
 
-  std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Core> core_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<KaraKVService> service_;
   std::unique_ptr<RingServer> rings_;
@@ -129,7 +129,7 @@ TEST_F(RingServerTest, StepErrorsMatchTheRpcHandler) {
   set(c.q, req.mutable_q()->mutable_staging());
   set(c.out, req.mutable_out()->mutable_staging());
   v1::StepReply reply;
-  const absl::Status want = service_->RunStep(req, &reply);
+  const absl::Status want = service_->Handle(req, &reply);
   ASSERT_FALSE(want.ok());
   EXPECT_EQ(done.code, uint32_t(want.code()));
   EXPECT_EQ(std::string(done.message, done.message_bytes), std::string(want.message()));
@@ -162,7 +162,7 @@ TEST_F(RingServerTest, GarbageCommandClosesTheSessionOnly) {
   submit(good, a);
   ASSERT_TRUE(next_completion(good, &done));
   EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kNotFound));
-  EXPECT_TRUE(registry_->check_invariants().ok());
+  EXPECT_TRUE(core_->check_invariants().ok());
 }
 
 TEST_F(RingServerTest, GarbageIndicesCloseTheSession) {
@@ -185,7 +185,7 @@ TEST_F(RingServerTest, FuzzedCommandsNeverHurtTheDaemon) {
     v1::CreateSequenceRequest creq;
     creq.set_session_id(s.id);
     v1::CreateSequenceReply crep;
-    ASSERT_TRUE(service_->DoCreateSequence(creq, &crep).ok());
+    ASSERT_TRUE(service_->Handle(creq, &crep).ok());
     for (int i = 0; i < 20 && s.h->state.load() == uint32_t(ring::State::kOpen); ++i) {
       ring::Command c{};
       auto* words = reinterpret_cast<uint64_t*>(&c);
@@ -203,9 +203,9 @@ TEST_F(RingServerTest, FuzzedCommandsNeverHurtTheDaemon) {
       ring::Completion done{};
       if (!next_completion(s, &done)) break;
     }
-    ASSERT_TRUE(registry_->check_invariants().ok());
+    ASSERT_TRUE(core_->check_invariants().ok());
   }
-  EXPECT_TRUE(registry_->check_invariants().ok());
+  EXPECT_TRUE(core_->check_invariants().ok());
 }
 
 // Value of a counter (or a histogram's sample count) with the given labels, -1 when absent.
@@ -251,7 +251,7 @@ TEST_F(RingServerTest, CountsCommandsByPathAndWakeUps) {
 TEST_F(RingServerTest, ThreadEndsWithItsSession) {
   Session s = attach();
   EXPECT_EQ(rings_->active(), 1);
-  ASSERT_TRUE(registry_->detach(s.id).ok());
+  ASSERT_TRUE(core_->detach(s.id).ok());
   for (int i = 0; i < 200 && rings_->active() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(rings_->active(), 0);
   EXPECT_EQ(s.h->state.load(), uint32_t(ring::State::kClosed));
@@ -268,7 +268,7 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   auto sessions_one_after_another = [&](int n) {
     for (int i = 0; i < n; ++i) {
       Session s = attach();
-      ASSERT_TRUE(registry_->detach(s.id).ok());
+      ASSERT_TRUE(core_->detach(s.id).ok());
       for (int j = 0; j < 400 && rings_->active() > 0; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       ASSERT_EQ(rings_->active(), 0);
       // The ring is closed before its thread goes back to waiting: wait for that too.
@@ -290,11 +290,11 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   cfg.spin = absl::ZeroDuration();
   cfg.poll = absl::Milliseconds(5);
   cfg.idle_threads = 2;
-  rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), nullptr, cfg);
+  rings_ = std::make_unique<RingServer>(&service_->gate(), core_.get(), nullptr, cfg);
   service_->set_rings(rings_.get());
   std::vector<Session> three = {attach(), attach(), attach()};
   EXPECT_EQ(rings_->threads(), 3);
-  for (Session& s : three) ASSERT_TRUE(registry_->detach(s.id).ok());
+  for (Session& s : three) ASSERT_TRUE(core_->detach(s.id).ok());
   for (int j = 0; j < 400 && (rings_->active() > 0 || rings_->threads() > 2 || rings_->waiting() < 2); ++j) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -314,7 +314,7 @@ TEST_F(RingServerTest, ThreadsAreReusedAcrossSessionsUpToTheIdleLimit) {
   rings_->stop_all();
   cfg.idle_threads = 0;
   idle_limit = 0;
-  rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+  rings_ = std::make_unique<RingServer>(&service_->gate(), core_.get(), metrics_.get(), cfg);
   service_->set_rings(rings_.get());
   const double started1 = metric(*metrics_, "karakv_ring_threads_started_total", {});
   sessions_one_after_another(3);
@@ -333,7 +333,7 @@ TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
   cfg.idle_threads = 3;
   cfg.start_threads = 3;
   const double started0 = metric(*metrics_, "karakv_ring_threads_started_total", {});
-  rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+  rings_ = std::make_unique<RingServer>(&service_->gate(), core_.get(), metrics_.get(), cfg);
   service_->set_rings(rings_.get());
   EXPECT_EQ(rings_->threads(), 3);
   EXPECT_EQ(rings_->waiting(), 3);  // counted as waiting at once, before they have made their teams
@@ -360,7 +360,7 @@ TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
     EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kNotFound));
   }
 
-  for (Session& s : sessions) ASSERT_TRUE(registry_->detach(s.id).ok());
+  for (Session& s : sessions) ASSERT_TRUE(core_->detach(s.id).ok());
   for (int j = 0; j < 400 && (rings_->active() > 0 || rings_->threads() > 3 || rings_->waiting() < 3); ++j) {
     rings_->reap();
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -379,7 +379,7 @@ TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
 TEST_F(RingServerTest, StopAllEndsWaitingAndRunningThreads) {
   Session running = attach();
   Session gone = attach();
-  ASSERT_TRUE(registry_->detach(gone.id).ok());
+  ASSERT_TRUE(core_->detach(gone.id).ok());
   for (int j = 0; j < 400 && (rings_->active() > 1 || rings_->waiting() < 1); ++j) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

@@ -4,10 +4,13 @@
 #include "server/heap_usage.h"
 #include "server/service.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "karakv/v1/geometry.h"
 #include "karakv/v1/ring.h"
 #include "server/metrics.h"
 #include "server/ring.h"
@@ -23,20 +26,20 @@ class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     spdlog::set_level(spdlog::level::err);
-    RegistryConfig rc;
+    CoreConfig rc;
     rc.geometry = testing::small_test_geometry(kernels::DType::kFloat32);  // L2 Hq4 Hk2 D8, block 4
     rc.pool_bytes = 32 * rc.geometry.block_bytes();
-    registry_ = *Registry::create(rc, kernels::make_cpu_backend(1));
+    core_ = *Core::create(rc, kernels::make_cpu_backend(1));
     metrics_ = *Metrics::create("");
-    service_ = std::make_unique<KaraKVService>(registry_.get(), metrics_.get(), true);
+    service_ = std::make_unique<KaraKVService>(core_.get(), metrics_.get(), true);
     RingConfig cfg;
     cfg.threads = false;
-    rings_ = std::make_unique<RingServer>(service_.get(), registry_.get(), metrics_.get(), cfg);
+    rings_ = std::make_unique<RingServer>(&service_->gate(), core_.get(), metrics_.get(), cfg);
     service_->set_rings(rings_.get());
   }
   void TearDown() override {
     rings_->stop_all();
-    EXPECT_TRUE(registry_->check_invariants().ok());
+    EXPECT_TRUE(core_->check_invariants().ok());
   }
 
   std::string attach(bool fast_path = false) {
@@ -57,14 +60,14 @@ class ServiceTest : public ::testing::Test {
     a.set_session_id(session);
     a.set_sequence_id(cr.sequence_id());
     a.set_num_tokens(tokens);
-    a.mutable_k()->set_data(std::string(registry_->append_bytes(tokens), '\0'));
-    a.mutable_v()->set_data(std::string(registry_->append_bytes(tokens), '\0'));
+    a.mutable_k()->set_data(std::string(core_->append_bytes(tokens), '\0'));
+    a.mutable_v()->set_data(std::string(core_->append_bytes(tokens), '\0'));
     v1::AppendReply ar;
     EXPECT_TRUE(service_->Handle(a, &ar).ok());
     return cr.sequence_id();
   }
 
-  std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Core> core_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<KaraKVService> service_;
   std::unique_ptr<RingServer> rings_;
@@ -139,15 +142,15 @@ TEST_F(ServiceTest, DrainingRefusesThroughHandleToo) {
 TEST_F(ServiceTest, RingPollRunsCommandsOnTheCallersThread) {
   const std::string s = attach(true);
   const uint64_t id = sequence(s, 5);
-  auto staging = *registry_->staging(s);
+  auto staging = *core_->staging(s);
   ring::Header* h = ring::header(staging->reserved());
   ring::Command c{};
   c.tag = 42;
   c.op = uint32_t(ring::Op::kAttend);
   c.sequence_id = id;
   c.count = 1;
-  c.q = {0, registry_->q_bytes(1)};
-  c.out = {4096, registry_->q_bytes(1)};
+  c.q = {0, core_->q_bytes(1)};
+  c.out = {4096, core_->q_bytes(1)};
   std::memcpy(&ring::commands(staging->reserved())[0], &c, sizeof c);
   h->sq_tail.store(1);
   auto ran = rings_->poll(s);
@@ -166,7 +169,7 @@ TEST_F(ServiceTest, RingPollRunsCommandsOnTheCallersThread) {
   EXPECT_EQ(*rings_->poll(s), 0);
   EXPECT_EQ(h->state.load(), uint32_t(ring::State::kClosed));
   EXPECT_THAT(std::string(h->close_message), HasSubstr("has op 9"));
-  EXPECT_FALSE(registry_->staging(s).ok());
+  EXPECT_FALSE(core_->staging(s).ok());
   const auto gone = rings_->poll(s);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
 }
@@ -181,7 +184,7 @@ TEST_F(ServiceTest, AttendClaimingMoreQueriesThanItSendsAllocatesNothing) {
   req.set_session_id(s);
   req.set_sequence_id(id);
   req.set_num_queries(4294967295u);
-  req.mutable_q()->set_data(std::string(registry_->q_bytes(1), '\0'));
+  req.mutable_q()->set_data(std::string(core_->q_bytes(1), '\0'));
   v1::AttendReply reply;
   absl::Status st = service_->Handle(req, &reply);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
@@ -206,14 +209,113 @@ TEST_F(ServiceTest, StepWithMoreSequencesThanItsQueriesAllocatesNothing) {
   v1::StepRequest req;
   req.set_session_id(s);
   for (int i = 0; i < 100000; ++i) req.add_sequence_ids(id);
-  req.mutable_k()->set_data(std::string(registry_->step_kv_bytes(1), '\0'));
-  req.mutable_v()->set_data(std::string(registry_->step_kv_bytes(1), '\0'));
-  req.mutable_q()->set_data(std::string(registry_->q_bytes(1), '\0'));
+  req.mutable_k()->set_data(std::string(core_->step_kv_bytes(1), '\0'));
+  req.mutable_v()->set_data(std::string(core_->step_kv_bytes(1), '\0'));
+  req.mutable_q()->set_data(std::string(core_->q_bytes(1), '\0'));
   v1::StepReply reply;
   const absl::Status st = service_->Handle(req, &reply);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(st.message(), "k has 64 bytes, expected 6400000 ([B=100000][Hk=2][D=8] fp32)");
   EXPECT_EQ(reply.out().size(), 0u);
+}
+
+}  // namespace
+}  // namespace karakv::server
+
+namespace karakv::server {
+namespace {
+
+// A softmax scale that is NaN, negative or infinite is refused naming `scale`, on every path that
+// reaches attention (Step and Attend, through gRPC's handler and through the ring); 0 still means
+// 1/sqrt(head_dim) and a positive scale is used as given.
+TEST_F(ServiceTest, StepAndAttendRefuseABadScaleNamingIt) {
+  const std::string s = attach(true);
+  const uint64_t id = sequence(s, 5);
+  const float kBad[] = {std::nanf(""), -1.0f, std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity()};
+  auto step = [&](float scale) {
+    v1::StepRequest req;
+    req.set_session_id(s);
+    req.set_layer(0);
+    req.add_sequence_ids(id);
+    req.mutable_k()->set_data(std::string(core_->step_kv_bytes(1), '\0'));
+    req.mutable_v()->set_data(std::string(core_->step_kv_bytes(1), '\0'));
+    req.mutable_q()->set_data(std::string(core_->q_bytes(1), '\0'));
+    req.set_scale(scale);
+    v1::StepReply reply;
+    return service_->Handle(req, &reply);
+  };
+  auto attend = [&](float scale) {
+    v1::AttendRequest req;
+    req.set_session_id(s);
+    req.set_sequence_id(id);
+    req.set_num_queries(1);
+    req.mutable_q()->set_data(std::string(core_->q_bytes(1), '\0'));
+    req.set_scale(scale);
+    v1::AttendReply reply;
+    return service_->Handle(req, &reply);
+  };
+  auto staging = *core_->staging(s);
+  ring::Header* h = ring::header(staging->reserved());
+  uint64_t submitted = 0;
+  auto ring_attend = [&](float scale) {
+    ring::Command c{};
+    c.op = uint32_t(ring::Op::kAttend);
+    c.sequence_id = id;
+    c.count = 1;
+    c.q = {0, core_->q_bytes(1)};
+    c.out = {4096, core_->q_bytes(1)};
+    c.scale = scale;
+    std::memcpy(&ring::commands(staging->reserved())[submitted % ring::kSlots], &c, sizeof c);
+    h->sq_tail.store(++submitted);
+    EXPECT_EQ(*rings_->poll(s), 1);
+    const ring::Completion& done = ring::completions(staging->reserved())[(submitted - 1) % ring::kSlots];
+    h->cq_head.store(submitted);
+    return absl::Status(static_cast<absl::StatusCode>(done.code), std::string(done.message, done.message_bytes));
+  };
+  for (float bad : kBad) {
+    for (const absl::Status& st : {attend(bad), ring_attend(bad), step(bad)}) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("scale is ")) << bad;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("expected a finite number > 0")) << bad;
+    }
+  }
+  EXPECT_THAT(std::string(attend(std::nanf("")).message()), HasSubstr("scale is NaN"));
+  // Refused before anything changed: the sequence has no step in progress.
+  v1::InspectRequest ireq;
+  ireq.set_sequence_id(id);
+  v1::InspectReply irep;
+  ASSERT_TRUE(service_->Handle(ireq, &irep).ok());
+  EXPECT_EQ(irep.info().pending_layer(), -1);
+  EXPECT_EQ(irep.info().length(), 5u);
+  EXPECT_TRUE(attend(0.0f).ok());
+  EXPECT_TRUE(attend(0.125f).ok());
+  EXPECT_TRUE(ring_attend(2.0f).ok());
+  EXPECT_TRUE(step(0.0f).ok());
+}
+
+// Attach without a geometry is served the daemon's (the reply says which); a geometry with any of
+// layers, heads or head_dim set has every field compared, so a partial one cannot slip through.
+TEST_F(ServiceTest, AttachComparesAnyGeometryItIsSent) {
+  const kernels::Geometry& g = core_->geometry();
+  v1::AttachRequest none;
+  v1::AttachReply reply;
+  ASSERT_TRUE(service_->Handle(none, &reply).ok());
+  EXPECT_EQ(reply.geometry().num_layers(), g.num_layers);
+  EXPECT_EQ(reply.geometry().head_dim(), g.head_dim);
+  v1::AttachRequest empty;
+  empty.mutable_geometry();  // present, every field zero
+  ASSERT_TRUE(service_->Handle(empty, &reply).ok());
+  v1::AttachRequest partial;
+  partial.mutable_geometry()->set_head_dim(g.head_dim * 2);  // layers left at 0
+  absl::Status st = service_->Handle(partial, &reply);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("differs from the daemon's"));
+  v1::AttachRequest same;
+  *same.mutable_geometry() = v1::to_proto(g);
+  EXPECT_TRUE(service_->Handle(same, &reply).ok());
+  same.mutable_geometry()->set_num_kv_heads(g.num_kv_heads * 2);
+  EXPECT_EQ(service_->Handle(same, &reply).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,702 @@
+// The sequence store: blocks, tables and the data path. Every mutating function either fully
+// succeeds or leaves the sequence as it was; callers count and reserve blocks first.
+#include "server/sequence_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "server/validation.h"
+
+namespace karakv::server {
+
+using kernels::Geometry;
+
+absl::StatusOr<std::unique_ptr<SequenceStore>> SequenceStore::create(const StoreConfig& config,
+                                                                     kernels::Backend& backend) {
+  if (absl::Status s = validate_geometry(config.geometry); !s.ok()) return s;
+  const size_t block_bytes = config.geometry.block_bytes();
+  const int64_t num_blocks = config.pool_bytes / static_cast<int64_t>(block_bytes);
+  if (num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("pool of ", config.pool_bytes,
+                                                   " bytes holds no block of ", block_bytes, " bytes"));
+  }
+  if (num_blocks > INT32_MAX) return absl::InvalidArgumentError("pool holds more than 2^31 blocks");
+  for (kernels::Op op : {kernels::Op::kWriteKV, kernels::Op::kDecodeAttention,
+                         kernels::Op::kCausalAttention, kernels::Op::kReadKV, kernels::Op::kCopyBlock}) {
+    if (!backend.supports(op, config.geometry.dtype)) {
+      return absl::UnimplementedError(absl::StrCat("backend ", std::string(backend.name()), " cannot run ",
+                                                   kernels::op_name(op), " for dtype ",
+                                                   kernels::dtype_name(config.geometry.dtype)));
+    }
+  }
+  void* memory = nullptr;
+  const size_t pool_bytes = static_cast<size_t>(num_blocks) * block_bytes;
+  if (auto s = backend.allocate(pool_bytes, &memory); !s.is_ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a ", pool_bytes, "-byte pool on ", std::string(backend.name()), ": ", s.message));
+  }
+  return std::unique_ptr<SequenceStore>(new SequenceStore(config, backend, memory, static_cast<int32_t>(num_blocks)));
+}
+
+SequenceStore::SequenceStore(const StoreConfig& config, kernels::Backend& backend, void* pool_memory,
+                             int32_t num_blocks)
+    : config_(config), backend_(backend), pool_memory_(pool_memory), pool_(num_blocks) {}
+
+SequenceStore::~SequenceStore() {
+  sequences_.clear();
+  backend_.free(pool_memory_);
+}
+
+size_t SequenceStore::append_bytes(int32_t num_tokens) const {
+  const Geometry& g = config_.geometry;
+  return size_t(g.num_layers) * num_tokens * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+}
+size_t SequenceStore::step_kv_bytes(size_t batch) const {
+  const Geometry& g = config_.geometry;
+  return batch * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+}
+size_t SequenceStore::q_bytes(size_t rows) const { return rows * config_.geometry.q_token_elems() * 4; }
+
+// ---- records ----
+
+Sequence& SequenceStore::add() {
+  const uint64_t id = next_id_++;
+  Sequence& seq = sequences_[id];
+  seq.id = id;
+  return seq;
+}
+
+Sequence* SequenceStore::find(uint64_t id) {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? nullptr : &it->second;
+}
+
+const Sequence* SequenceStore::find(uint64_t id) const {
+  auto it = sequences_.find(id);
+  return it == sequences_.end() ? nullptr : &it->second;
+}
+
+Sequence& SequenceStore::fork(const Sequence& parent) {
+  Sequence child = parent;  // copies the table; the blocks are now shared
+  child.id = next_id_++;
+  child.first_append.reset();  // the parent's TTFT is the parent's
+  for (int32_t b : child.blocks) pool_.add_ref(b);
+  for (int32_t b : child.qblocks) pool_.add_ref(b);
+  const uint64_t id = child.id;
+  return sequences_[id] = std::move(child);
+}
+
+int SequenceStore::release(Sequence& seq) {
+  int freed = 0;
+  for (int32_t b : seq.blocks) freed += pool_.release(b) ? 1 : 0;
+  for (int32_t b : seq.qblocks) freed += pool_.release(b) ? 1 : 0;
+  seq.blocks.clear();
+  seq.qblocks.clear();
+  return freed;
+}
+
+int SequenceStore::erase(uint64_t id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return 0;
+  const int freed = release(it->second);
+  sequences_.erase(it);
+  return freed;
+}
+
+// ---- blocks ----
+
+int32_t SequenceStore::blocks_needed(const Sequence& seq, int32_t new_length) const {
+  const int32_t b = config_.geometry.block_size;
+  const int32_t have = static_cast<int32_t>(seq.blocks.size());
+  const int32_t fp_new = new_length - seq.quantized();  // the block table covers unquantized slots
+  const int32_t want = (fp_new + b - 1) / b;
+  int32_t n = want > have ? want - have : 0;
+  // Writing into a partly filled block that a fork shares needs a private copy first.
+  const int32_t first = seq.fp_length() / b;
+  if (new_length > seq.length && first < have && pool_.refcount(seq.blocks[first]) > 1) ++n;
+  return n;
+}
+
+absl::Status SequenceStore::reserve(Sequence& seq, int32_t new_length) {
+  const int32_t b = config_.geometry.block_size;
+  const int32_t have = static_cast<int32_t>(seq.blocks.size());
+  const int32_t first = seq.fp_length() / b;
+  if (new_length > seq.length && first < have && pool_.refcount(seq.blocks[first]) > 1) {
+    std::vector<int32_t> fresh;
+    if (absl::Status s = pool_.allocate(1, &fresh); !s.ok()) return s;
+    kernels::PagedKV kv;
+    kv.pool = pool_memory_;
+    kv.geometry = config_.geometry;
+    if (auto s = backend_.copy_block(kv, seq.blocks[first], fresh[0]); !s.is_ok()) {
+      pool_.release(fresh[0]);
+      return to_status(s);
+    }
+    pool_.release(seq.blocks[first]);
+    seq.blocks[first] = fresh[0];
+  }
+  const int32_t want = (new_length - seq.quantized() + b - 1) / b;
+  if (want > have) {
+    if (absl::Status s = pool_.allocate(want - static_cast<int32_t>(seq.blocks.size()), &seq.blocks); !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+int32_t SequenceStore::unused_cached_blocks() const {
+  int32_t n = 0;
+  for (const auto& [key, e] : prefix_cache_.entries()) n += pool_.refcount(e.block) == 1 ? 1 : 0;
+  return n;
+}
+
+std::vector<int32_t> SequenceStore::cached_blocks() const {
+  std::vector<int32_t> out;
+  out.reserve(prefix_cache_.size());
+  for (const auto& [key, e] : prefix_cache_.entries()) out.push_back(e.block);
+  return out;
+}
+
+int32_t SequenceStore::evict_unused_cached(int32_t count) {
+  int32_t evicted = 0;
+  for (const PrefixKey& key : prefix_cache_.lru_order()) {
+    if (evicted >= count) break;
+    const int32_t block = prefix_cache_.entries().at(key).block;
+    if (pool_.refcount(block) != 1) continue;  // a sequence still reads it
+    prefix_cache_.erase(key);
+    pool_.release(block);  // the cache held the only reference: one block freed
+    ++prefix_evictions_;
+    ++evicted;
+  }
+  return evicted;
+}
+
+bool SequenceStore::make_room(int32_t need) {
+  if (pool_.free_count() >= need) return true;
+  if (prefix_cache_.size() == 0 || pool_.free_count() + unused_cached_blocks() < need) return false;
+  evict_unused_cached(need - pool_.free_count());
+  return pool_.free_count() >= need;
+}
+
+void SequenceStore::trim_prefix_cache() {
+  if (config_.prefix_cache_max_fraction >= 1.0 || prefix_cache_.size() == 0) return;
+  const int32_t limit = static_cast<int32_t>(config_.prefix_cache_max_fraction * pool_.total());
+  const int32_t unused = unused_cached_blocks();
+  if (unused > limit) evict_unused_cached(unused - limit);
+}
+
+// ---- prefix cache ----
+
+std::vector<PrefixCache::Hit> SequenceStore::match_prefix(absl::Span<const int32_t> token_ids,
+                                                          const std::string& cache_namespace) {
+  if (!config_.prefix_cache || token_ids.empty()) return {};
+  return prefix_cache_.match(token_ids, config_.geometry, cache_namespace);
+}
+
+void SequenceStore::count_lookup(size_t tokens, int32_t hit) {
+  ++prefix_lookups_;
+  prefix_lookup_tokens_ += tokens;
+  prefix_hit_tokens_ += hit;
+}
+
+int32_t SequenceStore::adopt_prefix(Sequence& seq, const std::vector<PrefixCache::Hit>& hits,
+                                    absl::Span<const int32_t> token_ids) {
+  prefix_cache_.touch(hits);
+  const int32_t cached = static_cast<int32_t>(hits.size()) * config_.geometry.block_size;
+  for (const PrefixCache::Hit& h : hits) {
+    pool_.add_ref(h.block);  // shared like a fork's: the first write past them copies nothing
+    seq.blocks.push_back(h.block);
+    seq.prompt_keys.push_back(h.key);
+  }
+  seq.prompt_ids.assign(token_ids.begin(), token_ids.begin() + cached);
+  seq.length = seq.logical = cached;
+  return cached;
+}
+
+void SequenceStore::publish_prompt(Sequence& seq, absl::Span<const int32_t> token_ids, int32_t num_tokens) {
+  if (seq.decoding || !seq.publish) return;
+  // The prompt keeps its ids only while every prompt token came with one.
+  if (token_ids.empty() || seq.prompt_ids.size() + size_t(num_tokens) != size_t(seq.logical)) {
+    seq.publish = false;
+    seq.prompt_ids.clear();
+    return;
+  }
+  seq.prompt_ids.insert(seq.prompt_ids.end(), token_ids.begin(), token_ids.end());
+  if (seq.compactions > 0 || seq.length != seq.logical) {
+    seq.publish = false;  // the resident prompt is no longer the appended one
+    return;
+  }
+  const Geometry& g = config_.geometry;
+  const size_t b = size_t(g.block_size);
+  bool published = false;
+  while ((seq.prompt_keys.size() + 1) * b <= seq.prompt_ids.size()) {
+    const size_t i = seq.prompt_keys.size();
+    const PrefixKey parent = i == 0 ? PrefixKey{} : seq.prompt_keys[i - 1];
+    const absl::Span<const int32_t> tokens(seq.prompt_ids.data() + i * b, b);
+    const PrefixKey key = prefix_block_key(parent, tokens, g, seq.cache_namespace);
+    seq.prompt_keys.push_back(key);
+    const int32_t slot = static_cast<int32_t>(i * b);
+    if (slot < seq.quantized()) continue;  // its full-precision block is gone
+    const int32_t block = seq.blocks[size_t(slot - seq.quantized()) / b];
+    PrefixCache::Entry e;
+    e.parent = parent;
+    e.cache_namespace = seq.cache_namespace;
+    e.tokens.assign(tokens.begin(), tokens.end());
+    e.block = block;
+    if (prefix_cache_.insert(key, std::move(e))) {
+      pool_.add_ref(block);
+      ++prefix_published_;
+      published = true;
+    }
+  }
+  // The chain's earlier blocks become newer than its new end: eviction takes chains from the end.
+  if (published) prefix_cache_.touch(seq.prompt_keys);
+}
+
+// ---- views and data ----
+
+PagedView SequenceStore::view(absl::Span<const Sequence* const> seqs, absl::Span<const int32_t> lengths) const {
+  PagedView v;
+  v.offsets.assign(1, 0);
+  for (const Sequence* s : seqs) {
+    v.table.insert(v.table.end(), s->blocks.begin(), s->blocks.end());
+    v.offsets.push_back(static_cast<int32_t>(v.table.size()));
+  }
+  v.lengths.assign(lengths.begin(), lengths.end());
+  v.kv.pool = pool_memory_;
+  v.kv.geometry = config_.geometry;
+  v.kv.block_table = v.table.data();
+  v.kv.table_offset = v.offsets.data();
+  v.kv.seq_len = v.lengths.data();
+  v.kv.num_seqs = static_cast<int>(seqs.size());
+  if (!seqs.empty() && !seqs.front()->qblocks.empty()) {
+    v.quantized = true;
+    v.qoffsets.assign(1, 0);
+    for (const Sequence* s : seqs) {
+      v.qtable.insert(v.qtable.end(), s->qblocks.begin(), s->qblocks.end());
+      v.qoffsets.push_back(static_cast<int32_t>(v.qtable.size()));
+    }
+    v.qkv.format = seqs.front()->format;
+    v.qkv.tokens_per_block = seqs.front()->tokens_per_qblock;
+    v.qkv.seed = seqs.front()->qseed;
+    v.qkv.block_table = v.qtable.data();
+    v.qkv.table_offset = v.qoffsets.data();
+  } else if (!seqs.empty() && seqs.front()->quantize) {
+    // Nothing quantized yet, but quantize_aged needs the format to write the first block.
+    v.qoffsets.assign(seqs.size() + 1, 0);
+    v.qkv.format = seqs.front()->format;
+    v.qkv.tokens_per_block = seqs.front()->tokens_per_qblock;
+    v.qkv.seed = seqs.front()->qseed;
+    v.qkv.block_table = v.qtable.data();
+    v.qkv.table_offset = v.qoffsets.data();
+  }
+  return v;
+}
+
+absl::Status SequenceStore::write_prompt(Sequence& seq, int32_t num_tokens, ConstBytes k, ConstBytes v) {
+  const Sequence* one = &seq;
+  const int32_t length = seq.fp_length() + num_tokens;
+  PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&length, 1));
+  if (auto s = backend_.write_kv(pv.kv, 0, seq.fp_length(), num_tokens, 0, config_.geometry.num_layers, k.data(),
+                                 v.data());
+      !s.is_ok()) {
+    return to_status(s);
+  }
+  tokens_appended_ += num_tokens;
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::write_step(absl::Span<Sequence* const> seqs, int layer, ConstBytes k, ConstBytes v) {
+  std::vector<int32_t> lengths;
+  lengths.reserve(seqs.size());
+  for (const Sequence* seq : seqs) lengths.push_back(seq->fp_length() + 1);
+  std::vector<const Sequence*> members(seqs.begin(), seqs.end());
+  PagedView pv = view(members, lengths);
+  const Geometry& g = config_.geometry;
+  const size_t kv_stride = g.kv_token_elems() * kernels::dtype_size(g.dtype);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (auto s = backend_.write_kv(pv.kv, static_cast<int>(i), seqs[i]->fp_length(), 1, layer, 1,
+                                   k.data() + i * kv_stride, v.data() + i * kv_stride);
+        !s.is_ok()) {
+      return to_status(s);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, int layer, const float* q, float* out,
+                                             float scale, absl::Span<float* const> accumulators) {
+  const Geometry& g = config_.geometry;
+  const size_t row = g.q_token_elems();
+  const bool accumulate = !accumulators.empty();
+  // Groups of sequences one kernel call can serve: unquantized ones together; each quantized
+  // sequence alone (its rotation seed is its own).
+  std::vector<std::vector<size_t>> groups;
+  std::vector<size_t> plain;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (seqs[i]->qblocks.empty()) plain.push_back(i);
+    else groups.push_back({i});
+  }
+  if (!plain.empty()) groups.insert(groups.begin(), plain);
+  for (const std::vector<size_t>& group : groups) {
+    const bool whole = group.size() == seqs.size();
+    std::vector<const Sequence*> members;
+    std::vector<int32_t> lengths;
+    std::vector<float> gq, gout;
+    for (size_t i : group) {
+      members.push_back(seqs[i]);
+      lengths.push_back(seqs[i]->fp_length() + 1);
+      if (!whole) gq.insert(gq.end(), q + i * row, q + (i + 1) * row);
+    }
+    if (!whole) gout.resize(gq.size());
+    const float* gqp = whole ? q : gq.data();
+    float* goutp = whole ? out : gout.data();
+    std::vector<float*> acc;
+    if (accumulate) {
+      acc.assign(group.size() * g.num_kv_heads, nullptr);
+      for (size_t j = 0; j < group.size(); ++j) {
+        for (int h = 0; h < g.num_kv_heads; ++h) acc[j * g.num_kv_heads + h] = accumulators[group[j] * g.num_kv_heads + h];
+      }
+    }
+    PagedView pv = view(members, lengths);
+    kernels::KernelStatus ks;
+    if (pv.quantized) {
+      ks = backend_.decode_attention_quantized(pv.kv, pv.qkv, layer, gqp, goutp, scale, accumulate ? acc.data() : nullptr);
+    } else if (accumulate) {
+      ks = backend_.decode_attention_accumulate(pv.kv, layer, gqp, goutp, scale, acc.data());
+    } else {
+      ks = backend_.decode_attention(pv.kv, layer, gqp, goutp, scale);
+    }
+    if (!ks.is_ok()) return to_status(ks);
+    if (!whole) {
+      for (size_t j = 0; j < group.size(); ++j) std::copy_n(gout.data() + j * row, row, out + group[j] * row);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::attend(const Sequence& seq, int layer, int32_t num_queries, const float* q, float* out,
+                                   float scale) const {
+  const Sequence* one = &seq;
+  const int32_t length = seq.fp_length();
+  PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&length, 1));
+  if (pv.quantized) {
+    return to_status(backend_.causal_attention_quantized(pv.kv, pv.qkv, 0, layer, num_queries, q, out, scale));
+  }
+  return to_status(backend_.causal_attention(pv.kv, 0, layer, num_queries, q, out, scale));
+}
+
+absl::StatusOr<int32_t> SequenceStore::read_kv(
+    const Sequence& seq, absl::FunctionRef<absl::StatusOr<ReadKVTargets>(int32_t)> targets) const {
+  auto out = targets(seq.length);
+  if (!out.ok()) return out.status();
+  const size_t want = append_bytes(seq.length);
+  const size_t rows = size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads;
+  if (out->k.size() < want || out->v.size() < want || out->positions.size() < rows * seq.length * 4) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadKV outputs too small for ", seq.length,
+                                                   " tokens: k and v need ", want,
+                                                   " bytes each, positions ", rows * seq.length * 4));
+  }
+  if (seq.length > 0) {
+    // Quantized blocks come back dequantized (what attention sees), then the unquantized slots.
+    const Geometry& g = config_.geometry;
+    const size_t tok = g.kv_token_elems() * kernels::dtype_size(g.dtype);  // one token, one layer
+    const int32_t nq = seq.quantized(), nf = seq.fp_length();
+    const Sequence* one = &seq;
+    PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&nf, 1));
+    auto place = [&](const uint8_t* src_k, const uint8_t* src_v, int32_t n, int32_t at) {
+      for (int l = 0; l < g.num_layers; ++l) {
+        std::memcpy(out->k.data() + (size_t(l) * seq.length + at) * tok, src_k + size_t(l) * n * tok, n * tok);
+        std::memcpy(out->v.data() + (size_t(l) * seq.length + at) * tok, src_v + size_t(l) * n * tok, n * tok);
+      }
+    };
+    if (nq > 0) {
+      std::vector<uint8_t> bk(size_t(g.num_layers) * seq.tokens_per_qblock * tok), bv(bk.size());
+      for (size_t i = 0; i < seq.qblocks.size(); ++i) {
+        if (auto s = backend_.dequantize_block(pv.kv, pv.qkv, seq.qblocks[i], bk.data(), bv.data()); !s.is_ok()) {
+          return to_status(s);
+        }
+        place(bk.data(), bv.data(), seq.tokens_per_qblock, int32_t(i) * seq.tokens_per_qblock);
+      }
+    }
+    if (nf > 0) {
+      std::vector<uint8_t> fk(size_t(g.num_layers) * nf * tok), fv(fk.size());
+      if (auto s = backend_.read_kv(pv.kv, 0, fk.data(), fv.data()); !s.is_ok()) return to_status(s);
+      place(fk.data(), fv.data(), nf, nq);
+    }
+  }
+  int32_t* pos = reinterpret_cast<int32_t*>(out->positions.data());
+  for (size_t r = 0; r < rows; ++r) {
+    for (int32_t t = 0; t < seq.length; ++t) pos[r * seq.length + t] = seq.position(int(r), t);
+  }
+  return seq.length;
+}
+
+// ---- query cache ----
+
+float* SequenceStore::query_entry(Sequence& seq, int32_t slot, int capacity_hint) {
+  const size_t entry = size_t(config_.geometry.num_layers) * config_.geometry.q_token_elems();
+  if (seq.q_count > 0 && slot >= seq.q_first && slot < seq.q_first + seq.q_count) {
+    return seq.queries.data() + size_t(slot - seq.q_first) * entry;  // a restarted step
+  }
+  if (seq.q_count == 0 || slot != seq.q_first + seq.q_count) {
+    // Not contiguous with what is cached (tokens arrived without queries): start afresh.
+    seq.q_first = slot;
+    seq.q_count = 0;
+    seq.queries.clear();
+  }
+  if (seq.queries.capacity() == 0) seq.queries.reserve(size_t(std::max(1, capacity_hint)) * entry);
+  seq.queries.resize((size_t(seq.q_count) + 1) * entry);
+  return seq.queries.data() + size_t(seq.q_count++) * entry;
+}
+
+void SequenceStore::trim_queries(Sequence& seq, int32_t keep_from) {
+  const int32_t drop = std::clamp(keep_from - seq.q_first, 0, seq.q_count);
+  if (drop == 0) return;
+  const size_t entry = size_t(config_.geometry.num_layers) * config_.geometry.q_token_elems();
+  seq.queries.erase(seq.queries.begin(), seq.queries.begin() + drop * entry);
+  seq.q_first += drop;
+  seq.q_count -= drop;
+  if (seq.q_count == 0) seq.queries.shrink_to_fit();
+}
+
+// ---- quantized storage ----
+
+void SequenceStore::quantize_aged(Sequence& seq, int32_t frozen_end) {
+  if (!seq.quantize || seq.pending_layer >= 0) return;
+  const int32_t limit = std::min(seq.length - seq.residual, frozen_end);
+  const int32_t b = config_.geometry.block_size;
+  while (seq.quantized() + seq.tokens_per_qblock <= limit) {
+    std::vector<int32_t> fresh;
+    if (!make_room(1) || !pool_.allocate(1, &fresh).ok()) return;  // retried after the next step
+    const Sequence* one = &seq;
+    const int32_t length = seq.fp_length();
+    PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&length, 1));
+    if (!backend_.quantize_tokens(pv.kv, 0, 0, pv.qkv, fresh[0]).is_ok()) {
+      pool_.release(fresh[0]);
+      return;
+    }
+    const int32_t freed_blocks = seq.tokens_per_qblock / b;
+    for (int32_t i = 0; i < freed_blocks; ++i) pool_.release(seq.blocks[i]);
+    seq.blocks.erase(seq.blocks.begin(), seq.blocks.begin() + freed_blocks);
+    seq.qblocks.push_back(fresh[0]);
+  }
+}
+
+absl::StatusOr<Sequence> SequenceStore::dequantized_copy(const Sequence& seq) {
+  const Geometry& g = config_.geometry;
+  const int32_t fresh_count = seq.quantized() / g.block_size;
+  std::vector<int32_t> fresh;
+  make_room(fresh_count);
+  if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("compaction of quantized sequence ", seq.id, " by ", seq.label,
+                                                     " must first dequantize into ", fresh_count, " blocks: ",
+                                                     s.message()));
+  }
+  Sequence copy = seq;
+  copy.qblocks.clear();
+  copy.blocks = fresh;
+  copy.blocks.insert(copy.blocks.end(), seq.blocks.begin(), seq.blocks.end());
+  const size_t bytes = size_t(g.num_layers) * seq.tokens_per_qblock * g.kv_token_elems() * kernels::dtype_size(g.dtype);
+  std::vector<uint8_t> k(bytes), v(bytes);
+  const Sequence* source = &seq;
+  const Sequence* target = &copy;
+  const int32_t zero = 0, length = copy.length;
+  PagedView qv = view(absl::MakeConstSpan(&source, 1), absl::MakeConstSpan(&zero, 1));
+  PagedView pv = view(absl::MakeConstSpan(&target, 1), absl::MakeConstSpan(&length, 1));
+  for (size_t i = 0; i < seq.qblocks.size(); ++i) {
+    kernels::KernelStatus ks = backend_.dequantize_block(pv.kv, qv.qkv, seq.qblocks[i], k.data(), v.data());
+    if (ks.is_ok()) {
+      ks = backend_.write_kv(pv.kv, 0, int(i) * seq.tokens_per_qblock, seq.tokens_per_qblock, 0, g.num_layers,
+                             k.data(), v.data());
+    }
+    if (!ks.is_ok()) {
+      for (int32_t blk : fresh) pool_.release(blk);
+      return to_status(ks);
+    }
+  }
+  return copy;
+}
+
+void SequenceStore::adopt_copy(Sequence& seq, Sequence&& copy) {
+  // The copy's table now holds the sequence's references (compaction released what it replaced).
+  for (int32_t blk : seq.qblocks) pool_.release(blk);
+  seq = std::move(copy);
+}
+
+void SequenceStore::drop_copy(const Sequence& seq, const Sequence& copy) {
+  const int32_t fresh_count = seq.quantized() / config_.geometry.block_size;
+  for (int32_t i = 0; i < fresh_count; ++i) pool_.release(copy.blocks[i]);
+}
+
+// ---- compaction ----
+
+absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan, int merge_tokens,
+                                       const std::string& by) {
+  const Geometry& g = config_.geometry;
+  const int32_t b = g.block_size;
+  const int32_t fresh_count = (plan.num_kept + b - 1) / b;
+  std::vector<int32_t> fresh;
+  make_room(fresh_count);
+  if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", by, " needs ",
+                                                     fresh_count, " fresh blocks: ", s.message()));
+  }
+  const Sequence* one = &seq;
+  const int32_t length = seq.fp_length();
+  PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&length, 1));
+  // Kernels address unquantized slots from 0; plans speak of all resident slots.
+  const int32_t q0 = seq.quantized();
+  std::vector<int32_t> local(plan.kept);
+  for (int32_t& slot : local) slot -= q0;
+  if (auto s = backend_.gather_tokens(pv.kv, 0, local.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
+    for (int32_t blk : fresh) pool_.release(blk);
+    return to_status(s);
+  }
+  if (merge_tokens > 0 && !plan.scores.empty()) {
+    // CaM reads the evicted values from the old blocks, which are still the sequence's here.
+    if (auto s = backend_.cam_merge_values(pv.kv, 0, plan.begin - q0, plan.end - q0, local.data(), plan.num_kept,
+                                           plan.scores.data(), merge_tokens, fresh.data());
+        !s.is_ok()) {
+      for (int32_t blk : fresh) pool_.release(blk);
+      return to_status(s);
+    }
+  }
+  // From here on nothing can fail: rewrite positions, table, caches.
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  const int32_t removed = plan.end - plan.begin - plan.num_kept;
+  std::vector<std::vector<int32_t>> pos(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    pos[r].reserve(plan.begin + plan.num_kept);
+    for (int32_t s = 0; s < plan.begin; ++s) pos[r].push_back(seq.position(int(r), s));
+    for (int32_t i = 0; i < plan.num_kept; ++i) pos[r].push_back(seq.position(int(r), plan.kept[r * plan.num_kept + i]));
+  }
+  const int32_t first_old = (plan.begin - q0) / b;
+  const int32_t end_old = (plan.end - q0 + b - 1) / b;
+  for (int32_t i = first_old; i < end_old; ++i) pool_.release(seq.blocks[i]);
+  std::vector<int32_t> blocks(seq.blocks.begin(), seq.blocks.begin() + first_old);
+  blocks.insert(blocks.end(), fresh.begin(), fresh.end());
+  blocks.insert(blocks.end(), seq.blocks.begin() + end_old, seq.blocks.end());
+  seq.blocks = std::move(blocks);
+  // Queries: those of removed or regathered slots go; later ones shift down with their slots.
+  const int32_t q_end = seq.q_first + seq.q_count;
+  if (seq.q_count > 0 && seq.q_first < plan.end && q_end > plan.begin) {
+    const int32_t drop = seq.q_first >= plan.begin ? std::min(plan.end, q_end) - seq.q_first : seq.q_count;
+    const size_t entry = size_t(g.num_layers) * g.q_token_elems();
+    seq.queries.erase(seq.queries.begin(), seq.queries.begin() + size_t(drop) * entry);
+    seq.q_first += drop;
+    seq.q_count -= drop;
+  }
+  if (seq.q_first >= plan.end) seq.q_first -= removed;
+  if (seq.q_count == 0) seq.q_first = seq.length - removed;
+  seq.length -= removed;
+  seq.explicit_end = plan.begin + plan.num_kept;
+  seq.explicit_pos = std::move(pos);
+  ++seq.compactions;
+  seq.publish = false;  // compacted blocks are never content-addressed
+  return absl::OkStatus();
+}
+
+// ---- introspection ----
+
+std::vector<std::vector<int32_t>> SequenceStore::positions_of(const Sequence& seq) const {
+  const size_t rows = size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads;
+  std::vector<std::vector<int32_t>> out(rows);
+  for (size_t r = 0; r < rows; ++r) {
+    out[r].reserve(seq.length);
+    for (int32_t s = 0; s < seq.length; ++s) out[r].push_back(seq.position(int(r), s));
+  }
+  return out;
+}
+
+SequenceInfo SequenceStore::info_of(const Sequence& seq) const {
+  SequenceInfo info;
+  info.id = seq.id;
+  info.session_id = seq.session_id;
+  info.tenant = seq.tenant;
+  info.policy = seq.label;
+  info.length = seq.length;
+  info.logical_length = seq.logical;
+  info.prompt_length = seq.prompt;
+  info.compactions = seq.compactions;
+  info.storage = seq.storage;
+  info.quantized = seq.quantized();
+  info.quantized_blocks = static_cast<int32_t>(seq.qblocks.size());
+  info.blocks = static_cast<int32_t>(seq.blocks.size() + seq.qblocks.size());
+  for (int32_t b : seq.blocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
+  for (int32_t b : seq.qblocks) info.shared_blocks += pool_.refcount(b) > 1 ? 1 : 0;
+  const Geometry& g = config_.geometry;
+  info.kv_bytes = uint64_t(info.blocks) * g.block_bytes();
+  info.fp16_bytes = uint64_t(seq.logical) * g.num_layers * g.kv_token_elems() * 2 * 2;
+  const int bits = !seq.quantize ? 8 * int(kernels::dtype_size(g.dtype))
+                   : seq.format == kernels::QuantFormat::kKivi2 || seq.format == kernels::QuantFormat::kTq2 ? 2
+                   : seq.format == kernels::QuantFormat::kTq3                                               ? 3
+                                                                                                             : 4;
+  info.nominal_ratio = 16.0 / bits;
+  info.priority = seq.priority;
+  info.pending_layer = seq.pending_layer;
+  return info;
+}
+
+void SequenceStore::fill_stats(CoreStats& s) const {
+  s.blocks_total = pool_.total();
+  s.blocks_used = pool_.used_count();
+  s.blocks_free = pool_.free_count();
+  s.sequences = static_cast<int32_t>(sequences_.size());
+  s.tokens_appended = tokens_appended_;
+  s.prefix_lookups = prefix_lookups_;
+  s.prefix_lookup_tokens = prefix_lookup_tokens_;
+  s.prefix_hit_tokens = prefix_hit_tokens_;
+  s.prefix_cached_blocks = static_cast<int32_t>(prefix_cache_.size());
+  s.prefix_unused_blocks = unused_cached_blocks();
+  s.prefix_evictions = prefix_evictions_;
+  s.prefix_published_blocks = prefix_published_;
+  for (const auto& [id, seq] : sequences_) {
+    s.resident_tokens += seq.length;
+    s.logical_tokens += seq.logical;
+    s.query_cache_bytes += seq.queries.size() * sizeof(float);
+    const SequenceInfo info = info_of(seq);
+    PolicyStats& ps = s.policies[info.policy];
+    ++ps.sequences;
+    ps.resident_tokens += seq.length;
+    ps.logical_tokens += seq.logical;
+    ps.kv_bytes += info.kv_bytes;
+    ps.fp16_bytes += info.fp16_bytes;
+    ps.nominal_ratio = info.nominal_ratio;
+  }
+}
+
+absl::Status SequenceStore::check_invariants() const {
+  std::vector<int32_t> references(pool_.total(), 0);
+  const int32_t b = config_.geometry.block_size;
+  for (const auto& [id, seq] : sequences_) {
+    const int32_t covered = seq.fp_length() + (seq.pending_layer >= 0 ? 1 : 0);
+    if (static_cast<int32_t>(seq.blocks.size()) != (covered + b - 1) / b) {
+      return absl::InternalError(absl::StrCat("sequence ", id, " holds ", seq.blocks.size(),
+                                              " blocks for ", covered, " unquantized tokens"));
+    }
+    for (int32_t block : seq.qblocks) {
+      if (block < 0 || block >= pool_.total()) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " holds bad quantized block id ", block));
+      }
+      ++references[block];
+    }
+    for (int32_t block : seq.blocks) {
+      if (block < 0 || block >= pool_.total()) {
+        return absl::InternalError(absl::StrCat("sequence ", id, " holds bad block id ", block));
+      }
+      ++references[block];
+    }
+  }
+  // The prefix cache holds one reference on each block it indexes.
+  if (std::string e = prefix_cache_.check(); !e.empty()) return absl::InternalError(e);
+  for (const auto& [key, e] : prefix_cache_.entries()) {
+    if (e.block < 0 || e.block >= pool_.total()) {
+      return absl::InternalError(absl::StrCat("prefix cache holds bad block id ", e.block));
+    }
+    ++references[e.block];
+  }
+  return pool_.check(references);
+}
+
+}  // namespace karakv::server
