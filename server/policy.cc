@@ -82,7 +82,7 @@ void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer
 std::vector<ParamSpec> cam_params() {
   return {
       {"cam", 0, 0, 1, true, "1: merge evicted values into the next kept tokens (CaM)"},
-      {"merge", 32, 1, 4096, true, "M: kept tokens each evicted value is merged into"},
+      {"merge", 4, 1, 4096, true, "M: kept tokens each evicted value is merged into (convex, normalised)"},
   };
 }
 

@@ -672,24 +672,65 @@ KernelStatus hadamard_unrotate(const float* y, int d, uint64_t seed, float* x) {
   return KernelStatus::ok();
 }
 
-KernelStatus cam_merge(const float* evicted_v, float evicted_attention, float mean_window_attention, int merge_tokens,
-                       float* kept_v, int m, int d) {
+// CaM version 2 (quant.h). The merge is normalised per kept token, so evicted tokens cannot be
+// applied one at a time: each evicted e adds c_e * V_e to the numerators and c_e to the absorbed
+// weights of its targets (in ascending slot order), and every kept token divides once at the end.
+KernelStatus cam_merge(const float* scores, int n, const int32_t* kept, int num_kept, int merge_tokens,
+                       const float* values, int d, float* kept_out) {
   constexpr std::string_view kOp = "cam_merge";
   if (merge_tokens < 1) return invalid(kOp, "merge_tokens " + std::to_string(merge_tokens) + " must be >= 1");
-  if (m < 0 || m > merge_tokens)
-    return invalid(kOp, "m " + std::to_string(m) + " out of range [0, " + std::to_string(merge_tokens) + "]");
+  if (n < 0) return invalid(kOp, "n " + std::to_string(n) + " must be >= 0");
+  if (num_kept < 0 || num_kept > n)
+    return invalid(kOp, "num_kept " + std::to_string(num_kept) + " out of range [0, " + std::to_string(n) + "]");
   if (d < 1) return invalid(kOp, "d " + std::to_string(d) + " must be >= 1");
-  if (!std::isfinite(evicted_attention) || !std::isfinite(mean_window_attention))
-    return invalid(kOp, "attentions " + std::to_string(evicted_attention) + " and " +
-                            std::to_string(mean_window_attention) + " must be finite");
-  if (m == 0) return KernelStatus::ok();
-  KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"evicted_v", evicted_v}, {"kept_v", kept_v}}));
-  const float p =
-      mean_window_attention > 0.0f ? std::clamp(evicted_attention / mean_window_attention, 0.0f, 1.0f) : 0.0f;
-  const float weight = p / float(merge_tokens);
-  if (weight == 0.0f) return KernelStatus::ok();
-  for (int i = 0; i < m; ++i)
-    for (int c = 0; c < d; ++c) kept_v[size_t(i) * d + c] = std::fma(weight, evicted_v[c], kept_v[size_t(i) * d + c]);
+  if (num_kept == 0) return KernelStatus::ok();
+  KARAKV_RETURN_IF_ERROR(
+      check_non_null(kOp, {{"scores", scores}, {"kept", kept}, {"values", values}, {"kept_out", kept_out}}));
+  for (int i = 0; i < num_kept; ++i)
+    if (kept[i] < 0 || kept[i] >= n || (i > 0 && kept[i] <= kept[i - 1]))
+      return invalid(kOp, "kept[" + std::to_string(i) + "] = " + std::to_string(kept[i]) +
+                              " is not ascending and distinct in [0, " + std::to_string(n) + ")");
+  // a: negative and non-finite scores read as 0.
+  auto a = [&](int slot) -> double {
+    const float x = scores[slot];
+    return std::isfinite(x) && x > 0.0f ? double(x) : 0.0;
+  };
+  std::vector<double> num(size_t(num_kept) * d), absorbed(num_kept, 0.0);
+  for (int i = 0; i < num_kept; ++i) {
+    const double a_k = a(kept[i]);
+    const float* v = values + size_t(kept[i]) * d;
+    for (int c = 0; c < d; ++c) num[size_t(i) * d + c] = a_k * double(v[c]);
+  }
+  const int width = std::min(merge_tokens, num_kept);  // |T(e)| when no kept token follows e
+  int next = 0;                                        // first kept index with kept[next] > e
+  for (int e = 0; e < n; ++e) {
+    while (next < num_kept && kept[next] <= e) ++next;
+    if (next > 0 && kept[next - 1] == e) continue;  // kept, not evicted
+    const int first = next < num_kept ? next : num_kept - width;
+    const int count = next < num_kept ? std::min(merge_tokens, num_kept - next) : width;
+    double sum = 0;
+    for (int j = first; j < first + count; ++j) sum += a(kept[j]);
+    const double mean = sum / count, a_e = a(e);
+    const double p = mean > 0.0 ? std::min(1.0, a_e / mean) : (a_e > 0.0 ? 1.0 : 0.0);
+    const double weight = (p * a_e) / count;
+    if (weight == 0.0) continue;
+    const float* v = values + size_t(e) * d;
+    for (int j = first; j < first + count; ++j) {
+      absorbed[j] += weight;
+      double* acc = num.data() + size_t(j) * d;
+      for (int c = 0; c < d; ++c) acc[c] = std::fma(weight, double(v[c]), acc[c]);
+    }
+  }
+  for (int i = 0; i < num_kept; ++i) {
+    const float* v = values + size_t(kept[i]) * d;
+    float* out = kept_out + size_t(i) * d;
+    if (absorbed[i] == 0.0) {  // nothing absorbed (also a zero denominator): V_k as it was
+      std::copy(v, v + d, out);
+      continue;
+    }
+    const double den = a(kept[i]) + absorbed[i];
+    for (int c = 0; c < d; ++c) out[c] = float(num[size_t(i) * d + c] / den);
+  }
   return KernelStatus::ok();
 }
 

@@ -117,18 +117,35 @@ KernelStatus hadamard_rotate(const float* x, int d, uint64_t seed, float* y);
 KernelStatus hadamard_unrotate(const float* y, int d, uint64_t seed, float* x);
 
 // ---------------------------------------------------------------------------------------------
-// CaM (COMPRESSION.md section 3): the evicted value v_e is merged into the next kept tokens,
-//   kept_v[i] += p * v_e / M for i < m,   p = clamp(a_e / mean(a_window), 0, 1),
-// with a the accumulated attention, M = merge_tokens the configured merge width (kCamMergeTokens)
-// and m = min(M, kept tokens available after the evicted one) the rows the caller passes: when
-// fewer than M tokens follow, the remaining share (M - m) * p * v_e / M is dropped, not
-// redistributed. p = 0 (nothing merged) when mean_window_attention <= 0. Deterministic (the
-// expected value of CaM's sampled merge). Computed as w = p / M in fp32, then kept += w * v_e.
-// Requires finite attentions, 1 <= merge_tokens, 0 <= m <= merge_tokens, d >= 1.
-//   evicted_v: [d] fp32
-//   kept_v:    [m][d] fp32, row-major, updated in place
-constexpr int kCamMergeTokens = 32;
-KernelStatus cam_merge(const float* evicted_v, float evicted_attention, float mean_window_attention, int merge_tokens,
-                       float* kept_v, int m, int d);
+// CaM version 2, the convex normalised merge, over one (layer, KV head) row of a compaction of the
+// n slots [0, n) (Backend::cam_merge_values runs it per row). With a the policy's score of every
+// slot (kept ones too) and M = merge_tokens:
+//   targets T(e) of an evicted slot e: the next M kept slots after e, fewer where fewer follow
+//     (kept indices [j, min(j + M, num_kept)), j the first kept index with kept[j] > e); when no
+//     kept slot follows e, the last min(M, num_kept) kept slots of the row (the nearest before e).
+//   gate p_e = min(1, a_e / mean(a_k for k in T(e))); when that mean is 0, p_e = 1 if a_e > 0 (the
+//     targets carry no mass, the evicted token does) and 0 otherwise.
+//   share w_e = 1 / |T(e)|, so the weight e lends each target is c_e = p_e * a_e / |T(e)|.
+//   V'_k = (a_k V_k + sum_{e: k in T(e)} c_e V_e) / (a_k + sum_{e: k in T(e)} c_e)
+// Scores that are negative or not finite (NaN, +-inf) are read as 0. A kept slot that absorbs no
+// weight (every c_e = 0, which includes a denominator of 0) keeps V_k unchanged, bit for bit; so
+// does every kept slot of a row with nothing evicted. V'_k is a convex combination of its inputs,
+// so ||V'_k|| <= max(||V_k||, ||V_e||). With num_kept = 0 there is nothing to write.
+// Arithmetic (the CUDA kernel repeats it operation for operation, so the two agree to the last
+// bit of fp32 before the store): scores widened to double; sum(a_k over T(e)) added in double in
+// ascending kept order, mean = sum / |T(e)|, p_e = min(1, a_e / mean), c_e = (p_e * a_e) / |T(e)|;
+// per kept k the numerator starts at a_k * V_k (exact in double) and takes
+// fma(c_e, V_e, numerator) over the evicted e in ascending slot order, the absorbed weight adds
+// the c_e in the same order, and V'_k = float(numerator / (a_k + absorbed)): one rounding to fp32.
+// Deterministic. Keys are not this function's concern (CaM never changes them).
+//   scores:   [n] fp32, a of every slot of the range
+//   kept:     [num_kept] int32, ascending, distinct, in [0, n)
+//   values:   [n][d] fp32, the value of every slot (kept and evicted), row-major
+//   kept_out: [num_kept][d] fp32, V'_k of kept[i] in row i (must not overlap values)
+// Requires 1 <= merge_tokens, 0 <= num_kept <= n, d >= 1.
+// kCamMergeTokens: a default merge width M (the daemon passes its policy's configured `merge`).
+constexpr int kCamMergeTokens = 4;
+KernelStatus cam_merge(const float* scores, int n, const int32_t* kept, int num_kept, int merge_tokens,
+                       const float* values, int d, float* kept_out);
 
 }  // namespace karakv::kernels::cpu

@@ -1,9 +1,13 @@
-// CaM on the GPU (Backend::cam_merge_values): one CTA per (layer, KV head) row, one thread per
-// value channel. Each thread walks the range's slots in order exactly as the CPU reference does,
-// widening the kept values to fp32 once, adding weight * V_e of every evicted slot to the next
-// merge_tokens kept values with one fused multiply-add each (std::fma in the reference, so the
-// arithmetic is the same), and rounding once on the write back. kept, scores, dst_blocks: device; the mean of each row's scores
-// is summed in double in slot order, as the reference does.
+// CaM version 2 on the GPU (Backend::cam_merge_values, the convex normalised merge of backend.h):
+// one CTA per (layer, KV head) row. Phase 1, one thread per slot of [begin, end): the weight
+// c_e = min(1, a_e / mean(a over T(e))) * a_e / |T(e)| each evicted slot lends its targets (0 for
+// kept slots), into a [rows][end - begin] double scratch from the arena. Phase 2, one thread per
+// value channel: for each kept token, the evicted slots whose targets include it are gathered in
+// ascending slot order, V'_k = (a_k V_k + sum c_e V_e) / (a_k + sum c_e) in double, rounded to fp32
+// and written once; a kept token that absorbs nothing is not written. Every operation is the
+// reference's (cpu::cam_merge in cpu/quant.h) in the same order with explicitly rounded intrinsics
+// (__dadd_rn, __dmul_rn, __ddiv_rn, __fma_rn, no contraction), so the result agrees with the CPU to
+// the last bit of fp32. kept, scores, dst_blocks: device.
 #pragma once
 
 #include "arena.h"

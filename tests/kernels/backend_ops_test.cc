@@ -271,35 +271,53 @@ std::vector<int32_t> spare_blocks(const PagedCache& cache) {
   return spare;
 }
 
+// CaM version 2 against the reference: merge width 3 with random scores; a width (64) larger than
+// the 40 kept tokens; scores with zeros (kept tokens of score 0 take p_e = 1) and with negative and
+// non-finite ones (read as 0). Rows of 40 kept among 160 slots have evicted tokens after their last
+// kept one almost surely (they merge into the row's last kept tokens).
 TEST_P(BackendOpsTest, GatherTokensThenCamMerge) {
   if (!supported(Op::kWriteKV) || !supported(Op::kGatherTokens)) GTEST_SKIP() << "not supported";
-  const Pair caches = filled_caches(lens_);
   const int seq = 4, begin = 100, end = 260, num_kept = 40;
-  const std::vector<int32_t> dst = spare_blocks(*caches.test);
-  ASSERT_GE(int(dst.size()) * geo_.block_size, num_kept);
-  const std::vector<int32_t> kept = random_kept(geo_, begin, end, num_kept, rng_);
-  ASSERT_TRUE(backend_->gather_tokens(caches.test->view(), seq, kept.data(), num_kept, dst.data()).is_ok());
-  ASSERT_TRUE(reference_->gather_tokens(caches.ref->view(), seq, kept.data(), num_kept, dst.data()).is_ok());
-  EXPECT_EQ(caches.test->pool_bytes(), caches.ref->pool_bytes()) << "gather";
-
-  if (!supported(Op::kCamMerge)) GTEST_SKIP() << "cam_merge_values not supported";
-  // CaM needs the kept slots relative to the range's sequence positions.
   const int rows = geo_.num_layers * geo_.num_kv_heads;
-  const std::vector<float> scores = random_values(size_t(rows) * (end - begin), 0.0f, 1.0f, rng_);
-  ASSERT_TRUE(backend_->cam_merge_values(caches.test->view(), seq, begin, end, kept.data(), num_kept, scores.data(), 3,
-                                         dst.data()).is_ok());
-  ASSERT_TRUE(reference_->cam_merge_values(caches.ref->view(), seq, begin, end, kept.data(), num_kept, scores.data(),
-                                           3, dst.data()).is_ok());
-  // One rounding of the same fp32 sum: at most one unit in the last place of the storage type.
-  const std::vector<uint8_t> a = caches.test->pool_bytes(), b = caches.ref->pool_bytes();
-  const double ulp = geo_.dtype == DType::kFloat32 ? 1e-6 : geo_.dtype == DType::kFloat16 ? 1.0 / 1024 : 1.0 / 128;
-  const size_t elems = a.size() / dtype_size(geo_.dtype);
-  double worst = 0;
-  for (size_t i = 0; i < elems; ++i) {
-    const double x = decode_at(geo_.dtype, a.data(), i), y = decode_at(geo_.dtype, b.data(), i);
-    worst = std::max(worst, std::fabs(x - y) / std::max(1e-3, std::fabs(y)));
+  struct Case {
+    int merge_tokens;
+    int zero_every;     // every zero_every-th score is 0 (0: none)
+    bool non_finite;    // some scores negative, NaN or infinite
+  };
+  for (const Case& cam : {Case{3, 0, false}, Case{64, 3, false}, Case{5, 4, true}}) {
+    SCOPED_TRACE("merge_tokens " + std::to_string(cam.merge_tokens));
+    const Pair caches = filled_caches(lens_);
+    const std::vector<int32_t> dst = spare_blocks(*caches.test);
+    ASSERT_GE(int(dst.size()) * geo_.block_size, num_kept);
+    const std::vector<int32_t> kept = random_kept(geo_, begin, end, num_kept, rng_);
+    ASSERT_TRUE(backend_->gather_tokens(caches.test->view(), seq, kept.data(), num_kept, dst.data()).is_ok());
+    ASSERT_TRUE(reference_->gather_tokens(caches.ref->view(), seq, kept.data(), num_kept, dst.data()).is_ok());
+    EXPECT_EQ(caches.test->pool_bytes(), caches.ref->pool_bytes()) << "gather";
+
+    if (!supported(Op::kCamMerge)) GTEST_SKIP() << "cam_merge_values not supported";
+    // CaM needs the kept slots relative to the range's sequence positions.
+    std::vector<float> scores = random_values(size_t(rows) * (end - begin), 0.0f, 1.0f, rng_);
+    const float specials[] = {-0.5f, NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < scores.size(); ++i) {
+      if (cam.zero_every > 0 && i % cam.zero_every == 0) scores[i] = 0.0f;
+      if (cam.non_finite && i % 7 == 3) scores[i] = specials[(i / 7) % 4];
+    }
+    ASSERT_TRUE(backend_->cam_merge_values(caches.test->view(), seq, begin, end, kept.data(), num_kept, scores.data(),
+                                           cam.merge_tokens, dst.data()).is_ok());
+    ASSERT_TRUE(reference_->cam_merge_values(caches.ref->view(), seq, begin, end, kept.data(), num_kept,
+                                             scores.data(), cam.merge_tokens, dst.data()).is_ok());
+    // The same double arithmetic rounded to fp32, then to storage once: at most one unit in the
+    // last place of the storage type.
+    const std::vector<uint8_t> a = caches.test->pool_bytes(), b = caches.ref->pool_bytes();
+    const double ulp = geo_.dtype == DType::kFloat32 ? 1e-6 : geo_.dtype == DType::kFloat16 ? 1.0 / 1024 : 1.0 / 128;
+    const size_t elems = a.size() / dtype_size(geo_.dtype);
+    double worst = 0;
+    for (size_t i = 0; i < elems; ++i) {
+      const double x = decode_at(geo_.dtype, a.data(), i), y = decode_at(geo_.dtype, b.data(), i);
+      worst = std::max(worst, std::fabs(x - y) / std::max(1e-3, std::fabs(y)));
+    }
+    EXPECT_LE(worst, ulp);
   }
-  EXPECT_LE(worst, ulp);
 }
 
 // Every refusal of the CPU backend is a refusal here too, with the same code.

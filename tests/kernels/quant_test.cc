@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -666,61 +667,155 @@ TEST(QuantInvalidArgumentTest, InputsOutsideFp16RangeWriteNothing) {
   EXPECT_TRUE(cpu::quantize_values(QuantFormat::kKivi4, x.data(), n, d, 0, kivi_run.data()).is_ok());
 }
 
-// ---- CaM ---------------------------------------------------------------------------------------
+// ---- CaM (version 2, the convex normalised merge) ---------------------------------------------
 
-// Worked by hand: v_e = (8, -4, 2), a_e = 0.5, mean(a_window) = 1 -> p = 0.5; M = 4, so each of the
-// m = 3 rows gains p * v_e / M = (1, -0.5, 0.25) (all exact in binary); the fourth share is
-// dropped because only 3 kept tokens follow.
+// Worked by hand. Five slots, kept {1, 3}, d = 2, a = (2, 1, 4, 3, 0.5),
+//   V0 = (2, 0), V1 = (4, 8), V2 = (1, -2), V3 = (0, 4), V4 = (16, 16).
+// M = 2:
+//   e = 0: T = {1, 3}, mean = (1 + 3)/2 = 2, p = min(1, 2/2) = 1, c = p a_e / |T| = 1 * 2 / 2 = 1.
+//   e = 2: T = {3} (one follows), mean = 3, p = min(1, 4/3) = 1, c = 4.
+//   e = 4: none follow, T = the last 2 kept = {1, 3}, mean = 2, p = 0.5/2 = 0.25, c = 0.25 * 0.5 / 2
+//          = 1/16.
+//   V'1 = (1*(4, 8) + 1*(2, 0) + (1/16)*(16, 16)) / (1 + 1 + 1/16) = (7, 9) / (33/16)
+//       = (112/33, 144/33)
+//   V'3 = (3*(0, 4) + 1*(2, 0) + 4*(1, -2) + (1/16)*(16, 16)) / (3 + 1 + 4 + 1/16) = (7, 5) / (129/16)
+//       = (112/129, 80/129)
+// M = 8 (more than the 2 kept): every T is the same as with M = 2, so the same result.
+// M = 1:
+//   e = 0: T = {1}, mean = 1, p = min(1, 2/1) = 1, c = 2.   e = 2: T = {3}, p = 1, c = 4.
+//   e = 4: T = {3} (the last 1 kept), mean = 3, p = 0.5/3 = 1/6, c = (1/6) * 0.5 = 1/12.
+//   V'1 = (1*(4, 8) + 2*(2, 0)) / (1 + 2) = (8/3, 8/3)
+//   V'3 = (3*(0, 4) + 4*(1, -2) + (1/12)*(16, 16)) / (3 + 4 + 1/12) = (16/3, 16/3) / (85/12)
+//       = (64/85, 64/85)
 TEST(CamMergeTest, HandCheckedCase) {
-  const float evicted[3] = {8.0f, -4.0f, 2.0f};
-  std::vector<float> kept = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-  ASSERT_TRUE(cpu::cam_merge(evicted, 0.5f, 1.0f, 4, kept.data(), 3, 3).is_ok());
-  EXPECT_EQ(kept, (std::vector<float>{2, 1.5f, 3.25f, 5, 4.5f, 6.25f, 8, 7.5f, 9.25f}));
-  // a_e = 3 > mean = 1.5: p clamps to 1, each row gains v_e / 4 = (2, -1, 0.5).
-  std::vector<float> one_row = {0, 0, 0};
-  ASSERT_TRUE(cpu::cam_merge(evicted, 3.0f, 1.5f, 4, one_row.data(), 1, 3).is_ok());
-  EXPECT_EQ(one_row, (std::vector<float>{2, -1, 0.5f}));
+  const float scores[5] = {2, 1, 4, 3, 0.5f};
+  const int32_t kept[2] = {1, 3};
+  const float values[10] = {2, 0, 4, 8, 1, -2, 0, 4, 16, 16};
+  auto merged = [&](int M) {
+    std::vector<float> out(4, -1.0f);
+    EXPECT_TRUE(cpu::cam_merge(scores, 5, kept, 2, M, values, 2, out.data()).is_ok());
+    return out;
+  };
+  for (int M : {2, 8}) {
+    const std::vector<float> out = merged(M);
+    EXPECT_FLOAT_EQ(out[0], float(112.0 / 33)) << "M " << M;
+    EXPECT_FLOAT_EQ(out[1], float(144.0 / 33)) << "M " << M;
+    EXPECT_FLOAT_EQ(out[2], float(112.0 / 129)) << "M " << M;
+    EXPECT_FLOAT_EQ(out[3], float(80.0 / 129)) << "M " << M;
+  }
+  const std::vector<float> out = merged(1);
+  EXPECT_FLOAT_EQ(out[0], float(8.0 / 3));
+  EXPECT_FLOAT_EQ(out[1], float(8.0 / 3));
+  EXPECT_FLOAT_EQ(out[2], float(64.0 / 85));
+  EXPECT_FLOAT_EQ(out[3], float(64.0 / 85));
 }
 
-TEST(CamMergeTest, NonPositiveMeanOrAttentionMergesNothing) {
-  const float evicted[2] = {1.0f, 1.0f};
-  std::vector<float> kept = {3, 4};
-  ASSERT_TRUE(cpu::cam_merge(evicted, 1.0f, 0.0f, 32, kept.data(), 1, 2).is_ok());
-  ASSERT_TRUE(cpu::cam_merge(evicted, 1.0f, -2.0f, 32, kept.data(), 1, 2).is_ok());
-  ASSERT_TRUE(cpu::cam_merge(evicted, -1.0f, 2.0f, 32, kept.data(), 1, 2).is_ok());  // p clamps to 0
-  EXPECT_EQ(kept, (std::vector<float>{3, 4}));
+// The zero-mass rule: when the targets' scores are all 0, p_e = 1 for an evicted token with a_e > 0,
+// so a kept token of score 0 becomes exactly the (weighted mean of the) value(s) it absorbs; an
+// evicted token of score 0 (or negative, NaN, infinite: read as 0) lends nothing.
+TEST(CamMergeTest, ZeroTargetMassTakesTheEvictedValue) {
+  const int32_t kept[1] = {0};
+  const float values[6] = {1, 1, 3, -1, 5, 5};  // V0, V1, V2
+  std::vector<float> out(2);
+  // a = (0, 2, 0): T(1) = T(2) = {0}, mean 0; c_1 = 1 * 2 / 1 = 2, c_2 = 0.
+  // V'0 = (0 * V0 + 2 * V1 + 0 * V2) / (0 + 2) = V1.
+  const float some[3] = {0, 2, 0};
+  ASSERT_TRUE(cpu::cam_merge(some, 3, kept, 1, 4, values, 2, out.data()).is_ok());
+  EXPECT_EQ(out, (std::vector<float>{3, -1}));
+  // a = (0, 2, 6): c_1 = 2, c_2 = 6: V'0 = (2 V1 + 6 V2) / 8 = (36, 28) / 8 = (4.5, 3.5).
+  const float both[3] = {0, 2, 6};
+  ASSERT_TRUE(cpu::cam_merge(both, 3, kept, 1, 4, values, 2, out.data()).is_ok());
+  EXPECT_EQ(out, (std::vector<float>{4.5f, 3.5f}));
+  // Every score 0 or read as 0: the denominator is 0 and V0 stays as it is.
+  for (float bad : {0.0f, -3.0f, NAN, INFINITY, -INFINITY}) {
+    const float none[3] = {0, bad, 0};
+    ASSERT_TRUE(cpu::cam_merge(none, 3, kept, 1, 4, values, 2, out.data()).is_ok());
+    EXPECT_EQ(out, (std::vector<float>{1, 1})) << "a_e " << bad;
+  }
+  // A negative or non-finite kept score is 0 too: V'0 = V1 as in the first case.
+  for (float bad : {-3.0f, NAN, INFINITY}) {
+    const float s[3] = {bad, 2, 0};
+    ASSERT_TRUE(cpu::cam_merge(s, 3, kept, 1, 4, values, 2, out.data()).is_ok());
+    EXPECT_EQ(out, (std::vector<float>{3, -1})) << "a_k " << bad;
+  }
 }
 
-// With m = M every row gains p * v_e / M, so the mass added over the rows is p * v_e exactly (in
-// float64; the kernel's fp32 w = p/M times v_e errs by ~2^-24 relative per row).
-TEST(CamMergeTest, MergedMassIsPTimesEvictedWhenAllMRowsFollow) {
-  const int d = 128, m = cpu::kCamMergeTokens;
-  std::mt19937 rng(9);
-  const std::vector<float> evicted = make_input(Input::kGaussian, 1, d, rng);
-  const std::vector<float> before = make_input(Input::kGaussian, m, d, rng);
-  std::vector<float> kept = before;
-  const float a_e = 0.3f, mean = 0.8f;
-  ASSERT_TRUE(cpu::cam_merge(evicted.data(), a_e, mean, m, kept.data(), m, d).is_ok());
-  const double p = double(a_e) / mean;
-  for (int c = 0; c < d; ++c) {
-    double added = 0;
-    for (int i = 0; i < m; ++i) {
-      const double row_added = double(kept[size_t(i) * d + c]) - before[size_t(i) * d + c];
-      added += row_added;
-      ASSERT_NEAR(row_added, p * evicted[c] / m, 1e-6 * (std::fabs(before[size_t(i) * d + c]) + 1));
+// T(e) as kept indices, from the contract text, for the property tests below.
+std::vector<int> cam_targets(const std::vector<int32_t>& kept, int e, int M) {
+  std::vector<int> t;
+  for (int i = 0; i < int(kept.size()) && int(t.size()) < M; ++i)
+    if (kept[i] > e) t.push_back(i);
+  if (t.empty())
+    for (int i = std::max(0, int(kept.size()) - M); i < int(kept.size()); ++i) t.push_back(i);
+  return t;
+}
+
+// A convex combination: every channel of V'_k lies between the smallest and the largest value of
+// that channel among V_k and the V_e it absorbs (so no norm grows either); equal inputs are a
+// fixed point, bit for bit; a kept token that absorbs nothing is copied bit for bit.
+TEST(CamMergeTest, ConvexCombinationProperties) {
+  const int n = 96, d = 64;
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> exponent(-6, 6);
+    const int num_kept = 1 + int(rng() % n), M = 1 + int(rng() % 40);
+    std::vector<int32_t> slots(n);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    std::vector<int32_t> kept(slots.begin(), slots.begin() + num_kept);
+    std::sort(kept.begin(), kept.end());
+    std::vector<float> scores(n);
+    for (float& a : scores) a = rng() % 4 == 0 ? 0.0f : std::pow(10.0f, exponent(rng));
+    std::vector<float> values = make_input(Input::kHeavyTailed, n, d, rng);
+    std::vector<float> out(size_t(num_kept) * d);
+    ASSERT_TRUE(cpu::cam_merge(scores.data(), n, kept.data(), num_kept, M, values.data(), d, out.data()).is_ok());
+    std::vector<float> lo(size_t(num_kept) * d), hi(size_t(num_kept) * d);
+    std::vector<bool> absorbs(num_kept, false);
+    for (int i = 0; i < num_kept; ++i)
+      for (int c = 0; c < d; ++c) lo[size_t(i) * d + c] = hi[size_t(i) * d + c] = values[size_t(kept[i]) * d + c];
+    for (int e = 0; e < n; ++e) {
+      if (std::binary_search(kept.begin(), kept.end(), e)) continue;
+      for (int i : cam_targets(kept, e, M)) {
+        absorbs[i] = absorbs[i] || scores[e] > 0;
+        for (int c = 0; c < d; ++c) {
+          lo[size_t(i) * d + c] = std::min(lo[size_t(i) * d + c], values[size_t(e) * d + c]);
+          hi[size_t(i) * d + c] = std::max(hi[size_t(i) * d + c], values[size_t(e) * d + c]);
+        }
+      }
     }
-    ASSERT_NEAR(added, p * evicted[c], 1e-5 * m);
+    for (int i = 0; i < num_kept; ++i)
+      for (int c = 0; c < d; ++c) {
+        const size_t j = size_t(i) * d + c;
+        if (!absorbs[i]) {
+          ASSERT_EQ(out[j], values[size_t(kept[i]) * d + c]) << "seed " << seed << " kept " << i;
+        }
+        ASSERT_GE(out[j], lo[j]) << "seed " << seed << " kept " << i << " channel " << c;
+        ASSERT_LE(out[j], hi[j]) << "seed " << seed << " kept " << i << " channel " << c;
+      }
+    // Every slot holding the same vector: the merge returns it unchanged.
+    for (int t = 1; t < n; ++t) std::copy_n(values.begin(), d, values.begin() + size_t(t) * d);
+    ASSERT_TRUE(cpu::cam_merge(scores.data(), n, kept.data(), num_kept, M, values.data(), d, out.data()).is_ok());
+    for (int i = 0; i < num_kept; ++i)
+      for (int c = 0; c < d; ++c) ASSERT_EQ(out[size_t(i) * d + c], values[c]) << "seed " << seed;
   }
 }
 
 TEST(CamMergeTest, InvalidArguments) {
-  std::vector<float> v(4, 1.0f), kept(16, 0.0f);
-  expect_invalid(cpu::cam_merge(v.data(), 1, 1, 0, kept.data(), 0, 4), "merge_tokens 0");
-  expect_invalid(cpu::cam_merge(v.data(), 1, 1, 2, kept.data(), 3, 4), "m 3");
-  expect_invalid(cpu::cam_merge(v.data(), 1, 1, 4, kept.data(), 2, 0), "d 0");
-  expect_invalid(cpu::cam_merge(v.data(), NAN, 1, 4, kept.data(), 2, 4), "finite");
-  expect_invalid(cpu::cam_merge(nullptr, 1, 1, 4, kept.data(), 2, 4), "evicted_v is null");
-  expect_invalid(cpu::cam_merge(v.data(), 1, 1, 4, nullptr, 2, 4), "kept_v is null");
+  const float scores[4] = {1, 1, 1, 1}, v[16] = {};
+  const int32_t kept[2] = {0, 2}, unsorted[2] = {2, 0}, outside[2] = {1, 4};
+  float out[8];
+  expect_invalid(cpu::cam_merge(scores, 4, kept, 2, 0, v, 4, out), "merge_tokens 0");
+  expect_invalid(cpu::cam_merge(scores, -1, kept, 0, 2, v, 4, out), "n -1");
+  expect_invalid(cpu::cam_merge(scores, 4, kept, 5, 2, v, 4, out), "num_kept 5");
+  expect_invalid(cpu::cam_merge(scores, 4, kept, 2, 2, v, 0, out), "d 0");
+  expect_invalid(cpu::cam_merge(scores, 4, unsorted, 2, 2, v, 4, out), "kept[1]");
+  expect_invalid(cpu::cam_merge(scores, 4, outside, 2, 2, v, 4, out), "kept[1] = 4");
+  expect_invalid(cpu::cam_merge(nullptr, 4, kept, 2, 2, v, 4, out), "scores is null");
+  expect_invalid(cpu::cam_merge(scores, 4, nullptr, 2, 2, v, 4, out), "kept is null");
+  expect_invalid(cpu::cam_merge(scores, 4, kept, 2, 2, nullptr, 4, out), "values is null");
+  expect_invalid(cpu::cam_merge(scores, 4, kept, 2, 2, v, 4, nullptr), "kept_out is null");
+  // Nothing kept: nothing to do, and nothing is dereferenced.
+  EXPECT_TRUE(cpu::cam_merge(nullptr, 4, nullptr, 0, cpu::kCamMergeTokens, nullptr, 4, nullptr).is_ok());
 }
 
 }  // namespace
