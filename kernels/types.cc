@@ -21,6 +21,8 @@ const char* op_name(Op op) {
     case Op::kDequantize: return "dequantize_block";
     case Op::kQuantizedAttention: return "decode_attention_quantized";
     case Op::kCamMerge: return "cam_merge_values";
+    case Op::kDecodeAttentionObserve: return "decode_attention_observe";
+    case Op::kWindowScoresObserved: return "window_scores_observed";
   }
   return "unknown";
 }

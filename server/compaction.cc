@@ -76,6 +76,7 @@ std::shared_ptr<PolicyBinding> Compactor::fork(const Sequence& parent) const {
 SequenceView Compactor::view_of(const Sequence& seq, bool own) const {
   SequenceView v;
   v.geometry = &store_.geometry();
+  v.id = seq.id;
   v.resident = seq.length;
   v.logical = seq.logical;
   v.prompt = seq.prompt;
@@ -165,25 +166,33 @@ absl::Status Compactor::begin_decode(Sequence& seq) {
   return absl::OkStatus();
 }
 
-std::vector<float*> Compactor::accumulators(absl::Span<Sequence* const> seqs, int layer) const {
+Observers Compactor::observers(absl::Span<Sequence* const> seqs, int layer) const {
   const int hk = store_.geometry().num_kv_heads;
-  std::vector<float*> out;
+  Observers out;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const PolicyBinding& b = *seqs[i]->policy;
     if (!b.state) continue;
     for (int h = 0; h < hk; ++h) {
       float* acc = b.policy->accumulator(b.state.get(), layer, h);
       if (acc == nullptr) continue;
-      if (out.empty()) out.assign(seqs.size() * hk, nullptr);
-      out[i * hk + h] = acc;
+      if (out.accumulators.empty()) out.accumulators.assign(seqs.size() * hk, nullptr);
+      out.accumulators[i * hk + h] = acc;
+    }
+    if (float* lse = b.policy->lse_output(b.state.get(), layer); lse != nullptr) {
+      if (out.lse.empty()) out.lse.assign(seqs.size(), nullptr);
+      out.lse[i] = lse;
     }
   }
   return out;
 }
 
+void Compactor::on_step(Sequence& seq) const {
+  if (seq.policy->state) seq.policy->policy->on_step(seq.policy->state.get(), view_of(seq, true));
+}
+
 // ---- scheduling and compaction ----
 
-int Compactor::run_scheduler(absl::Span<Sequence* const> batch, uint64_t decode_step) {
+int Compactor::run_scheduler(absl::Span<Sequence* const> batch) {
   int ran = 0;
   // Threshold policies: the sequences that just grew.
   for (Sequence* seq : batch) {
@@ -192,15 +201,14 @@ int Compactor::run_scheduler(absl::Span<Sequence* const> batch, uint64_t decode_
     auto r = run_policy(*seq, policy, false);
     ran += r.ok() && r->skipped.empty() ? 1 : 0;
   }
-  // Periodic policies: every sequence whose period divides this step and that is due, most urgent
-  // first (ties: the older sequence).
+  // Periodic policies: every sequence whose turn this step is (each counts its own steps) and that
+  // is due, most urgent first (ties: the older sequence).
   std::vector<std::pair<int64_t, Sequence*>> due;
   for (auto& [id, seq] : store_.sequences()) {
     const Policy& policy = *seq.policy->policy;
     if (policy.trigger() != Trigger::kPeriodic || seq.pending_layer >= 0) continue;
-    if (decode_step % uint64_t(policy.period()) != 0) continue;
     const SequenceView view = view_of(seq, true);
-    if (policy.due(view, false)) due.emplace_back(policy.urgency(view), &seq);
+    if (policy.turn(view) && policy.due(view, false)) due.emplace_back(policy.urgency(view), &seq);
   }
   std::sort(due.begin(), due.end(), [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second->id < b.second->id);

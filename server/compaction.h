@@ -58,14 +58,16 @@ class Compactor {
   absl::StatusOr<int32_t> step_blocks(const Sequence& seq) const;
   // The first Step: runs the prefill policy, fixes the prompt and tells the policy.
   absl::Status begin_decode(Sequence& seq);
-  // Where a Step's decode attention accumulates, [B * Hk]; empty when no sequence accumulates.
-  std::vector<float*> accumulators(absl::Span<Sequence* const> seqs, int layer) const;
+  // What a Step's decode attention records for the policies (Observers); empty when nothing.
+  Observers observers(absl::Span<Sequence* const> seqs, int layer) const;
+  // A decode step (every layer) completed for the sequence.
+  void on_step(Sequence& seq) const;
 
   // ---- scheduling and compaction ----
-  // After decode step `decode_step` completed for `batch`: threshold policies of the batch's
-  // sequences, then periodic policies of every sequence whose period divides the step, most
-  // urgent first. Returns how many compactions ran.
-  int run_scheduler(absl::Span<Sequence* const> batch, uint64_t decode_step);
+  // After a decode step completed for `batch`: threshold policies of the batch's sequences, then
+  // periodic policies of every sequence whose turn it is, most urgent first. Returns how many
+  // compactions ran.
+  int run_scheduler(absl::Span<Sequence* const> batch);
   // The sequence's own policy now (Compact RPC); skipped while a step is in progress.
   absl::StatusOr<CompactionResult> compact(Sequence& seq, bool dry_run);
 

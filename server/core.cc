@@ -101,15 +101,9 @@ Core::~Core() {
   store_.reset();  // frees the pool while the backend is alive
 }
 
-size_t Core::append_bytes(int32_t num_tokens) const {
-  const Geometry& g = config_.geometry;
-  return size_t(g.num_layers) * num_tokens * g.kv_token_elems() * kernels::dtype_size(g.dtype);
-}
-size_t Core::step_kv_bytes(size_t batch) const {
-  const Geometry& g = config_.geometry;
-  return batch * g.kv_token_elems() * kernels::dtype_size(g.dtype);
-}
-size_t Core::q_bytes(size_t rows) const { return rows * config_.geometry.q_token_elems() * 4; }
+size_t Core::append_bytes(int32_t num_tokens) const { return server::append_bytes(config_.geometry, num_tokens); }
+size_t Core::step_kv_bytes(size_t batch) const { return server::step_kv_bytes(config_.geometry, batch); }
+size_t Core::q_bytes(size_t rows) const { return server::q_bytes(config_.geometry, rows); }
 
 // ---- sessions ----
 
@@ -433,9 +427,9 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
   if (absl::Status s = store_->write_step(seqs, static_cast<int>(layer), k, v); !s.ok()) return s;
   const float* qf = reinterpret_cast<const float*>(q.data());
   float* of = reinterpret_cast<float*>(out.data());
-  const std::vector<float*> accumulators = compactor_->accumulators(seqs, static_cast<int>(layer));
+  const Observers observers = compactor_->observers(seqs, static_cast<int>(layer));
   if (absl::Status s = store_->decode_attention(seqs, static_cast<int>(layer), qf, of,
-                                                effective_scale(scale, g.head_dim), accumulators);
+                                                effective_scale(scale, g.head_dim), observers);
       !s.ok()) {
     return s;
   }
@@ -464,13 +458,14 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
     seq->length += 1;
     seq->logical += 1;
     seq->pending_layer = -1;
+    compactor_->on_step(*seq);
     compactor_->trim_queries(*seq);
     compactor_->quantize_aged(*seq);
   }
   ++decode_steps_;
   decode_tokens_ += batch;
   result.decode_step = decode_steps_;
-  result.compactions = compactor_->run_scheduler(seqs, decode_steps_);
+  result.compactions = compactor_->run_scheduler(seqs);
   // The reply follows the scheduler, so the step's compactions count in its latency.
   const auto finished = std::chrono::steady_clock::now();
   result.step_seconds = std::chrono::duration<double>(finished - earliest).count();

@@ -59,6 +59,7 @@ class PolicyState {
 // What a policy sees of a sequence. Slots are indices into the resident cache (0..resident-1).
 struct SequenceView {
   const kernels::Geometry* geometry = nullptr;
+  uint64_t id = 0;             // the sequence's id: its creation index (ids count up from 1)
   int32_t resident = 0;        // tokens in the cache
   int32_t logical = 0;         // tokens ever appended (next position)
   int32_t prompt = 0;          // tokens appended before the first decode step
@@ -99,7 +100,7 @@ struct CompactionPlan {
 // When the scheduler asks a policy to run.
 enum class Trigger {
   kNever,      // none
-  kPeriodic,   // Kara: at the global tick every `period` decode steps
+  kPeriodic,   // Kara: on the sequence's own turns (Policy::turn), when due
   kThreshold,  // baselines: when the cache reaches its limit
 };
 
@@ -109,8 +110,6 @@ class Policy {
   virtual ~Policy() = default;
   virtual const std::string& name() const = 0;
   virtual Trigger trigger() const = 0;
-  // Period of a periodic policy, in decode steps.
-  virtual int period() const { return 0; }
   // How many of the newest tokens' queries the daemon must keep (Kara: the whole tail, -1).
   virtual int query_window() const { return 0; }
   // Tokens of queries the cache typically holds at most (reserved up front, so the cache does not
@@ -146,6 +145,14 @@ class Policy {
   // Where a decode step adds each resident slot's attention for (layer, KV head), or null: the
   // daemon then runs the plain decode kernel. [>= resident + 1] fp32.
   virtual float* accumulator(State* state, int layer, int kv_head) const { return nullptr; }
+  // Where a decode step writes, for its new token at `layer`, each query head's log-sum-exp over
+  // the keys it attended (Backend::decode_attention_observe), or null. [num_q_heads] fp32.
+  virtual float* lse_output(State* state, int layer) const { return nullptr; }
+  // A decode step (every layer) completed for the sequence; `seq` includes the step's token.
+  virtual void on_step(State* state, const SequenceView& seq) const {}
+  // Periodic policies: whether the step just completed is one of the sequence's turns to be
+  // looked at (the scheduler then asks due()).
+  virtual bool turn(const SequenceView& seq) const { return true; }
   // The first slot the policy may still rewrite: older slots may be quantized by the storage
   // format, and (query_window() < 0) their queries dropped. Default: none (the resident length).
   virtual int32_t first_open_slot(const SequenceView& seq) const { return seq.resident; }

@@ -48,15 +48,13 @@ SequenceStore::~SequenceStore() {
   backend_.free(pool_memory_);
 }
 
-size_t SequenceStore::append_bytes(int32_t num_tokens) const {
-  const Geometry& g = config_.geometry;
+size_t append_bytes(const Geometry& g, int64_t num_tokens) {
   return size_t(g.num_layers) * num_tokens * g.kv_token_elems() * kernels::dtype_size(g.dtype);
 }
-size_t SequenceStore::step_kv_bytes(size_t batch) const {
-  const Geometry& g = config_.geometry;
+size_t step_kv_bytes(const Geometry& g, size_t batch) {
   return batch * g.kv_token_elems() * kernels::dtype_size(g.dtype);
 }
-size_t SequenceStore::q_bytes(size_t rows) const { return rows * config_.geometry.q_token_elems() * 4; }
+size_t q_bytes(const Geometry& g, size_t rows) { return rows * g.q_token_elems() * 4; }
 
 // ---- records ----
 
@@ -325,10 +323,11 @@ absl::Status SequenceStore::write_step(absl::Span<Sequence* const> seqs, int lay
 }
 
 absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, int layer, const float* q, float* out,
-                                             float scale, absl::Span<float* const> accumulators) {
+                                             float scale, const Observers& observers) {
   const Geometry& g = config_.geometry;
   const size_t row = g.q_token_elems();
-  const bool accumulate = !accumulators.empty();
+  const std::vector<float*>& accumulators = observers.accumulators;
+  const bool accumulate = !accumulators.empty() || !observers.lse.empty();
   // Groups of sequences one kernel call can serve: unquantized ones together; each quantized
   // sequence alone (its rotation seed is its own).
   std::vector<std::vector<size_t>> groups;
@@ -351,17 +350,25 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
     if (!whole) gout.resize(gq.size());
     const float* gqp = whole ? q : gq.data();
     float* goutp = whole ? out : gout.data();
-    std::vector<float*> acc;
+    std::vector<float*> acc, lse;
+    bool any_lse = false;
     if (accumulate) {
       acc.assign(group.size() * g.num_kv_heads, nullptr);
+      lse.assign(group.size(), nullptr);
       for (size_t j = 0; j < group.size(); ++j) {
-        for (int h = 0; h < g.num_kv_heads; ++h) acc[j * g.num_kv_heads + h] = accumulators[group[j] * g.num_kv_heads + h];
+        if (!accumulators.empty()) {
+          for (int h = 0; h < g.num_kv_heads; ++h) acc[j * g.num_kv_heads + h] = accumulators[group[j] * g.num_kv_heads + h];
+        }
+        if (!observers.lse.empty()) lse[j] = observers.lse[group[j]];
+        any_lse |= lse[j] != nullptr;
       }
     }
     PagedView pv = view(members, lengths);
     kernels::KernelStatus ks;
     if (pv.quantized) {
       ks = backend_.decode_attention_quantized(pv.kv, pv.qkv, layer, gqp, goutp, scale, accumulate ? acc.data() : nullptr);
+    } else if (any_lse) {
+      ks = backend_.decode_attention_observe(pv.kv, layer, gqp, goutp, scale, acc.data(), lse.data());
     } else if (accumulate) {
       ks = backend_.decode_attention_accumulate(pv.kv, layer, gqp, goutp, scale, acc.data());
     } else {
@@ -390,7 +397,7 @@ absl::StatusOr<int32_t> SequenceStore::read_kv(
     const Sequence& seq, absl::FunctionRef<absl::StatusOr<ReadKVTargets>(int32_t)> targets) const {
   auto out = targets(seq.length);
   if (!out.ok()) return out.status();
-  const size_t want = append_bytes(seq.length);
+  const size_t want = append_bytes(config_.geometry, seq.length);
   const size_t rows = size_t(config_.geometry.num_layers) * config_.geometry.num_kv_heads;
   if (out->k.size() < want || out->v.size() < want || out->positions.size() < rows * seq.length * 4) {
     return absl::InvalidArgumentError(absl::StrCat("ReadKV outputs too small for ", seq.length,

@@ -24,12 +24,26 @@
 
 namespace karakv::server {
 
+// Byte sizes of the tensors the calls carry: [L][T][Hk][D] and [B][Hk][D] in the storage dtype,
+// and [rows][Hq][D] fp32.
+size_t append_bytes(const kernels::Geometry& g, int64_t num_tokens);
+size_t step_kv_bytes(const kernels::Geometry& g, size_t batch);
+size_t q_bytes(const kernels::Geometry& g, size_t rows);
+
 struct StoreConfig {
   kernels::Geometry geometry;
   int64_t pool_bytes = 256ll << 20;
   // Prefix caching (docs/PREFIX_CACHE.md) and the share of the pool unused cached blocks may fill.
   bool prefix_cache = true;
   double prefix_cache_max_fraction = 1.0;
+};
+
+// What a Step's decode attention records for the policies: per (sequence, KV head) where each
+// slot's attention probability adds up ([B * Hk], null entries: none), and per sequence where each
+// query head's log-sum-exp goes ([B], null: none). Either may be empty.
+struct Observers {
+  std::vector<float*> accumulators;
+  std::vector<float*> lse;
 };
 
 // Kernel views of some sequences' caches: the plain blocks of each (the first `lengths` slots of
@@ -104,10 +118,11 @@ class SequenceStore {
   //   k, v: [B][Hk][D] storage dtype
   absl::Status write_step(absl::Span<Sequence* const> seqs, int layer, ConstBytes k, ConstBytes v);
   // Decode attention of a Step batch over each sequence's fp_length() + 1 slots, split into groups
-  // that share a storage format. accumulators: empty, or [B * Hk] (null entries: none).
+  // that share a storage format, recording what `observers` asks for (quantized sequences record
+  // no log-sum-exp: their entries stay as they were).
   //   q, out: [B][Hq][D] fp32
   absl::Status decode_attention(absl::Span<Sequence* const> seqs, int layer, const float* q, float* out, float scale,
-                                absl::Span<float* const> accumulators);
+                                const Observers& observers);
   // Causal attention of the newest `num_queries` tokens.  q, out: [N][Hq][D] fp32
   absl::Status attend(const Sequence& seq, int layer, int32_t num_queries, const float* q, float* out,
                       float scale) const;
@@ -147,11 +162,6 @@ class SequenceStore {
   // DESIGN.md's invariant: free + used == total, and every used block is held by exactly as many
   // tables (sequences and the prefix cache) as its reference count says.
   absl::Status check_invariants() const;
-
-  // Byte sizes of the tensors each call carries.
-  size_t append_bytes(int32_t num_tokens) const;
-  size_t step_kv_bytes(size_t batch) const;
-  size_t q_bytes(size_t rows) const;
 
  private:
   SequenceStore(const StoreConfig& config, kernels::Backend& backend, void* pool_memory, int32_t num_blocks);

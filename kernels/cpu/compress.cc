@@ -128,9 +128,10 @@ void score_rows(const float* query, int head_dim, const float* keys, int num_key
 // keys [0, visible(r)) (1 <= visible(r) <= num_keys, non-decreasing in r), keys in scratch.keys.
 //   q:        rows of head_dim fp32, row r at q + r * q_stride
 //   col_sums: [num_keys] fp32
+// With `lse` non-null, lse[r] = the log-sum-exp of row r's scaled logits over its visible keys.
 template <typename Visible>
 void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float scale, int num_keys, int head_dim,
-                         Visible visible, ScoreScratch& scratch, float* col_sums) {
+                         Visible visible, ScoreScratch& scratch, float* col_sums, float* lse = nullptr) {
   const size_t stride = padded_keys(num_keys);
   scratch.query.resize(2 * size_t(head_dim));
   scratch.rows.resize(2 * stride);
@@ -147,7 +148,10 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
     for (int r = 0; r < pair; ++r) {
       float* row = scratch.rows.data() + r * stride;
       const int len = visible(r0 + r);
-      const float inv = 1.0f / softmax_numerators(row, len);
+      const float row_max = max_of(row, len);
+      const float sum = exp_shifted_sum(row, len, row_max);
+      if (lse != nullptr) lse[r0 + r] = row_max + std::log(sum);
+      const float inv = 1.0f / sum;
       for (int s = 0; s < len; ++s) col_sums[s] += row[s] * inv;
     }
   }
@@ -191,6 +195,58 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
         load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
         softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, window, scale, window, hd,
                             [window](int) { return window; }, scratch, partial.data() + size_t(qh) * window);
+      }
+      release_large_scratch(thread_scratch());
+    }
+  });
+  if (!dispatched.is_ok()) return dispatched;
+  for (int h = 0; h < geo.num_kv_heads; ++h) {
+    float* o = out + size_t(h) * window;
+    std::copy_n(partial.data() + size_t(h) * g * window, window, o);
+    for (int j = 1; j < g; ++j) {
+      const float* p = partial.data() + size_t(h * g + j) * window;
+      for (int i = 0; i < window; ++i) o[i] += p[i];
+    }
+  }
+  return KernelStatus::ok();
+}
+
+KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                    const float* q, float scale, const float* lse, bool later_keys_only, float* out,
+                                    long long pool_blocks) {
+  KARAKV_RETURN_IF_ERROR(
+      common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks));
+  const Geometry& geo = kv.geometry;
+  const int g = geo.group_size();
+  const int hq = geo.num_q_heads;
+  const int hd = geo.head_dim;
+  std::vector<float> partial(size_t(hq) * window, 0.0f);
+  const KernelStatus dispatched = common::dispatch_dtype(geo.dtype, [&](auto dtype) {
+    constexpr DType D = decltype(dtype)::value;
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic)
+      for (int qh = 0; qh < hq; ++qh) {
+        ScoreScratch& scratch = thread_scratch();
+        load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
+        const size_t stride = padded_keys(window);
+        scratch.query.resize(size_t(hd));
+        scratch.rows.resize(stride);
+        float* row = scratch.rows.data();
+        float* sums = partial.data() + size_t(qh) * window;
+        for (int t = 0; t < window; ++t) {
+          const float* qt = q + (size_t(t) * hq + qh) * hd;
+          for (int d = 0; d < hd; ++d) scratch.query[d] = qt[d] * scale;
+          score_rows<1>(scratch.query.data(), hd, scratch.keys.data(), window, row, stride);
+          const float norm = lse != nullptr ? lse[size_t(t) * hq + qh] : NAN;
+          const int first = later_keys_only ? t + 1 : 0;
+          if (std::isfinite(norm)) {
+            for (int i = first; i < window; ++i) sums[i] += std::exp(row[i] - norm);
+          } else {
+            const float inv = 1.0f / softmax_numerators(row, window);
+            for (int i = first; i < window; ++i) sums[i] += row[i] * inv;
+          }
+        }
       }
       release_large_scratch(thread_scratch());
     }
@@ -347,7 +403,7 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
 namespace karakv::kernels::cpu {
 
 KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
-                                  float* const* score_acc) {
+                                  float* const* score_acc, float* const* lse) {
   constexpr std::string_view op = "decode_attention_accumulate";
   if (score_acc == nullptr) return KernelStatus::invalid(std::string(op) + ": score_acc must be non-null");
   // The same checks as the attention it follows (it writes no output of its own, hence q twice).
@@ -363,15 +419,19 @@ KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, 
       for (int s = 0; s < kv.num_seqs; ++s) {
         for (int h = 0; h < geo.num_kv_heads; ++h) {
           float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
+          float* seq_lse = lse != nullptr ? lse[s] : nullptr;
           const int len = kv.seq_len[s];
-          if (acc == nullptr || len == 0) continue;
+          if ((acc == nullptr && seq_lse == nullptr) || len == 0) continue;
           ScoreScratch& scratch = thread_scratch();
           load_key_tiles<D>(kv, s, layer, h, 0, len, scratch);
           std::vector<float> probs(len);
           for (int j = 0; j < g; ++j) {
             const float* qj = q + (size_t(s) * geo.num_q_heads + h * g + j) * hd;
-            softmax_column_sums(qj, hd, 1, scale, len, hd, [len](int) { return len; }, scratch, probs.data());
-            for (int i = 0; i < len; ++i) acc[i] += probs[i];
+            float* lse_j = seq_lse != nullptr ? seq_lse + h * g + j : nullptr;
+            softmax_column_sums(qj, hd, 1, scale, len, hd, [len](int) { return len; }, scratch, probs.data(), lse_j);
+            if (acc != nullptr) {
+              for (int i = 0; i < len; ++i) acc[i] += probs[i];
+            }
           }
         }
       }

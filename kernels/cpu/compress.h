@@ -19,6 +19,14 @@ namespace karakv::kernels::cpu {
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                            const float* q, float scale, float* out, long long pool_blocks = -1);
 
+// window_scores with Kara version 2's options (backend.h: window_scores_observed): row t uses
+// exp(logit - lse[t][j]) where lse[t][j] is finite, else the window softmax; later_keys_only
+// counts only keys after the query (i > t).
+//   lse: null or [window][num_q_heads] fp32
+KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                    const float* q, float scale, const float* lse, bool later_keys_only, float* out,
+                                    long long pool_blocks = -1);
+
 // SnapKV scores over all n = seq_len[seq] slots: the mean attention of the last num_obs slots'
 // queries (causal inside the observation window) over them and the group's query heads, then an
 // average pool of odd width `pool` (zero padding, divisor pool) over the prefix [0, n - num_obs).
@@ -53,7 +61,10 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
 // j, into that row. The attention outputs come from decode_attention.
 //   q:         [num_seqs][num_q_heads][head_dim] fp32
 //   score_acc: [num_seqs * num_kv_heads] pointers, each null or to [seq_len[s]] fp32
+// With lse non-null, also writes each query head's log-sum-exp of its scaled logits for every
+// sequence s with lse[s] non-null (Kara's norm = full); score_acc may then hold only nulls.
+//   lse: null or [num_seqs] pointers, each null or to [num_q_heads] fp32
 KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
-                                  float* const* score_acc);
+                                  float* const* score_acc, float* const* lse = nullptr);
 
 }  // namespace karakv::kernels::cpu

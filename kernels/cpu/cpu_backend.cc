@@ -204,6 +204,13 @@ class CpuBackend final : public Backend {
     omp_set_num_threads(num_threads_);
     return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv));
   }
+  KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                      const float* q, float scale, const float* lse, bool later_keys_only,
+                                      float* out) override {
+    omp_set_num_threads(num_threads_);
+    return cpu::window_scores_observed(kv, seq, layer, slot_begin, window, q, scale, lse, later_keys_only, out,
+                                       pool_blocks(kv));
+  }
   KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                              int pool, float* out) override {
     omp_set_num_threads(num_threads_);
@@ -251,6 +258,12 @@ class CpuBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
     omp_set_num_threads(num_threads_);
     return cpu::accumulate_attention(kv, layer, q, scale, score_acc);
+  }
+  KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                                        float* const* score_acc, float* const* lse) override {
+    KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
+    omp_set_num_threads(num_threads_);
+    return cpu::accumulate_attention(kv, layer, q, scale, score_acc, lse);
   }
 
  private:

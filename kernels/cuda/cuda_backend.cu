@@ -70,7 +70,11 @@ class CudaBackend final : public Backend {
     switch (op) {
       case Op::kQuantize:
       case Op::kDequantize:
-      case Op::kQuantizedAttention: return false;
+      case Op::kQuantizedAttention:
+      // Kara version 2's observers (decode-time log-sum-exp, window scores with a given normaliser
+      // or only later keys) run on the CPU backend so far.
+      case Op::kDecodeAttentionObserve:
+      case Op::kWindowScoresObserved: return false;
       default: return true;
     }
   }

@@ -1,8 +1,12 @@
-// Kara: periodic sliding-window compression of generated tokens (docs/COMPRESSION.md section 1).
-// The oldest W tail tokens are scored with bidirectional attention among themselves and replaced
-// by B = rho * W of them chosen by Token2Chunk; the prompt and earlier windows are never touched.
+// Kara: periodic sliding-window compression of generated tokens (docs/COMPRESSION.md section 1,
+// version 2). Once a sequence's tail holds W + R tokens, its oldest W tail tokens are scored (by
+// the window's own queries, by every decode query that saw them, or both) and replaced by
+// B = rho * W of them chosen by Token2Chunk; the newest R stay; compressed windows and (unless
+// prompt = window) the prompt are never touched again. Each sequence counts its own decode steps
+// and is looked at on every P-th of them, phase-shifted by its creation index.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "server/policy.h"
@@ -10,15 +14,45 @@
 namespace karakv::server {
 namespace {
 
-// Where the uncompressed tail begins: block-aligned, right after the prompt and the windows
-// already compressed. Set when decoding starts and after each of Kara's own compactions.
+enum class Observers { kWindow = 0, kDecode = 1, kBoth = 2 };
+enum class Norm { kWindow = 0, kFull = 1 };
+enum class Agg { kMean = 0, kSum = 1 };
+
+// What Kara keeps per sequence. Per-slot arrays cover every resident slot; the per-token ones
+// (`seen`, `lse`) are exact for the tail, where a slot is the same token in every (layer, head).
 struct KaraState final : PolicyState {
-  int32_t tail_start = 0;
+  int32_t tail_start = 0;  // first slot of the uncompressed tail, block-aligned
+  uint64_t steps = 0;      // decode steps this sequence has taken
+  // observers = decode | both: decode attention probabilities each slot received, summed over the
+  // group's query heads, per (layer, KV head) [L * Hk][slots]; and how many decode steps' queries
+  // saw each slot [slots].
+  std::vector<std::vector<float>> received;
+  std::vector<float> seen;
+  // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
+  // [slots][L][Hq]; NaN where the token came without a decode step (Append).
+  std::vector<float> lse;
   std::unique_ptr<PolicyState> clone() const override { return std::make_unique<KaraState>(*this); }
+  size_t bytes() const override {
+    size_t n = seen.size() + lse.size();
+    for (const auto& row : received) n += row.size();
+    return n * sizeof(float);
+  }
 };
 
-int32_t tail_start(const SequenceView& seq) {
-  return seq.state != nullptr ? static_cast<const KaraState*>(seq.state)->tail_start : seq.resident;
+const KaraState& state_of(const SequenceView& seq) { return *static_cast<const KaraState*>(seq.state); }
+
+// Keeps slots [0, begin), then per row the kept ones, then [end, old size) of a per-slot array of
+// `width` floats a slot. Per-token arrays take row 0's kept slots: only the tail after `end` is
+// ever read again, and there a slot is the same token in every row.
+void remap(std::vector<float>& a, size_t width, const CompactionPlan& plan, int32_t resident_before) {
+  if (a.empty()) return;
+  std::vector<float> next(a.begin(), a.begin() + size_t(plan.begin) * width);
+  for (int32_t i = 0; i < plan.num_kept; ++i) {
+    const auto from = a.begin() + size_t(plan.kept[i]) * width;
+    next.insert(next.end(), from, from + width);
+  }
+  next.insert(next.end(), a.begin() + size_t(plan.end) * width, a.begin() + size_t(resident_before) * width);
+  a = std::move(next);
 }
 
 class KaraPolicy final : public Policy {
@@ -29,10 +63,20 @@ class KaraPolicy final : public Policy {
         candidates_(static_cast<int>(std::ceil(p.get("alpha") * budget_))),
         max_gap_(p.geti("max_gap")),
         period_(p.geti("period")),
+        recent_(p.geti("recent")),
         sinks_(p.geti("sinks")),
-        merge_(policy_util::cam_merge_tokens(p)) {}
+        observers_(static_cast<Observers>(p.geti("observers"))),
+        norm_(static_cast<Norm>(p.geti("norm"))),
+        agg_(static_cast<Agg>(p.geti("agg"))),
+        prompt_window_(p.geti("prompt") == 1),
+        merge_(policy_util::cam_merge_tokens(p)),
+        layers_(g.num_layers),
+        kv_heads_(g.num_kv_heads),
+        q_heads_(g.num_q_heads),
+        block_(g.block_size) {}
 
-  // B = round(rho * W), rounded to a multiple of the block size (at least one block).
+  // B = round(rho * W) (halves away from zero), then to the nearest multiple of the block size
+  // (halves away from zero), at least one block.
   static int budget_for(double rho, int window, int block) {
     const int b = static_cast<int>(std::lround(rho * window));
     return std::max(block, static_cast<int>(std::lround(double(b) / block)) * block);
@@ -40,71 +84,162 @@ class KaraPolicy final : public Policy {
 
   const std::string& name() const override { return name_; }
   Trigger trigger() const override { return Trigger::kPeriodic; }
-  int period() const override { return period_; }
-  int query_window() const override { return -1; }
-  // A window, the steps until the next tick, and the tokens sharing the prompt's last block.
-  int query_capacity_hint() const override { return window_ + 2 * period_ + 16; }
+  // The window's own queries are read when they observe; decode observers need none.
+  int query_window() const override { return uses_window_queries() ? -1 : 0; }
+  // A window, the recent region, the steps until the next turn, and the prompt's last block.
+  int query_capacity_hint() const override { return uses_window_queries() ? window_ + recent_ + 2 * period_ + 16 : 0; }
   int merge_tokens() const override { return merge_; }
   std::vector<kernels::Op> required_ops() const override {
-    return {kernels::Op::kWindowScores, kernels::Op::kToken2Chunk, kernels::Op::kGatherTokens};
+    std::vector<kernels::Op> ops = {kernels::Op::kToken2Chunk, kernels::Op::kGatherTokens};
+    if (uses_window_queries()) {
+      ops.push_back(observers_ == Observers::kWindow && norm_ == Norm::kWindow ? kernels::Op::kWindowScores
+                                                                               : kernels::Op::kWindowScoresObserved);
+    }
+    if (records_lse()) {
+      ops.push_back(kernels::Op::kDecodeAttentionObserve);
+    } else if (observers_ != Observers::kWindow) {
+      ops.push_back(kernels::Op::kDecodeAttentionAccumulate);
+    }
+    return ops;
   }
 
-  std::unique_ptr<State> make_state(const kernels::Geometry&) const override { return std::make_unique<KaraState>(); }
+  std::unique_ptr<State> make_state(const kernels::Geometry&) const override {
+    auto state = std::make_unique<KaraState>();
+    if (observers_ != Observers::kWindow) state->received.resize(size_t(layers_) * kv_heads_);
+    return state;
+  }
+  void on_grow(State* state, int32_t slots) const override {
+    auto& s = *static_cast<KaraState*>(state);
+    for (auto& row : s.received) row.resize(slots, 0.0f);
+    if (observers_ != Observers::kWindow) s.seen.resize(slots, 0.0f);
+    if (records_lse()) s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
+  }
   void on_decode_start(State* state, const SequenceView& seq) const override {
-    const int32_t b = seq.geometry->block_size;
-    static_cast<KaraState*>(state)->tail_start = (seq.resident + b - 1) / b * b;
+    static_cast<KaraState*>(state)->tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
   }
-  void on_compacted(State* state, const CompactionPlan& plan, int32_t, bool own) const override {
-    if (own) static_cast<KaraState*>(state)->tail_start = plan.begin + plan.num_kept;
+  void on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before, bool own) const override {
+    auto& s = *static_cast<KaraState*>(state);
+    for (size_t r = 0; r < s.received.size(); ++r) {
+      std::vector<float>& acc = s.received[r];
+      std::vector<float> next(acc.begin(), acc.begin() + plan.begin);
+      for (int32_t i = 0; i < plan.num_kept; ++i) next.push_back(acc[plan.kept[r * plan.num_kept + i]]);
+      next.insert(next.end(), acc.begin() + plan.end, acc.begin() + resident_before);
+      acc = std::move(next);
+    }
+    remap(s.seen, 1, plan, resident_before);
+    remap(s.lse, lse_width(), plan, resident_before);
+    if (own) s.tail_start = plan.begin + plan.num_kept;
   }
-  // The tail may still be compressed; before decoding, nothing is fixed yet.
+  float* accumulator(State* state, int layer, int kv_head) const override {
+    auto& s = *static_cast<KaraState*>(state);
+    return s.received.empty() ? nullptr : s.received[size_t(layer) * kv_heads_ + kv_head].data();
+  }
+  float* lse_output(State* state, int layer) const override {
+    auto& s = *static_cast<KaraState*>(state);
+    if (!records_lse() || s.lse.empty()) return nullptr;
+    const size_t newest = s.lse.size() / lse_width() - 1;  // the step's token (on_grow ran first)
+    return s.lse.data() + newest * lse_width() + size_t(layer) * q_heads_;
+  }
+  void on_step(State* state, const SequenceView& seq) const override {
+    auto& s = *static_cast<KaraState*>(state);
+    ++s.steps;
+    for (int32_t i = 0; i < std::min<int32_t>(seq.resident, int32_t(s.seen.size())); ++i) s.seen[i] += 1.0f;
+  }
+  // The sequence's own steps n with n mod P == its creation index mod P.
+  bool turn(const SequenceView& seq) const override {
+    return seq.state != nullptr && state_of(seq).steps % uint64_t(period_) == seq.id % uint64_t(period_);
+  }
+  // The tail may still be compressed. Before decoding nothing is fixed yet, except that with
+  // prompt = window the prompt after the sinks will be windowed (its queries are kept).
   int32_t first_open_slot(const SequenceView& seq) const override {
-    return seq.decoding ? tail_start(seq) : seq.resident;
+    if (!seq.decoding) return prompt_window_ ? std::min(seq.resident, first_window_start()) : seq.resident;
+    return seq.state != nullptr ? state_of(seq).tail_start : seq.resident;
   }
   // Longest tail first.
-  int64_t urgency(const SequenceView& seq) const override { return seq.resident - tail_start(seq); }
+  int64_t urgency(const SequenceView& seq) const override {
+    return seq.state != nullptr ? seq.resident - state_of(seq).tail_start : 0;
+  }
 
   bool due(const SequenceView& seq, bool) const override {
-    const int32_t tail = tail_start(seq);
-    return seq.resident - tail >= window_ && seq.queries_first <= tail && seq.queries_first + seq.num_queries >= tail + window_;
+    if (seq.state == nullptr || !seq.decoding) return false;
+    const int32_t tail = state_of(seq).tail_start;
+    if (seq.resident - tail < window_ + recent_) return false;
+    if (!uses_window_queries()) return true;
+    return seq.queries_first <= tail && seq.queries_first + seq.num_queries >= tail + window_;
+  }
+  absl::Status ready(const SequenceView& seq) const override {
+    if (seq.state == nullptr || !seq.decoding) return absl::OkStatus();
+    const int32_t tail = state_of(seq).tail_start;
+    if (seq.resident - tail < window_ + recent_ || due(seq, true)) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("kara: the window's queries (slots ", tail, "..",
+                                                      tail + window_ - 1, ") are not all cached"));
   }
 
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV& kv,
                                       kernels::Backend& backend) const override {
     const kernels::Geometry& g = *seq.geometry;
     if (!due(seq, true)) {
-      return absl::FailedPreconditionError(absl::StrCat("kara: tail holds ", seq.resident - tail_start(seq),
-                                                        " tokens with queries, a window needs ", window_));
+      return absl::FailedPreconditionError(
+          absl::StrCat("kara: tail holds ", seq.state != nullptr ? seq.resident - state_of(seq).tail_start : 0,
+                       " tokens, a window needs ", window_, " plus the recent ", recent_, ", with their queries"));
     }
+    const KaraState& s = state_of(seq);
     CompactionPlan plan;
-    plan.begin = tail_start(seq);
+    plan.begin = s.tail_start;
     plan.end = plan.begin + window_;
     plan.num_kept = budget_;
     plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * budget_);
     if (merge_ > 0) plan.scores.resize(size_t(g.num_layers) * g.num_kv_heads * window_);
-    std::vector<float> q(size_t(window_) * g.q_token_elems());
-    std::vector<float> scores(size_t(g.num_kv_heads) * window_);
+    std::vector<float> q, lse;
+    if (uses_window_queries()) q.resize(size_t(window_) * g.q_token_elems());
+    if (uses_window_queries() && norm_ == Norm::kFull) lse.resize(size_t(window_) * g.num_q_heads);
+    std::vector<float> window_part(size_t(g.num_kv_heads) * window_, 0.0f);
+    std::vector<float> scores(window_);
     const float scale = 1.0f / std::sqrt(float(g.head_dim));
     for (int l = 0; l < g.num_layers; ++l) {
-      policy_util::gather_queries(seq, plan.begin, window_, l, q.data());
-      if (auto s = to_status(backend.window_scores(kv, 0, l, plan.begin - seq.fp_offset, window_, q.data(),
-                                                            scale, scores.data()));
-          !s.ok()) {
-        return s;
-      }
-      if (merge_ > 0) {
-        std::copy(scores.begin(), scores.end(), plan.scores.begin() + size_t(l) * g.num_kv_heads * window_);
+      if (uses_window_queries()) {
+        policy_util::gather_queries(seq, plan.begin, window_, l, q.data());
+        const int slot = plan.begin - seq.fp_offset;
+        absl::Status st;
+        if (observers_ == Observers::kWindow && norm_ == Norm::kWindow) {  // version 1
+          st = to_status(backend.window_scores(kv, 0, l, slot, window_, q.data(), scale, window_part.data()));
+        } else {
+          for (int t = 0; t < window_ && !lse.empty(); ++t) {
+            const float* from = s.lse.empty() ? nullptr : s.lse.data() + size_t(plan.begin + t) * lse_width() + size_t(l) * g.num_q_heads;
+            for (int j = 0; j < g.num_q_heads; ++j) {
+              lse[size_t(t) * g.num_q_heads + j] = from != nullptr ? from[j] : std::numeric_limits<float>::quiet_NaN();
+            }
+          }
+          st = to_status(backend.window_scores_observed(kv, 0, l, slot, window_, q.data(), scale,
+                                                        lse.empty() ? nullptr : lse.data(),
+                                                        observers_ == Observers::kBoth, window_part.data()));
+        }
+        if (!st.ok()) return st;
       }
       for (int h = 0; h < g.num_kv_heads; ++h) {
-        float* row = scores.data() + size_t(h) * window_;
-        // Attention sinks that fall inside a window (a prompt shorter than S) are always kept.
+        const float* own = window_part.data() + size_t(h) * window_;
+        const float* received = s.received.empty() ? nullptr : s.received[size_t(l) * g.num_kv_heads + h].data();
         for (int i = 0; i < window_; ++i) {
-          if (seq.position(l, h, plan.begin + i) < sinks_) row[i] = policy_util::kMustKeep;
+          const int32_t slot = plan.begin + i;
+          float sum = observers_ == Observers::kDecode ? 0.0f : own[i];
+          float count = observers_ == Observers::kBoth ? float(i) : 0.0f;  // window queries before key i
+          if (observers_ != Observers::kWindow) {
+            sum += received[slot];
+            count += s.seen[slot];
+          }
+          scores[i] = observers_ != Observers::kWindow && agg_ == Agg::kMean ? sum / std::max(1.0f, count) : sum;
+        }
+        if (merge_ > 0) {
+          std::copy(scores.begin(), scores.end(), plan.scores.begin() + (size_t(l) * g.num_kv_heads + h) * window_);
+        }
+        // Attention sinks that fall inside a window (a short prompt, or prompt = window) are kept.
+        for (int i = 0; i < window_; ++i) {
+          if (seq.position(l, h, plan.begin + i) < sinks_) scores[i] = policy_util::kMustKeep;
         }
         int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * budget_;
-        if (auto s = to_status(backend.token2chunk(row, window_, budget_, candidates_, max_gap_, out));
-            !s.ok()) {
-          return s;
+        if (auto st = to_status(backend.token2chunk(scores.data(), window_, budget_, candidates_, max_gap_, out));
+            !st.ok()) {
+          return st;
         }
         for (int i = 0; i < budget_; ++i) out[i] += plan.begin;
       }
@@ -113,8 +248,19 @@ class KaraPolicy final : public Policy {
   }
 
  private:
+  bool uses_window_queries() const { return observers_ != Observers::kDecode; }
+  bool records_lse() const { return uses_window_queries() && norm_ == Norm::kFull; }
+  size_t lse_width() const { return size_t(layers_) * q_heads_; }
+  int32_t align_up(int32_t n) const { return (n + block_ - 1) / block_ * block_; }
+  int32_t first_window_start() const { return align_up(sinks_); }
+
   const std::string name_ = "kara";
-  const int window_, budget_, candidates_, max_gap_, period_, sinks_, merge_;
+  const int window_, budget_, candidates_, max_gap_, period_, recent_, sinks_;
+  const Observers observers_;
+  const Norm norm_;
+  const Agg agg_;
+  const bool prompt_window_;
+  const int merge_, layers_, kv_heads_, q_heads_, block_;
 };
 
 }  // namespace
@@ -123,9 +269,16 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
   std::vector<ParamSpec> p = {
       {"window", 128, double(g.block_size), 8192, true, "W: tail tokens per window, a multiple of the block size"},
       {"rho", 0.25, 0.01, 0.99, false, "kept fraction of a window"},
+      {"recent", 128, 0, 1 << 20, true, "R: newest tail tokens never in a window, a multiple of the block size"},
+      {"period", 16, 1, 1 << 20, true, "P: a sequence is looked at every P of its own decode steps"},
+      {"observers", 0, 0, 2, true, "which queries score a window: 0 window (its own), 1 decode (every decode query "
+                                   "that saw the key), 2 both (decode plus the window's queries before each key)"},
+      {"norm", 0, 0, 1, true, "the window queries' softmax: 0 over the window's keys, 1 over every key the query "
+                              "saw at its decode step"},
+      {"agg", 0, 0, 1, true, "decode-time probabilities: 0 mean over the queries that saw the key, 1 sum"},
       {"alpha", 0.5, 0.01, 1.0, false, "fraction of the budget taken as top-scoring candidates"},
       {"max_gap", 8, 0, 8192, true, "G: longest gap between candidates filled as a chunk"},
-      {"period", 16, 1, 1 << 20, true, "P: decode steps between compression ticks"},
+      {"prompt", 0, 0, 1, true, "0 keep the prompt, 1 window it too (after the sinks)"},
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
   };
   for (ParamSpec& spec : policy_util::cam_params()) p.push_back(std::move(spec));
@@ -133,9 +286,11 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const kernels::Geometry& g) {
-  if (p.geti("window") % g.block_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("policy 'kara' parameter window=", p.geti("window"),
-                                                   " must be a multiple of the block size ", g.block_size));
+  for (const char* name : {"window", "recent"}) {
+    if (p.geti(name) % g.block_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("policy 'kara' parameter ", name, "=", p.geti(name),
+                                                     " must be a multiple of the block size ", g.block_size));
+    }
   }
   const int budget = KaraPolicy::budget_for(p.get("rho"), p.geti("window"), g.block_size);
   if (budget >= p.geti("window")) {

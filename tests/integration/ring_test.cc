@@ -59,7 +59,7 @@ Trace workload(Client& c) {
   const Geometry& g = c.geometry();
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}};
+  o.params = {{"window", 16}, {"recent", 0}};
   std::vector<uint64_t> seqs;
   constexpr int kPrompt = 20;
   for (int s = 0; s < 3; ++s) {

@@ -164,6 +164,105 @@ TEST_P(CompressScoresTest, WindowScoresMatchFloat64) {
   }
 }
 
+// Kara version 2's window scores (backend.h: window_scores_observed) in float64: a finite lse
+// normalises a query's row by it (norm = full), NaN falls back to the window softmax, and
+// later_keys_only counts keys after the query only (observers = both).
+TEST_P(CompressScoresTest, ObservedWindowScoresMatchFloat64) {
+  const auto [dtype, group] = GetParam();
+  for (int seed = 0; seed < 20; ++seed) {
+    std::mt19937 rng(2000 + seed);
+    std::uniform_int_distribution<int> pick(0, 1 << 30);
+    const int head_dim = seed % 4 == 0 ? 64 : 8 + pick(rng) % 33;
+    const int kv_heads = 1 + pick(rng) % 3;
+    const Geometry g = compress_geometry(dtype, group, head_dim, seed % 2 == 0 ? 16 : 5, 2, kv_heads);
+    const int window = 1 + pick(rng) % 48;
+    const int len = window + 1 + pick(rng) % 40;
+    const int slot_begin = 1 + pick(rng) % (len - window);
+    const int layer = pick(rng) % g.num_layers;
+    const float scale = float(1.0 / std::sqrt(double(head_dim)));
+    PagedCache cache(*backend_, g, {len}, rng);
+    const DenseKV dense = random_dense_kv(g, len, rng);
+    write_sequence(*backend_, cache, 0, dense);
+    const std::vector<float> q = random_values(size_t(window) * g.q_token_elems(), -1.0f, 1.0f, rng);
+    // A normaliser per (query, head): the log-sum-exp over all keys up to the query's own slot (what
+    // its decode step saw), except a few rows left NaN.
+    std::vector<float> lse(size_t(window) * g.num_q_heads);
+    for (int t = 0; t < window; ++t) {
+      for (int j = 0; j < g.num_q_heads; ++j) {
+        const float* q_row = q.data() + (size_t(t) * g.num_q_heads + j) * g.head_dim;
+        double mx = -INFINITY, sum = 0;
+        for (int i = 0; i <= slot_begin + t; ++i) mx = std::max(mx, logit(g, dense, layer, q_row, j, i, scale));
+        for (int i = 0; i <= slot_begin + t; ++i) sum += std::exp(logit(g, dense, layer, q_row, j, i, scale) - mx);
+        lse[size_t(t) * g.num_q_heads + j] = (t + j) % 5 == 3 ? NAN : float(mx + std::log(sum));
+      }
+    }
+    for (int mode = 0; mode < 4; ++mode) {
+      const bool with_lse = mode & 1, later = mode & 2;
+      std::vector<double> want(size_t(kv_heads) * window, 0.0);
+      for (int h = 0; h < kv_heads; ++h)
+        for (int j = h * group; j < (h + 1) * group; ++j)
+          for (int t = 0; t < window; ++t) {
+            const float* q_row = q.data() + (size_t(t) * g.num_q_heads + j) * g.head_dim;
+            std::vector<double> logits(window);
+            for (int i = 0; i < window; ++i) logits[i] = logit(g, dense, layer, q_row, j, slot_begin + i, scale);
+            const float norm = with_lse ? lse[size_t(t) * g.num_q_heads + j] : NAN;
+            std::vector<double> p = softmax(logits);
+            if (std::isfinite(norm)) {
+              for (int i = 0; i < window; ++i) p[i] = std::exp(logits[i] - double(norm));
+            }
+            for (int i = later ? t + 1 : 0; i < window; ++i) want[size_t(h) * window + i] += p[i];
+          }
+      std::vector<float> out(size_t(kv_heads) * window, -1.0f);
+      const KernelStatus st = cpu::window_scores_observed(cache.view(), 0, layer, slot_begin, window, q.data(), scale,
+                                                          with_lse ? lse.data() : nullptr, later, out.data());
+      ASSERT_TRUE(st.is_ok()) << st.message;
+      // Rows normalised by a decode-time lse are exp(logit - lse) in fp32 against double: the same
+      // relative tolerance, a little looser absolute floor for the fp32 rounding of lse itself.
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_NEAR(double(out[i]), want[i], 1e-6 + 2e-5 * std::fabs(want[i])) << "seed " << seed << " mode " << mode << " at " << i;
+      }
+    }
+  }
+}
+
+// The log-sum-exp decode_attention_observe records (cpu::accumulate_attention with lse) against
+// float64, with and without accumulation beside it.
+TEST_P(CompressScoresTest, DecodeLogSumExpMatchesFloat64) {
+  const auto [dtype, group] = GetParam();
+  for (int seed = 0; seed < 10; ++seed) {
+    std::mt19937 rng(3000 + seed);
+    std::uniform_int_distribution<int> pick(0, 1 << 30);
+    const int head_dim = 8 + pick(rng) % 57;
+    const Geometry g = compress_geometry(dtype, group, head_dim, 16, 2, 2);
+    const int len = 1 + pick(rng) % 200;
+    PagedCache cache(*backend_, g, {len}, rng);
+    const DenseKV dense = random_dense_kv(g, len, rng);
+    write_sequence(*backend_, cache, 0, dense);
+    const std::vector<float> q = random_values(g.q_token_elems(), -2.0f, 2.0f, rng);
+    const float scale = 0.3f;
+    std::vector<float> lse(g.num_q_heads, NAN), acc(size_t(g.num_kv_heads) * len, 0.0f);
+    float* lse_rows[1] = {lse.data()};
+    std::vector<float*> accs(g.num_kv_heads, nullptr);
+    if (seed % 2 == 0) {
+      for (int h = 0; h < g.num_kv_heads; ++h) accs[h] = acc.data() + size_t(h) * len;
+    }
+    ASSERT_TRUE(cpu::accumulate_attention(cache.view(), 1, q.data(), scale, accs.data(), lse_rows).is_ok());
+    for (int j = 0; j < g.num_q_heads; ++j) {
+      double mx = -INFINITY, sum = 0;
+      for (int i = 0; i < len; ++i) mx = std::max(mx, logit(g, dense, 1, q.data() + size_t(j) * head_dim, j, i, scale));
+      for (int i = 0; i < len; ++i) sum += std::exp(logit(g, dense, 1, q.data() + size_t(j) * head_dim, j, i, scale) - mx);
+      ASSERT_NEAR(double(lse[j]), mx + std::log(sum), 1e-5 * (1 + std::fabs(mx))) << "seed " << seed << " head " << j;
+    }
+    if (seed % 2 == 0) {
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        double total = 0;
+        for (int i = 0; i < len; ++i) total += acc[size_t(h) * len + i];
+        EXPECT_NEAR(total, group, 1e-4 * group) << "each query head's probabilities sum to 1";
+      }
+    }
+  }
+}
+
 TEST_P(CompressScoresTest, SnapKVScoresMatchFloat64) {
   const auto [dtype, group] = GetParam();
   for (int seed = 0; seed < kSeeds; ++seed) {

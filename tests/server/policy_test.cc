@@ -96,46 +96,58 @@ void expect_well_formed(const std::vector<std::vector<int32_t>>& rows, int32_t l
   }
 }
 
+// Version 2's windows (recent = 16) and version 1's parameter set (recent = 0): exactly B kept per
+// window, the prompt and earlier windows never touched, the newest R tokens never in a window, and
+// a full window compressed within one period of becoming due.
 TEST(KaraPolicyTest, WindowsKeepExactlyBNeverTouchThePromptOrEarlierWindows) {
-  for (uint64_t seed = 1; seed <= 12; ++seed) {
-    Driver d(seed);
-    std::mt19937 rng(seed);
-    SequenceOptions o;
-    o.policy = "kara";
-    o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}};  // B = 4
-    const uint64_t seq = *d.create(o);
-    const int prompt = 1 + rng() % 23;
-    ASSERT_TRUE(d.append(seq, 0, prompt).ok());
-    std::vector<int64_t> logical{prompt};
-    const int32_t tail_start = (prompt + 3) / 4 * 4;
-    std::vector<std::vector<int32_t>> frozen;  // the compressed region after each compaction
-    int compactions = 0;
-    for (int t = 0; t < 120; ++t) {
-      ASSERT_TRUE(d.step({seq}, logical).ok());
-      const SequenceInfo info = d.info(seq);
-      auto rows = d.positions(seq);
-      expect_well_formed(rows, int32_t(logical[0]), 4);
-      // The prompt and the tokens sharing its last block are never touched.
-      for (const auto& r : rows)
-        for (int p = 0; p < std::min<int>(tail_start, logical[0]); ++p) ASSERT_EQ(r[p], p);
-      if (int(info.compactions) > compactions) {
-        compactions = info.compactions;
-        // Exactly B = 4 kept per window: resident = logical - 12 * compactions.
-        EXPECT_EQ(int64_t(info.length), logical[0] - 12 * compactions);
-        // Earlier windows are unchanged by later compactions.
-        for (size_t r = 0; r < rows.size(); ++r) {
-          if (frozen.empty()) break;
-          for (size_t i = 0; i < frozen[r].size(); ++i) ASSERT_EQ(rows[r][i], frozen[r][i]);
+  for (int recent : {0, 16}) {
+    for (uint64_t seed = 1; seed <= 12; ++seed) {
+      Driver d(seed);
+      std::mt19937 rng(seed);
+      SequenceOptions o;
+      o.policy = "kara";
+      o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}, {"recent", recent}};  // B = 4
+      const uint64_t seq = *d.create(o);
+      const int prompt = 1 + rng() % 23;
+      ASSERT_TRUE(d.append(seq, 0, prompt).ok());
+      std::vector<int64_t> logical{prompt};
+      const int32_t tail_start = (prompt + 3) / 4 * 4;
+      std::vector<std::vector<int32_t>> frozen;  // the compressed region after each compaction
+      int compactions = 0;
+      for (int t = 0; t < 140; ++t) {
+        ASSERT_TRUE(d.step({seq}, logical).ok());
+        const SequenceInfo info = d.info(seq);
+        auto rows = d.positions(seq);
+        expect_well_formed(rows, int32_t(logical[0]), 4);
+        // The prompt and the tokens sharing its last block are never touched.
+        for (const auto& r : rows)
+          for (int p = 0; p < std::min<int>(tail_start, logical[0]); ++p) ASSERT_EQ(r[p], p);
+        if (int(info.compactions) > compactions) {
+          compactions = info.compactions;
+          // Exactly B = 4 kept per window: resident = logical - 12 * compactions.
+          EXPECT_EQ(int64_t(info.length), logical[0] - 12 * compactions);
+          // Earlier windows are unchanged by later compactions.
+          for (size_t r = 0; r < rows.size(); ++r) {
+            if (frozen.empty()) break;
+            for (size_t i = 0; i < frozen[r].size(); ++i) ASSERT_EQ(rows[r][i], frozen[r][i]);
+          }
+          frozen.assign(rows.size(), {});
+          for (size_t r = 0; r < rows.size(); ++r) frozen[r].assign(rows[r].begin(), rows[r].begin() + tail_start + 4 * compactions);
         }
-        frozen.assign(rows.size(), {});
-        for (size_t r = 0; r < rows.size(); ++r) frozen[r].assign(rows[r].begin(), rows[r].begin() + tail_start + 4 * compactions);
+        // The uncompressed tail (everything after the compressed region) is contiguous; it holds at
+        // least the recent region and at most W + R + P tokens (due, then at most P steps to a turn).
+        const int32_t tail = int32_t(info.length) - (tail_start + 4 * compactions);
+        EXPECT_LT(tail, 16 + recent + 4 + 1) << "tail should be compressed within a period of a window being full";
+        if (compactions > 0) {
+          EXPECT_GE(tail, recent) << "a compaction took a recent token";
+          for (const auto& r : rows) {
+            for (int i = 0; i < tail; ++i) ASSERT_EQ(r[r.size() - tail + i], logical[0] - tail + i);
+          }
+        }
       }
-      // The uncompressed tail (everything after the compressed region) is contiguous and at most W + P.
-      const int32_t tail = int32_t(info.length) - (tail_start + 4 * compactions);
-      EXPECT_LT(tail, 16 + 4 + 4) << "tail should be compressed at every tick once a window is full";
+      EXPECT_GE(compactions, 6) << "seed " << seed << " recent " << recent;
+      ASSERT_TRUE(d.reg->check_invariants().ok());
     }
-    EXPECT_GE(compactions, 6) << "seed " << seed;
-    ASSERT_TRUE(d.reg->check_invariants().ok());
   }
 }
 
@@ -151,7 +163,8 @@ TEST(KaraPolicyTest, KeepsWhatAFloat64ReferenceChoosesFromTheStepsQueries) {
     constexpr int kPrompt = 8, kWindow = 16, kBudget = 8, kCandidates = 4, kMaxGap = 8;
     SequenceOptions o;
     o.policy = "kara";
-    o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 4}};  // B = 8, k = ceil(0.5 * 8) = 4
+    // Version 1's parameter set: the window's own queries, softmax over the window, no recent region.
+    o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 4}, {"recent", 0}};  // B = 8, k = 4
     const uint64_t seq = *d.create(o);
     ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
     std::vector<int64_t> logical{kPrompt};
@@ -200,33 +213,201 @@ TEST(KaraPolicyTest, KeepsWhatAFloat64ReferenceChoosesFromTheStepsQueries) {
   }
 }
 
-TEST(KaraPolicyTest, CompressesOnlyAtTicksLongestTailFirstWithCap) {
+// Version 2's observers against float64: the first window's kept tokens are those Token2Chunk picks
+// from scores computed here from the synthetic queries and keys, for every way of observing:
+//   decode: s_i = D_i (sum) or D_i / c_i (mean), D_i the decode attention probability key i
+//           received at every step since it arrived (summed over the group's query heads), c_i the
+//           number of those steps;
+//   both:   s_i = D_i + W_i (sum) or (D_i + W_i) / (c_i + i) (mean), W_i what the window's queries
+//           before key i pay it, normalised over the window's keys (norm = window) or over every key
+//           the query saw at its own decode step (norm = full).
+TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
+  struct Variant {
+    int observers, norm, agg;
+  };
+  for (const Variant v : {Variant{1, 0, 0}, Variant{1, 0, 1}, Variant{2, 0, 0}, Variant{2, 1, 0}, Variant{2, 1, 1}}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      Driver d(seed);
+      const auto& g = d.reg->geometry();
+      constexpr int kPrompt = 8, kWindow = 16, kBudget = 8, kCandidates = 4, kMaxGap = 8, kRecent = 8;
+      SequenceOptions o;
+      o.policy = "kara";
+      o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 1}, {"recent", kRecent},
+                  {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}};
+      const uint64_t seq = *d.create(o);
+      ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
+      std::vector<int64_t> logical{kPrompt};
+      while (d.info(seq).compactions == 0) {
+        ASSERT_TRUE(d.step({seq}, logical).ok());
+        ASSERT_LT(logical[0], kPrompt + 3 * kWindow) << "Kara never compacted";
+      }
+      // P = 1: compacted at the first step with W + R tail tokens; that step's token is the last
+      // whose query observed.
+      const int last = int(logical[0]) - 1;
+      ASSERT_EQ(last, kPrompt + kWindow + kRecent - 1);
+      const auto rows = d.positions(seq);
+      const int group = g.num_q_heads / g.num_kv_heads;
+      const double scale = 1.0 / std::sqrt(double(g.head_dim));
+      for (int l = 0; l < g.num_layers; ++l) {
+        for (int h = 0; h < g.num_kv_heads; ++h) {
+          auto key = [&](int pos, int dim) {
+            const float x = synthetic::value(seed, Tensor::kKey, seq, l, pos, h, dim);
+            return double(kernels::half_to_float(kernels::float_to_half(x)));
+          };
+          // logit(query position t, query head j, key position i)
+          auto logit = [&](int t, int j, int i) {
+            double dot = 0;
+            for (int dim = 0; dim < g.head_dim; ++dim)
+              dot += double(synthetic::value(seed, Tensor::kQuery, seq, l, t, j, dim)) * key(i, dim);
+            return dot * scale;
+          };
+          auto log_sum_exp = [&](int t, int j, int first, int end) {
+            double mx = -INFINITY, sum = 0;
+            for (int i = first; i < end; ++i) mx = std::max(mx, logit(t, j, i));
+            for (int i = first; i < end; ++i) sum += std::exp(logit(t, j, i) - mx);
+            return mx + std::log(sum);
+          };
+          std::vector<double> received(kWindow, 0.0), seen(kWindow, 0.0), own(kWindow, 0.0);
+          for (int t = kPrompt; t <= last; ++t) {  // decode steps: the query at t sees keys 0..t
+            for (int j = h * group; j < (h + 1) * group; ++j) {
+              const double lse = log_sum_exp(t, j, 0, t + 1);
+              for (int i = 0; i < kWindow; ++i) {
+                if (kPrompt + i <= t) received[i] += std::exp(logit(t, j, kPrompt + i) - lse);
+              }
+            }
+            for (int i = 0; i < kWindow; ++i) seen[i] += kPrompt + i <= t ? 1 : 0;
+          }
+          if (v.observers == 2) {
+            for (int t = 0; t < kWindow; ++t) {  // window query at kPrompt + t over later window keys
+              for (int j = h * group; j < (h + 1) * group; ++j) {
+                const int qt = kPrompt + t;
+                const double lse = v.norm == 1 ? log_sum_exp(qt, j, 0, qt + 1)
+                                               : log_sum_exp(qt, j, kPrompt, kPrompt + kWindow);
+                for (int i = t + 1; i < kWindow; ++i) own[i] += std::exp(logit(qt, j, kPrompt + i) - lse);
+              }
+            }
+          }
+          std::vector<float> s(kWindow);
+          for (int i = 0; i < kWindow; ++i) {
+            const double sum = received[i] + own[i];
+            const double count = seen[i] + (v.observers == 2 ? i : 0);
+            s[i] = float(v.agg == 0 ? sum / std::max(1.0, count) : sum);
+          }
+          std::vector<int32_t> want = kernels::test::naive_token2chunk(s, kBudget, kCandidates, kMaxGap);
+          for (int32_t& x : want) x += kPrompt;
+          const auto& row = rows[size_t(l) * g.num_kv_heads + h];
+          const std::vector<int32_t> got(row.begin() + kPrompt, row.begin() + kPrompt + kBudget);
+          EXPECT_EQ(got, want) << "observers " << v.observers << " norm " << v.norm << " agg " << v.agg << " seed "
+                               << seed << " layer " << l << " kv head " << h;
+        }
+      }
+    }
+  }
+}
+
+// Parameters outside the contract are refused naming the parameter and what was expected.
+TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
+  Driver d(1);
+  auto refused = [&](std::map<std::string, double> params, const std::string& words) {
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = std::move(params);
+    auto r = d.create(o);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(words));
+  };
+  refused({{"recent", 6}}, "recent=6 must be a multiple of the block size 4");
+  refused({{"observers", 3}}, "observers=3 out of range");
+  refused({{"norm", 0.5}}, "norm=0.5 out of range: expected an integer");
+  refused({{"agg", -1}}, "agg=-1 out of range");
+  refused({{"prompt", 2}}, "prompt=2 out of range");
+}
+
+// prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
+// Append), the sinks stay.
+TEST(KaraPolicyTest, PromptWindowCompressesThePromptAfterTheSinks) {
+  Driver d(3);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 16}, {"period", 1}, {"recent", 16}, {"prompt", 1}};
+  const uint64_t seq = *d.create(o);
+  ASSERT_TRUE(d.append(seq, 0, 40, 40).ok());  // the prompt's queries too
+  std::vector<int64_t> logical{40};
+  ASSERT_TRUE(d.step({seq}, logical).ok());  // tail = slots 4..40: 37 >= W + R
+  EXPECT_EQ(d.info(seq).compactions, 1u);
+  for (const auto& row : d.positions(seq)) {
+    for (int p = 0; p < 4; ++p) EXPECT_EQ(row[p], p);  // the sinks' block
+    for (int i = 4; i < 8; ++i) EXPECT_GE(row[i], 4) << "kept from the first window, slots 4..19";
+    EXPECT_LE(row[7], 19);
+    EXPECT_EQ(row[8], 20);  // the rest of the prompt and the step's token, untouched
+    EXPECT_EQ(row.size(), 41u - 12u);
+  }
+}
+
+// Each sequence counts its own decode steps and is looked at on the steps n with
+// n mod P == id mod P, so sequences that fill a window together compress on different steps.
+TEST(KaraPolicyTest, EachSequenceCompressesOnItsOwnTurns) {
+  Driver d(5);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 16}, {"period", 4}, {"recent", 0}};
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(*d.create(o));
+  for (uint64_t id : ids) ASSERT_TRUE(d.append(id, 0, 4).ok());  // tails start at slot 4
+  std::vector<int64_t> logical(4, 4);
+  std::vector<int> compacted_at(4, 0);
+  for (int step = 1; step <= 24; ++step) {
+    ASSERT_TRUE(d.step(ids, logical).ok());
+    for (int i = 0; i < 4; ++i) {
+      if (compacted_at[i] == 0 && d.info(ids[i]).compactions > 0) compacted_at[i] = step;
+    }
+  }
+  // A full window from step 16 on; sequence id k first looks at step n >= 16 with n % 4 == k % 4.
+  for (int i = 0; i < 4; ++i) {
+    int want = 16;
+    while (want % 4 != int(ids[i] % 4)) ++want;
+    EXPECT_EQ(compacted_at[i], want) << "sequence " << ids[i];
+  }
+  // One sequence stepping alone does not advance another's count.
+  const uint64_t lone = *d.create(o);
+  ASSERT_TRUE(d.append(lone, 0, 4).ok());
+  std::vector<int64_t> lone_logical{4};
+  for (int step = 0; step < 8; ++step) ASSERT_TRUE(d.step(ids, logical).ok());
+  for (int step = 1; step <= 16; ++step) {
+    ASSERT_TRUE(d.step({lone}, lone_logical).ok());
+    EXPECT_EQ(d.info(lone).compactions, 0u) << "step " << step;
+  }
+}
+
+// At most max_sequences_per_tick compactions in one decode step of the daemon, longest tail first
+// (ties: the older sequence); the others wait for their next turn (P = 1: every step).
+TEST(KaraPolicyTest, CapPerStepTakesTheLongestTailFirst) {
   CoreConfig c;
   c.geometry = geometry();
   c.pool_bytes = 4096ll * c.geometry.block_bytes();
   c.max_sequences_per_tick = 1;
-  auto reg = *Core::create(c, kernels::make_cpu_backend(1));
   Driver d(5);
-  d.reg = std::move(reg);
+  d.reg = *Core::create(c, kernels::make_cpu_backend(1));
   d.session = d.reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"period", 24}};
-  const uint64_t a = *d.create(o), b = *d.create(o);
-  ASSERT_TRUE(d.append(a, 0, 6).ok());  // tail starts at slot 8: after t steps, t - 2 tail tokens
-  ASSERT_TRUE(d.append(b, 0, 4).ok());  // tail starts at slot 4: t tail tokens, the longer tail
-  std::vector<int64_t> logical{6, 4};
-  for (int t = 0; t < 24; ++t) {
-    ASSERT_TRUE(d.step({a, b}, logical).ok());
-    const int ca = d.info(a).compactions, cb = d.info(b).compactions;
-    if (t + 1 < 24) {
-      // Full windows exist from step 16 (b) and 18 (a), but nothing runs between ticks.
-      EXPECT_EQ(ca + cb, 0) << "step " << t + 1;
-    } else {
-      EXPECT_EQ(cb, 1);  // longest tail first
-      EXPECT_EQ(ca, 0);  // the cap of one per tick
-    }
-  }
+  o.params = {{"window", 16}, {"period", 1}, {"recent", 0}};
+  const uint64_t c_id = *d.create(o), a = *d.create(o), b = *d.create(o);
+  for (uint64_t id : {c_id, a, b}) ASSERT_TRUE(d.append(id, 0, 4).ok());  // tails start at slot 4
+  std::vector<int64_t> ab{4, 4};
+  ASSERT_TRUE(d.step({a, b}, ab).ok());  // a and b one token ahead of c
+  std::vector<int64_t> all{4, ab[0], ab[1]};
+  auto counts = [&] {
+    return std::vector<int>{int(d.info(c_id).compactions), int(d.info(a).compactions), int(d.info(b).compactions)};
+  };
+  for (int step = 0; step < 14; ++step) ASSERT_TRUE(d.step({c_id, a, b}, all).ok());
+  EXPECT_EQ(counts(), (std::vector<int>{0, 0, 0}));  // tails 14, 15, 15
+  ASSERT_TRUE(d.step({c_id, a, b}, all).ok());  // tails 15, 16, 16: a and b due, tie: a (older)
+  EXPECT_EQ(counts(), (std::vector<int>{0, 1, 0}));
+  ASSERT_TRUE(d.step({c_id, a, b}, all).ok());  // c 16 and b 17 due: b, the longer tail, though younger
+  EXPECT_EQ(counts(), (std::vector<int>{0, 1, 1}));
+  ASSERT_TRUE(d.step({c_id, a, b}, all).ok());  // c 17
+  EXPECT_EQ(counts(), (std::vector<int>{1, 1, 1}));
 }
 
 TEST(SnapKVPolicyTest, RecompressesTheWholeCacheAndKeepsTheObservationWindow) {
@@ -395,7 +576,7 @@ TEST(PolicyPropertyTest, RandomStepCompactForkReleaseKeepInvariants) {
       if (kind == 0 || live.empty()) {
         SequenceOptions o;
         o.policy = policies[rng() % 6];
-        if (o.policy == "kara") o.params = {{"window", 8}, {"period", 2}};
+        if (o.policy == "kara") o.params = {{"window", 8}, {"period", 2}, {"recent", 0}};
         else if (o.policy != "none") o.params = {{"c_max", 24}, {"c_target", 12}, {"sinks", 2}};
         if (o.policy == "snapkv" || o.policy == "chunkkv") o.params["w_obs"] = 4;
         auto id = d.create(o);
@@ -508,7 +689,7 @@ TEST(CamPolicyTest, MergingKeepsTheSameTokensAndChangesOnlyValues) {
       Driver d(8);
       SequenceOptions o;
       o.policy = policy;
-      if (o.policy == "kara") o.params = {{"window", 16}, {"period", 4}};
+      if (o.policy == "kara") o.params = {{"window", 16}, {"period", 4}, {"recent", 0}};
       else o.params = {{"c_max", 40}, {"c_target", 24}};
       if (o.policy == "snapkv") o.params["w_obs"] = 4;
       o.params["cam"] = cam;

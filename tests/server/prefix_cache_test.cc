@@ -169,7 +169,7 @@ class PrefixRegistryTest : public ::testing::Test {
                                            const std::string& policy = "none") {
     SequenceOptions o;
     o.policy = policy;
-    if (policy == "kara") o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}};
+    if (policy == "kara") o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}};
     o.prefix_token_ids = prompt;
     auto r = reg_->create_sequence_from_prefix(s, o);
     EXPECT_TRUE(r.ok()) << r.status();

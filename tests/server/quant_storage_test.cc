@@ -203,7 +203,7 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions o;
   o.policy = "kara+kivi4";
-  o.params = {{"window", 64}, {"period", 4}, {"residual", 16}};  // B = 16: one block per window
+  o.params = {{"window", 64}, {"period", 4}, {"recent", 0}, {"residual", 16}};  // B = 16: one block per window
   const uint64_t seq = *reg->create_sequence(session, o);
   const auto& g = reg->geometry();
   std::vector<uint8_t> k(reg->append_bytes(40)), v(k.size());
@@ -239,7 +239,7 @@ TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedSt
     const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
     SequenceOptions o;
     o.policy = quantized ? "kara+tq4" : "kara";
-    o.params = {{"window", 64}, {"period", 4}};
+    o.params = {{"window", 64}, {"period", 4}, {"recent", 0}};
     if (quantized) o.params["residual"] = 0;
     const uint64_t seq = *reg->create_sequence(session, o);
     const auto& g = reg->geometry();

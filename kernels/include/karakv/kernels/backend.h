@@ -33,6 +33,8 @@ enum class Op : uint8_t {
   kDequantize,
   kQuantizedAttention,
   kCamMerge,
+  kDecodeAttentionObserve,
+  kWindowScoresObserved,
 };
 const char* op_name(Op op);
 
@@ -95,6 +97,16 @@ class Backend {
     return KernelStatus::unsupported("decode_attention_accumulate");
   }
 
+  // decode_attention_accumulate for Kara's decode-time observers (docs/COMPRESSION.md section 1):
+  // score_acc as above (any entry may be null), and for sequence s with lse[s] non-null, each
+  // query head's log-sum-exp of its scaled logits over the seq_len[s] keys it attends (the
+  // softmax's normaliser: p_i = exp(q . k_i * scale - lse)).
+  //   lse: [num_seqs] pointers, each null or to [num_q_heads] fp32
+  virtual KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out,
+                                                float scale, float* const* score_acc, float* const* lse) {
+    return KernelStatus::unsupported("decode_attention_observe");
+  }
+
   // Copies the first seq_len[seq] tokens of sequence `seq`, all layers, out of the pool.
   //   k, v: [num_layers][seq_len][num_kv_heads][head_dim] in kv.geometry.dtype
   virtual KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) = 0;
@@ -115,6 +127,19 @@ class Backend {
   virtual KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                                      const float* q, float scale, float* out) {
     return KernelStatus::unsupported("window_scores");
+  }
+
+  // window_scores with Kara version 2's options. Query t's probabilities are
+  //   p_t[i] = exp(Qw_t . Kw_i * scale - lse[t][j])   where lse[t][j] is finite (norm = full: the
+  //            normaliser of the query's own decode step, decode_attention_observe), else
+  //   p_t[i] = softmax_row(Qw_t . Kw^T * scale)[i]    over the window's keys (norm = window),
+  // and with later_keys_only only keys after the query count (i > t: the part of the window no
+  // decode step saw, observers = both); otherwise every (t, i).
+  //   lse: null (every row: window softmax) or [window][num_q_heads] fp32
+  virtual KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                              const float* q, float scale, const float* lse, bool later_keys_only,
+                                              float* out) {
+    return KernelStatus::unsupported("window_scores_observed");
   }
 
   // SnapKV scores at `layer`, n = seq_len[seq]: the queries of the last `num_obs` slots attend to
@@ -146,13 +171,24 @@ class Backend {
     return KernelStatus::unsupported("token2chunk");
   }
 
-  // CaM (docs/COMPRESSION.md section 3), after gather_tokens wrote the kept tokens of slots
-  // [begin, end) to dst_blocks: for every (layer, KV head) row, each evicted slot e of the range
-  // (not in the row's kept list) is merged into the next merge_tokens kept tokens after it,
-  //   V_k += p * V_e / merge_tokens,  p = clamp(score[e] / mean(score over the range), 0, 1),
-  // reading V_e from the sequence's (still intact) blocks. Each kept value is written once.
+  // CaM version 2, the convex normalised merge (docs/COMPRESSION.md section 3), after gather_tokens
+  // wrote the kept tokens of slots [begin, end) to dst_blocks. Per (layer, KV head) row, with a the
+  // row's scores and M = merge_tokens, each evicted slot e of the range (not in the row's kept list)
+  // merges its value into its targets T(e): the next M kept tokens after it in the row (fewer where
+  // fewer follow); when no kept token follows e, the row's last min(M, num_kept) kept tokens (the
+  // nearest before it). With the gate p_e = min(1, a_e / mean(a_k for k in T(e))) and the equal
+  // share 1 / |T(e)|, c_e = p_e * a_e / |T(e)| and each kept value becomes the weighted mean
+  //   V'_k = (a_k V_k + sum_{e: k in T(e)} c_e V_e) / (a_k + sum_{e: k in T(e)} c_e),
+  // a convex combination, so ||V'_k|| never exceeds the largest norm among its inputs. Keys are not
+  // changed. Edge cases: negative and non-finite scores are read as 0 (never refused); when
+  // mean(a_k over T(e)) is 0, p_e = 1 if a_e > 0 (the targets carry no mass, the evicted token
+  // does), else 0; a kept token that absorbs no weight (including a zero denominator) keeps V_k
+  // exactly; num_kept = 0 writes nothing. V_e is read from the sequence's (still intact) blocks.
+  // Sums are formed in double in ascending slot order (cpu/quant.h's cam_merge has the exact
+  // arithmetic), and each kept value is rounded to fp32 and written once. Deterministic.
   //   kept:   [num_layers][num_kv_heads][num_kept] source slots, ascending per row
-  //   scores: [num_layers][num_kv_heads][end - begin] attention mass of the range's slots
+  //   scores: [num_layers][num_kv_heads][end - begin] the policy's score of every slot of the range
+  //           (kept slots' own a_k included)
   virtual KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept,
                                         int num_kept, const float* scores, int merge_tokens,
                                         const int32_t* dst_blocks) {
