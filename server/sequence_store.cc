@@ -585,17 +585,42 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   blocks.insert(blocks.end(), fresh.begin(), fresh.end());
   blocks.insert(blocks.end(), seq.blocks.begin() + end_old, seq.blocks.end());
   seq.blocks = std::move(blocks);
-  // Queries: those of removed or regathered slots go; later ones shift down with their slots.
-  const int32_t q_end = seq.q_first + seq.q_count;
-  if (seq.q_count > 0 && seq.q_first < plan.end && q_end > plan.begin) {
-    const int32_t drop = seq.q_first >= plan.begin ? std::min(plan.end, q_end) - seq.q_first : seq.q_count;
+  // Queries are per token (every layer). After the plan, new slot j is the token of old slot
+  // src(j) when that is the same in every row (always outside the range; inside it only when all
+  // rows kept the same slot, as the baselines' observation window); the cache keeps the longest run
+  // of such slots with cached queries that ends at the newest one (a window's queries, which
+  // SnapKV needs again at the next c_max, survive the compaction that kept them).
+  if (seq.q_count > 0) {
+    const int32_t new_length = seq.length - removed;
+    auto source = [&](int32_t j) -> int32_t {
+      if (j < plan.begin) return j;
+      if (j >= plan.begin + plan.num_kept) return j + removed;
+      const int32_t i = j - plan.begin, s0 = plan.kept[i];
+      for (size_t r = 1; r < rows; ++r) {
+        if (plan.kept[r * plan.num_kept + i] != s0) return -1;
+      }
+      return s0;
+    };
+    auto cached = [&](int32_t s) { return s >= seq.q_first && s < seq.q_first + seq.q_count; };
+    int32_t last = new_length - 1;
+    while (last >= 0 && !(source(last) >= 0 && cached(source(last)))) --last;
+    int32_t first = last;
+    while (first > 0 && source(first - 1) >= 0 && cached(source(first - 1))) --first;
     const size_t entry = size_t(g.num_layers) * g.q_token_elems();
-    seq.queries.erase(seq.queries.begin(), seq.queries.begin() + size_t(drop) * entry);
-    seq.q_first += drop;
-    seq.q_count -= drop;
+    std::vector<float> kept_queries;
+    if (last >= 0) {
+      kept_queries.reserve(size_t(last - first + 1) * entry);
+      for (int32_t j = first; j <= last; ++j) {
+        const auto from = seq.queries.begin() + size_t(source(j) - seq.q_first) * entry;
+        kept_queries.insert(kept_queries.end(), from, from + entry);
+      }
+    }
+    seq.queries = std::move(kept_queries);
+    seq.q_first = last >= 0 ? first : new_length;
+    seq.q_count = last >= 0 ? last - first + 1 : 0;
+  } else {
+    seq.q_first = seq.length - removed;
   }
-  if (seq.q_first >= plan.end) seq.q_first -= removed;
-  if (seq.q_count == 0) seq.q_first = seq.length - removed;
   seq.length -= removed;
   seq.explicit_end = plan.begin + plan.num_kept;
   seq.explicit_pos = std::move(pos);

@@ -512,6 +512,41 @@ TEST(PrefillPolicyTest, SnapKVCompressesThePromptOnceAtTheFirstStep) {
   EXPECT_TRUE(d.reg->check_invariants().ok());
 }
 
+// SnapKV and ChunkKV keep the queries of the observation window they keep, so with
+// c_max - c_target < w_obs the next compaction still has its w_obs queries: the cache never grows
+// past c_max, compaction fires every time the cache reaches it, and a dry run never says queries
+// are missing.
+TEST(SnapKVPolicyTest, KeepsTheObservationWindowsQueriesSoItFiresExactlyAtCMax) {
+  for (const char* policy : {"snapkv", "chunkkv"}) {
+    Driver d(4);
+    SequenceOptions o;
+    o.policy = policy;
+    o.params = {{"c_max", 40}, {"c_target", 36}, {"w_obs", 8}};  // 4 steps between compactions, w_obs 8
+    const uint64_t seq = *d.create(o);
+    ASSERT_TRUE(d.append(seq, 0, 20, 8).ok());
+    std::vector<int64_t> logical{20};
+    int compactions = 0;
+    for (int t = 0; t < 60; ++t) {
+      const uint32_t before = d.info(seq).length;
+      ASSERT_TRUE(d.step({seq}, logical).ok());
+      const SequenceInfo info = d.info(seq);
+      ASSERT_LE(info.length, 40u) << policy << " step " << t;
+      if (before + 1 == 40) {
+        EXPECT_EQ(info.length, 36u) << policy << ": did not compact on reaching c_max at step " << t;
+        ++compactions;
+      } else {
+        EXPECT_EQ(info.length, before + 1) << policy << " step " << t;
+      }
+      auto dry = d.reg->compact(d.session, seq, true);
+      ASSERT_TRUE(dry.ok());
+      EXPECT_THAT(dry->front().skipped, ::testing::Not(HasSubstr("queries"))) << policy << " step " << t;
+    }
+    EXPECT_EQ(int(d.info(seq).compactions), compactions);
+    EXPECT_EQ(compactions, 11) << policy;  // at step 20, then every 4 steps
+    ASSERT_TRUE(d.reg->check_invariants().ok());
+  }
+}
+
 TEST(PolicyParamsTest, BadValuesAreRefusedNamingParameterAndRange) {
   Driver d(1);
   auto refused = [&](const std::string& policy, std::map<std::string, double> params, const std::string& words) {
