@@ -41,6 +41,7 @@ absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::bind(const std::string
   if (!policy.ok()) return policy.status();
   if (absl::Status s = check_backend_runs(backend, g.dtype, **policy, "policy"); !s.ok()) return s;
   auto binding = std::make_shared<PolicyBinding>();
+  binding->params = policy_params(name, params, g)->values();  // make_policy resolved them already
   if (!prefill_policy.empty() && prefill_policy != "none") {
     auto p = make_policy(prefill_policy, prefill_params, g);
     if (!p.ok()) return absl::InvalidArgumentError(absl::StrCat("prefill_policy: ", p.status().message()));
@@ -56,6 +57,7 @@ absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::bind(const std::string
     }
     binding->prefill = std::move(*p);
     binding->prefill_name = prefill_policy;
+    binding->prefill_params = policy_params(prefill_policy, prefill_params, g)->values();
   } else if (!prefill_params.empty()) {
     return absl::InvalidArgumentError("prefill_params given without a prefill_policy");
   }
@@ -69,6 +71,8 @@ std::shared_ptr<PolicyBinding> Compactor::fork(const Sequence& parent) const {
   child->policy = parent.policy->policy;
   child->prefill = parent.policy->prefill;
   child->prefill_name = parent.policy->prefill_name;
+  child->params = parent.policy->params;
+  child->prefill_params = parent.policy->prefill_params;
   if (parent.policy->state) child->state = parent.policy->state->clone();
   return child;
 }
@@ -229,6 +233,7 @@ absl::StatusOr<CompactionResult> Compactor::compact(Sequence& seq, bool dry_run)
     r.policy = seq.label;
     r.tokens_before = r.tokens_after = seq.length;
     r.skipped = absl::StrCat("in the middle of a step (expects layer ", seq.pending_layer, ")");
+    r.params = seq.policy->params;
     return r;
   }
   return run_policy(seq, *seq.policy->policy, dry_run);
@@ -259,6 +264,7 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   CompactionResult result;
   result.sequence_id = seq.id;
   result.policy = own ? seq.label : policy.name();
+  if (own) result.params = seq.policy->params;
   result.tokens_before = result.tokens_after = seq.length;
   const SequenceView view = view_of(seq, own);
   if (!policy.due(view, true)) {
@@ -345,8 +351,11 @@ void Compactor::record(const CompactionResult& r, const Sequence& seq, int32_t r
   }
 }
 
-std::string Compactor::prefill_name(const Sequence& seq) const {
-  return seq.policy->prefill_name;
+void Compactor::describe(const Sequence& seq, SequenceInfo& info) const {
+  info.prefill_policy = seq.policy->prefill_name;
+  info.params = seq.policy->params;
+  if (seq.quantize) info.params["residual"] = seq.residual;
+  info.prefill_params = seq.policy->prefill_params;
 }
 
 void Compactor::fill_stats(CoreStats& s) const {

@@ -26,6 +26,8 @@ struct PolicyBinding {
   std::shared_ptr<const Policy> prefill;  // null: none, or already applied
   std::string prefill_name;               // as asked for; kept after the prefill policy ran
   std::unique_ptr<PolicyState> state;     // made by `policy`; null when it keeps none
+  // The parameters as resolved (defaults filled in), for Inspect and Compact.
+  std::map<std::string, double> params, prefill_params;
 };
 
 class Compactor {
@@ -71,7 +73,8 @@ class Compactor {
   // The sequence's own policy now (Compact RPC); skipped while a step is in progress.
   absl::StatusOr<CompactionResult> compact(Sequence& seq, bool dry_run);
 
-  std::string prefill_name(const Sequence& seq) const;
+  // The policy's side of a sequence's info: prefill policy and resolved parameters.
+  void describe(const Sequence& seq, SequenceInfo& info) const;
   // Per-policy compaction counters and the policies' state bytes into `s`.
   void fill_stats(CoreStats& s) const;
   // Called after every compaction that ran, and for each compaction event.

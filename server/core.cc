@@ -557,7 +557,7 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<std::vector<int32_t>>>> Core:
   const Sequence* seq = store_->find(sequence_id);
   if (seq == nullptr) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
   SequenceInfo info = store_->info_of(*seq);
-  info.prefill_policy = compactor_->prefill_name(*seq);
+  compactor_->describe(*seq, info);
   return std::make_pair(std::move(info), store_->positions_of(*seq));
 }
 
@@ -601,7 +601,7 @@ std::vector<SequenceInfo> Core::list_locked(const std::string& session_id) const
   for (const auto& [id, seq] : store_->sequences()) {
     if (!session_id.empty() && seq.session_id != session_id) continue;
     SequenceInfo info = store_->info_of(seq);
-    info.prefill_policy = compactor_->prefill_name(seq);
+    compactor_->describe(seq, info);
     out.push_back(std::move(info));
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.id < b.id; });

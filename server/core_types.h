@@ -52,6 +52,7 @@ struct CompactionResult {
   std::string policy;
   int32_t tokens_before = 0, tokens_after = 0;
   std::string skipped;                       // non-empty: nothing was done, and why
+  std::map<std::string, double> params;      // the policy's resolved parameters
   std::vector<std::vector<int32_t>> kept;    // dry run: [L * Hk] resident positions after
   double seconds = 0;
 };
@@ -93,6 +94,8 @@ struct SequenceInfo {
   int32_t shared_blocks = 0;
   int32_t priority = 0;
   int32_t pending_layer = -1;
+  // The policy's and the prefill policy's parameters as resolved (defaults filled in).
+  std::map<std::string, double> params, prefill_params;
 };
 
 struct CoreStats {

@@ -59,6 +59,16 @@ std::vector<std::string> policy_names() {
   return out;
 }
 
+absl::StatusOr<PolicyParams> policy_params(const std::string& name, const std::map<std::string, double>& params,
+                                           const kernels::Geometry& geometry) {
+  auto it = policy_table().find(name);
+  if (it == policy_table().end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown policy '", name, "'; expected one of: ", absl::StrJoin(policy_names(), ", ")));
+  }
+  return resolve_params(name, it->second.params(geometry), params);
+}
+
 absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
                                                     const std::map<std::string, double>& params,
                                                     const kernels::Geometry& geometry) {

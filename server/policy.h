@@ -177,6 +177,9 @@ bool register_policy(PolicyEntry entry);
 absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
                                                     const std::map<std::string, double>& params,
                                                     const kernels::Geometry& geometry);
+// The parameters `make_policy` would build the named policy with: defaults filled, ranges checked.
+absl::StatusOr<PolicyParams> policy_params(const std::string& name, const std::map<std::string, double>& params,
+                                           const kernels::Geometry& geometry);
 // Names of every registered policy, sorted, for error messages and --help.
 std::vector<std::string> policy_names();
 

@@ -208,6 +208,8 @@ void fill_info(const SequenceInfo& info, v1::SequenceInfo* s) {
   s->set_kv_bytes(info.kv_bytes);
   s->set_fp16_bytes(info.fp16_bytes);
   s->set_nominal_ratio(info.nominal_ratio);
+  s->mutable_params()->insert(info.params.begin(), info.params.end());
+  s->mutable_prefill_params()->insert(info.prefill_params.begin(), info.prefill_params.end());
 }
 
 void fill_heads(const std::vector<std::vector<int32_t>>& rows, int num_kv_heads,
@@ -231,6 +233,7 @@ absl::Status KaraKVService::DoCompact(const v1::CompactRequest& req, v1::Compact
     s->set_tokens_before(c.tokens_before);
     s->set_tokens_after(c.tokens_after);
     s->set_skipped(c.skipped);
+    s->mutable_params()->insert(c.params.begin(), c.params.end());
     fill_heads(c.kept, core_->geometry().num_kv_heads, s->mutable_kept());
   }
   return absl::OkStatus();

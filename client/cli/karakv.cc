@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <tuple>
 #include <chrono>
@@ -268,6 +269,22 @@ std::string ranges(const google::protobuf::RepeatedField<int32_t>& pos) {
   return out;
 }
 
+// A policy's parameters as "name=value ..." (sorted by name) or a JSON object.
+std::string params_text(const google::protobuf::Map<std::string, double>& params) {
+  std::map<std::string, double> sorted(params.begin(), params.end());
+  std::string out;
+  for (const auto& [name, value] : sorted) absl::StrAppend(&out, out.empty() ? "" : " ", name, "=", value);
+  return out.empty() ? "-" : out;
+}
+std::string params_json(const google::protobuf::Map<std::string, double>& params) {
+  std::map<std::string, double> sorted(params.begin(), params.end());
+  std::string out = "{";
+  for (const auto& [name, value] : sorted) {
+    absl::StrAppend(&out, out.size() > 1 ? "," : "", "\"", json_escape(name), "\":", absl::StrFormat("%.17g", value));
+  }
+  return out + "}";
+}
+
 int cmd_inspect(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_text) {
   uint64_t id = 0;
   if (!absl::SimpleAtoi(id_text, &id)) {
@@ -284,8 +301,9 @@ int cmd_inspect(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
   if (!s.ok()) return report_error("Inspect", s);
   const auto& i = r.info();
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"id\":%llu,\"policy\":\"%s\",\"resident\":%u,\"logical\":%u,\"heads\":[",
-                (unsigned long long)i.sequence_id(), json_escape(i.policy()).c_str(), i.length(), i.logical_length());
+    std::printf("{\"id\":%llu,\"policy\":\"%s\",\"params\":%s,\"resident\":%u,\"logical\":%u,\"heads\":[",
+                (unsigned long long)i.sequence_id(), json_escape(i.policy()).c_str(), params_json(i.params()).c_str(),
+                i.length(), i.logical_length());
     for (int k = 0; k < r.heads_size(); ++k) {
       const auto& h = r.heads(k);
       std::printf("%s{\"layer\":%d,\"head\":%d,\"positions\":[", k ? "," : "", h.layer(), h.head());
@@ -298,6 +316,8 @@ int cmd_inspect(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
   std::printf("sequence %llu  policy %s%s%s  resident %u of %u logical tokens  prompt %u  compactions %u\n",
               (unsigned long long)i.sequence_id(), i.policy().c_str(), i.prefill_policy().empty() ? "" : " prefill ",
               i.prefill_policy().c_str(), i.length(), i.logical_length(), i.prompt_length(), i.compactions());
+  std::printf("params %s%s%s\n", params_text(i.params()).c_str(), i.prefill_policy().empty() ? "" : "  prefill params ",
+              i.prefill_policy().empty() ? "" : params_text(i.prefill_params()).c_str());
   // One line per (layer, head): a 64-column map of the history (# all resident, + some, . none),
   // then the resident positions as ranges.
   const int cols = static_cast<int>(std::clamp<uint32_t>(i.logical_length(), 1, 64));
@@ -362,12 +382,12 @@ int cmd_compact(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
     }
     for (const auto& c : r.sequences()) {
       if (absl::GetFlag(FLAGS_json)) {
-        std::printf("%s{\"id\":%llu,\"policy\":\"%s\",\"before\":%u,\"after\":%u,\"skipped\":\"%s\"}",
+        std::printf("%s{\"id\":%llu,\"policy\":\"%s\",\"params\":%s,\"before\":%u,\"after\":%u,\"skipped\":\"%s\"}",
                     first ? "" : ",", (unsigned long long)c.sequence_id(), json_escape(c.policy()).c_str(),
-                    c.tokens_before(), c.tokens_after(), json_escape(c.skipped()).c_str());
+                    params_json(c.params()).c_str(), c.tokens_before(), c.tokens_after(), json_escape(c.skipped()).c_str());
       } else {
-        std::printf("sequence %llu (%s): %u -> %u resident tokens%s%s%s\n", (unsigned long long)c.sequence_id(),
-                    c.policy().c_str(), c.tokens_before(), c.tokens_after(),
+        std::printf("sequence %llu (%s %s): %u -> %u resident tokens%s%s%s\n", (unsigned long long)c.sequence_id(),
+                    c.policy().c_str(), params_text(c.params()).c_str(), c.tokens_before(), c.tokens_after(),
                     absl::GetFlag(FLAGS_dry_run) ? " (dry run)" : "", c.skipped().empty() ? "" : "; skipped: ",
                     c.skipped().c_str());
       }

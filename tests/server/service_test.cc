@@ -320,3 +320,41 @@ TEST_F(ServiceTest, AttachComparesAnyGeometryItIsSent) {
 
 }  // namespace
 }  // namespace karakv::server
+
+namespace karakv::server {
+namespace {
+
+// Inspect and Compact's dry run show every parameter of the policy as the daemon resolved it, the
+// defaults filled in, so an operator sees what a sequence runs without knowing the defaults.
+TEST_F(ServiceTest, InspectAndDryRunShowTheResolvedParameters) {
+  const std::string s = attach();
+  v1::CreateSequenceRequest c;
+  c.set_session_id(s);
+  c.set_policy("kara");
+  (*c.mutable_params())["window"] = 16;
+  (*c.mutable_params())["observers"] = 2;
+  v1::CreateSequenceReply cr;
+  ASSERT_TRUE(service_->Handle(c, &cr).ok());
+  v1::InspectRequest ireq;
+  ireq.set_sequence_id(cr.sequence_id());
+  v1::InspectReply irep;
+  ASSERT_TRUE(service_->Handle(ireq, &irep).ok());
+  const auto& params = irep.info().params();
+  EXPECT_EQ(params.at("window"), 16);
+  EXPECT_EQ(params.at("observers"), 2);
+  EXPECT_EQ(params.at("recent"), 128);  // a default, filled in
+  EXPECT_EQ(params.at("rho"), 0.25);
+  EXPECT_EQ(params.count("residual"), 0u);  // no storage format
+  v1::CompactRequest dry;
+  dry.set_session_id(s);
+  dry.set_sequence_id(cr.sequence_id());
+  dry.set_dry_run(true);
+  v1::CompactReply drep;
+  ASSERT_TRUE(service_->Handle(dry, &drep).ok());
+  ASSERT_EQ(drep.sequences_size(), 1);
+  EXPECT_EQ(drep.sequences(0).params().at("window"), 16);
+  EXPECT_EQ(drep.sequences(0).params().at("norm"), 0);
+}
+
+}  // namespace
+}  // namespace karakv::server
