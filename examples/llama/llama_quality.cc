@@ -40,6 +40,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -68,6 +69,17 @@ ABSL_FLAG(bool, reference, true, "Also run the in-process dense reference on the
 ABSL_FLAG(std::string, csv, "quality.csv", "Where to write the results as CSV");
 ABSL_FLAG(std::string, only, "", "Comma-separated policy labels to run (default: all; none always runs)");
 ABSL_FLAG(std::string, tasks, "", "Comma-separated task names to run (default: all), e.g. shakespeare,gsm8k");
+ABSL_FLAG(std::string, kara_points, "",
+          "The ablation: instead of the standard comparison, none plus these Kara points, each followed by "
+          "--baselines sized to its MEAN resident memory (docs/COMPRESSION.md section 4). Semicolon-separated "
+          "LABEL=name:value,name:value over the task's window and period, e.g. "
+          "\"r0=recent:0;r64=recent:64,observers:1\". A point labelled kara names its baselines plainly (snapkv), "
+          "others as NAME@LABEL");
+ABSL_FLAG(std::string, baselines, "snapkv,streaming,h2o", "With --kara_points: the baselines matched to each point");
+ABSL_FLAG(bool, kara_cam, true, "With --kara_points: also run the point labelled kara with cam=1 (kara+cam)");
+ABSL_FLAG(bool, ablation_none, true,
+          "With --kara_points: run none first (false: a later stage of a staged ablation whose none ran already; "
+          "the vs-none column is then empty)");
 
 namespace {
 
@@ -397,8 +409,76 @@ GreedyResult greedy(const Model& m, karakv::llama::Attention& att, karakv::Clien
 struct PolicySpec {
   std::string label;
   karakv::SequenceOptions options;
-  bool matched = false;  // a threshold baseline sized from Kara rho=0.25's memory
+  bool matched = false;    // a threshold baseline sized from a Kara run's memory
+  std::string sized_from = "kara-0.25";  // that run's label
 };
+
+// The resident length a threshold policy's sequence has after each decode step: P tokens of prompt,
+// one more per step, back to c_target whenever a step brings it to c_max. Its mean over the steps
+// the harness samples (every 8th and the last of `steps`).
+double threshold_mean_resident(int prompt, int steps, int c_max, int c_target) {
+  double sum = 0;
+  int samples = 0, length = prompt;
+  for (int i = 0; i < steps; ++i) {
+    if (++length >= c_max) length = c_target;
+    if (i % 8 == 7 || i == steps - 1) {
+      sum += length;
+      ++samples;
+    }
+  }
+  return samples ? sum / samples : length;
+}
+
+// c_target and c_max (c_max = c_target + 2 * max(8, c_target / 32), as the end-matched sizing)
+// whose mean resident length is closest to `mean` (section 4: within one block).
+std::pair<int, int> match_mean(double mean, int prompt, int steps) {
+  auto gap = [](int target) { return 2 * std::max(8, int(std::lround(target / 32.0))); };
+  int best = 16;
+  double best_err = INFINITY;
+  for (int target = 16; target <= prompt + steps; ++target) {
+    const double err = std::abs(threshold_mean_resident(prompt, steps, target + gap(target), target) - mean);
+    if (err < best_err) {
+      best_err = err;
+      best = target;
+    }
+  }
+  return {best + gap(best), best};
+}
+
+// --kara_points: none, then each Kara point followed by the baselines sized to its memory.
+std::vector<PolicySpec> ablation_policies(int window, int period) {
+  std::vector<PolicySpec> out;
+  if (absl::GetFlag(FLAGS_ablation_none)) out.push_back(PolicySpec{"none", {}});
+  std::vector<std::string> baselines = absl::StrSplit(absl::GetFlag(FLAGS_baselines), ',', absl::SkipEmpty());
+  for (absl::string_view point : absl::StrSplit(absl::GetFlag(FLAGS_kara_points), ';', absl::SkipEmpty())) {
+    const std::vector<std::string> parts = absl::StrSplit(point, absl::MaxSplits('=', 1));
+    if (parts.size() != 2 || parts[0].empty()) die("--kara_points: expected LABEL=name:value,..., got " + std::string(point));
+    PolicySpec kara{parts[0], {}};
+    kara.options.policy = "kara";
+    kara.options.params = {{"window", window}, {"period", period}};
+    for (absl::string_view kv : absl::StrSplit(parts[1], ',', absl::SkipEmpty())) {
+      const std::vector<std::string> nv = absl::StrSplit(kv, ':');
+      double value = 0;
+      if (nv.size() != 2 || !absl::SimpleAtod(nv[1], &value)) {
+        die("--kara_points: expected name:value in point " + parts[0] + ", got " + std::string(kv));
+      }
+      kara.options.params[nv[0]] = value;
+    }
+    out.push_back(kara);
+    for (const std::string& name : baselines) {
+      PolicySpec b{parts[0] == "kara" ? name : name + "@" + parts[0], {}, true, parts[0]};
+      b.options.policy = name;
+      out.push_back(b);
+    }
+    if (parts[0] == "kara" && absl::GetFlag(FLAGS_kara_cam)) {
+      PolicySpec cam = kara;
+      cam.label = "kara+cam";
+      cam.options.params["cam"] = 1;
+      out.push_back(cam);
+    }
+  }
+  return out;
+}
 
 std::string params_text(const karakv::SequenceOptions& o) {
   std::vector<std::string> parts;
@@ -546,22 +626,37 @@ int main(int argc, char** argv) {
 
   // One task over every policy, each on a fresh daemon: `run_task(attention, client, label)` runs
   // it, `report(spec, result)` prints and records it and returns the final resident length.
-  auto sweep = [&](int window, int period, size_t pool, auto&& run_task, auto&& report) {
-    std::vector<PolicySpec> specs = all_policies(window, period);
-    double kara25_final = 0;
+  // One task over every policy, each on a fresh daemon: `run_task(attention, client, label)` runs
+  // it, `report(spec, result)` prints and records it and returns the final and the mean resident
+  // length (NaN where the task does not sample it). A matched baseline is sized from its Kara run:
+  // to the same mean memory when the task has it (`prompt`, `steps`: the task's shape), else to the
+  // same end memory.
+  auto sweep = [&](int window, int period, size_t pool, int prompt, int steps, auto&& run_task, auto&& report) {
+    const bool ablation = !absl::GetFlag(FLAGS_kara_points).empty();
+    std::vector<PolicySpec> specs = ablation ? ablation_policies(window, period) : all_policies(window, period);
+    std::map<std::string, std::pair<double, double>> memory;  // label -> (final, mean) resident
     for (PolicySpec spec : specs) {
-      if (!only.empty() && !only.count(spec.label) && spec.label != "none") continue;
+      if (!ablation && !only.empty() && !only.count(spec.label) && spec.label != "none") continue;
       if (spec.matched) {
-        if (kara25_final == 0) {
-          std::fprintf(stderr, "  %s: skipped (sized from kara-0.25, which did not run)\n", spec.label.c_str());
+        auto it = memory.find(spec.sized_from);
+        if (it == memory.end()) {
+          std::fprintf(stderr, "  %s: skipped (sized from %s, which did not run)\n", spec.label.c_str(),
+                       spec.sized_from.c_str());
           continue;
         }
-        // Between compactions a threshold policy holds c_target..c_max tokens: centred on Kara
-        // rho=0.25's resident length R at the end of the run, the same memory.
-        const double R = std::round(kara25_final);
-        const double half = std::max(8.0, std::round(R / 32));
-        spec.options.params["c_target"] = R - half;
-        spec.options.params["c_max"] = R + half;
+        const auto [final_resident, mean_resident] = it->second;
+        if (!std::isnan(mean_resident)) {
+          const auto [c_max, c_target] = match_mean(mean_resident, prompt, steps);
+          spec.options.params["c_target"] = c_target;
+          spec.options.params["c_max"] = c_max;
+        } else {
+          // Between compactions a threshold policy holds c_target..c_max tokens: centred on the
+          // Kara run's resident length R at the end of the run, the same memory.
+          const double R = std::round(final_resident);
+          const double half = std::max(8.0, std::round(R / 32));
+          spec.options.params["c_target"] = R - half;
+          spec.options.params["c_max"] = R + half;
+        }
       }
       Daemon daemon(absl::GetFlag(FLAGS_karakvd), c, dtype, pool);
       auto client = check(karakv::Client::Attach(daemon.options()));
@@ -575,8 +670,7 @@ int main(int argc, char** argv) {
       } else {
         check(att.release(*probe));
       }
-      const double final_resident = report(spec, run_task(att, client.get(), spec.label));
-      if (spec.label == "kara-0.25") kara25_final = final_resident;
+      memory[spec.label] = report(spec, run_task(att, client.get(), spec.label));
     }
   };
 
@@ -594,7 +688,7 @@ int main(int argc, char** argv) {
     double none_ppl = 0;
     const int window = long_run ? 128 : 64, period = long_run ? 16 : 8;
     sweep(
-        window, period, pool_mib(task.streams.size(), task.prompt + task.fed),
+        window, period, pool_mib(task.streams.size(), task.prompt + task.fed), task.prompt, task.fed - 1,
         [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
           return perplexity(model, att, client, task, label);
         },
@@ -617,7 +711,7 @@ int main(int argc, char** argv) {
                       r.end.kv_bytes / (1 << 20), ratio_vs_fp16(r.end));
           std::fflush(stdout);
           write_row(csv, row);
-          return r.end.resident;
+          return std::make_pair(r.end.resident, r.resident_mean);
         });
   }
 
@@ -631,7 +725,7 @@ int main(int argc, char** argv) {
                 "ratio");
     std::vector<std::vector<int>> base;
     sweep(
-        64, 8, pool_mib(task.prompts.size(), longest + task.gen),
+        64, 8, pool_mib(task.prompts.size(), longest + task.gen), 0, task.gen,
         [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
           return greedy(model, att, client, task, label);
         },
@@ -661,7 +755,7 @@ int main(int argc, char** argv) {
                       100 * row.agree, row.prefix, r.end.resident, r.end.logical, ratio_vs_fp16(r.end));
           std::fflush(stdout);
           write_row(csv, row);
-          return r.end.resident;
+          return std::make_pair(r.end.resident, double(NAN));
         });
   }
   std::fclose(csv);
