@@ -4,36 +4,73 @@
 #
 #   scripts/gpu-check.sh --prepare   here, on a machine with nvcc but no GPU: builds the kernel library,
 #                                    its tests and benchmark into build-gpu/ (KARAKV_KERNELS_ONLY: no
-#                                    gRPC needed), and copies the shared libraries they need that are
-#                                    not part of the C library (ldd) plus GoogleTest (to rebuild there)
-#                                    into build-gpu/carry/.
+#                                    gRPC needed; libstdc++ and libgcc linked in statically), and copies
+#                                    the shared libraries they still need that are not part of the C
+#                                    library (ldd: libgomp) plus GoogleTest (its sources, and the built
+#                                    libraries, to rebuild there) into build-gpu/carry/.
 #   scripts/gpu-check.sh             on the GPU machine (nvcc, cmake, ninja and PyTorch, no network, no
 #                                    Debian libraries): runs the carried binaries, or rebuilds them with
-#                                    that machine's nvcc when the carried ones cannot start (e.g. an
-#                                    older driver), then prints the table.
+#                                    that machine's nvcc when the carried ones cannot start there, then
+#                                    prints the table. With no GPU (nvidia-smi finds none) it says
+#                                    "no device" and exits 0.
+#   scripts/gpu-check.sh --help      this text.
+#
+# "Cannot start" means the dynamic loader refuses a carried binary (an older C library than this
+# one's: `kernels_test --gtest_list_tests` or `kernels_bench --help` fails), or the CUDA driver
+# refuses the runtime it was built with (cudaErrorInsufficientDriver and the like when the backend
+# is created). Any other failure is a result, reported in the table, not a reason to rebuild. The
+# carried libraries are put on the library path of the carried binaries' own processes only: cmake,
+# nvcc, the rebuilt binaries, python3 and PyTorch run with this machine's libraries.
+#
+# The table has one row per test step: tests passed / failed / skipped, counted once per test from
+# gtest's per-test result lines, and the exit status (above 128: a crash, with the signal and the test
+# it was running). The script exits with the tests' status, or 1 when no test passed or a test was
+# skipped for "no device" (the CUDA backend could not be created on the GPU machine).
 #
 # Fits one 10-minute call on an H200: the correctness run takes seconds, each benchmark well under a
-# minute. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192), GPU_CHECK_ITERS (10).
-# What to carry (about 16 MiB; the object files in build-gpu/ need not travel):
+# minute. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192), GPU_CHECK_ITERS (10),
+# GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets 180), GPU_CHECK_JOBS
+# (nproc; build jobs).
+# What to carry (about 20 MiB; the object files in build-gpu/ need not travel):
 #   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
 set -uo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 B=build-gpu
+JOBS=${GPU_CHECK_JOBS:-$(nproc)}
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$self"; }
+
+case "${1:-}" in
+  -h | --help) usage; exit 0 ;;
+  "" | --prepare) ;;
+  *) echo "gpu-check.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+esac
 
 if [ "${1:-}" = "--prepare" ]; then
   set -e
-  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKARAKV_KERNELS_ONLY=ON -DKARAKV_CUDA=ON > /dev/null
-  cmake --build "$B" -j "$(nproc)" --target kernels_test kernels_bench
+  # Static libstdc++ / libgcc: this machine's (Debian's) need a newer C library than the GPU
+  # machine may have. Test discovery at ctest time: building runs no test binary.
+  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKARAKV_KERNELS_ONLY=ON -DKARAKV_CUDA=ON \
+    -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" \
+    -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST > /dev/null
+  cmake --build "$B" -j "$JOBS" --target kernels_test kernels_bench
   rm -rf "$B/carry" && mkdir -p "$B/carry/lib"
   for bin in "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench"; do
     ldd "$bin" | awk '/=> \//{print $3}' | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so' |
       xargs -r -I{} cp -L {} "$B/carry/lib/"
   done
-  # GoogleTest for a rebuild on the GPU machine, in the layout its CMake package expects.
+  # GoogleTest for a rebuild on the GPU machine: its sources, built there with that machine's
+  # compiler, and (when the sources are not installed here) the libraries built here, in the
+  # layout its CMake package expects.
+  if [ -f /usr/src/googletest/CMakeLists.txt ]; then
+    cp -r /usr/src/googletest "$B/carry/googletest-src"
+  fi
   mkdir -p "$B/carry/gtest/lib/x86_64-linux-gnu/cmake" "$B/carry/gtest/include"
   cp -r /usr/include/gtest /usr/include/gmock "$B/carry/gtest/include/"
   cp /usr/lib/x86_64-linux-gnu/libgtest*.a /usr/lib/x86_64-linux-gnu/libgmock*.a "$B/carry/gtest/lib/x86_64-linux-gnu/"
   cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest "$B/carry/gtest/lib/x86_64-linux-gnu/cmake/"
+  echo "carried libraries: $(find "$B/carry/lib" -maxdepth 1 -type f -printf '%f ')"
   du -sh "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench" "$B/carry"
   echo "prepared $B; run scripts/gpu-check.sh on the GPU machine carrying $B"
   exit 0
@@ -41,44 +78,165 @@ fi
 
 if ! nvidia-smi -L > /dev/null 2>&1; then
   echo "no device: nvidia-smi finds no GPU here; run this on the GPU machine (scripts/gpu-check.sh --prepare is for here)"
-  exit 77
+  exit 0
 fi
-export LD_LIBRARY_PATH="$PWD/$B/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 SEQS=${GPU_CHECK_SEQS:-64}
 TOKENS=${GPU_CHECK_TOKENS:-8192}
 ITERS=${GPU_CHECK_ITERS:-10}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-300}
+CARRY_LIB="$PWD/build-gpu/carry/lib"
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 
-# The carried build, unless it cannot create the backend here; then rebuild with this machine's nvcc.
-if ! "$B/bench/kernels/kernels_bench" --backend=cuda --seqs=1 --tokens=128 --iters=1 > /tmp/gpu-probe.txt 2>&1; then
-  echo "carried build cannot run here: $(tail -1 /tmp/gpu-probe.txt); rebuilding with $(nvcc --version | tail -1)"
+# BIN_ENV: the prefix that runs one of $B's binaries: a carried one with the carried libraries on its
+# library path, a rebuilt one as it is. Nothing else in this script sees the carried libraries.
+set_bin_env() {
+  if [ "$B" = build-gpu ]; then
+    BIN_ENV=(env "LD_LIBRARY_PATH=$CARRY_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+  else
+    BIN_ENV=(env)
+  fi
+}
+set_bin_env
+run_bin() { "${BIN_ENV[@]}" "$@"; }
+
+# with_timeout SECONDS COMMAND...: the command, killed after SECONDS where timeout(1) exists (exit 124).
+with_timeout() {
+  local seconds=$1
+  shift
+  if command -v timeout > /dev/null 2>&1; then timeout -k 10 "$seconds" "$@"; else "$@"; fi
+}
+
+# describe_rc STATUS: an exit status in words; above 128 the process was killed by a signal: a crash.
+describe_rc() {
+  local rc=$1
+  if [ "$rc" -eq 0 ]; then
+    echo "exit 0"
+  elif [ "$rc" -eq 124 ]; then
+    echo "exit 124 (timed out)"
+  elif [ "$rc" -eq 127 ]; then
+    echo "exit 127 (cannot start)"
+  elif [ "$rc" -gt 128 ]; then
+    local sig=$((rc - 128))
+    echo "CRASH: killed by signal $sig (SIG$(kill -l "$sig" 2> /dev/null || echo '?'))"
+  else
+    echo "exit $rc"
+  fi
+}
+
+# gtest_counts FILE: "passed failed skipped running" from the output of a gtest run without
+# --gtest_brief (one "[ RUN ]" and one result line per test). Each test is counted once, by name:
+# the summary at the end lists failed and skipped tests again (and headers such as "[  FAILED  ] 2
+# tests, listed below:" are not tests); a test with a FAILED line counts as failed only. `running`
+# is the test that started and never finished (a crash or a timeout), or "-".
+gtest_counts() {
+  awk '
+    /^\[ RUN      \] / { running = $4; next }
+    match($0, /^\[ +(OK|FAILED|SKIPPED) +\] /) {
+      tag = substr($0, 1, RLENGTH); gsub(/[][ ]/, "", tag)
+      name = substr($0, RLENGTH + 1); sub(/[ ,].*/, "", name)
+      if (name == "" || name ~ /^[0-9]+$/) next
+      if (status[name] != "FAILED") status[name] = tag
+      if (name == running) running = ""
+    }
+    END {
+      for (n in status) count[status[n]]++
+      printf "%d %d %d %s\n", count["OK"], count["FAILED"], count["SKIPPED"], running == "" ? "-" : running
+    }
+  ' "$1"
+}
+
+# The carried build, unless it cannot start here; then rebuild with this machine's nvcc.
+cannot_start() {
+  local out
+  for bin in "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench"; do
+    [ -x "$bin" ] || { echo "$bin is missing"; return 0; }
+  done
+  if ! out=$(run_bin "$B/tests/kernels/kernels_test" --gtest_list_tests 2>&1); then
+    echo "kernels_test does not load: $(printf '%s\n' "$out" | tail -1)"
+    return 0
+  fi
+  out=$(run_bin "$B/bench/kernels/kernels_bench" --help 2>&1)  # prints its usage and exits 2
+  case "$out" in
+    *"usage: kernels_bench"*) ;;
+    *) echo "kernels_bench does not load: $(printf '%s\n' "$out" | tail -1)"; return 0 ;;
+  esac
+  # Loads; does the driver take the CUDA runtime and kernels it was built with?
+  out=$(with_timeout 120 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --seqs=1 --tokens=128 \
+    --iters=1 2>&1)
+  if grep -qE 'cudaError(InsufficientDriver|CompatNotSupportedOnDevice|UnsupportedPtxVersion|NoKernelImageForDevice)' \
+    <<< "$out"; then
+    echo "the driver refuses the carried build: $(grep -m1 -E 'cudaError' <<< "$out")"
+    return 0
+  fi
+  return 1
+}
+
+if why=$(cannot_start); then
+  echo "carried build cannot run here: $why; rebuilding with $(nvcc --version | tail -1)"
   rm -rf build-gpu-local
+  gtest_dir="$PWD/$B/carry/gtest/lib/x86_64-linux-gnu/cmake/GTest"
+  if [ -f "$B/carry/googletest-src/CMakeLists.txt" ]; then
+    # GoogleTest built with this machine's compiler: the carried libraries may need a newer C++
+    # library than this machine has.
+    { cmake -S "$B/carry/googletest-src" -B build-gpu-local/_googletest -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_INSTALL_PREFIX="$PWD/build-gpu-local/_gtest" -DCMAKE_INSTALL_LIBDIR=lib \
+        -DCMAKE_POSITION_INDEPENDENT_CODE=ON &&
+        cmake --build build-gpu-local/_googletest -j "$JOBS" &&
+        cmake --install build-gpu-local/_googletest; } > /tmp/gpu-gtest.txt 2>&1 ||
+      { tail -40 /tmp/gpu-gtest.txt; exit 1; }
+    gtest_dir="$PWD/build-gpu-local/_gtest/lib/cmake/GTest"
+  fi
   cmake -S . -B build-gpu-local -G Ninja -DCMAKE_BUILD_TYPE=Release -DKARAKV_KERNELS_ONLY=ON -DKARAKV_CUDA=ON \
-    -DGTest_DIR="$PWD/$B/carry/gtest/lib/x86_64-linux-gnu/cmake/GTest" > /tmp/gpu-cmake.txt 2>&1 ||
+    -DGTest_DIR="$gtest_dir" -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST > /tmp/gpu-cmake.txt 2>&1 ||
     { cat /tmp/gpu-cmake.txt; exit 1; }
-  cmake --build build-gpu-local -j "$(nproc)" --target kernels_test kernels_bench > /tmp/gpu-build.txt 2>&1 ||
+  cmake --build build-gpu-local -j "$JOBS" --target kernels_test kernels_bench > /tmp/gpu-build.txt 2>&1 ||
     { tail -40 /tmp/gpu-build.txt; exit 1; }
   B=build-gpu-local
+  set_bin_env
 fi
 
-# 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test).
-"$B/tests/kernels/kernels_test" --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*' --gtest_brief=1 \
-  > /tmp/gpu-tests.txt 2>&1
+# 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test), and the
+# backend's geometry limits (cuda_limits_test). Not --gtest_brief: it prints no line for a passed or
+# skipped test, and no failed count.
+with_timeout "$TEST_TIMEOUT" "${BIN_ENV[@]}" "$B/tests/kernels/kernels_test" \
+  --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*:CudaLimitsTest.*' > /tmp/gpu-tests.txt 2>&1
 tests_rc=$?
+read -r passed failed skipped running < <(gtest_counts /tmp/gpu-tests.txt)
 grep -E "Failure|FAILED|Expected|Which is|error" /tmp/gpu-tests.txt | head -60
-passed=$(grep -oE '\[  PASSED  \] [0-9]+' /tmp/gpu-tests.txt | grep -oE '[0-9]+$' || echo 0)
-failed=$(grep -oE '[0-9]+ FAILED TEST' /tmp/gpu-tests.txt | grep -oE '^[0-9]+' || echo 0)
-skipped=$(grep -oE '\[  SKIPPED \] [0-9]+ test' /tmp/gpu-tests.txt | grep -oE '[0-9]+' | head -1 || echo 0)
+tests_status=$(describe_rc "$tests_rc")
+if [ "$running" != "-" ]; then
+  tests_status="$tests_status in $running"
+  echo "kernels_test ended in $running ($tests_status); its last lines:"
+  tail -20 /tmp/gpu-tests.txt
+fi
+# On the GPU machine a test skipped for "no device" is a failure of the check: the backend could not
+# be created.
+no_device=$(grep -m1 '^no device' /tmp/gpu-tests.txt)
+if [ -n "$no_device" ]; then
+  tests_status="$tests_status, but the cuda backend could not be created ($no_device)"
+  tests_ok=0
+elif [ "$passed" -eq 0 ]; then
+  tests_status="$tests_status, but no test passed"
+  tests_ok=0
+else
+  tests_ok=1
+fi
 
 # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem.
-declare -A r
+declare -A r status
 for model in smollm2 llama8b; do
-  "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" --tokens="$TOKENS" --iters="$ITERS" \
-    > /tmp/gpu-bench-$model.txt 2>&1 || { echo "kernels_bench $model failed:"; tail -5 /tmp/gpu-bench-$model.txt; }
-  python3 bench/kernels/sdpa_bench.py --model=$model --seqs="$SEQS" --tokens="$TOKENS" \
-    > /tmp/gpu-sdpa-$model.txt 2>&1 || { echo "sdpa_bench $model failed:"; tail -5 /tmp/gpu-sdpa-$model.txt; }
-  while read -r name value unit; do
-    case "$name" in \#*|"") continue ;; esac
+  with_timeout 180 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" \
+    --tokens="$TOKENS" --iters="$ITERS" > /tmp/gpu-bench-$model.txt 2>&1
+  rc=$?
+  status[$model.kernels_bench]=$(describe_rc "$rc")
+  [ "$rc" -eq 0 ] || { echo "kernels_bench $model failed (${status[$model.kernels_bench]}):"; tail -5 /tmp/gpu-bench-$model.txt; }
+  with_timeout 180 python3 bench/kernels/sdpa_bench.py --model=$model --seqs="$SEQS" --tokens="$TOKENS" \
+    > /tmp/gpu-sdpa-$model.txt 2>&1
+  rc=$?
+  status[$model.sdpa_bench]=$(describe_rc "$rc")
+  [ "$rc" -eq 0 ] || { echo "sdpa_bench $model failed (${status[$model.sdpa_bench]}):"; tail -5 /tmp/gpu-sdpa-$model.txt; }
+  while read -r name value _; do
+    case "$name" in \#* | "") continue ;; esac
     r[$model.$name]=$value
   done < <(cat /tmp/gpu-bench-$model.txt /tmp/gpu-sdpa-$model.txt)
   head -1 /tmp/gpu-bench-$model.txt
@@ -89,12 +247,16 @@ ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b
 echo
 echo "| check | smollm2-135m | llama-3.1-8b |"
 echo "| --- | --- | --- |"
-echo "| cuda ops vs CPU reference (tests passed / failed / skipped) | $passed / $failed / $skipped | (same run) |"
+echo "| cuda ops vs CPU reference (tests passed / failed / skipped; exit status) | $passed / $failed / $skipped; $tests_status | (same run) |"
+echo "| kernels_bench exit status | ${status[smollm2.kernels_bench]} | ${status[llama8b.kernels_bench]} |"
+echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8b.sdpa_bench]} |"
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \
          kara_tick_ms kara_tick_vs_decode_step; do
   echo "| $m | ${r[smollm2.$m]:-n/a} | ${r[llama8b.$m]:-n/a} |"
 done
 echo "| paged decode time / sdpa time | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_us]:-}") |"
-echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00)"
+echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B)"
 echo "Not run here: the two-process CUDA IPC staging test (CUDA IPC staging is not built yet)."
-exit $tests_rc
+if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
+[ "$tests_ok" -eq 1 ] || exit 1
+exit 0

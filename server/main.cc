@@ -99,7 +99,8 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto selected = karakv::server::select_backend(config->backend, config->cuda_device, config->kernel_threads);
+  auto selected = karakv::server::select_backend(config->backend, config->cuda_device, config->kernel_threads,
+                                                 config->core.geometry);
   if (!selected.ok()) return fail(selected.status());
   spdlog::info("backend: {} ({})", selected->backend->description(), selected->reason);
   auto core = karakv::server::Core::create(config->core, std::move(selected->backend));

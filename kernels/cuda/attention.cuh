@@ -10,6 +10,7 @@
 
 #include "arena.h"
 #include "common.cuh"
+#include "cuda_limits.h"
 
 namespace karakv::kernels::cuda {
 
@@ -19,9 +20,6 @@ struct AttentionRows {
   int num_rows = 0;
   int max_len = 0;  // the largest row_len (host-known; sizes the split)
 };
-
-// Largest head_dim the kernels take.
-constexpr int kMaxHeadDim = 256;
 
 // q, out: device [num_rows][num_q_heads][head_dim] fp32. lse: null, or device [num_rows][num_q_heads]
 // receiving each row's log-sum-exp of the scaled scores (-inf for an empty row), for

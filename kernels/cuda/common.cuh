@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "../common/dispatch.h"
@@ -18,7 +19,7 @@
 namespace karakv::kernels::cuda {
 
 // The result of a CUDA call as a KernelStatus: kInternal naming the call and CUDA's own words.
-inline KernelStatus cuda_status(cudaError_t err, const char* what) {
+inline KernelStatus cuda_status(cudaError_t err, std::string_view what) {
   if (err == cudaSuccess) return KernelStatus::ok();
   return {KernelStatus::Code::kInternal,
           std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
@@ -31,9 +32,28 @@ inline KernelStatus cuda_status(cudaError_t err, const char* what) {
     if (karakv_err_ != cudaSuccess) return ::karakv::kernels::cuda::cuda_status(karakv_err_, #call); \
   } while (0)
 
-// A launch's configuration errors surface at cudaGetLastError; its execution errors at the next
-// synchronizing call, which the backend checks too.
-#define KARAKV_CUDA_CHECK_LAUNCH(name) KARAKV_CUDA_RETURN_IF_ERROR(cudaGetLastError())
+// As KARAKV_CUDA_RETURN_IF_ERROR, the message naming the op the call is part of and what the call
+// does: "op: what: cudaErrorX (CUDA's words)".
+#define KARAKV_CUDA_RETURN_IF_ERROR_IN(op, what, call)                                     \
+  do {                                                                                     \
+    const cudaError_t karakv_err_ = (call);                                                \
+    if (karakv_err_ != cudaSuccess)                                                        \
+      return ::karakv::kernels::cuda::cuda_status(karakv_err_,                             \
+                                                  std::string(op) + ": " + std::string(what)); \
+  } while (0)
+
+// After a kernel launch: a configuration error (grid, shared memory, no kernel image for this GPU)
+// surfaces at cudaGetLastError and is returned naming the kernel, e.g. "launch of write_kv:
+// cudaErrorInvalidConfiguration (...)". Execution errors (faults) surface at the stream synchronize
+// that ends the backend's call, which names the op (cuda_backend.cu); the backend also puts the op's
+// name in front of every error a launcher returns.
+#define KARAKV_CUDA_CHECK_LAUNCH(name)                                                     \
+  do {                                                                                     \
+    const cudaError_t karakv_err_ = cudaGetLastError();                                    \
+    if (karakv_err_ != cudaSuccess)                                                        \
+      return ::karakv::kernels::cuda::cuda_status(karakv_err_,                             \
+                                                  std::string("launch of ") + std::string(name)); \
+  } while (0)
 
 // The paged cache with every array in device memory (block_table, table_offset, seq_len uploaded by
 // the backend for the call).

@@ -11,7 +11,8 @@
 //
 // Calls are serialised by a mutex (one stream, one scratch arena) and each returns after its
 // stream has synchronized: when it returns OK its outputs are complete, and a kernel fault
-// surfaces as kInternal naming the CUDA error.
+// surfaces as kInternal naming the op and the CUDA error ("decode_attention: cudaStreamSynchronize
+// ...: cudaErrorIllegalAddress (...)"). Every error an op returns starts with the op's name.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,6 +28,7 @@
 #include "attention.cuh"
 #include "cam_merge.cuh"
 #include "common.cuh"
+#include "cuda_limits.h"
 #include "gather_tokens.cuh"
 #include "karakv/kernels/backend.h"
 #include "read_kv.cuh"
@@ -48,8 +50,9 @@ class CudaBackend final : public Backend {
       : device_(device), num_sms_(num_sms), device_name_(std::move(device_name)) {}
 
   KernelStatus init() {
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaSetDevice", cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaStreamCreateWithFlags",
+                                   cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     return KernelStatus::ok();
   }
 
@@ -83,7 +86,7 @@ class CudaBackend final : public Backend {
     if (out == nullptr) return KernelStatus::invalid("allocate: out is null");
     if (bytes == 0) return KernelStatus::invalid("allocate: bytes must be > 0");
     std::lock_guard<std::mutex> lock(mu_);
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("allocate", "cudaSetDevice", cudaSetDevice(device_));
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {
@@ -97,11 +100,15 @@ class CudaBackend final : public Backend {
     }
     // On the backend's stream (non-blocking: it does not order with the legacy default stream),
     // complete before the memory is handed out.
+    const char* what = "cudaMemsetAsync";
     cudaError_t e = cudaMemsetAsync(p, 0, bytes, stream_);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e == cudaSuccess) {
+      what = "cudaStreamSynchronize after cudaMemsetAsync";
+      e = cudaStreamSynchronize(stream_);
+    }
     if (e != cudaSuccess) {
       cudaFree(p);
-      return cuda::cuda_status(e, "allocate: cudaMemsetAsync");
+      return cuda::cuda_status(e, std::string("allocate: ") + what);
     }
     allocations_.add(p, bytes);
     *out = p;
@@ -118,8 +125,12 @@ class CudaBackend final : public Backend {
 
   // On the backend's stream and complete on return (a plain cudaMemcpy from pageable memory may
   // return before the device copy lands, and the legacy stream does not order with stream_).
-  KernelStatus copy_in(void* dst, const void* src, size_t bytes) override { return copy(dst, src, bytes); }
-  KernelStatus copy_out(void* dst, const void* src, size_t bytes) override { return copy(dst, src, bytes); }
+  KernelStatus copy_in(void* dst, const void* src, size_t bytes) override {
+    return copy(dst, src, bytes, "copy_in");
+  }
+  KernelStatus copy_out(void* dst, const void* src, size_t bytes) override {
+    return copy(dst, src, bytes, "copy_out");
+  }
 
   KernelStatus write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin, int num_layers,
                         const void* k, const void* v) override {
@@ -127,15 +138,15 @@ class CudaBackend final : public Backend {
         common::validate_write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, pool_blocks(kv)));
     if (num_tokens == 0 || num_layers == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
-    Call call(*this);
+    Call call(*this, "write_kv");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     const size_t bytes = size_t(num_layers) * num_tokens * geo.kv_token_elems() * dtype_size(geo.dtype);
     const void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.input(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_write_kv(dkv, dtype_size(geo.dtype), seq, start_pos, num_tokens, layer_begin,
-                                                 num_layers, dk, dv, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_write_kv(dkv, dtype_size(geo.dtype), seq, start_pos, num_tokens,
+                                                            layer_begin, num_layers, dk, dv, stream_)));
     return call.finish();
   }
 
@@ -153,10 +164,10 @@ class CudaBackend final : public Backend {
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries, const float* q, float* out,
                                 float scale) override {
     KARAKV_RETURN_IF_ERROR(common::validate_causal(kv, seq, layer, num_queries, q, out, pool_blocks(kv)));
-    KARAKV_RETURN_IF_ERROR(check_head_dim("causal_attention", kv));
+    KARAKV_RETURN_IF_ERROR(check_geometry("causal_attention", kv));
     if (num_queries == 0) return KernelStatus::ok();
     const int len = kv.seq_len[seq];
-    Call call(*this);
+    Call call(*this, "causal_attention");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     std::vector<int32_t> row_seq(num_queries, seq), row_len(num_queries);
@@ -171,8 +182,8 @@ class CudaBackend final : public Backend {
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_paged_attention(dkv, kv.geometry.dtype, layer, rows, dq, dout, scale, nullptr,
-                                                        num_sms_, arena_, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_paged_attention(dkv, kv.geometry.dtype, layer, rows, dq, dout, scale,
+                                                                   nullptr, num_sms_, arena_, stream_)));
     return call.finish();
   }
 
@@ -180,7 +191,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(common::validate_read_kv(kv, seq, k, v, pool_blocks(kv)));
     const int len = kv.seq_len[seq];
     if (len == 0) return KernelStatus::ok();
-    Call call(*this);
+    Call call(*this, "read_kv");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     const Geometry& geo = kv.geometry;
@@ -188,18 +199,19 @@ class CudaBackend final : public Backend {
     void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, stream_)));
     return call.finish();
   }
 
   KernelStatus copy_block(const PagedKV& kv, int32_t src, int32_t dst) override {
     KARAKV_RETURN_IF_ERROR(common::validate_copy_block(kv, src, dst, pool_blocks(kv)));
     if (src == dst) return KernelStatus::ok();
-    Call call(*this);
+    Call call(*this, "copy_block");
     const size_t bytes = kv.geometry.block_bytes();
     auto* pool = static_cast<char*>(kv.pool);
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + size_t(dst) * bytes, pool + size_t(src) * bytes, bytes,
-                                                cudaMemcpyDeviceToDevice, stream_));
+    KARAKV_RETURN_IF_ERROR(call.check(cudaMemcpyAsync(pool + size_t(dst) * bytes, pool + size_t(src) * bytes, bytes,
+                                                      cudaMemcpyDeviceToDevice, stream_),
+                                      "cudaMemcpyAsync of the block"));
     return call.finish();
   }
 
@@ -207,16 +219,16 @@ class CudaBackend final : public Backend {
                              float scale, float* out) override {
     KARAKV_RETURN_IF_ERROR(
         common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)));
-    KARAKV_RETURN_IF_ERROR(check_head_dim("window_scores", kv));
-    Call call(*this);
+    KARAKV_RETURN_IF_ERROR(check_geometry("window_scores", kv));
+    Call call(*this, "window_scores");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     const float* dq = nullptr;
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, size_t(window) * kv.geometry.q_token_elems() * sizeof(float), &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window, dq,
-                                                      scale, dout, arena_, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window,
+                                                                 dq, scale, dout, arena_, stream_)));
     return call.finish();
   }
 
@@ -224,29 +236,29 @@ class CudaBackend final : public Backend {
                              float* out) override {
     KARAKV_RETURN_IF_ERROR(
         common::validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv)));
-    KARAKV_RETURN_IF_ERROR(check_head_dim("snapkv_scores", kv));
+    KARAKV_RETURN_IF_ERROR(check_geometry("snapkv_scores", kv));
     const int n = kv.seq_len[seq];
-    Call call(*this);
+    Call call(*this, "snapkv_scores");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     const float* dq = nullptr;
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, size_t(num_obs) * kv.geometry.q_token_elems() * sizeof(float), &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * n * sizeof(float), &dout));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_snapkv_scores(dkv, kv.geometry.dtype, seq, layer, n, num_obs, dq, scale, pool,
-                                                      dout, arena_, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_snapkv_scores(dkv, kv.geometry.dtype, seq, layer, n, num_obs, dq,
+                                                                 scale, pool, dout, arena_, stream_)));
     return call.finish();
   }
 
   KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override {
     KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, n, k, out));
     if (k == 0) return KernelStatus::ok();
-    Call call(*this);
+    Call call(*this, "top_k");
     const float* ds = nullptr;
     int32_t* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(k) * sizeof(int32_t), &dout));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_top_k(ds, n, k, dout, arena_, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_top_k(ds, n, k, dout, arena_, stream_)));
     return call.finish();
   }
 
@@ -254,12 +266,13 @@ class CudaBackend final : public Backend {
                            int32_t* out) override {
     KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
     if (budget == 0) return KernelStatus::ok();
-    Call call(*this);
+    Call call(*this, "token2chunk");
     const float* ds = nullptr;
     int32_t* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(budget) * sizeof(int32_t), &dout));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, stream_));
+    KARAKV_RETURN_IF_ERROR(
+        call.named(cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, stream_)));
     return call.finish();
   }
 
@@ -270,13 +283,14 @@ class CudaBackend final : public Backend {
     const Geometry& geo = kv.geometry;
     const int rows = geo.num_layers * geo.num_kv_heads;
     const int num_dst = (num_kept + geo.block_size - 1) / geo.block_size;
-    Call call(*this);
+    Call call(*this, "gather_tokens");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     const int32_t *dkept = nullptr, *ddst = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
     KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, stream_));
+    KARAKV_RETURN_IF_ERROR(
+        call.named(cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, stream_)));
     return call.finish();
   }
 
@@ -288,7 +302,7 @@ class CudaBackend final : public Backend {
     const int rows = g.num_layers * g.num_kv_heads, n = end - begin;
     const int num_dst = (num_kept + g.block_size - 1) / g.block_size;
     if (num_kept == 0 || n == 0) return KernelStatus::ok();
-    Call call(*this);
+    Call call(*this, "cam_merge_values");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     const int32_t *dkept = nullptr, *ddst = nullptr;
@@ -296,32 +310,47 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(rows) * n * sizeof(float), &dscores));
     KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
-    KARAKV_RETURN_IF_ERROR(cuda::launch_cam_merge(dkv, g.dtype, seq, begin, end, dkept, num_kept, dscores,
-                                                  merge_tokens, ddst, arena_, stream_));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_cam_merge(dkv, g.dtype, seq, begin, end, dkept, num_kept, dscores,
+                                                             merge_tokens, ddst, arena_, stream_)));
     return call.finish();
   }
 
  private:
-  KernelStatus copy(void* dst, const void* src, size_t bytes) {
+  // op: "copy_in" or "copy_out", for the messages.
+  KernelStatus copy(void* dst, const void* src, size_t bytes, const char* op) {
     if (bytes == 0) return KernelStatus::ok();
     std::lock_guard<std::mutex> lock(mu_);
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-    KARAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN(op, "cudaSetDevice", cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN(op, "cudaMemcpyAsync of " + std::to_string(bytes) + " bytes",
+                                   cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN(op, "cudaStreamSynchronize after the copy", cudaStreamSynchronize(stream_));
     return KernelStatus::ok();
   }
 
   // One op's device session: holds the lock, rewinds the scratch arena, stages inputs and
-  // outputs, and on finish() copies host outputs back and synchronizes the stream.
+  // outputs, and on finish() copies host outputs back and synchronizes the stream. `op` names the
+  // op in every error the session returns or passes on (named()), so a fault that surfaces at the
+  // synchronize says which op was running.
   class Call {
    public:
-    explicit Call(CudaBackend& b) : b_(b), lock_(b.mu_) {
+    Call(CudaBackend& b, std::string_view op) : b_(b), op_(op), lock_(b.mu_) {
       cudaSetDevice(b_.device_);
       b_.arena_.reset();
     }
     ~Call() {
       // An early return after launches must not leave work running into the next call's scratch.
       if (!finished_) cudaStreamSynchronize(b_.stream_);
+    }
+
+    // st, with the op's name in front when it failed (a launcher's or the arena's error).
+    KernelStatus named(KernelStatus st) const {
+      if (!st.is_ok()) st.message = std::string(op_) + ": " + st.message;
+      return st;
+    }
+    // A CUDA call's result: OK, or kInternal "op: what: cudaErrorX (...)".
+    KernelStatus check(cudaError_t err, std::string_view what) const {
+      if (err == cudaSuccess) return KernelStatus::ok();
+      return cuda::cuda_status(err, std::string(op_) + ": " + std::string(what));
     }
 
     template <typename T>
@@ -336,8 +365,9 @@ class CudaBackend final : public Backend {
         return KernelStatus::ok();
       }
       void* d = nullptr;
-      KARAKV_RETURN_IF_ERROR(b_.arena_.take(bytes, &d));
-      KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d, p, bytes, cudaMemcpyHostToDevice, b_.stream_));
+      KARAKV_RETURN_IF_ERROR(named(b_.arena_.take(bytes, &d)));
+      KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(d, p, bytes, cudaMemcpyHostToDevice, b_.stream_),
+                                   "cudaMemcpyAsync of an input to the device"));
       *out = static_cast<const T*>(d);
       return KernelStatus::ok();
     }
@@ -348,7 +378,7 @@ class CudaBackend final : public Backend {
         return KernelStatus::ok();
       }
       void* d = nullptr;
-      KARAKV_RETURN_IF_ERROR(b_.arena_.take(bytes, &d));
+      KARAKV_RETURN_IF_ERROR(named(b_.arena_.take(bytes, &d)));
       copies_.push_back({p, d, bytes});
       *out = static_cast<T*>(d);
       return KernelStatus::ok();
@@ -368,18 +398,22 @@ class CudaBackend final : public Backend {
       const int32_t entries = kv.table_offset[kv.num_seqs];
       for (int s = 0; s < kv.num_seqs; ++s)
         if (kv.table_offset[s] < 0 || kv.table_offset[s] > entries)
-          return KernelStatus::invalid("table_offset[" + std::to_string(s) + "] " + std::to_string(kv.table_offset[s]) +
-                                       " outside [0, table_offset[num_seqs] " + std::to_string(entries) + "]");
+          return KernelStatus::invalid(std::string(op_) + ": table_offset[" + std::to_string(s) + "] " +
+                                       std::to_string(kv.table_offset[s]) + " outside [0, table_offset[num_seqs] " +
+                                       std::to_string(entries) + "]");
       KARAKV_RETURN_IF_ERROR(input(kv.block_table, size_t(entries) * sizeof(int32_t), &out->block_table));
       KARAKV_RETURN_IF_ERROR(input(kv.table_offset, size_t(kv.num_seqs + 1) * sizeof(int32_t), &out->table_offset));
       KARAKV_RETURN_IF_ERROR(input(kv.seq_len, size_t(kv.num_seqs) * sizeof(int32_t), &out->seq_len));
       return KernelStatus::ok();
     }
+    // A kernel fault of this op (or, the context being broken for good after one, of an earlier op)
+    // surfaces here, at the copies back or the synchronize.
     KernelStatus finish() {
       for (const Copy& c : copies_)
-        KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, b_.stream_));
+        KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, b_.stream_),
+                                     "cudaMemcpyAsync of an output to the host"));
       finished_ = true;
-      KARAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(b_.stream_));
+      KARAKV_RETURN_IF_ERROR(check(cudaStreamSynchronize(b_.stream_), "cudaStreamSynchronize after its kernels"));
       return KernelStatus::ok();
     }
 
@@ -398,29 +432,29 @@ class CudaBackend final : public Backend {
       return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
     }
     CudaBackend& b_;
+    const std::string_view op_;
     std::lock_guard<std::mutex> lock_;
     std::vector<Copy> copies_;
     bool finished_ = false;
   };
 
-  // The attention and scoring kernels keep a query row per lane group in registers or shared memory.
-  static KernelStatus check_head_dim(std::string_view op, const PagedKV& kv) {
-    if (kv.geometry.head_dim > cuda::kMaxHeadDim)
-      return KernelStatus::invalid(std::string(op) + ": head_dim " + std::to_string(kv.geometry.head_dim) +
-                                   " exceeds the CUDA backend's limit of " + std::to_string(cuda::kMaxHeadDim) +
-                                   " (use --backend=cpu)");
-    return KernelStatus::ok();
+  // The attention and scoring kernels keep a query row per lane group in registers or shared memory
+  // (cuda_limits.h; the daemon checks its geometry against the same limits when it starts).
+  static KernelStatus check_geometry(std::string_view op, const PagedKV& kv) {
+    KernelStatus st = cuda::check_geometry(kv.geometry);
+    if (!st.is_ok()) st.message = std::string(op) + ": " + st.message + " (use --backend=cpu)";
+    return st;
   }
 
   KernelStatus decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* const* score_acc,
                       std::string_view op) {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
-    KARAKV_RETURN_IF_ERROR(check_head_dim(op, kv));
+    KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
     int max_len = 0;
     for (int s = 0; s < kv.num_seqs; ++s) max_len = std::max(max_len, kv.seq_len[s]);
     const Geometry& geo = kv.geometry;
-    Call call(*this);
+    Call call(*this, op);
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     std::vector<int32_t> row_seq(kv.num_seqs);
@@ -436,9 +470,11 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
     float* lse = nullptr;
-    if (score_acc != nullptr) KARAKV_RETURN_IF_ERROR(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse));
+    if (score_acc != nullptr)
+      KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
     KARAKV_RETURN_IF_ERROR(
-        cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_, stream_));
+        call.named(cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_,
+                                                stream_)));
     if (score_acc == nullptr) return call.finish();
 
     // H2O: per-(sequence, KV head) probabilities on the device, added into the host accumulators.
@@ -454,7 +490,8 @@ class CudaBackend final : public Backend {
     float* dprobs = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
     KARAKV_RETURN_IF_ERROR(
-        cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs, stream_));
+        call.named(cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs,
+                                                        stream_)));
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int s = 0; s < kv.num_seqs; ++s) {
       for (int h = 0; h < geo.num_kv_heads; ++h) {

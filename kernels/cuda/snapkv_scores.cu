@@ -1,5 +1,6 @@
 #include "snapkv_scores.cuh"
 
+#include "cuda_limits.h"
 #include "score_common.cuh"
 
 namespace karakv::kernels::cuda {
@@ -49,7 +50,9 @@ __global__ void snapkv_pool_kernel(int n, int num_obs, int pool, const float* __
 KernelStatus launch_snapkv_scores(const DeviceKV& kv, DType dtype, int seq, int layer, int n, int num_obs,
                                   const float* q, float scale, int pool, float* out, Arena& arena,
                                   cudaStream_t stream) {
-  if (kv.head_dim > 256) return KernelStatus::invalid("cuda snapkv_scores: head_dim > 256");
+  if (kv.head_dim > kMaxHeadDim)
+    return KernelStatus::invalid("cuda snapkv_scores: head_dim " + std::to_string(kv.head_dim) + " exceeds " +
+                                 std::to_string(kMaxHeadDim));
   float *lse = nullptr, *mean = nullptr;
   if (auto st = arena.take(size_t(kv.num_q_heads) * num_obs, &lse); !st.is_ok()) return st;
   if (auto st = arena.take(size_t(kv.num_kv_heads) * n, &mean); !st.is_ok()) return st;

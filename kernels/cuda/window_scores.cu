@@ -1,5 +1,6 @@
 #include "window_scores.cuh"
 
+#include "cuda_limits.h"
 #include "score_common.cuh"
 
 namespace karakv::kernels::cuda {
@@ -32,7 +33,9 @@ __global__ void window_columns_kernel(DeviceKV kv, int seq, int layer, int slot_
 
 KernelStatus launch_window_scores(const DeviceKV& kv, DType dtype, int seq, int layer, int slot_begin, int window,
                                   const float* q, float scale, float* out, Arena& arena, cudaStream_t stream) {
-  if (kv.head_dim > 256) return KernelStatus::invalid("cuda window_scores: head_dim > 256");
+  if (kv.head_dim > kMaxHeadDim)
+    return KernelStatus::invalid("cuda window_scores: head_dim " + std::to_string(kv.head_dim) + " exceeds " +
+                                 std::to_string(kMaxHeadDim));
   float* lse = nullptr;
   if (auto st = arena.take(size_t(kv.num_q_heads) * window, &lse); !st.is_ok()) return st;
   return common::dispatch_dtype(dtype, [&](auto tag) {

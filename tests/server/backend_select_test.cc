@@ -59,6 +59,48 @@ TEST(BackendSelectTest, OutOfRangeDeviceAndUnknownNamesAreRefused) {
   EXPECT_THAT(b.status().message(), HasSubstr("expected auto, cpu or cuda"));
 }
 
+// The daemon's geometry is checked against the CUDA backend's limits when the backend is picked,
+// so head_dim > 256 is refused at start-up rather than on every call. No GPU needed: the check
+// comes before any device is touched.
+TEST(BackendSelectTest, CudaRefusesAHeadDimOverItsLimitAtStartUp) {
+  const kernels::Geometry g = testing::small_test_geometry(kernels::DType::kFloat16, /*head_dim=*/512);
+  auto b = select_backend("cuda", 0, 1, g);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(b.status().message(), HasSubstr("--backend=cuda cannot run: head_dim 512 exceeds the CUDA backend's "
+                                              "limit of 256"));
+  EXPECT_THAT(b.status().message(), HasSubstr("use --backend=cpu"));
+}
+
+TEST(BackendSelectTest, AutoTakesTheCpuForAHeadDimOverTheCudaLimitAndSaysWhy) {
+  const kernels::Geometry g = testing::small_test_geometry(kernels::DType::kFloat16, /*head_dim=*/257);
+  auto b = select_backend("auto", 0, 1, g);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->backend->name(), "cpu");
+  EXPECT_THAT(b->reason, HasSubstr("the CUDA backend is unavailable (head_dim 257 exceeds the CUDA backend's limit "
+                                   "of 256)"));
+  auto cpu = select_backend("cpu", 0, 1, g);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->backend->name(), "cpu");
+}
+
+TEST(BackendSelectTest, AGeometryWithinTheCudaLimitsChoosesAsWithoutOne) {
+  const kernels::Geometry g = testing::small_test_geometry(kernels::DType::kFloat16, /*head_dim=*/256);
+  std::string why;
+  const bool gpu = gpu_here(&why);
+  auto a = select_backend("auto", 0, 1, g);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->backend->name(), gpu ? "cuda" : "cpu");
+  auto c = select_backend("cuda", 0, 1, g);
+  if (gpu) {
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->backend->name(), "cuda");
+  } else {
+    ASSERT_FALSE(c.ok());
+    EXPECT_THAT(c.status().message(), HasSubstr("--backend=cuda cannot run: " + why));
+  }
+}
+
 // The CPU backend with some ops declared missing, as a GPU backend without them would.
 class PartialBackend final : public kernels::Backend {
  public:
