@@ -44,7 +44,8 @@ if [ -n "$smollm2" ]; then
     echo
     echo "==> SmolLM2-135M-Instruct answering through karakvd, --policy=$policy"
     params=()
-    [ "$policy" = kara ] && params=(--param=window=64 --param=period=8 --param=rho=0.5)
+    # recent=64: with the default 256 a 320-token answer would barely reach its first window.
+    [ "$policy" = kara ] && params=(--param=window=64 --param=period=8 --param=rho=0.5 --param=recent=64)
     ./build/examples/llama/llama_worker --model="$smollm2" --target="unix:$sock" --chat --tokens=320 \
       --policy="$policy" "${params[@]}" --prompt="$prompt"
   done

@@ -269,9 +269,9 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
   std::vector<ParamSpec> p = {
       {"window", 128, double(g.block_size), 8192, true, "W: tail tokens per window, a multiple of the block size"},
       {"rho", 0.25, 0.01, 0.99, false, "kept fraction of a window"},
-      {"recent", 128, 0, 1 << 20, true, "R: newest tail tokens never in a window, a multiple of the block size"},
+      {"recent", 256, 0, 1 << 20, true, "R: newest tail tokens never in a window, a multiple of the block size"},
       {"period", 16, 1, 1 << 20, true, "P: a sequence is looked at every P of its own decode steps"},
-      {"observers", 0, 0, 2, true, "which queries score a window: 0 window (its own), 1 decode (every decode query "
+      {"observers", 1, 0, 2, true, "which queries score a window: 0 window (its own), 1 decode (every decode query "
                                    "that saw the key), 2 both (decode plus the window's queries before each key)"},
       {"norm", 0, 0, 1, true, "the window queries' softmax: 0 over the window's keys, 1 over every key the query "
                               "saw at its decode step"},

@@ -161,6 +161,7 @@ TEST_F(BackendRefusalTest, PolicyNeedingAMissingOpIsRefusedNamingTheOpAndOthersW
   ASSERT_NE(reg, nullptr);
   SequenceOptions kara;
   kara.policy = "kara";
+  kara.params["observers"] = 0;  // the window's own queries: window_scores
   auto s = create(*reg, kara);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented);
@@ -172,6 +173,15 @@ TEST_F(BackendRefusalTest, PolicyNeedingAMissingOpIsRefusedNamingTheOpAndOthersW
   SequenceOptions prefill;
   prefill.prefill_policy = "snapkv";
   EXPECT_TRUE(create(*reg, prefill).ok());
+  // Kara's default (decode observers) needs no window scores, but the accumulating decode attention.
+  SequenceOptions by_default;
+  by_default.policy = "kara";
+  EXPECT_TRUE(create(*reg, by_default).ok());
+  auto no_accumulate = make({kernels::Op::kDecodeAttentionAccumulate});
+  ASSERT_NE(no_accumulate, nullptr);
+  auto d = create(*no_accumulate, by_default);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(d.status().message(), HasSubstr("policy 'kara' needs decode_attention_accumulate"));
   EXPECT_TRUE(reg->check_invariants().ok());
 }
 

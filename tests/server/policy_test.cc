@@ -164,7 +164,7 @@ TEST(KaraPolicyTest, KeepsWhatAFloat64ReferenceChoosesFromTheStepsQueries) {
     SequenceOptions o;
     o.policy = "kara";
     // Version 1's parameter set: the window's own queries, softmax over the window, no recent region.
-    o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 4}, {"recent", 0}};  // B = 8, k = 4
+    o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 4}, {"recent", 0}, {"observers", 0}, {"norm", 0}};
     const uint64_t seq = *d.create(o);
     ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
     std::vector<int64_t> logical{kPrompt};

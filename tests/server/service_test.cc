@@ -342,7 +342,7 @@ TEST_F(ServiceTest, InspectAndDryRunShowTheResolvedParameters) {
   const auto& params = irep.info().params();
   EXPECT_EQ(params.at("window"), 16);
   EXPECT_EQ(params.at("observers"), 2);
-  EXPECT_EQ(params.at("recent"), 128);  // a default, filled in
+  EXPECT_EQ(params.at("recent"), 256);  // a default, filled in
   EXPECT_EQ(params.at("rho"), 0.25);
   EXPECT_EQ(params.count("residual"), 0u);  // no storage format
   v1::CompactRequest dry;
