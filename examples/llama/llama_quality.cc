@@ -13,10 +13,10 @@
 // Sources by model:
 //   stories260K (context 512): perplexity on "stories" (the model's own temperature-1 samples:
 //     cross-entropy on them = the full model's entropy + KL(full || compressed)) and "shakespeare"
-//     (../shared/data/tinyshakespeare.txt), P=128, F=384; agreement on the stories, 128 by Append +
+//     (data/tinyshakespeare.txt), P=128, F=384; agreement on the stories, 128 by Append +
 //     256 by Step, then 128 greedy tokens.
 //   SmolLM2-135M-Instruct (a converted BPE model): perplexity on "shakespeare", P=512, F=2048;
-//     agreement on GSM8K test questions (../shared/data/gsm8k_test.jsonl) in the chat template,
+//     agreement on GSM8K test questions (data/gsm8k_test.jsonl) in the chat template,
 //     the whole prompt by Append, 256 greedy tokens.
 #include <signal.h>
 #include <sys/prctl.h>
@@ -51,10 +51,10 @@
 #include "llama/daemon_attention.h"
 #include "llama/model.h"
 
-ABSL_FLAG(std::string, model, "../shared/data/stories260k.bin",
+ABSL_FLAG(std::string, model, "data/stories260k.bin",
           "Model file: stories260K, or a converted SmolLM2 file (scripts/fetch_smollm2.sh)");
-ABSL_FLAG(std::string, text, "../shared/data/tinyshakespeare.txt", "Natural text for perplexity (empty: skip)");
-ABSL_FLAG(std::string, gsm8k, "../shared/data/gsm8k_test.jsonl", "GSM8K questions for BPE models' agreement");
+ABSL_FLAG(std::string, text, "data/tinyshakespeare.txt", "Natural text for perplexity (empty: skip)");
+ABSL_FLAG(std::string, gsm8k, "data/gsm8k_test.jsonl", "GSM8K questions for BPE models' agreement");
 ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per task and policy");
 ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of the daemons: fp32 | fp16 | bf16");
 ABSL_FLAG(int, streams, 0, "Perplexity streams per source (decoded together); 0: 8 for stories260K, 2 for BPE");

@@ -21,7 +21,7 @@
 #include "llama/daemon_attention.h"
 #include "llama/model.h"
 
-ABSL_FLAG(std::string, model, "../shared/data/stories260k.bin",
+ABSL_FLAG(std::string, model, "data/stories260k.bin",
           "Model file: stories260K format, or a converted SmolLM2 file (scripts/fetch_smollm2.sh)");
 ABSL_FLAG(std::string, target, "unix:/tmp/karakv.sock", "karakvd address");
 ABSL_FLAG(std::string, prompt, "Once upon a time", "Prompt text");

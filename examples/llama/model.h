@@ -1,5 +1,5 @@
 // A Llama-architecture model on the CPU for karakv's real-model worker: the loaders for the
-// stories260K file format (../shared/data/SOURCES.md) and for karakv's converted format (magic
+// stories260K file format (data/README.md) and for karakv's converted format (magic
 // "KARAKVLM", written by convert_gguf.py from SmolLM2's GGUF), and the forward pass with attention
 // behind an interface, so the same weights run against an in-process dense cache or against karakvd.
 #pragma once

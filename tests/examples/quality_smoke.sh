@@ -5,7 +5,7 @@
 # report, not this test's to pin.
 set -euo pipefail
 quality=$1 model=$2
-[ -f "$model" ] || { echo "SKIP: model file not found: $model"; exit 77; }
+[ -f "$model" ] || { echo "FAIL: model file not found: $model (the repository keeps it in data/)"; exit 1; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$quality" --quick --model="$model" --csv="$dir/q.csv" > "$dir/out.txt"
