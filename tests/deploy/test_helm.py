@@ -1,9 +1,14 @@
 """helm/karakv rendered by Helm's own engine (helm-python-sdk: Helm v4 as a library), every manifest
 validated against the Kubernetes OpenAPI schemas (kubernetes-validate, strict), and the facts that
 matter checked on the parsed YAML. The rendered karakvd config file and the exec probe command are
-then run for real: karakvd must accept the config, and the probe must report a serving daemon."""
+then run for real: karakvd must accept the config, and the probe must report a serving daemon.
+The monitoring objects are checked against each other: the job label the ServiceMonitor or
+PodMonitor gives karakvd's series is what the PrometheusRule's and the dashboard's selectors match."""
+import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -13,7 +18,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-CHART = os.path.join(os.path.dirname(__file__), "..", "..", "helm", "karakv")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+CHART = os.path.join(ROOT, "helm", "karakv")
+ALERTS = os.path.join(ROOT, "deploy", "prometheus", "alerts.yml")
+DASHBOARD = os.path.join(ROOT, "deploy", "grafana", "karakv-dashboard.json")
+CRDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")  # the Prometheus Operator's
 # The chart needs native sidecars (1.29); check the oldest version it supports and the newest
 # schemas kubernetes-validate ships.
 KUBE_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
@@ -25,7 +34,37 @@ MODES = {
     "daemonset": {"mode": "daemonset"},
     "daemonset-servicemonitor-grpc-probe": {"mode": "daemonset", "probes": {"type": "grpc"},
                                             "serviceMonitor": {"enabled": True}},
+    "sidecar-podmonitor-rules-dashboard-netpol": {
+        "podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
+        "grafanaDashboard": {"enabled": True}, "networkPolicy": {"enabled": True}},
+    "daemonset-servicemonitor-rules-dashboard-netpol": {
+        "mode": "daemonset", "serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
+        "grafanaDashboard": {"enabled": True, "namespace": "monitoring"},
+        "networkPolicy": {"enabled": True, "metricsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}},
 }
+# A model worker as it is deployed for real: an API port with probes, weights on a volume mounted
+# read-only, a writable cache (the root filesystem is read-only), ingress to its API.
+REAL_WORKER = {
+    "nameOverride": "kvcache",
+    "sidecar": {
+        "worker": {
+            "name": "vllm", "image": "vllm/vllm-openai:v0.9.0", "command": ["vllm"], "args": ["serve", "/models/m"],
+            "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+            "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "failureThreshold": 120},
+            "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}},
+            "livenessProbe": {"tcpSocket": {"port": "http"}},
+            "volumeMounts": [{"name": "weights", "mountPath": "/models", "readOnly": True},
+                             {"name": "cache", "mountPath": "/home/worker/.cache"}],
+            "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}},
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+        },
+        "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}},
+                    {"name": "cache", "emptyDir": {"sizeLimit": "10Gi"}}],
+    },
+    "networkPolicy": {"enabled": True, "extraIngress": [{"ports": [{"port": "http", "protocol": "TCP"}]}]},
+}
+MODES["sidecar-real-worker"] = REAL_WORKER
 
 
 def render(values):
@@ -57,8 +96,9 @@ def mounts(container):
     return {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
 
 
-def test_lint_is_clean():
-    report = helm.lint(CHART, strict=True)
+@pytest.mark.parametrize("mode", [None] + sorted(MODES))
+def test_lint_is_clean(mode):
+    report = helm.lint(CHART, MODES.get(mode), strict=True)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -69,7 +109,7 @@ def test_every_manifest_validates(mode):
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("Deployment") + kinds.count("DaemonSet") == 1, kinds
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
+        if doc["kind"] in CRDS:
             # A CRD: kubernetes-validate knows only built-in kinds, and says so.
             with pytest.raises(kubernetes_validate.SchemaNotFoundError):
                 kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
@@ -174,14 +214,48 @@ def test_servicemonitor_scrapes_the_metrics_service():
 
 
 def test_chart_refuses_bad_values():
-    with pytest.raises(helm.HelmError, match="mode=deployment unknown; expected sidecar or daemonset"):
-        render({"mode": "deployment"})
-    with pytest.raises(helm.HelmError, match="probes.type=tcp unknown"):
-        render({"probes": {"type": "tcp"}})
     with pytest.raises(helm.HelmError, match="config.socket is set by the chart"):
         render({"config": {"socket": "/x.sock"}})
-    with pytest.raises(helm.HelmError, match="needs metrics.enabled"):
+    with pytest.raises(helm.HelmError, match="serviceMonitor.enabled needs metrics.enabled"):
         render({"serviceMonitor": {"enabled": True}, "metrics": {"enabled": False}})
+    with pytest.raises(helm.HelmError, match="podMonitor.enabled needs metrics.enabled"):
+        render({"podMonitor": {"enabled": True}, "metrics": {"enabled": False}})
+    with pytest.raises(helm.HelmError, match="choose one, or Prometheus scrapes each daemon twice"):
+        render({"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}})
+    with pytest.raises(helm.HelmError, match="runAsUser=0 differs from securityContext.runAsUser=10001"):
+        render({"sidecar": {"worker": {"securityContext": {"runAsUser": 0}}}})
+    with pytest.raises(helm.HelmError, match="volume name dshm is the chart's own"):
+        render({"sidecar": {"volumes": [{"name": "dshm", "emptyDir": {}}]}})
+
+
+@pytest.mark.parametrize("values, where", [
+    ({"mode": "deployment"}, "/mode"),
+    ({"probes": {"type": "tcp"}}, "/probes/type"),
+    ({"serviceMonitor": {"enable": True}}, "/serviceMonitor"),    # a typo, not silently ignored
+    ({"metrics": {"port": 70000}}, "/metrics/port"),
+    ({"metrics": {"port": "9464"}}, "/metrics/port"),
+    ({"podMonitor": {"enabled": True, "interval": "15"}}, "/podMonitor/interval"),
+    ({"nameOverride": "Karakv_Daemon"}, "/nameOverride"),
+    ({"securityContext": {"runAsUser": 0}}, "/securityContext/runAsUser"),
+    ({"sidecar": {"worker": {"ports": 8000}}}, "/sidecar/worker/ports"),
+    ({"networkPolicy": {"enabled": "yes"}}, "/networkPolicy/enabled"),
+    ({"grafanaDashboard": {"enabled": True, "labels": {"grafana_dashboard": 1}}},
+     "/grafanaDashboard/labels/grafana_dashboard"),
+])
+def test_values_schema_rejects_bad_values(values, where):
+    with pytest.raises(helm.HelmValuesError, match=re.escape(f"at '{where}'")):
+        render(values)
+
+
+def test_templates_refuse_bad_values_without_the_schema(tmp_path):
+    # helm install --skip-schema-validation: the templates' own checks still refuse.
+    chart = shutil.copytree(CHART, tmp_path / "karakv")  # copies the linked files' contents
+    os.remove(chart / "values.schema.json")
+    with helm.Chart.load(chart) as c:
+        with pytest.raises(helm.HelmError, match="mode=deployment unknown; expected sidecar or daemonset"):
+            c.render({"mode": "deployment"}, name="kv", namespace="llm")
+        with pytest.raises(helm.HelmError, match="probes.type=tcp unknown"):
+            c.render({"probes": {"type": "tcp"}}, name="kv", namespace="llm")
 
 
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
@@ -218,3 +292,343 @@ def test_karakvd_accepts_the_config_and_the_probe_passes(mode, tmp_path):
         proc.wait(15)
     # A stopped daemon fails the probe, so the probe can fail.
     assert subprocess.run(probe, capture_output=True).returncode != 0
+
+
+# --- Monitoring: the job label, the rules, the dashboard -------------------------------------------
+
+SELECTOR = re.compile(r'([A-Za-z_:][A-Za-z0-9_:]*)?\{([^{}]*)\}')
+MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def selectors(expr):
+    """The vector selectors of a PromQL expression: [(metric name or None, [(label, op, value)])].
+    Enough PromQL for our rules and panels: selectors with braces, and a bare `up` (which would
+    select every target of the cluster)."""
+    out = []
+    for m in SELECTOR.finditer(expr):
+        matchers, rest = [], m.group(2)
+        while rest.strip():
+            mm = MATCHER.match(rest)
+            assert mm, f"cannot parse the matchers {m.group(2)!r} of {expr!r}"
+            matchers.append((mm.group(1), mm.group(2), mm.group(3).replace('\\\\', '\\')))
+            rest = rest[mm.end():]
+        out.append((m.group(1), matchers))
+    if re.search(r'\bup\b(?!\s*\{)', expr):
+        out.append(("up", []))
+    return out
+
+
+def matches(matchers, labels):
+    """Prometheus semantics: a missing label is the empty string; regexes are anchored."""
+    for name, op, value in matchers:
+        have = labels.get(name, "")
+        ok = {"=": have == value, "!=": have != value,
+              "=~": re.fullmatch(value, have) is not None, "!~": re.fullmatch(value, have) is None}[op]
+        if not ok:
+            return False
+    return True
+
+
+def scraped_target(docs):
+    """The target labels the Prometheus Operator gives karakvd's series, from the rendered
+    ServiceMonitor or PodMonitor: job is the value of the object's jobLabel (a label of the Service,
+    or of the pod), or when it has none the Service's name / "<namespace>/<PodMonitor name>"."""
+    (monitor,) = by_kind(docs, "ServiceMonitor") + by_kind(docs, "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (workload,) = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")
+    pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+    job_label = monitor["spec"].get("jobLabel")
+    if monitor["kind"] == "ServiceMonitor":
+        (svc,) = [s for s in by_kind(docs, "Service") if selector.items() <= s["metadata"]["labels"].items()]
+        assert svc["spec"]["selector"].items() <= pod_labels.items()
+        job = svc["metadata"]["labels"].get(job_label) or svc["metadata"]["name"]
+        extra = {"service": svc["metadata"]["name"], "endpoint": "metrics"}
+    else:
+        assert selector.items() <= pod_labels.items()
+        job = pod_labels.get(job_label) or f"llm/{monitor['metadata']['name']}"
+        extra = {}
+    return {"job": job, "namespace": "llm", "pod": workload["metadata"]["name"] + "-7d9f8-x2k4q",
+            "container": "karakvd", "instance": "10.1.2.3:9464", **extra}
+
+
+def dashboard_from(docs):
+    (cm,) = [c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
+    return json.loads(cm["data"]["karakv.json"])
+
+
+def dashboard_exprs(dash):
+    def walk(panels):
+        for p in panels:
+            yield from ((p["title"], t["expr"]) for t in p.get("targets", []))
+            yield from walk(p.get("panels", []))
+    return list(walk(dash["panels"]))
+
+
+def grafana_interpolate(dash, expr, target):
+    """What Grafana sends for expr on a fresh load: each query variable takes the first value its
+    label_values(metric{...}, label) finds on the target's series, or All (allValue) when it has
+    All; $__rate_interval becomes a range."""
+    chosen = {}
+    for v in dash["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        m = re.fullmatch(r'label_values\((\w+)(\{.*\})?, (\w+)\)', v["definition"])
+        assert m, v["definition"]
+        sel = m.group(2) or "{}"
+        for name, value in chosen.items():
+            sel = sel.replace(f"${name}", value)
+        found = [target[m.group(3)]] if m.group(3) in target and matches(selectors(sel)[0][1], target) else []
+        if v.get("includeAll"):
+            chosen[v["name"]] = v["allValue"]
+        else:
+            assert found, f"variable {v['name']}: {v['definition']} finds nothing on {target}"
+            chosen[v["name"]] = found[0]
+    for name, value in sorted(chosen.items(), key=lambda kv: -len(kv[0])):
+        expr = expr.replace(f"${name}", value)
+    expr = expr.replace("$__rate_interval", "1m")
+    assert "$" not in expr, expr
+    return expr
+
+
+def check_selects_the_target(exprs, target):
+    """Every `up` selector, and every selector with a job matcher, matches the target's labels
+    (its matchers on other labels, code or policy, are not the monitor's business); `up` always has
+    a job matcher (a bare one would select every target of the cluster)."""
+    checked = 0
+    for where, expr in exprs:
+        for metric, matchers in selectors(expr):
+            has_job = any(name == "job" for name, _, _ in matchers)
+            if metric == "up":
+                assert has_job, f"{where}: {expr} selects up of every job"
+            if has_job:
+                on_target = [m for m in matchers if m[0] in target]
+                assert matches(on_target, target), f"{where}: {expr} does not select job={target['job']!r}"
+                checked += 1
+    return checked
+
+
+MONITORS = {"servicemonitor": {"serviceMonitor": {"enabled": True}}, "podmonitor": {"podMonitor": {"enabled": True}}}
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+@pytest.mark.parametrize("monitor", sorted(MONITORS))
+@pytest.mark.parametrize("names", [{}, {"nameOverride": "kvcache"}, {"fullnameOverride": "llama-kv"}])
+def test_rules_and_dashboard_select_the_job_the_monitor_produces(mode, monitor, names):
+    docs = render({"mode": mode, **MONITORS[monitor], **names,
+                   "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}})
+    target = scraped_target(docs)
+    assert target["job"] == names.get("nameOverride", "karakv")
+    (rule,) = by_kind(docs, "PrometheusRule")
+    rules = [(r["alert"], r["expr"]) for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert check_selects_the_target(rules, target) >= 1  # KarakvDown's up{job=...}
+    dash = dashboard_from(docs)
+    panels = [(title, grafana_interpolate(dash, e, target)) for title, e in dashboard_exprs(dash)]
+    # Every panel filters by job (all four variables, below), so all of them are checked here.
+    assert check_selects_the_target(panels, target) == sum(len(selectors(e)) for _, e in panels)
+
+
+def test_job_check_catches_a_monitor_without_job_label():
+    # Without jobLabel the operator names the job after the Service ("kv-karakv-metrics") or the
+    # PodMonitor ("llm/kv-karakv"): KarakvDown and the dashboard would then select nothing.
+    for monitor in MONITORS.values():
+        docs = render({**monitor, "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}})
+        (mon,) = by_kind(docs, "ServiceMonitor") + by_kind(docs, "PodMonitor")
+        del mon["spec"]["jobLabel"]
+        target = scraped_target(docs)
+        assert target["job"] in ("kv-karakv-metrics", "llm/kv-karakv")
+        (rule,) = by_kind(docs, "PrometheusRule")
+        with pytest.raises(AssertionError, match="does not select job="):
+            check_selects_the_target([(r["alert"], r["expr"]) for g in rule["spec"]["groups"] for r in g["rules"]],
+                                     target)
+        # The dashboard assumes no job name: its $job lists the jobs of karakv's series, whatever
+        # they are called.
+        dash = dashboard_from(docs)
+        panels = [(title, grafana_interpolate(dash, e, target)) for title, e in dashboard_exprs(dash)]
+        assert check_selects_the_target(panels, target) > 20
+
+
+def test_selector_parser():
+    (sel,) = selectors('sum(rate(x_total{code=~"A|B", job="kv"}[5m])) > 0')
+    assert sel == ("x_total", [("code", "=~", "A|B"), ("job", "=", "kv")])
+    assert matches(sel[1], {"code": "B", "job": "kv"}) and not matches(sel[1], {"code": "AB", "job": "kv"})
+    assert selectors("up == 0") == [("up", [])]
+    assert matches([("namespace", "=~", ".*")], {}) and not matches([("job", "=", "karakv")], {})
+
+
+def test_prometheusrule_is_deploy_alerts_with_the_charts_job():
+    with open(ALERTS) as f:
+        text = f.read()
+    assert 'up{job="karakv"}' in text
+    for names, job in [({}, "karakv"), ({"nameOverride": "kvcache"}, "kvcache")]:
+        docs = render({"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True,
+                       "labels": {"release": "prom"}}, **names})
+        (rule,) = by_kind(docs, "PrometheusRule")
+        assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+        assert rule["metadata"]["labels"]["release"] == "prom"
+        expected = yaml.safe_load(text.replace('job="karakv"', f'job="{job}"'))
+        assert rule["spec"]["groups"] == expected["groups"]
+        assert len(expected["groups"][0]["rules"]) >= 8
+    assert not by_kind(render({}), "PrometheusRule")
+
+
+def chart_files(chart):
+    return {f["name"]: f["data"] for f in chart.files}
+
+
+def test_chart_files_are_deploys_and_survive_packaging(tmp_path):
+    # files/alerts.yml and files/karakv-dashboard.json are symbolic links into deploy/: Helm's loader
+    # follows them, and `helm package` stores their contents, so a published chart carries the files.
+    with open(ALERTS) as f:
+        alerts = f.read()
+    with open(DASHBOARD) as f:
+        dashboard = f.read()
+    for name, target in [("alerts.yml", ALERTS), ("karakv-dashboard.json", DASHBOARD)]:
+        link = os.path.join(CHART, "files", name)
+        assert os.path.islink(link) and os.path.samefile(link, target), f"{link} is not a link to {target}"
+    with helm.Chart.load(CHART) as chart:
+        files = chart_files(chart)
+        archive = chart.save(tmp_path)
+    assert files["files/alerts.yml"] == alerts and files["files/karakv-dashboard.json"] == dashboard
+    with open(archive, "rb") as f, helm.Chart.load_archive(f.read()) as packaged:
+        assert chart_files(packaged)["files/karakv-dashboard.json"] == dashboard
+        out = packaged.render({"grafanaDashboard": {"enabled": True}}, name="kv", namespace="llm")
+    (cm,) = [d for d in yaml.safe_load_all(out["karakv/templates/grafana-dashboard.yaml"]) if d]
+    assert json.loads(cm["data"]["karakv.json"]) == json.loads(dashboard)
+
+
+def test_dashboard_configmap_for_the_grafana_sidecar():
+    docs = render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring",
+                                        "annotations": {"grafana_folder": "LLM serving"}}})
+    (cm,) = [c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"] == "kv-karakv-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
+    with open(DASHBOARD) as f:
+        assert cm["data"]["karakv.json"] == f.read()
+    (cm,) = [c for c in by_kind(render({"grafanaDashboard": {"enabled": True}}), "ConfigMap")
+             if c["metadata"]["name"].endswith("-dashboard")]
+    assert cm["metadata"]["namespace"] == "llm"
+    assert [c["metadata"]["name"] for c in by_kind(render({}), "ConfigMap")] == ["kv-karakv-config"]
+
+
+def test_dashboard_has_the_kubernetes_variables_and_panels():
+    with open(DASHBOARD) as f:
+        dash = json.load(f)
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"job", "namespace", "pod", "instance"} <= set(variables)
+    for name in ("namespace", "pod", "instance"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    exprs = dashboard_exprs(dash)
+    for title, expr in exprs:
+        for metric, matchers in selectors(expr):
+            got = {(n, op, v) for n, op, v in matchers}
+            want = {(n, "=~", f"${n}") for n in ("job", "namespace", "pod", "instance")}
+            assert want <= got, f"panel {title!r}: {metric} is not filtered by every variable: {expr}"
+    assert 'job="karakv"' not in json.dumps(dash)
+    by_title = {}
+    for title, expr in exprs:
+        by_title.setdefault(title, []).append(expr)
+    metrics = {t: {m for e in es for m, _ in selectors(e)} for t, es in by_title.items()}
+    assert "karakv_preemptions_total" in metrics["Preemptions"]
+    assert {"karakv_prefix_hit_tokens_total", "karakv_prefix_lookup_tokens_total"} <= metrics["Prefix hit rate"]
+    assert {"karakv_decode_commands_total", "karakv_ring_wakeups_total"} <= metrics["Ring traffic"]
+    assert any('path="ring"' in e for e in by_title["Ring traffic"])
+    assert by_title["KV blocks by tenant"] == [
+        'sum by (tenant) (karakv_tenant_blocks_in_use{job=~"$job",namespace=~"$namespace",pod=~"$pod",'
+        'instance=~"$instance"})']
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_podmonitor_scrapes_the_pods(mode):
+    docs = render({"mode": mode, "podMonitor": {"enabled": True, "labels": {"release": "prom"},
+                                                 "interval": "30s"}})
+    assert not by_kind(docs, "ServiceMonitor")
+    (pm,) = by_kind(docs, "PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["metadata"]["labels"]["release"] == "prom"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+    (workload,) = by_kind(docs, "Deployment") + by_kind(docs, "DaemonSet")
+    assert pm["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+    ports = {p["name"]: p["containerPort"] for p in daemon_container(pod_spec(docs))["ports"]}
+    assert ports["metrics"] == 9464
+    assert not by_kind(render({"mode": mode}), "PodMonitor")
+
+
+def test_networkpolicy_opens_only_metrics_and_extra_ingress():
+    docs = render(MODES["daemonset-servicemonitor-rules-dashboard-netpol"])
+    (np,) = by_kind(docs, "NetworkPolicy")
+    (ds,) = by_kind(docs, "DaemonSet")
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    assert np["spec"]["ingress"] == [{
+        "ports": [{"port": "metrics", "protocol": "TCP"}],
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}]
+    # The gRPC probe's port serves the whole API: the policy does not open it.
+    (np,) = by_kind(render({"networkPolicy": {"enabled": True}, "probes": {"type": "grpc"}}), "NetworkPolicy")
+    assert np["spec"]["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]}]
+    (np,) = by_kind(render({"networkPolicy": {"enabled": True}, "metrics": {"enabled": False}}), "NetworkPolicy")
+    assert np["spec"]["ingress"] == []  # nothing in
+    (np,) = by_kind(render(REAL_WORKER), "NetworkPolicy")
+    assert {"ports": [{"port": "http", "protocol": "TCP"}]} in np["spec"]["ingress"]
+    assert not by_kind(render({}), "NetworkPolicy")
+
+
+def test_name_overrides():
+    docs = render({"nameOverride": "kvcache", "serviceMonitor": {"enabled": True}})
+    names = {d["kind"]: d["metadata"]["name"] for d in docs}
+    assert names["Deployment"] == "kv-kvcache-worker" and names["Service"] == "kv-kvcache-metrics"
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/name"] == "kvcache" for d in docs)
+    docs = render({"fullnameOverride": "llama-kv", "mode": "daemonset"})
+    names = {d["kind"]: d["metadata"]["name"] for d in docs}
+    assert names == {"ConfigMap": "llama-kv-config", "DaemonSet": "llama-kv", "Service": "llama-kv-metrics",
+                     "ServiceAccount": "llama-kv"}
+    (ds,) = by_kind(docs, "DaemonSet")
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "llama-kv-config"
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "llama-kv"
+
+
+def test_real_worker_gets_its_ports_probes_volumes_and_security_context():
+    docs = render(REAL_WORKER)
+    spec = pod_spec(docs)
+    (worker,) = spec["containers"]
+    w = REAL_WORKER["sidecar"]["worker"]
+    assert worker["name"] == "vllm" and worker["ports"] == w["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert worker[probe] == w[probe]
+    assert mounts(worker) == {"karakv-socket": "/run/karakv", "dshm": "/dev/shm", "weights": "/models",
+                              "cache": "/home/worker/.cache"}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["weights"]["persistentVolumeClaim"]["claimName"] == "llama-weights"
+    assert volumes["cache"]["emptyDir"] == {"sizeLimit": "10Gi"}
+    assert {"karakv-socket", "dshm", "config"} <= set(volumes)
+    sc = worker["securityContext"]
+    # The override's keys replace the chart's, which stay where not overridden.
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+    assert sc["runAsUser"] == daemon_container(spec)["securityContext"]["runAsUser"] == 10001
+    assert worker["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    (worker,) = pod_spec(render({"sidecar": {"worker": {"securityContext": {"readOnlyRootFilesystem": False}}}}))[
+        "containers"]
+    assert worker["securityContext"]["readOnlyRootFilesystem"] is False
+    assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # The default example worker: no ports, no probes, only the chart's mounts.
+    (worker,) = pod_spec(render({}))["containers"]
+    assert not {"ports", "startupProbe", "livenessProbe", "readinessProbe"} & set(worker)
+    assert set(mounts(worker)) == {"karakv-socket", "dshm"}
+
+
+def test_broken_links_fail_rendering(tmp_path):
+    # A checkout without symbolic links has the link's target path as the file's text.
+    chart = shutil.copytree(CHART, tmp_path / "karakv")
+    for name in ("alerts.yml", "karakv-dashboard.json"):
+        (chart / "files" / name).write_text(os.readlink(os.path.join(CHART, "files", name)))
+    with helm.Chart.load(chart) as c:
+        with pytest.raises(helm.HelmError, match="link to deploy/prometheus/alerts.yml broken"):
+            c.render({"prometheusRule": {"enabled": True}}, name="kv", namespace="llm")
+        with pytest.raises(helm.HelmError, match="link to deploy/grafana/karakv-dashboard.json broken"):
+            c.render({"grafanaDashboard": {"enabled": True}}, name="kv", namespace="llm")

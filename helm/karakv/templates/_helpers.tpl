@@ -1,14 +1,28 @@
 {{/* Names, labels and the pieces the sidecar and DaemonSet pods share. */}}
 {{- define "karakv.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "karakv.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The label whose value Prometheus takes as the job of karakvd's series: the ServiceMonitor reads it
+from the metrics Service, the PodMonitor from the pods (jobLabel). Its value is karakv.name, so
+the PrometheusRule selects job="<karakv.name>" and the two cannot disagree.
+*/}}
+{{- define "karakv.jobLabel" -}}
+app.kubernetes.io/name
 {{- end -}}
 
 {{- define "karakv.labels" -}}
