@@ -73,11 +73,7 @@ class CudaBackend final : public Backend {
     switch (op) {
       case Op::kQuantize:
       case Op::kDequantize:
-      case Op::kQuantizedAttention:
-      // Kara version 2's observers (decode-time log-sum-exp, window scores with a given normaliser
-      // or only later keys) run on the CPU backend so far.
-      case Op::kDecodeAttentionObserve:
-      case Op::kWindowScoresObserved: return false;
+      case Op::kQuantizedAttention: return false;
       default: return true;
     }
   }
@@ -151,14 +147,21 @@ class CudaBackend final : public Backend {
   }
 
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
-    return decode(kv, layer, q, out, scale, nullptr, "decode_attention");
+    return decode(kv, layer, q, out, scale, nullptr, nullptr, "decode_attention");
   }
 
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
                                            float* const* score_acc) override {
     if (score_acc == nullptr)
       return KernelStatus::invalid("decode_attention_accumulate: score_acc must be non-null");
-    return decode(kv, layer, q, out, scale, score_acc, "decode_attention_accumulate");
+    return decode(kv, layer, q, out, scale, score_acc, nullptr, "decode_attention_accumulate");
+  }
+
+  KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                                        float* const* score_acc, float* const* lse) override {
+    if (score_acc == nullptr)
+      return KernelStatus::invalid("decode_attention_accumulate: score_acc must be non-null");
+    return decode(kv, layer, q, out, scale, score_acc, lse, "decode_attention_observe");
   }
 
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries, const float* q, float* out,
@@ -229,6 +232,27 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window,
                                                                  dq, scale, dout, arena_, stream_)));
+    return call.finish();
+  }
+
+  KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                      const float* q, float scale, const float* lse, bool later_keys_only,
+                                      float* out) override {
+    KARAKV_RETURN_IF_ERROR(
+        common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(check_geometry("window_scores_observed", kv));
+    Call call(*this, "window_scores_observed");
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const size_t rows = size_t(window) * kv.geometry.num_q_heads;
+    const float *dq = nullptr, *dlse = nullptr;
+    float* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(q, rows * kv.geometry.head_dim * sizeof(float), &dq));
+    if (lse != nullptr) KARAKV_RETURN_IF_ERROR(call.input(lse, rows * sizeof(float), &dlse));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores_observed(dkv, kv.geometry.dtype, seq, layer,
+                                                                          slot_begin, window, dq, scale, dlse,
+                                                                          later_keys_only, dout, arena_, stream_)));
     return call.finish();
   }
 
@@ -446,8 +470,10 @@ class CudaBackend final : public Backend {
     return st;
   }
 
+  // Decode attention; with score_acc, H2O's and Kara's accumulated probabilities (added into the
+  // host accumulators); with lse_out, each sequence's per-query-head log-sum-exp (Kara's norm = full).
   KernelStatus decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* const* score_acc,
-                      std::string_view op) {
+                      float* const* lse_out, std::string_view op) {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
@@ -470,30 +496,42 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
     float* lse = nullptr;
-    if (score_acc != nullptr)
+    std::vector<float> lse_host;
+    if (lse_out != nullptr) {
+      lse_host.resize(size_t(kv.num_seqs) * geo.num_q_heads);
+      KARAKV_RETURN_IF_ERROR(call.output(lse_host.data(), lse_host.size() * sizeof(float), &lse));
+    } else if (score_acc != nullptr) {
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
+    }
     KARAKV_RETURN_IF_ERROR(
         call.named(cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_,
                                                 stream_)));
-    if (score_acc == nullptr) return call.finish();
+    if (score_acc == nullptr && lse_out == nullptr) return call.finish();
 
-    // H2O: per-(sequence, KV head) probabilities on the device, added into the host accumulators.
+    // Per-(sequence, KV head) probabilities on the device, added into the host accumulators.
     std::vector<int64_t> offset(kv.num_seqs);
     int64_t total = 0;
     for (int s = 0; s < kv.num_seqs; ++s) {
       offset[s] = total;
       total += int64_t(kv.seq_len[s]) * geo.num_kv_heads;
     }
-    const int64_t* doffset = nullptr;
-    KARAKV_RETURN_IF_ERROR(call.upload(offset, &doffset));
-    std::vector<float> probs(size_t(std::max<int64_t>(total, 1)));
-    float* dprobs = nullptr;
-    KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
-    KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs,
-                                                        stream_)));
+    std::vector<float> probs;
+    if (score_acc != nullptr) {
+      const int64_t* doffset = nullptr;
+      KARAKV_RETURN_IF_ERROR(call.upload(offset, &doffset));
+      probs.resize(size_t(std::max<int64_t>(total, 1)));
+      float* dprobs = nullptr;
+      KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
+      KARAKV_RETURN_IF_ERROR(
+          call.named(cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs,
+                                                          stream_)));
+    }
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int s = 0; s < kv.num_seqs; ++s) {
+      // As the CPU backend: an empty sequence's normaliser is left as it was.
+      if (lse_out != nullptr && lse_out[s] != nullptr && kv.seq_len[s] > 0)
+        std::copy_n(lse_host.data() + size_t(s) * geo.num_q_heads, geo.num_q_heads, lse_out[s]);
+      if (score_acc == nullptr) continue;
       for (int h = 0; h < geo.num_kv_heads; ++h) {
         float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
         if (acc == nullptr) continue;

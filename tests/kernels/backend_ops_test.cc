@@ -31,7 +31,9 @@ double tolerance(Op op) {
     case Op::kCausalAttention: return 1e-4;
     // Probabilities and their sums (up to window * group for window scores), compared relatively.
     case Op::kDecodeAttentionAccumulate:
+    case Op::kDecodeAttentionObserve:
     case Op::kWindowScores:
+    case Op::kWindowScoresObserved:
     case Op::kSnapKVScores: return 1e-4;
     default: return 0.0;
   }
@@ -180,6 +182,71 @@ TEST_P(BackendOpsTest, DecodeAttentionAccumulate) {
   EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kDecodeAttention));
   for (size_t i = 0; i < acc.size(); ++i)
     EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kDecodeAttentionAccumulate)) << "row " << i;
+}
+
+// Kara's decode observers: the accumulated probabilities and each query head's log-sum-exp; a
+// sequence without an lse pointer (and the empty one) keeps what its buffer held.
+TEST_P(BackendOpsTest, DecodeAttentionObserve) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionObserve)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const size_t n = lens_.size() * geo_.q_token_elems();
+  const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
+  BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
+  qb.upload(q);
+  rqb.upload(q);
+  const int hk = geo_.num_kv_heads, hq = geo_.num_q_heads;
+  std::vector<std::vector<float>> acc(lens_.size() * hk), ref(lens_.size() * hk);
+  std::vector<float*> accp, refp;
+  for (size_t i = 0; i < acc.size(); ++i) {
+    acc[i] = random_values(lens_[i / hk], 0.0f, 2.0f, rng_);
+    ref[i] = acc[i];
+    accp.push_back(i == 7 ? nullptr : acc[i].data());
+    refp.push_back(i == 7 ? nullptr : ref[i].data());
+  }
+  std::vector<std::vector<float>> lse(lens_.size(), std::vector<float>(hq, -7.0f)), rlse = lse;
+  std::vector<float*> lsep, rlsep;
+  for (size_t s = 0; s < lens_.size(); ++s) {
+    lsep.push_back(s == 2 ? nullptr : lse[s].data());
+    rlsep.push_back(s == 2 ? nullptr : rlse[s].data());
+  }
+  ASSERT_TRUE(backend_->decode_attention_observe(caches.test->view(), 1, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                 accp.data(), lsep.data()).is_ok());
+  ASSERT_TRUE(reference_->decode_attention_observe(caches.ref->view(), 1, rqb.get<float>(), rob.get<float>(), 0.125f,
+                                                   refp.data(), rlsep.data()).is_ok());
+  EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kDecodeAttention));
+  for (size_t i = 0; i < acc.size(); ++i)
+    EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kDecodeAttentionObserve)) << "row " << i;
+  for (size_t s = 0; s < lens_.size(); ++s) {
+    EXPECT_LE(max_abs_diff(lse[s], rlse[s]), tolerance(Op::kDecodeAttentionObserve)) << "seq " << s;
+    if (s == 2 || lens_[s] == 0) {
+      EXPECT_EQ(lse[s], std::vector<float>(hq, -7.0f)) << "seq " << s;
+    }
+  }
+}
+
+// Kara's window scores with a given normaliser on some rows (NaN elsewhere: the window softmax),
+// and with only the keys after each query counted.
+TEST_P(BackendOpsTest, WindowScoresObserved) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kWindowScoresObserved)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const int seq = 4, window = 64, begin = lens_[seq] - window - 5, hq = geo_.num_q_heads;
+  const size_t nq = size_t(window) * geo_.q_token_elems(), no = size_t(geo_.num_kv_heads) * window;
+  const std::vector<float> q = random_values(nq, -2.0f, 2.0f, rng_);
+  std::vector<float> lse = random_values(size_t(window) * hq, 4.0f, 6.0f, rng_);
+  for (size_t i = 0; i < lse.size(); i += 5) lse[i] = NAN;
+  BackendBuffer qb(*backend_, nq * 4), ob(*backend_, no * 4), rqb(*reference_, nq * 4), rob(*reference_, no * 4);
+  qb.upload(q);
+  rqb.upload(q);
+  for (const bool later : {false, true}) {
+    for (const float* given : {static_cast<const float*>(nullptr), static_cast<const float*>(lse.data())}) {
+      ASSERT_TRUE(backend_->window_scores_observed(caches.test->view(), seq, 2, begin, window, qb.get<float>(), 0.125f,
+                                                   given, later, ob.get<float>()).is_ok());
+      ASSERT_TRUE(reference_->window_scores_observed(caches.ref->view(), seq, 2, begin, window, rqb.get<float>(),
+                                                     0.125f, given, later, rob.get<float>()).is_ok());
+      EXPECT_LE(max_rel_diff(ob.download<float>(no), rob.download<float>(no)), tolerance(Op::kWindowScoresObserved))
+          << "later_keys_only " << later << ", lse " << (given != nullptr);
+    }
+  }
 }
 
 TEST_P(BackendOpsTest, WindowScores) {
