@@ -1,5 +1,6 @@
 """Typed errors: every failed RPC raises the subclass of KaraKVError for its gRPC status code,
-carrying the daemon's message (which says what was wrong and what was expected)."""
+carrying the daemon's message (which says what was wrong and what was expected). The text of an
+error names its status code as gRPC spells it: "NOT_FOUND: ReleaseSequence: unknown sequence 7"."""
 from __future__ import annotations
 
 import grpc
@@ -7,7 +8,8 @@ import grpc
 
 class KaraKVError(Exception):
     """Base of every error the SDK raises. `code` is the grpc.StatusCode, `method` the RPC (or the
-    SDK call that refused the request before sending it), `message` the daemon's own text."""
+    SDK call that refused the request before sending it), `message` the daemon's own text.
+    str(error) is "CODE_NAME: method: message", as an absl::Status of the C++ SDK prints."""
 
     code = grpc.StatusCode.UNKNOWN
 
@@ -16,7 +18,13 @@ class KaraKVError(Exception):
         self.method = method
         if code is not None:
             self.code = code
-        super().__init__(f"{method}: {message}" if method else message)
+        text = f"{method}: {message}" if method else message
+        super().__init__(f"{self.code.name}: {text}")
+
+    @property
+    def code_name(self) -> str:
+        """The status code's name, e.g. "NOT_FOUND"."""
+        return self.code.name
 
 
 class Cancelled(KaraKVError):
@@ -100,6 +108,16 @@ _BY_CODE = {cls.code: cls for cls in (
     Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
     PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange, Unimplemented,
     Internal, Unavailable, DataLoss, Unauthenticated)}
+
+
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_code(code: int | str, message: str, method: str) -> KaraKVError:
+    """The typed error for a status code given by number (absl / gRPC numbering, as the fast-path
+    ring carries it) or by name."""
+    status = grpc.StatusCode[code] if isinstance(code, str) else _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(status, KaraKVError)(message, method, status)
 
 
 def from_rpc_error(err: grpc.RpcError, method: str) -> KaraKVError:

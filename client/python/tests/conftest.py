@@ -2,9 +2,11 @@
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 
 import pytest
 
@@ -12,6 +14,23 @@ import karakv
 
 # A small model geometry so the tests are fast; every test daemon serves it unless told otherwise.
 GEOMETRY = ["--layers=2", "--q_heads=4", "--kv_heads=2", "--head_dim=16", "--dtype=fp16", "--block_size=4"]
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(port, line_start):
+    """The value of the first /metrics line of the daemon at `port` that starts with `line_start`
+    (e.g. 'karakv_decode_commands_total{method="Step",path="ring"}'), or 0 when there is none."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[-1])
+    return 0
 
 
 def _die_with_parent():

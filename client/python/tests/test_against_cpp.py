@@ -2,6 +2,7 @@
 steps over every layer, Attend, ReadKV, Release) runs through tests/client/sdk_reference.cc and
 through this SDK, each on a fresh daemon, and every output must be byte for byte the same.
 The workload below mirrors sdk_reference.cc call for call."""
+import asyncio
 import os
 import subprocess
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import karakv
+import karakv.aio
 
 PROMPT, STEPS, W_OBS, BATCH = 40, 20, 8, 4
 L, HQ, HK, D = 2, 4, 2, 16  # conftest.GEOMETRY
@@ -102,6 +104,45 @@ def test_inline_equals_cpp(start_daemon, inputs, cpp_output):
     with karakv.Client.attach(start_daemon("--pool_bytes=4MiB").target, staging_bytes=0) as c:
         assert c.staging_bytes == 0
         got, _ = run_workload(c, inputs)
+    compare(got, cpp_output)
+
+
+def test_fast_path_equals_cpp(start_daemon, inputs, cpp_output):
+    # Every Step and Attend through the shared-memory ring instead of gRPC: the same bytes.
+    with karakv.Client.attach(start_daemon("--pool_bytes=4MiB").target, staging_bytes=16 << 20,
+                              fast_path=True) as c:
+        got, _ = run_workload(c, inputs)
+        assert c.fast_path and c.ring_calls == STEPS * L + 2
+    compare(got, cpp_output)
+
+
+class Blocking:
+    """Runs an asyncio client's coroutines one at a time on its own loop, so the same workload
+    function drives it."""
+
+    def __init__(self, loop, client):
+        self._loop, self._client = loop, client
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: self._loop.run_until_complete(attr(*args, **kwargs))
+
+
+@pytest.mark.parametrize("fast_path", [False, True], ids=["grpc", "ring"])
+def test_asyncio_client_equals_cpp(start_daemon, inputs, cpp_output, fast_path):
+    target = start_daemon("--pool_bytes=4MiB").target
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(karakv.aio.Client.attach(target, staging_bytes=16 << 20, fast_path=fast_path))
+        try:
+            got, _ = run_workload(Blocking(loop, client), inputs)
+            assert client.ring_calls == (STEPS * L + 2 if fast_path else 0)
+        finally:
+            loop.run_until_complete(client.close())
+    finally:
+        loop.close()
     compare(got, cpp_output)
 
 

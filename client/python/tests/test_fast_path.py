@@ -1,0 +1,113 @@
+"""The decode fast path (attach(fast_path=True)): Step and Attend through the shared-memory command
+ring, as the daemon counts them, with the same errors as over gRPC, and what happens when the
+ring's session ends or the daemon restarts. test_against_cpp.py checks its outputs byte for byte."""
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+import karakv
+from conftest import free_port, metric
+
+L, HQ, HK, D = 2, 4, 2, 16  # conftest.GEOMETRY
+
+
+def kv(tokens, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((L, tokens, HK, D)).astype(np.float16),
+            rng.standard_normal((L, tokens, HK, D)).astype(np.float16))
+
+
+def step_inputs(batch, seed=1):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, HK, D)).astype(np.float16),
+            rng.standard_normal((batch, HK, D)).astype(np.float16),
+            rng.standard_normal((batch, HQ, D), dtype=np.float32))
+
+
+def ring_count(port, method):
+    return metric(port, f'karakv_decode_commands_total{{method="{method}",path="ring"}}')
+
+
+def test_steps_and_attends_go_through_the_ring(start_daemon):
+    port = free_port()
+    d = start_daemon("--pool_bytes=4MiB", f"--metrics_listen=127.0.0.1:{port}")
+    with karakv.Client.attach(d.target, fast_path=True) as fast, karakv.Client.attach(d.target) as plain:
+        assert fast.fast_path and not plain.fast_path
+        a, b = fast.create_sequence(), plain.create_sequence()
+        k, v = kv(9)
+        fast.append(a, k, v)
+        plain.append(b, k, v)
+        for layer in range(L):
+            inputs = step_inputs(1, seed=layer)
+            np.testing.assert_array_equal(fast.step(layer, [a], *inputs), plain.step(layer, [b], *inputs))
+        assert fast.last_decode_step > 0
+        q = np.random.default_rng(5).standard_normal((3, HQ, D), dtype=np.float32)
+        np.testing.assert_array_equal(fast.attend(a, 1, q), plain.attend(b, 1, q))
+        assert fast.ring_calls == L + 1 and plain.ring_calls == 0
+    assert ring_count(port, "Step") == L and ring_count(port, "Attend") == 1
+    assert metric(port, 'karakv_decode_commands_total{method="Step",path="grpc"}') == L
+
+
+def test_ring_errors_equal_grpc_errors(daemon):
+    with karakv.Client.attach(daemon.target, fast_path=True) as fast, karakv.Client.attach(daemon.target) as plain:
+        seqs = {}
+        for c in (fast, plain):
+            seqs[c] = c.create_sequence()
+            c.append(seqs[c], *kv(5))
+        bad_calls = [
+            lambda c: c.step(1, [seqs[c]], *step_inputs(1)),                          # layer out of order
+            lambda c: c.step(0, [seqs[c]], *step_inputs(1), scale=math.nan),          # NaN scale
+            lambda c: c.step(0, [987654], *step_inputs(1)),                           # unknown sequence
+            lambda c: c.attend(seqs[c], 7, np.zeros((1, HQ, D), np.float32)),         # no such layer
+            lambda c: c.attend(seqs[c], 0, np.zeros((6, HQ, D), np.float32)),         # more queries than tokens
+        ]
+        for i, call in enumerate(bad_calls):
+            got = {}
+            for c in (fast, plain):
+                with pytest.raises(karakv.KaraKVError) as e:
+                    call(c)
+                message = re.sub(r"sequence \d+", "sequence N", e.value.message)
+                got[c] = (type(e.value), e.value.code, e.value.method, message)
+            assert got[fast] == got[plain], f"bad call {i}"
+        assert fast.ring_calls == len(bad_calls) and fast.fast_path
+
+
+def test_ring_of_an_expired_session_says_not_found(start_daemon):
+    d = start_daemon("--pool_bytes=4MiB", "--lease_seconds=1")
+    with karakv.Client.attach(d.target, fast_path=True, heartbeat=False) as c:
+        seq = c.create_sequence()
+        c.append(seq, *kv(3))
+        c.step(0, [seq], *step_inputs(1))
+        time.sleep(2.5)
+        with pytest.raises(karakv.NotFound, match="session"):
+            c.step(1, [seq], *step_inputs(1))
+        assert not c.fast_path  # karakvd closed the ring with the session
+
+
+def test_fast_path_after_a_daemon_restart(start_daemon):
+    d = start_daemon("--pool_bytes=4MiB")
+    with karakv.Client.attach(d.target, fast_path=True) as c:
+        seq = c.create_sequence()
+        c.append(seq, *kv(3))
+        c.step(0, [seq], *step_inputs(1))
+        old_instance = c.instance_id
+        d.crash_and_restart()
+        # The ring of the dead daemon never answers: the liveness check gives it up, and the call's
+        # gRPC retry finds the restart and re-attaches; the old sequence is refused.
+        with pytest.raises(karakv.DaemonRestarted):
+            c.step(1, [seq], *step_inputs(1))
+        assert c.instance_id != old_instance
+        # The new session has a ring of its own.
+        assert c.fast_path and c.ring_calls == 0
+        fresh = c.create_sequence()
+        c.append(fresh, *kv(3))
+        assert c.step(0, [fresh], *step_inputs(1)).shape == (1, HQ, D)
+        assert c.ring_calls == 1
+
+
+def test_fast_path_needs_a_staging_region(daemon):
+    with pytest.raises(karakv.InvalidArgument, match=r"fast_path needs a staging region \(staging_bytes > 0\)"):
+        karakv.Client.attach(daemon.target, fast_path=True, staging_bytes=0)
