@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import time
-from typing import Generator, NamedTuple, Optional, Tuple, Union
+from typing import Any, Generator, NamedTuple, Optional, Tuple, Union
 
 MAGIC = 0x31524B4B  # "KKR1"
 VERSION = 1
@@ -97,7 +97,7 @@ class Command(NamedTuple):
     op: int
     layer: int
     scale: float
-    count: int
+    rows: int  # Step: sequences in `ids`; Attend: num_queries (the command's `count`)
     sequence_id: int
     k: Tuple[int, int]
     v: Tuple[int, int]
@@ -124,7 +124,15 @@ class Broken(Exception):
 # (sending back None when the daemon is alive, else why not).
 SPIN = "spin"
 ALIVE = "alive"
-Wait = Tuple[str, int, int, int]  # ("wait", address, expected, timeout_ns)
+
+
+class Wait(NamedTuple):
+    """Sleep on the futex word at `address` while it holds `expected`, for at most timeout_ns."""
+    address: int
+    expected: int
+    timeout_ns: int
+
+
 Step = Union[str, Wait]
 
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -179,8 +187,8 @@ class Ring:
         if got != want:
             raise ValueError(f"ring header (magic, version, slots, command bytes, completion bytes) is "
                              f"{tuple(map(hex, got))}, this SDK expects {tuple(map(hex, want))}")
-        self._h = h
-        self._mm = mm
+        self._h: Any = h  # None once released
+        self._mm: Any = mm
         self._commands = offset + COMMANDS_OFFSET
         self._completions = offset + COMPLETIONS_OFFSET
         self._sq_doorbell = base + offset + _Header.sq_doorbell.offset
@@ -241,7 +249,7 @@ class Ring:
         self._tag += 1
         slot = _Command.from_buffer(self._mm, self._commands + (self._sq_next % SLOTS) * COMMAND_BYTES)
         slot.tag, slot.op, slot.layer, slot.scale = tag, cmd.op, cmd.layer, cmd.scale
-        slot.count, slot.sequence_id = cmd.count, cmd.sequence_id
+        slot.count, slot.sequence_id = cmd.rows, cmd.sequence_id
         slot.k.offset, slot.k.length = cmd.k
         slot.v.offset, slot.v.length = cmd.v
         slot.q.offset, slot.q.length = cmd.q
@@ -294,7 +302,7 @@ class Ring:
             h.worker_sleeping = 1
             if self._depth() == 0 and h.state == STATE_OPEN:
                 left = int((deadline - now) * 1e9)
-                yield ("wait", self._cq_doorbell, bell, max(1, min(SLICE_NS, left)))
+                yield Wait(self._cq_doorbell, bell, max(1, min(SLICE_NS, left)))
                 self.sleeps += 1
             h.worker_sleeping = 0
 

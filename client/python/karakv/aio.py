@@ -326,7 +326,9 @@ class Client(_Session):
             raise errors.from_rpc_error(e, method) from None
 
     async def _ring_call(self, method: str, cmd: _ring.Command):
-        steps = self._ring.call(cmd, time.monotonic() + self._timeout, self._ring_full_wait)
+        ring = self._ring
+        assert ring is not None  # _invoke checked it
+        steps = ring.call(cmd, time.monotonic() + self._timeout, self._ring_full_wait)
         loop = asyncio.get_running_loop()
         try:
             step = next(steps)
@@ -336,8 +338,8 @@ class Client(_Session):
                     await asyncio.sleep(0)
                 elif step == _ring.ALIVE:
                     answer = await self._liveness()
-                else:
-                    await loop.run_in_executor(None, _ring.futex_wait, step[1], step[2], step[3])
+                elif isinstance(step, _ring.Wait):
+                    await loop.run_in_executor(None, _ring.futex_wait, step.address, step.expected, step.timeout_ns)
                 step = steps.send(answer)
         except StopIteration as done:
             completion = done.value

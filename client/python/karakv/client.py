@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Generator, Iterable, NamedTuple, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -279,7 +279,7 @@ class _Staging:
         finally:
             os.close(fd)
         self.size = size
-        self.bytes = np.frombuffer(self.mm, dtype=np.uint8, count=size)
+        self.bytes: Any = np.frombuffer(self.mm, dtype=np.uint8, count=size)  # None once closed
         self.base = self.bytes.ctypes.data
         self.used = 0  # high-water mark of Client.alloc
         self.scratch = 0
@@ -342,8 +342,9 @@ class _Session:
     ring, and every operation as a generator of RPCs (no I/O of its own)."""
 
     def _init_state(self) -> None:
-        self._channel = None
-        self._stub = None
+        self._channel: Any = None  # grpc.Channel or grpc.aio.Channel
+        self._stub: Any = None
+        self._attach_args: Dict[str, Any] = {}
         self._staging: Optional[_Staging] = None
         self._ring: Optional[_ring.Ring] = None
         self._attached = False
@@ -492,11 +493,11 @@ class _Session:
         staging (read back after the call), or inline (no staging region). Returns the offset."""
         st = self._staging
         if out is not None:
-            if not isinstance(out, np.ndarray) or out.dtype != np.float32 or st is None \
-                    or st.offset_of(out) is None or out.nbytes != nbytes:
+            found = st.offset_of(out) if st is not None and isinstance(out, np.ndarray) else None
+            if found is None or out.dtype != np.float32 or out.nbytes != nbytes:
                 raise errors.InvalidArgument(
                     f"out must be a float32 array of {nbytes} bytes from Client.alloc", what)
-            offset = st.offset_of(out)
+            offset = found
         elif st is None:
             return None
         else:
@@ -511,6 +512,7 @@ class _Session:
         if offset is None:
             return np.frombuffer(inline, dtype=np.float32).reshape(shape).copy()
         n = int(np.prod(shape)) * 4
+        assert self._staging is not None  # an offset means the output went to staging
         return self._staging.bytes[offset:offset + n].view(np.float32).reshape(shape).copy()
 
     @staticmethod
@@ -1086,7 +1088,9 @@ class Client(_Session):
 
     def _ring_call(self, method: str, cmd: _ring.Command):
         """The reply through the ring; None when the call should use gRPC (ring full, or closed)."""
-        steps = self._ring.call(cmd, time.monotonic() + self._timeout, self._ring_full_wait)
+        ring = self._ring
+        assert ring is not None  # _invoke checked it
+        steps = ring.call(cmd, time.monotonic() + self._timeout, self._ring_full_wait)
         try:
             step = next(steps)
             while True:
@@ -1095,8 +1099,8 @@ class Client(_Session):
                     os.sched_yield()
                 elif step == _ring.ALIVE:
                     answer = self._liveness()
-                else:
-                    _ring.futex_wait(step[1], step[2], step[3])
+                elif isinstance(step, _ring.Wait):
+                    _ring.futex_wait(step.address, step.expected, step.timeout_ns)
                 step = steps.send(answer)
         except StopIteration as done:
             completion = done.value

@@ -4,7 +4,8 @@
 #   2. a source distribution built with `python -m build --sdist`, then installed from the tarball
 #      with the checkout gone (so the proto must travel inside the sdist).
 # After each install the package must import from the venv, be typed (py.typed and the generated
-# messages' .pyi) and talk to a real karakvd (install_smoke.py: blocking and asyncio clients).
+# messages' .pyi; mypy checks the first install) and talk to a real karakvd (install_smoke.py:
+# blocking, fast-path and asyncio clients).
 # Usage: install_test.sh SOURCE_DIR KARAKVD
 # PyPI provides the SDK's dependencies and build requirements: when it cannot be reached (or there
 # is no venv support) the test exits 77 (ctest: skipped), saying so.
@@ -43,6 +44,9 @@ rm -rf "$work/checkout/client/python/build" "$work/checkout/client/python"/*.egg
 echo "== pip install client/python (from a checkout)"
 "${pip[@]}" "$work/checkout/client/python"
 (cd "$work" && "$py" "$here/install_smoke.py" "unix:$work/karakvd.sock")
+# Typed: mypy checks the installed package (it refuses one without py.typed).
+"${pip[@]}" mypy==2.4.1
+(cd "$work" && "$py" -m mypy -p karakv --check-untyped-defs --ignore-missing-imports --no-incremental)
 
 echo "== python -m build --sdist, then pip install of the tarball without the checkout"
 "${pip[@]}" build==1.3.0
