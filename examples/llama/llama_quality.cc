@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -76,6 +77,10 @@ ABSL_FLAG(std::string, kara_points, "",
           "\"r0=recent:0;r64=recent:64,observers:1\". A point labelled kara names its baselines plainly (snapkv), "
           "others as NAME@LABEL");
 ABSL_FLAG(std::string, baselines, "snapkv,streaming,h2o", "With --kara_points: the baselines matched to each point");
+ABSL_FLAG(std::string, diagnostics, "",
+          "Perplexity tasks: also write, to this CSV, each compressing policy's per-token loss gap to none "
+          "against steps since the sequence's last compaction, and its attention recall (the share of none's "
+          "attention mass on the tokens it kept) beside a recency choice of the same size; empty: off");
 ABSL_FLAG(bool, kara_cam, true, "With --kara_points: also run the point labelled kara with cam=1 (kara+cam)");
 ABSL_FLAG(bool, ablation_none, true,
           "With --kara_points: run none first (false: a later stage of a staged ablation whose none ran already; "
@@ -289,8 +294,198 @@ void progress(const std::string& what, int done, int total, Clock::time_point t0
   std::fflush(stderr);
 }
 
+// ---- Diagnostics (--diagnostics) -----------------------------------------------------------
+// The none run of a perplexity task records full attention's inputs (every key, and the queries of
+// the steps recall samples); each compressing run is then compared with it step by step.
+
+constexpr int kSampleEvery = 8;  // steps i with i % 8 == 7 are sampled (as the mean residency)
+
+struct FullCache {
+  // keys[b][l]: [T][Hk][D] fp32, every position stream b ever had at layer l
+  std::vector<std::vector<std::vector<float>>> keys;
+  // queries[b][i]: [L][Hq][D] fp32 of decode step i, for i % 8 == 0 (the step after a sample)
+  std::vector<std::map<int, std::vector<float>>> queries;
+  std::vector<std::vector<double>> logp;  // per stream, per scored token
+};
+
+// Hooks the perplexity loop calls around each decode step.
+class StepObserver {
+ public:
+  virtual ~StepObserver() = default;
+  virtual void before(int step) {}
+  virtual void after(int step, const std::vector<uint64_t>& seqs) {}
+};
+
+// An Attention that passes everything to `inner` and keeps, in `record`, the K of every position
+// and the queries of the steps after each sample (the none run).
+class RecordingAttention : public karakv::llama::Attention, public StepObserver {
+ public:
+  RecordingAttention(karakv::llama::Attention& inner, const karakv::llama::Config& c, FullCache& record)
+      : inner_(inner), c_(c), record_(record) {}
+  absl::StatusOr<uint64_t> create_sequence() override {
+    auto id = inner_.create_sequence();
+    if (id.ok()) {
+      index_[*id] = record_.keys.size();
+      record_.keys.emplace_back(c_.n_layers);
+      record_.queries.emplace_back();
+    }
+    return id;
+  }
+  absl::Status prefill(uint64_t seq, int num_tokens, std::span<const float> k, std::span<const float> v,
+                       std::span<const float> q) override {
+    auto& keys = record_.keys[index_.at(seq)];
+    const size_t per_layer = size_t(num_tokens) * c_.kv_dim();
+    for (int l = 0; l < c_.n_layers; ++l) keys[l].insert(keys[l].end(), &k[l * per_layer], &k[l * per_layer] + per_layer);
+    return inner_.prefill(seq, num_tokens, k, v, q);
+  }
+  absl::Status step(int layer, std::span<const uint64_t> seqs, std::span<const float> k, std::span<const float> v,
+                    std::span<const float> q, std::span<float> out) override {
+    const size_t kd = c_.kv_dim(), qd = size_t(c_.n_heads) * c_.head_dim();
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      const size_t idx = index_.at(seqs[b]);
+      auto& keys = record_.keys[idx][layer];
+      keys.insert(keys.end(), &k[b * kd], &k[b * kd] + kd);
+      if (recording_ >= 0) {
+        auto& qs = record_.queries[idx][recording_];
+        qs.resize(size_t(c_.n_layers) * qd);
+        std::copy_n(&q[b * qd], qd, qs.begin() + layer * qd);
+      }
+    }
+    return inner_.step(layer, seqs, k, v, q, out);
+  }
+  absl::Status release(uint64_t seq) override { return inner_.release(seq); }
+  void before(int step) override { recording_ = step > 0 && step % kSampleEvery == 0 ? step : -1; }
+
+ private:
+  karakv::llama::Attention& inner_;
+  const karakv::llama::Config& c_;
+  FullCache& record_;
+  std::map<uint64_t, size_t> index_;
+  int recording_ = -1;
+};
+
+// Mean of a measure by steps since the sequence's last compaction, in buckets of 16 steps.
+struct ByAge {
+  static constexpr int kWidth = 16, kBuckets = 9;  // 1-16, ..., 113-128, 129+
+  std::array<double, kBuckets> sum{};
+  std::array<long, kBuckets> count{};
+  void add(int age, double x) {
+    const int b = std::min(kBuckets - 1, (age - 1) / kWidth);
+    sum[b] += x;
+    ++count[b];
+  }
+  static std::string label(int b) {
+    return b == kBuckets - 1 ? absl::StrCat(b * kWidth + 1, "+") : absl::StrCat(b * kWidth + 1, "-", (b + 1) * kWidth);
+  }
+};
+
+// A compressing run against the none run's record: after each step, each stream's steps since its
+// last compaction (ListSequences' count); at each sample, the resident positions (ReadKV) and the
+// share of full attention's mass that the next step's query puts on them, per (layer, KV head)
+// averaged, beside the same number of newest positions.
+class PolicyProbe : public StepObserver {
+ public:
+  PolicyProbe(const karakv::llama::Config& c, const FullCache& full, karakv::Client& client, int prompt,
+              size_t streams)
+      : c_(c), full_(full), client_(client), prompt_(prompt), last_(streams, -1), age_(streams) {}
+
+  void after(int step, const std::vector<uint64_t>& seqs) override {
+    std::map<uint64_t, karakv::SequenceInfo> info;
+    for (auto& s : check(client_.ListSequences())) info[s.id] = s;
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      const karakv::SequenceInfo& s = info.at(seqs[b]);
+      if (compactions_.size() <= b) compactions_.resize(b + 1, 0);
+      if (s.compactions > compactions_[b]) last_[b] = step;
+      compactions_[b] = s.compactions;
+      age_[b].push_back(last_[b] < 0 ? -1 : step - last_[b]);  // as seen by this step's successor
+      if (step % kSampleEvery == kSampleEvery - 1 && last_[b] >= 0) sample(b, seqs[b], step, int(s.length));
+    }
+  }
+
+  // Loss gap (nats) of each scored token predicted by decode step i (logp index i + 1), by the age
+  // of the cache that step attended.
+  ByAge loss_gap(const std::vector<std::vector<double>>& logp) const {
+    ByAge out;
+    for (size_t b = 0; b < logp.size(); ++b) {
+      for (size_t i = 1; i < age_[b].size(); ++i) {
+        const int age = age_[b][i - 1] < 0 ? -1 : age_[b][i - 1] + 1;
+        if (age > 0 && i + 1 < logp[b].size()) out.add(age, full_.logp[b][i + 1] - logp[b][i + 1]);
+      }
+    }
+    return out;
+  }
+  const ByAge& recall() const { return recall_; }
+  const ByAge& recency() const { return recency_; }
+
+ private:
+  void sample(size_t b, uint64_t id, int step, int length) {
+    auto q = full_.queries[b].find(step + 1);
+    if (q == full_.queries[b].end()) return;
+    const karakv::Geometry& g = client_.geometry();
+    const int L = c_.n_layers, Hk = c_.n_kv_heads, Hq = c_.n_heads, D = c_.head_dim(), G = Hq / Hk;
+    client_.reset_staging();
+    const size_t kv_bytes = size_t(L) * length * Hk * D * karakv::kernels::dtype_size(g.dtype);
+    auto kb = check(client_.alloc(kv_bytes)), vb = check(client_.alloc(kv_bytes));
+    auto pb = check(client_.alloc(size_t(L) * Hk * length * 4));
+    const int T = check(client_.ReadKV(id, kb, vb, pb));
+    const auto positions = pb.as<int32_t>();
+    const int pos = prompt_ + step + 1;  // the next query's position; its own key is always resident
+    const float scale = 1.0f / std::sqrt(float(D));
+    std::vector<double> p(pos + 1);
+    std::vector<char> kept(pos + 1);
+    double recall = 0, recent = 0;
+    for (int l = 0; l < L; ++l) {
+      const std::vector<float>& keys = full_.keys[b][l];
+      for (int h = 0; h < Hk; ++h) {
+        std::fill(kept.begin(), kept.end(), 0);
+        kept[pos] = 1;
+        int budget = 1;
+        for (int t = 0; t < T; ++t) {
+          const int x = positions[(size_t(l) * Hk + h) * T + t];
+          if (x >= 0 && x < pos && !kept[x]) {
+            kept[x] = 1;
+            ++budget;
+          }
+        }
+        for (int j = 0; j < G; ++j) {
+          const float* qv = q->second.data() + (size_t(l) * Hq + h * G + j) * D;
+          double mx = -INFINITY;
+          for (int x = 0; x <= pos; ++x) {
+            const float* kv = keys.data() + (size_t(x) * Hk + h) * D;
+            double dot = 0;
+            for (int d = 0; d < D; ++d) dot += double(qv[d]) * kv[d];
+            p[x] = dot * scale;
+            mx = std::max(mx, p[x]);
+          }
+          double z = 0, in_kept = 0, in_recent = 0;
+          for (int x = 0; x <= pos; ++x) {
+            p[x] = std::exp(p[x] - mx);
+            z += p[x];
+            if (kept[x]) in_kept += p[x];
+            if (x > pos - budget) in_recent += p[x];
+          }
+          recall += in_kept / z;
+          recent += in_recent / z;
+        }
+      }
+    }
+    const int age = step + 1 - last_[b];
+    recall_.add(age, recall / (L * Hq));
+    recency_.add(age, recent / (L * Hq));
+  }
+
+  const karakv::llama::Config& c_;
+  const FullCache& full_;
+  karakv::Client& client_;
+  const int prompt_;
+  std::vector<uint32_t> compactions_;
+  std::vector<int> last_;                // step after which the last compaction was seen, -1: none yet
+  std::vector<std::vector<int>> age_;    // per stream, per step: steps since that compaction, -1: none
+  ByAge recall_, recency_;
+};
+
 PplResult perplexity(const Model& m, karakv::llama::Attention& att, karakv::Client* client, const PplTask& task,
-                     const std::string& label) {
+                     const std::string& label, StepObserver* observer = nullptr) {
   const int n = int(task.streams.size());
   const int V = m.config.vocab_size;
   const auto t0 = Clock::now();
@@ -315,7 +510,9 @@ PplResult perplexity(const Model& m, karakv::llama::Attention& att, karakv::Clie
       tok[b] = task.streams[b][t];
       pos[b] = t;
     }
+    if (observer) observer->before(i);
     check(tf.decode(seqs, tok, pos, logits));
+    if (observer) observer->after(i, seqs);
     for (int b = 0; b < n; ++b) {
       res.logp[b].push_back(karakv::llama::log_prob({&logits[size_t(b) * V], size_t(V)}, task.streams[b][t + 1]));
     }
@@ -341,6 +538,7 @@ PplResult perplexity(const Model& m, karakv::llama::Attention& att, karakv::Clie
 struct GreedyResult {
   std::vector<std::vector<int>> outputs;  // per prompt
   Residency end;                          // before release
+  double resident_mean = NAN;             // over every 8th step, the sequences still decoding
   double seconds = 0;
 };
 
@@ -369,6 +567,8 @@ GreedyResult greedy(const Model& m, karakv::llama::Attention& att, karakv::Clien
     if (cursor[b] < int(task.prompts[b].size()) || o.empty()) return false;
     return int(o.size()) >= task.gen || (task.stop_at_control && m.bpe.is_control(o.back()));
   };
+  double resident_sum = 0;
+  int samples = 0;
   for (int step = 1;; ++step) {
     std::vector<uint64_t> seqs;
     std::vector<int> tok, pos, who;
@@ -390,6 +590,16 @@ GreedyResult greedy(const Model& m, karakv::llama::Attention& att, karakv::Clien
         res.outputs[b].push_back(karakv::llama::sample({&logits[i * V], size_t(V)}, 0, nullptr));
       }
     }
+    // Mean resident memory: every 8th step, the sequences that took part in it (a finished
+    // sequence would be released by a server; here it waits for the end of the batch).
+    if (client && step % 8 == 0) {
+      std::map<uint64_t, uint32_t> length;
+      for (const auto& s : check(client->ListSequences())) length[s.id] = s.length;
+      for (uint64_t id : seqs) {
+        resident_sum += length[id];
+        ++samples;
+      }
+    }
     if (step % 32 == 0) {
       std::fprintf(stderr, "%s  %-40s step %4d, %2zu of %d decoding  %6.0f s%s", isatty(STDERR_FILENO) ? "\r" : "",
                    (task.name + " greedy, " + label).c_str(), step, seqs.size(), n, seconds_since(t0),
@@ -399,6 +609,7 @@ GreedyResult greedy(const Model& m, karakv::llama::Attention& att, karakv::Clien
   }
   if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
   res.end = residency(client);
+  if (samples) res.resident_mean = resident_sum / samples;
   for (uint64_t id : ids) check(att.release(id));
   res.seconds = seconds_since(t0);
   return res;
@@ -413,30 +624,42 @@ struct PolicySpec {
   std::string sized_from = "kara-0.25";  // that run's label
 };
 
+// The shape of one sequence of a task, for sizing a threshold baseline to a mean memory: its
+// prompt, its decode steps, and whether the harness also samples its last step.
+struct Shape {
+  int prompt = 0, steps = 0;
+  bool sample_last = false;
+};
+
 // The resident length a threshold policy's sequence has after each decode step: P tokens of prompt,
 // one more per step, back to c_target whenever a step brings it to c_max. Its mean over the steps
-// the harness samples (every 8th and the last of `steps`).
-double threshold_mean_resident(int prompt, int steps, int c_max, int c_target) {
+// the harness samples (every 8th, and the last where the shape says so), over every sequence.
+double threshold_mean_resident(const std::vector<Shape>& shapes, int c_max, int c_target) {
   double sum = 0;
-  int samples = 0, length = prompt;
-  for (int i = 0; i < steps; ++i) {
-    if (++length >= c_max) length = c_target;
-    if (i % 8 == 7 || i == steps - 1) {
-      sum += length;
-      ++samples;
+  int samples = 0;
+  for (const Shape& sh : shapes) {
+    int length = sh.prompt;
+    for (int i = 0; i < sh.steps; ++i) {
+      if (++length >= c_max) length = c_target;
+      if (i % 8 == 7 || (sh.sample_last && i == sh.steps - 1)) {
+        sum += length;
+        ++samples;
+      }
     }
   }
-  return samples ? sum / samples : length;
+  return samples ? sum / samples : 0;
 }
 
 // c_target and c_max (c_max = c_target + 2 * max(8, c_target / 32), as the end-matched sizing)
-// whose mean resident length is closest to `mean` (section 4: within one block).
-std::pair<int, int> match_mean(double mean, int prompt, int steps) {
+// whose mean resident length over `shapes` is closest to `mean` (section 4: within one block).
+std::pair<int, int> match_mean(double mean, const std::vector<Shape>& shapes) {
   auto gap = [](int target) { return 2 * std::max(8, int(std::lround(target / 32.0))); };
+  int longest = 16;
+  for (const Shape& sh : shapes) longest = std::max(longest, sh.prompt + sh.steps);
   int best = 16;
   double best_err = INFINITY;
-  for (int target = 16; target <= prompt + steps; ++target) {
-    const double err = std::abs(threshold_mean_resident(prompt, steps, target + gap(target), target) - mean);
+  for (int target = 16; target <= longest; ++target) {
+    const double err = std::abs(threshold_mean_resident(shapes, target + gap(target), target) - mean);
     if (err < best_err) {
       best_err = err;
       best = target;
@@ -631,7 +854,7 @@ int main(int argc, char** argv) {
   // length (NaN where the task does not sample it). A matched baseline is sized from its Kara run:
   // to the same mean memory when the task has it (`prompt`, `steps`: the task's shape), else to the
   // same end memory.
-  auto sweep = [&](int window, int period, size_t pool, int prompt, int steps, auto&& run_task, auto&& report) {
+  auto sweep = [&](int window, int period, size_t pool, auto&& shapes, auto&& run_task, auto&& report) {
     const bool ablation = !absl::GetFlag(FLAGS_kara_points).empty();
     std::vector<PolicySpec> specs = ablation ? ablation_policies(window, period) : all_policies(window, period);
     std::map<std::string, std::pair<double, double>> memory;  // label -> (final, mean) resident
@@ -646,7 +869,7 @@ int main(int argc, char** argv) {
         }
         const auto [final_resident, mean_resident] = it->second;
         if (!std::isnan(mean_resident)) {
-          const auto [c_max, c_target] = match_mean(mean_resident, prompt, steps);
+          const auto [c_max, c_target] = match_mean(mean_resident, shapes());
           spec.options.params["c_target"] = c_target;
           spec.options.params["c_max"] = c_max;
         } else {
@@ -674,6 +897,14 @@ int main(int argc, char** argv) {
     }
   };
 
+  // --diagnostics: the none run's record, and the file each compressing run's rows go to.
+  FullCache full;
+  std::FILE* diag = nullptr;
+  if (const std::string path = absl::GetFlag(FLAGS_diagnostics); !path.empty()) {
+    diag = std::fopen(path.c_str(), "w");
+    if (!diag) die("cannot write " + path);
+    std::fprintf(diag, "task,policy,measure,steps_since_compaction,count,mean\n");
+  }
   for (const PplTask& task : ppl_tasks) {
     std::printf("\n[%s] perplexity: %zu streams, prompt %d by Append + %d tokens by Step, all %d scored\n",
                 task.name.c_str(), task.streams.size(), task.prompt, task.fed - 1, task.fed);
@@ -688,9 +919,32 @@ int main(int argc, char** argv) {
     double none_ppl = 0;
     const int window = long_run ? 128 : 64, period = long_run ? 16 : 8;
     sweep(
-        window, period, pool_mib(task.streams.size(), task.prompt + task.fed), task.prompt, task.fed - 1,
+        window, period, pool_mib(task.streams.size(), task.prompt + task.fed),
+        [&] { return std::vector<Shape>(task.streams.size(), Shape{task.prompt, task.fed - 1, true}); },
         [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
-          return perplexity(model, att, client, task, label);
+          if (!diag) return perplexity(model, att, client, task, label);
+          if (label == "none") {
+            full = FullCache{};
+            RecordingAttention recorder(att, c, full);
+            PplResult r = perplexity(model, recorder, client, task, label, &recorder);
+            full.logp = r.logp;
+            return r;
+          }
+          if (full.keys.empty()) return perplexity(model, att, client, task, label);  // none did not run
+          PolicyProbe probe(c, full, *client, task.prompt, task.streams.size());
+          PplResult r = perplexity(model, att, client, task, label, &probe);
+          const ByAge gap = probe.loss_gap(r.logp);
+          for (const auto& [measure, by] : {std::pair<const char*, const ByAge*>{"loss_gap_nats", &gap},
+                                            {"attention_recall", &probe.recall()},
+                                            {"attention_recall_recency", &probe.recency()}}) {
+            for (int a = 0; a < ByAge::kBuckets; ++a) {
+              if (by->count[a] == 0) continue;
+              std::fprintf(diag, "%s,%s,%s,%s,%ld,%.6f\n", task.name.c_str(), label.c_str(), measure,
+                           ByAge::label(a).c_str(), by->count[a], by->sum[a] / by->count[a]);
+            }
+          }
+          std::fflush(diag);
+          return r;
         },
         [&](const PolicySpec& spec, const PplResult& r) {
           Row row{task.name, "perplexity", spec.label, params_text(spec.options), int(task.streams.size()), r.scored, NAN, NAN, NAN, {}};
@@ -721,16 +975,26 @@ int main(int argc, char** argv) {
     for (const auto& p : task.prompts) longest = std::max(longest, p.size());
     std::printf("\n[%s] greedy agreement with none: %zu prompts, up to %d greedy tokens%s\n", task.name.c_str(),
                 task.prompts.size(), task.gen, task.stop_at_control ? " (stopping at <|im_end|>)" : "");
-    std::printf("%-16s %-36s %9s %9s %8s %8s %7s\n", "policy", "params", "agreement", "prefix", "resident", "logical",
-                "ratio");
+    std::printf("%-16s %-36s %9s %9s %8s %8s %8s %7s\n", "policy", "params", "agreement", "prefix", "resident",
+                "mean res", "logical", "ratio");
     std::vector<std::vector<int>> base;
     sweep(
-        64, 8, pool_mib(task.prompts.size(), longest + task.gen), 0, task.gen,
+        64, 8, pool_mib(task.prompts.size(), longest + task.gen),
+        [&] {  // each prompt's appended length and the steps it took in the none run (the rest of
+               // its prompt, then one step per greedy token after the first)
+          std::vector<Shape> out;
+          for (size_t b = 0; b < base.size(); ++b) {
+            const int fed = int(task.prompts[b].size()) - task.appended[b];
+            out.push_back(Shape{task.appended[b], fed + std::max(0, int(base[b].size()) - 1), false});
+          }
+          return out;
+        },
         [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
           return greedy(model, att, client, task, label);
         },
         [&](const PolicySpec& spec, const GreedyResult& r) {
           if (spec.label == "none") base = r.outputs;
+          if (base.size() != r.outputs.size()) die("greedy agreement needs the none run first (--ablation_none)");
           Row row{task.name, "greedy", spec.label, params_text(spec.options), int(task.prompts.size()), 0, NAN, NAN, NAN, {}};
           double agree = 0, prefix = 0;
           for (size_t b = 0; b < r.outputs.size(); ++b) {
@@ -751,14 +1015,19 @@ int main(int argc, char** argv) {
           row.prefix = prefix / r.outputs.size();
           row.end = r.end;
           row.seconds = r.seconds;
-          std::printf("%-16s %-36s %8.1f%% %9.1f %8.1f %8.1f %6.2fx\n", spec.label.c_str(), row.params.c_str(),
-                      100 * row.agree, row.prefix, r.end.resident, r.end.logical, ratio_vs_fp16(r.end));
+          std::printf("%-16s %-36s %8.1f%% %9.1f %8.1f %8.1f %8.1f %6.2fx\n", spec.label.c_str(), row.params.c_str(),
+                      100 * row.agree, row.prefix, r.end.resident, r.resident_mean, r.end.logical, ratio_vs_fp16(r.end));
           std::fflush(stdout);
+          row.resident_mean = r.resident_mean;
           write_row(csv, row);
-          return std::make_pair(r.end.resident, double(NAN));
+          return std::make_pair(r.end.resident, r.resident_mean);
         });
   }
   std::fclose(csv);
   std::printf("\nwrote %s\n", absl::GetFlag(FLAGS_csv).c_str());
+  if (diag) {
+    std::fclose(diag);
+    std::printf("wrote %s\n", absl::GetFlag(FLAGS_diagnostics).c_str());
+  }
   return 0;
 }

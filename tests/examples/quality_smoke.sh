@@ -8,11 +8,12 @@ quality=$1 model=$2
 [ -f "$model" ] || { echo "FAIL: model file not found: $model (the repository keeps it in data/)"; exit 1; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$quality" --quick --model="$model" --csv="$dir/q.csv" > "$dir/out.txt"
+"$quality" --quick --model="$model" --csv="$dir/q.csv" --diagnostics="$dir/d.csv" > "$dir/out.txt"
 cat "$dir/out.txt"
-python3 - "$dir/q.csv" <<'PY'
+python3 - "$dir/q.csv" "$dir/d.csv" <<'PY'
 import csv, math, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
+diag = list(csv.DictReader(open(sys.argv[2])))
 by = {(r["task"], r["policy"]): r for r in rows}
 expect = {("stories", p) for p in ("none", "kara-0.50", "kara-0.25", "snapkv")}
 expect |= {("stories-greedy", p) for p in ("none", "kara-0.50", "kara-0.25", "snapkv")}
@@ -29,5 +30,21 @@ for p in ("kara-0.50", "kara-0.25", "snapkv"):
     assert 0 <= float(by[("stories-greedy", p)]["greedy_agreement"]) <= 1
 # Kara at rho 0.25 keeps less than at 0.5.
 assert float(by[("stories", "kara-0.25")]["resident_final"]) < float(by[("stories", "kara-0.50")]["resident_final"])
-print("quality smoke: ok,", len(rows), "rows")
+# Greedy runs sample their mean residency too; a compressing policy's is below none's.
+g_none = float(by[("stories-greedy", "none")]["resident_mean"])
+assert g_none > 0, by[("stories-greedy", "none")]
+for p in ("kara-0.25", "snapkv"):
+    assert float(by[("stories-greedy", p)]["resident_mean"]) < g_none, by[("stories-greedy", p)]
+# Diagnostics: every compressing perplexity run has its loss gap and its attention recall (a share of
+# none's attention mass, so in (0, 1]) by steps since compaction; none has no rows of its own.
+policies = {r["policy"] for r in diag}
+assert "none" not in policies and {"kara-0.25", "snapkv"} <= policies, policies
+for r in diag:
+    assert int(r["count"]) > 0 and math.isfinite(float(r["mean"])), r
+    if r["measure"].startswith("attention_recall"):
+        assert 0 < float(r["mean"]) <= 1 + 1e-9, r
+for p in ("kara-0.25", "snapkv"):
+    measures = {r["measure"] for r in diag if r["policy"] == p and r["task"] == "stories"}
+    assert measures == {"loss_gap_nats", "attention_recall", "attention_recall_recency"}, (p, measures)
+print("quality smoke: ok,", len(rows), "rows,", len(diag), "diagnostic rows")
 PY
