@@ -582,6 +582,7 @@ CoreStats Core::stats() const {
   s.decode_tokens = decode_tokens_;
   s.lease_expiries = sessions_->lease_expiries();
   s.preemptions = sessions_->preemptions();
+  s.tenant_blocks = sessions_->blocks_by_tenant();
   return s;
 }
 

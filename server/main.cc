@@ -9,7 +9,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
@@ -17,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "util/flags.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -46,7 +46,6 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) { return absl::StrContains(file, "server/config"); };
   usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
       "the karakv KV-cache daemon.\n"
       "  karakvd [--config=FILE] [--socket=PATH] [--layers=N ...]\n"
@@ -64,7 +63,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  absl::ParseCommandLine(argc, argv);
+  karakv::parse_command_line(argc, argv, "karakvd", usage);
   auto config = karakv::server::config_from_flags();
   if (!config.ok()) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(config.status().message()).c_str());
@@ -103,9 +102,10 @@ int main(int argc, char** argv) {
                                                  config->core.geometry);
   if (!selected.ok()) return fail(selected.status());
   spdlog::info("backend: {} ({})", selected->backend->description(), selected->reason);
+  const std::string backend_name(selected->backend->name());
   auto core = karakv::server::Core::create(config->core, std::move(selected->backend));
   if (!core.ok()) return fail(core.status());
-  auto metrics = karakv::server::Metrics::create(config->metrics_listen);
+  auto metrics = karakv::server::Metrics::create(config->metrics_listen, backend_name);
   if (!metrics.ok()) return fail(metrics.status());
   karakv::server::Metrics* metrics_ptr = metrics->get();
   (*core)->set_compaction_observer([metrics_ptr](const karakv::server::CompactionResult& r) {

@@ -1,14 +1,27 @@
 // prometheus-cpp families with conventional names: karakv_ prefix, _total counters, _seconds and
-// _bytes units, and only bounded labels (method and status code, never ids).
+// _bytes units, and only bounded labels (method and status code, policy, attached tenants; never
+// ids). Label sets known at start-up (every RPC method and status code, every policy) are created
+// at zero, so that rate() and increase() see the first event and queries never find no series.
 #include "server/metrics.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <tuple>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "util/version.h"
+#include "google/protobuf/descriptor.h"
+#include "karakv/v1/karakv.pb.h"
 #include "server/heap_usage.h"
+#include "server/policy.h"
 
 namespace karakv::server {
 
@@ -36,9 +49,52 @@ class Metrics::Refreshing : public prometheus::Collectable {
   std::function<void()> refresh_;
 };
 
+namespace {
+
+// Latency buckets of every RPC: 25 us (a Ping, a Step over shared memory) to 60 s (an Attach that
+// maps a large staging region, a Compact of long sequences, a slow client).
+const prometheus::Histogram::BucketBoundaries& rpc_buckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
+      1.0, 2.5, 5.0, 10.0, 30.0, 60.0};
+  return kBuckets;
+}
+
+const prometheus::Histogram::BucketBoundaries& compaction_buckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0};
+  return kBuckets;
+}
+
+// When this process started, in seconds since the epoch: /proc/self/stat's start time (clock ticks
+// after boot) plus /proc/stat's boot time; now, where /proc cannot say.
+double process_start_time_seconds() {
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::ifstream stat_file("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // the command name may hold spaces and parentheses
+  if (close == std::string::npos) return now;
+  const std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
+  // Fields after the name start at field 3 (state); start time is field 22.
+  uint64_t start_ticks = 0;
+  if (fields.size() < 20 || !absl::SimpleAtoi(fields[19], &start_ticks)) return now;
+  std::ifstream boot("/proc/stat");
+  std::string line;
+  uint64_t btime = 0;
+  while (std::getline(boot, line)) {
+    if (line.rfind("btime ", 0) == 0 && absl::SimpleAtoi(line.substr(6), &btime)) break;
+  }
+  const long ticks = sysconf(_SC_CLK_TCK);
+  if (btime == 0 || ticks <= 0) return now;
+  return double(btime) + double(start_ticks) / double(ticks);
+}
+
+}  // namespace
+
 void Metrics::set_refresher(std::function<void()> refresh) { collectable_->set(std::move(refresh)); }
 
-absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& listen) {
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& listen, const std::string& backend) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->core_ = std::make_shared<prometheus::Registry>();
   m->collectable_ = std::make_shared<Refreshing>(m->core_);
@@ -57,9 +113,43 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   auto counter = [&](const char* name, const char* help) {
     return &prometheus::BuildCounter().Name(name).Help(help).Register(reg).Add({});
   };
+  // Every method of the service from the start, with the status codes the daemon's handlers return
+  // and the ones the alerts watch (deploy/prometheus/alerts.yml); another code's series appears at
+  // its first failure.
+  static constexpr absl::StatusCode kPresetCodes[] = {
+      absl::StatusCode::kInvalidArgument,    absl::StatusCode::kNotFound,    absl::StatusCode::kPermissionDenied,
+      absl::StatusCode::kResourceExhausted,  absl::StatusCode::kFailedPrecondition,
+      absl::StatusCode::kUnimplemented,      absl::StatusCode::kUnavailable, absl::StatusCode::kInternal,
+      absl::StatusCode::kUnknown,            absl::StatusCode::kDataLoss};
+  const google::protobuf::ServiceDescriptor* service =
+      karakv::v1::StatsReply::descriptor()->file()->FindServiceByName("KaraKV");
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string& method = service->method(i)->name();
+    m->rpc_latency_->Add({{"method", method}}, rpc_buckets());
+    for (absl::StatusCode code : kPresetCodes) {
+      m->rpc_errors_->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}});
+    }
+  }
+  prometheus::BuildGauge()
+      .Name("karakv_build_info")
+      .Help("Always 1; the labels say what runs: the version, the git revision it was built from, the kernel backend")
+      .Register(reg)
+      .Add({{"version", karakv::version()}, {"revision", karakv::git_revision()}, {"backend", backend}})
+      .Set(1);
+  // The name every Prometheus client library gives it, so that dashboards' uptime panels find it.
+  gauge("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds")
+      ->Set(process_start_time_seconds());
   m->blocks_total_ = gauge("karakv_pool_blocks", "Blocks in the KV pool");
   m->blocks_used_ = gauge("karakv_pool_blocks_used", "Blocks held by at least one sequence");
   m->blocks_free_ = gauge("karakv_pool_blocks_free", "Blocks on the free list");
+  m->kv_cache_usage_ = gauge("karakv_kv_cache_usage_perc",
+                             "Fraction of the KV pool's blocks in use, 0 to 1 (used / total blocks; vLLM's "
+                             "kv_cache_usage_perc)");
+  m->tenant_blocks_ = &prometheus::BuildGauge()
+                           .Name("karakv_tenant_blocks_in_use")
+                           .Help("Block-table entries the sequences of a tenant hold, as --tenant_block_quota "
+                                 "counts them; one series per tenant with an attached session")
+                           .Register(reg);
   m->pool_bytes_ = gauge("karakv_pool_bytes", "Bytes of the KV pool");
   m->used_bytes_ = gauge("karakv_pool_used_bytes", "Bytes of the KV pool in used blocks");
   m->resident_tokens_ = gauge("karakv_resident_tokens", "Tokens resident over all sequences");
@@ -102,11 +192,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
                                 .Name("karakv_compaction_duration_seconds")
                                 .Help("Time of one compaction (scoring, selection, gather), by policy")
                                 .Register(reg);
-  m->compression_ratio_ = &prometheus::BuildGauge()
-                               .Name("karakv_compression_ratio")
-                               .Help("fp16 bytes of the logical tokens / bytes of the blocks held, by policy and "
-                                     "kind (actual, or nominal for the storage format alone)")
-                               .Register(reg);
+  m->compression_factor_ = &prometheus::BuildGauge()
+                                .Name("karakv_compression_factor")
+                                .Help("How many times smaller the KV cache is than fp16 of every logical token: "
+                                      "fp16 bytes of the logical tokens / bytes of the blocks held (4 = a quarter "
+                                      "of the memory), by policy and kind (actual, or nominal for the storage "
+                                      "format alone)")
+                                .Register(reg);
   m->policy_kv_bytes_ = &prometheus::BuildGauge()
                              .Name("karakv_policy_kv_bytes")
                              .Help("Bytes of the blocks held by the sequences of a policy")
@@ -123,6 +215,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->prefix_evictions_ = counter("karakv_prefix_evictions_total", "Cached prompt blocks evicted");
   m->prefix_cached_blocks_ = gauge("karakv_prefix_cached_blocks", "Blocks indexed by the prefix cache");
   m->prefix_unused_blocks_ = gauge("karakv_prefix_unused_blocks", "Cached blocks no sequence holds (reclaimable)");
+  for (const std::string& policy : policy_names()) {
+    m->compactions_->Add({{"policy", policy}});
+    m->tokens_removed_->Add({{"policy", policy}});
+    m->compaction_seconds_->Add({{"policy", policy}}, compaction_buckets());
+  }
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);
@@ -135,9 +232,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
 }
 
 void Metrics::observe_rpc(const std::string& method, double seconds, absl::StatusCode code) {
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0};
-  rpc_latency_->Add({{"method", method}}, kBuckets).Observe(seconds);
+  rpc_latency_->Add({{"method", method}}, rpc_buckets()).Observe(seconds);
   if (code != absl::StatusCode::kOk) {
     rpc_errors_->Add({{"method", method}, {"code", absl::StatusCodeToString(code)}}).Increment();
   }
@@ -147,6 +242,7 @@ void Metrics::update_state(const CoreStats& s, size_t block_bytes, const kernels
   blocks_total_->Set(s.blocks_total);
   blocks_used_->Set(s.blocks_used);
   blocks_free_->Set(s.blocks_free);
+  kv_cache_usage_->Set(s.blocks_total > 0 ? double(s.blocks_used) / double(s.blocks_total) : 0.0);
   pool_bytes_->Set(double(s.blocks_total) * double(block_bytes));
   used_bytes_->Set(double(s.blocks_used) * double(block_bytes));
   resident_tokens_->Set(double(s.resident_tokens));
@@ -159,20 +255,30 @@ void Metrics::update_state(const CoreStats& s, size_t block_bytes, const kernels
   heap_in_use_bytes_->Set(double(heap.in_use_bytes));
   heap_held_bytes_->Set(double(heap.held_bytes));
   // A policy's gauges exist while it has live sequences; a stale ratio would outlive them otherwise.
+  // A tenant's exists while it has an attached session.
   std::lock_guard<std::mutex> lock(policy_mu_);
+  std::set<std::string> tenants;
+  for (const auto& [tenant, blocks] : s.tenant_blocks) {
+    tenants.insert(tenant);
+    tenant_blocks_->Add({{"tenant", tenant}}).Set(double(blocks));
+  }
+  for (const std::string& tenant : exported_tenants_) {
+    if (!tenants.count(tenant)) tenant_blocks_->Remove(&tenant_blocks_->Add({{"tenant", tenant}}));
+  }
+  exported_tenants_ = std::move(tenants);
   std::set<std::string> live;
   for (const auto& [policy, p] : s.policies) {
     if (p.sequences == 0) continue;
     live.insert(policy);
-    compression_ratio_->Add({{"policy", policy}, {"kind", "actual"}})
+    compression_factor_->Add({{"policy", policy}, {"kind", "actual"}})
         .Set(p.kv_bytes ? double(p.fp16_bytes) / double(p.kv_bytes) : 0.0);
-    compression_ratio_->Add({{"policy", policy}, {"kind", "nominal"}}).Set(p.nominal_ratio);
+    compression_factor_->Add({{"policy", policy}, {"kind", "nominal"}}).Set(p.nominal_ratio);
     policy_kv_bytes_->Add({{"policy", policy}}).Set(double(p.kv_bytes));
   }
   for (const std::string& policy : exported_policies_) {
     if (live.count(policy)) continue;
-    compression_ratio_->Remove(&compression_ratio_->Add({{"policy", policy}, {"kind", "actual"}}));
-    compression_ratio_->Remove(&compression_ratio_->Add({{"policy", policy}, {"kind", "nominal"}}));
+    compression_factor_->Remove(&compression_factor_->Add({{"policy", policy}, {"kind", "actual"}}));
+    compression_factor_->Remove(&compression_factor_->Add({{"policy", policy}, {"kind", "nominal"}}));
     policy_kv_bytes_->Remove(&policy_kv_bytes_->Add({{"policy", policy}}));
   }
   exported_policies_ = std::move(live);
@@ -193,11 +299,9 @@ void Metrics::update_prefix_cache(const CoreStats& s) {
 }
 
 void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0};
   compactions_->Add({{"policy", policy}}).Increment();
   tokens_removed_->Add({{"policy", policy}}).Increment(tokens_removed);
-  compaction_seconds_->Add({{"policy", policy}}, kBuckets).Observe(seconds);
+  compaction_seconds_->Add({{"policy", policy}}, compaction_buckets()).Observe(seconds);
 }
 
 std::vector<RpcErrorCount> Metrics::rpc_errors() const {
@@ -210,7 +314,7 @@ std::vector<RpcErrorCount> Metrics::rpc_errors() const {
         if (l.name == "code") e.code = l.value;
       }
       e.count = static_cast<uint64_t>(m.counter.value);
-      out.push_back(std::move(e));
+      if (e.count > 0) out.push_back(std::move(e));  // the label sets made at zero are not failures
     }
   }
   std::sort(out.begin(), out.end(), [](const RpcErrorCount& a, const RpcErrorCount& b) {

@@ -27,8 +27,9 @@ struct RpcErrorCount {
 
 class Metrics {
  public:
-  // `listen` is "host:port"; empty keeps metrics in memory without serving /metrics.
-  static absl::StatusOr<std::unique_ptr<Metrics>> create(const std::string& listen);
+  // `listen` is "host:port"; empty keeps metrics in memory without serving /metrics. `backend` is
+  // the kernel backend's name (karakv_build_info's backend label).
+  static absl::StatusOr<std::unique_ptr<Metrics>> create(const std::string& listen, const std::string& backend = "");
 
   // One finished RPC: its latency and, when it failed, its status code.
   void observe_rpc(const std::string& method, double seconds, absl::StatusCode code);
@@ -85,7 +86,10 @@ class Metrics {
   prometheus::Gauge* score_bytes_ = nullptr;
   prometheus::Gauge* heap_in_use_bytes_ = nullptr;
   prometheus::Gauge* heap_held_bytes_ = nullptr;
-  prometheus::Family<prometheus::Gauge>* compression_ratio_ = nullptr;
+  prometheus::Gauge* kv_cache_usage_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* compression_factor_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* tenant_blocks_ = nullptr;
+  std::set<std::string> exported_tenants_;     // tenants whose gauge is exported now (under policy_mu_)
   prometheus::Family<prometheus::Gauge>* policy_kv_bytes_ = nullptr;
   std::mutex policy_mu_;                       // scrapes may refresh concurrently
   std::set<std::string> exported_policies_;    // policies whose gauges are exported now

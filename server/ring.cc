@@ -74,6 +74,15 @@ RingServer::RingServer(RequestGate* gate, Core* core, Metrics* metrics, RingConf
                           .Help("Fast-path ring threads started (a session reuses a waiting one when it can)")
                           .Register(*reg)
                           .Add({});
+  {
+    // Both paths of both methods from the start, at zero: a path's first command shows in rate().
+    absl::MutexLock lock(&counters_mu_);
+    for (const char* method : {"Step", "Attend"}) {
+      for (const char* path : {"grpc", "ring"}) {
+        command_counters_[absl::StrCat(method, "/", path)] = &commands_->Add({{"method", method}, {"path", path}});
+      }
+    }
+  }
   keepalive_ = reg;
   if (!config_.threads) return;
   absl::MutexLock lock(&mu_);

@@ -157,6 +157,16 @@ int64_t SessionTable::tenant_blocks(const std::string& tenant) const {
   return n;
 }
 
+std::map<std::string, int64_t> SessionTable::blocks_by_tenant() const {
+  std::map<std::string, int64_t> out;
+  for (const auto& [id, session] : sessions_) out.emplace(session.tenant, 0);
+  for (const auto& [id, seq] : store_.sequences()) {
+    auto it = out.find(seq.tenant);
+    if (it != out.end()) it->second += static_cast<int64_t>(seq.blocks.size() + seq.qblocks.size());
+  }
+  return out;
+}
+
 absl::Status SessionTable::check_tenant_quota(const std::string& tenant, int64_t wanted) const {
   if (limits_.tenant_block_quota <= 0 || wanted <= 0) return absl::OkStatus();
   const int64_t held = tenant_blocks(tenant);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,8 @@ class SessionTable {
   absl::StatusOr<Session*> find(const std::string& session_id);
   bool contains(const std::string& session_id) const { return sessions_.contains(session_id); }
   size_t size() const { return sessions_.size(); }
+  // Block-table entries per tenant, for every tenant with an attached session (CoreStats::tenant_blocks).
+  std::map<std::string, int64_t> blocks_by_tenant() const;
   void renew(Session& session) { session.lease_deadline = absl::Now() + limits_.lease; }
   // Ends the session, erasing its sequences from the store; tells its event watchers why.
   void end(const std::string& session_id, bool lease_expired);

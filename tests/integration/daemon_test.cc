@@ -578,8 +578,13 @@ TEST(DaemonTest, MetricsEndpointReportsPoolRpcsAndErrors) {
   EXPECT_THAT(m, HasSubstr("karakv_rpc_duration_seconds_count{method=\"Append\"} 1\n"));
   EXPECT_THAT(m, HasSubstr("karakv_rpc_errors_total{code=\"NOT_FOUND\",method=\"ReleaseSequence\"} 1\n"));
   // 20 fp16 tokens in 2 blocks of 16: 20/32 of the bytes held are tokens.
-  EXPECT_THAT(m, HasSubstr("karakv_compression_ratio{kind=\"actual\",policy=\"none\"} 0.625\n"));
-  EXPECT_THAT(m, HasSubstr("karakv_compression_ratio{kind=\"nominal\",policy=\"none\"} 1\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_compression_factor{kind=\"actual\",policy=\"none\"} 0.625\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_compression_factor{kind=\"nominal\",policy=\"none\"} 1\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_tenant_blocks_in_use{tenant=\"default\"} 2\n"));
+  EXPECT_THAT(m, ::testing::ContainsRegex(
+                     "\nkarakv_build_info\\{backend=\"(cpu|cuda)\",revision=\"([0-9a-f]+|unknown)\",version=\"[0-9.]+\"\\} 1\n"));
+  EXPECT_THAT(m, ::testing::ContainsRegex("\nkarakv_kv_cache_usage_perc 0\\.[0-9]+\n"));
+  EXPECT_THAT(m, ::testing::ContainsRegex("\nprocess_start_time_seconds [0-9.e+]+\n"));
 }
 
 }  // namespace

@@ -93,8 +93,24 @@ def small_workload_and_scrape(args, promtool, daemon, metrics_port):
     # Each TTFT spans the sequence's first decode step, so 3 TTFTs take at least the first step.
     check(ttft_sum is not None and step_sum is not None and 0 < ttft_sum and 0 < step_sum,
           f"scrape: TTFT sum {ttft_sum} s and step sum {step_sum} s are positive")
-    check("karakv_compression_ratio{" not in scrape,
-          "scrape: no compression ratio series once every sequence is released (no stale gauges)")
+    check("karakv_compression_factor{" not in scrape,
+          "scrape: no compression factor series once every sequence is released (no stale gauges)")
+    check("karakv_tenant_blocks_in_use{" not in scrape,
+          "scrape: no per-tenant series once every session has detached (bounded by the attached tenants)")
+    check(metric_value(scrape, "karakv_kv_cache_usage_perc") == 0, "scrape: karakv_kv_cache_usage_perc is 0 when idle")
+    build = re.findall(r'^karakv_build_info\{backend="cpu",revision="([0-9a-f]{7,40}|unknown)",version="(\d+\.\d+\.\d+)"\} 1$',
+                       scrape, re.M)
+    check(len(build) == 1, f"scrape: one karakv_build_info series, backend cpu, a revision and a version: {build}")
+    start = metric_value(scrape, "process_start_time_seconds")
+    check(start is not None and time.time() - 600 < start <= time.time(),
+          f"scrape: process_start_time_seconds {start} is the daemon's start, in epoch seconds")
+    # Label sets exist at zero before their first event; the RPC histogram reaches past a second.
+    check(metric_value(scrape, 'karakv_rpc_errors_total{code="INTERNAL",method="Step"}') == 0,
+          "scrape: karakv_rpc_errors_total{code=INTERNAL,method=Step} is there at 0")
+    check(metric_value(scrape, 'karakv_compactions_total{policy="kara"}') == 0,
+          "scrape: karakv_compactions_total{policy=kara} is there at 0")
+    check('karakv_rpc_duration_seconds_bucket{method="Step",le="10"}' in scrape,
+          "scrape: the RPC latency histogram has buckets past 1 s")
     r = subprocess.run([promtool, "check", "metrics"], input=scrape, text=True, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT)
     check(r.returncode == 0 and r.stdout.strip() == "", f"promtool check metrics on a real scrape: {r.stdout.strip()}")
@@ -195,9 +211,15 @@ def with_prometheus(args, promtool, prometheus, daemon, metrics_port, workdir):
         # Rates reflect the running decode, not just the presence of series.
         tokens = query(prom, 'rate(karakv_decode_tokens_total[1m])')["data"]["result"]
         check(tokens and float(tokens[0]["value"][1]) > 0, f"decode tokens/s > 0 while the worker runs: {tokens}")
-        ratio = query(prom, 'karakv_compression_ratio{kind="actual",policy="streaming"}')["data"]["result"]
+        ratio = query(prom, 'karakv_compression_factor{kind="actual",policy="streaming"}')["data"]["result"]
         check(ratio and float(ratio[0]["value"][1]) > 1,
-              f"StreamingLLM's actual compression ratio is above 1 once it has compacted: {ratio}")
+              f"StreamingLLM's actual compression factor is above 1 once it has compacted: {ratio}")
+        usage = query(prom, "karakv_kv_cache_usage_perc")["data"]["result"]
+        check(usage and 0 < float(usage[0]["value"][1]) < 1,
+              f"karakv_kv_cache_usage_perc is a fraction between 0 and 1 while the worker decodes: {usage}")
+        tenants = query(prom, "karakv_tenant_blocks_in_use")["data"]["result"]
+        check([t["metric"].get("tenant") for t in tenants] == ["default"] and float(tenants[0]["value"][1]) > 0,
+              f"karakv_tenant_blocks_in_use: one series, the worker's tenant, holding blocks: {tenants}")
         check(worker.poll() is None, "the worker was still decoding when the queries ran")
         # Every family is present now (errors, live sequences, compactions): the documented
         # list must be exactly what the daemon exports.
