@@ -22,7 +22,9 @@
 #include "bench_common.h"
 #include "common/synthetic.h"
 #include "harness.h"
+#include "google/protobuf/util/json_util.h"
 #include "karakv/client.h"
+#include "karakv/tools/v1/output.pb.h"
 
 ABSL_FLAG(int32_t, ring_calls, 2000, "ring: timed calls each of ring Step, gRPC Step and Ping (interleaved)");
 ABSL_FLAG(std::string, ring_batches, "1,8,64", "ring: decode batch sizes of the synthetic worker");
@@ -57,11 +59,13 @@ absl::StatusOr<double> synthetic_tokens_per_s(const Daemon& d, int batch, bool f
   size_t n;
   while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
   const int status = pclose(p);
-  const size_t at = out.find("\"decode_tokens_per_s\":");
-  if (status != 0 || at == std::string::npos) {
-    return absl::InternalError(absl::StrCat(cmd, " failed (status ", status, "): ", out));
+  if (status != 0) return absl::InternalError(absl::StrCat(cmd, " failed (status ", status, "): ", out));
+  // The summary message synthetic_worker printed, read back by protobuf's JSON parser.
+  karakv::tools::v1::SyntheticWorkerSummary summary;
+  if (auto s = google::protobuf::util::JsonStringToMessage(out, &summary); !s.ok()) {
+    return absl::InternalError(absl::StrCat(cmd, " printed no SyntheticWorkerSummary JSON (", s.ToString(), "): ", out));
   }
-  return std::strtod(out.c_str() + at + 22, nullptr);
+  return summary.decode_tokens_per_s();
 }
 
 }  // namespace

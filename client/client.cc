@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -414,7 +415,14 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials(const Clie
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& options) {
+std::string default_target() {
+  const char* env = std::getenv("KARAKV_TARGET");
+  return env != nullptr && *env != '\0' ? std::string(env) : std::string("unix:/tmp/karakv.sock");
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& given) {
+  ClientOptions options = given;
+  if (options.target.empty()) options.target = default_target();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   grpc::ChannelArguments args;

@@ -17,8 +17,10 @@
 #include "absl/strings/str_format.h"
 #include "common/synthetic.h"
 #include "karakv/client.h"
+#include "karakv/tools/v1/output.pb.h"
+#include "util/json.h"
 
-ABSL_FLAG(std::string, target, "unix:/tmp/karakv.sock", "karakvd address");
+ABSL_FLAG(std::string, target, "", "karakvd address (empty: $KARAKV_TARGET, else unix:/tmp/karakv.sock)");
 ABSL_FLAG(int, sequences, 8, "Concurrent sequences (decode batch size)");
 ABSL_FLAG(int, prompt, 256, "Prompt tokens per sequence (appended in one Append)");
 ABSL_FLAG(int, generate, 64, "Decode steps per sequence");
@@ -27,7 +29,8 @@ ABSL_FLAG(bool, inline_tensors, false, "Send tensors inline in the RPCs instead 
 ABSL_FLAG(bool, fast_path, false, "Send Step through the shared-memory command ring instead of gRPC");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the synthetic K/V/Q");
 ABSL_FLAG(bool, release, true, "Release the sequences at the end");
-ABSL_FLAG(bool, json, false, "Print the summary as one JSON object");
+ABSL_FLAG(bool, json, false,
+          "Print the summary as one line of JSON (karakv.tools.v1.SyntheticWorkerSummary, protobuf's JSON mapping)");
 ABSL_FLAG(std::string, policy, "none",
           "Compression policy of every sequence, optionally with a storage format (kara, kara+kivi4, snapkv, ...)");
 ABSL_FLAG(std::vector<std::string>, param, {}, "Policy parameters, name=value, comma separated (window=64,rho=0.25)");
@@ -80,10 +83,13 @@ int main(int argc, char** argv) {
     if (use_inline) return karakv::Client::alloc_heap(bytes);
     return *client.alloc(bytes);  // sized above, cannot run out
   };
-  std::printf("karakv synthetic worker: %d sequences x (%d prompt + %d generated) tokens, %s tensors, Step via %s\n",
-              n, prompt, gen, use_inline ? "inline" : "shared-memory", client.fast_path() ? "the ring" : "gRPC");
-  std::printf("geometry: layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d\n", g.num_layers,
-              g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype), g.block_size);
+  // --json: stdout carries the summary line only.
+  if (!absl::GetFlag(FLAGS_json)) {
+    std::printf("karakv synthetic worker: %d sequences x (%d prompt + %d generated) tokens, %s tensors, Step via %s\n",
+                n, prompt, gen, use_inline ? "inline" : "shared-memory", client.fast_path() ? "the ring" : "gRPC");
+    std::printf("geometry: layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d\n", g.num_layers,
+                g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype), g.block_size);
+  }
 
   karakv::SequenceOptions options;
   options.policy = absl::GetFlag(FLAGS_policy);
@@ -197,15 +203,23 @@ int main(int argc, char** argv) {
   const double step_us = gen > 0 ? step_rpc_s / (double(gen) * g.num_layers) * 1e6 : 0.0;
   const double used_pct = 100.0 * stats->blocks_used / std::max<uint64_t>(1, stats->blocks_total);
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf(
-        "{\"sequences\":%d,\"prompt\":%d,\"generate\":%d,\"append_seconds\":%.6f,\"append_gb_per_s\":%.4f,"
-        "\"decode_seconds\":%.6f,\"decode_tokens_per_s\":%.2f,\"step_rpc_us\":%.2f,\"blocks_used\":%llu,"
-        "\"blocks_total\":%llu,\"resident_tokens\":%llu,\"checks\":%d,\"failures\":%d,\"max_abs_err\":%.3g,"
-        "\"invariants_ok\":%s}\n",
-        n, prompt, gen, append_s, kv_gb / append_s, decode_s, tok_s, step_us,
-        (unsigned long long)stats->blocks_used, (unsigned long long)stats->blocks_total,
-        (unsigned long long)stats->resident_tokens, checks, failures, max_err,
-        stats->invariant_error.empty() ? "true" : "false");
+    karakv::tools::v1::SyntheticWorkerSummary summary;
+    summary.set_sequences(n);
+    summary.set_prompt(prompt);
+    summary.set_generate(gen);
+    summary.set_append_seconds(append_s);
+    summary.set_append_gb_per_s(kv_gb / append_s);
+    summary.set_decode_seconds(decode_s);
+    summary.set_decode_tokens_per_s(tok_s);
+    summary.set_step_rpc_us(step_us);
+    summary.set_blocks_used(stats->blocks_used);
+    summary.set_blocks_total(stats->blocks_total);
+    summary.set_resident_tokens(stats->resident_tokens);
+    summary.set_checks(checks);
+    summary.set_failures(failures);
+    summary.set_max_abs_err(max_err);
+    summary.set_invariants_ok(stats->invariant_error.empty());
+    std::printf("%s\n", karakv::to_json(summary).c_str());
   } else {
     std::printf("prefill : %d x %d tokens appended in %.3f s (%.2f GB/s of K/V into the pool)\n", n, prompt,
                 append_s, kv_gb / append_s);

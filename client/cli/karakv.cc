@@ -1,9 +1,12 @@
 // karakv: the operator's command line for karakvd. `karakv health | stats | sequences | inspect |
-// compact | top`, text or --json. Exit status: 0 ok, 1 the daemon answered with an error or is not serving, 2 usage.
+// compact | top`, text or --json (protobuf's JSON printer: the messages of karakv.v1 and of
+// karakv/tools/v1/output.proto, one line each). Exit status: 0 ok (--help and --version too), 1 the
+// daemon answered with an error or is not serving, 2 usage.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -17,17 +20,21 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "util/flags.h"
+#include "util/json.h"
+#include "karakv/tools/v1/output.pb.h"
 #include "karakv/v1/karakv.grpc.pb.h"
 
-ABSL_FLAG(std::string, target, "unix:/tmp/karakv.sock", "karakvd address: unix:/path or host:port");
-ABSL_FLAG(bool, json, false, "Print JSON instead of text");
+ABSL_FLAG(std::string, target, "",
+          "karakvd address: unix:/path or host:port (empty: $KARAKV_TARGET, else unix:/tmp/karakv.sock)");
+ABSL_FLAG(bool, json, false, "Print JSON instead of text (top: one line per frame)");
 ABSL_FLAG(bool, tls, false, "Connect with TLS (implied by --tls_ca / --tls_cert); CA: --tls_ca or the system's roots");
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of the CA that signed karakvd's certificate (karakvd --tls_cert)");
 ABSL_FLAG(std::string, tls_cert, "", "Mutual TLS: PEM file of this client's certificate (karakvd --tls_client_ca)");
@@ -44,20 +51,30 @@ ABSL_FLAG(int, rows, 20, "top: most sequences listed (largest first)");
 namespace {
 
 namespace v1 = karakv::v1;
+namespace tools = karakv::tools::v1;
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) out += absl::StrFormat("\\u%04x", c);
-        else out += c;
-    }
-  }
-  return out;
+// --target, else $KARAKV_TARGET (what the Helm chart sets), else karakvd's default socket; the
+// C++ SDK's karakv::default_target() resolves an empty target the same way.
+std::string target() {
+  const std::string flag = absl::GetFlag(FLAGS_target);
+  if (!flag.empty()) return flag;
+  const char* env = std::getenv("KARAKV_TARGET");
+  return env != nullptr && *env != '\0' ? std::string(env) : std::string("unix:/tmp/karakv.sock");
+}
+
+void print_json(const google::protobuf::Message& m) { std::printf("%s\n", karakv::to_json(m).c_str()); }
+
+// The gRPC status code's name: NOT_FOUND, UNAVAILABLE, ... (gRPC's codes are Abseil's).
+std::string code_name(const grpc::Status& s) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code()));
+}
+
+tools::RpcError rpc_error(const char* what, const grpc::Status& s) {
+  tools::RpcError e;
+  e.set_rpc(what);
+  e.set_code(code_name(s));
+  e.set_message(s.error_message());
+  return e;
 }
 
 void set_deadline(grpc::ClientContext* ctx) {
@@ -67,11 +84,11 @@ void set_deadline(grpc::ClientContext* ctx) {
 
 int report_error(const char* what, const grpc::Status& s) {
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"error\":{\"rpc\":\"%s\",\"code\":%d,\"message\":\"%s\"}}\n", what, int(s.error_code()),
-                json_escape(s.error_message()).c_str());
+    tools::ErrorOutput out;
+    *out.mutable_error() = rpc_error(what, s);
+    print_json(out);
   } else {
-    std::fprintf(stderr, "karakv: %s failed (code %d): %s\n", what, int(s.error_code()),
-                 s.error_message().c_str());
+    std::fprintf(stderr, "karakv: %s failed (%s): %s\n", what, code_name(s).c_str(), s.error_message().c_str());
   }
   return 1;
 }
@@ -94,9 +111,8 @@ int cmd_health(const std::shared_ptr<grpc::Channel>& ch) {
   grpc::Status s = stub->Check(&ctx, req, &resp);
   if (!s.ok()) return report_error("health", s);
   const bool serving = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-  const char* name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str();
-  if (absl::GetFlag(FLAGS_json)) std::printf("{\"status\":\"%s\"}\n", name);
-  else std::printf("%s\n", name);
+  if (absl::GetFlag(FLAGS_json)) print_json(resp);
+  else std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()).c_str());
   return serving ? 0 : 1;
 }
 
@@ -116,55 +132,7 @@ int cmd_stats(const std::shared_ptr<grpc::Channel>& ch) {
   const auto& g = r.geometry();
   const double used_pct = r.blocks_total() ? 100.0 * r.blocks_used() / r.blocks_total() : 0.0;
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf(
-        "{\"backend\":\"%s\",\"geometry\":{\"layers\":%d,\"q_heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,"
-        "\"dtype\":\"%s\",\"block_size\":%d},\"blocks_total\":%llu,\"blocks_used\":%llu,"
-        "\"blocks_free\":%llu,\"block_bytes\":%llu,\"pool_bytes\":%llu,\"resident_tokens\":%llu,"
-        "\"sequences\":%u,\"sessions\":%u,\"decode_steps\":%llu,\"tokens_appended\":%llu,"
-        "\"lease_expiries\":%llu,\"uptime_seconds\":%.3f",
-        json_escape(r.backend()).c_str(), g.num_layers(), g.num_q_heads(), g.num_kv_heads(), g.head_dim(),
-        dtype_name(g.dtype()), g.block_size(), (unsigned long long)r.blocks_total(),
-        (unsigned long long)r.blocks_used(), (unsigned long long)r.blocks_free(),
-        (unsigned long long)r.block_bytes(), (unsigned long long)r.pool_bytes(),
-        (unsigned long long)r.resident_tokens(), r.sequences(), r.sessions(),
-        (unsigned long long)r.decode_steps(), (unsigned long long)r.tokens_appended(),
-        (unsigned long long)r.lease_expiries(), r.uptime_seconds());
-    if (r.invariants_checked()) {
-      std::printf(",\"invariants_ok\":%s,\"invariant_error\":\"%s\"", r.invariant_error().empty() ? "true" : "false",
-                  json_escape(r.invariant_error()).c_str());
-    }
-    std::printf(",\"prefix_cache\":{\"enabled\":%s,\"lookups\":%llu,\"lookup_tokens\":%llu,\"hit_tokens\":%llu,"
-                "\"hit_rate\":%.4f,\"cached_blocks\":%llu,\"unused_blocks\":%llu,\"evictions\":%llu,"
-                "\"published_blocks\":%llu}",
-                r.prefix_cache_enabled() ? "true" : "false", (unsigned long long)r.prefix_lookups(),
-                (unsigned long long)r.prefix_lookup_tokens(), (unsigned long long)r.prefix_hit_tokens(),
-                prefix_hit_rate(r), (unsigned long long)r.prefix_cached_blocks(),
-                (unsigned long long)r.prefix_unused_blocks(), (unsigned long long)r.prefix_evictions(),
-                (unsigned long long)r.prefix_published_blocks());
-    std::printf(",\"heap_in_use_bytes\":%llu,\"heap_held_bytes\":%llu", (unsigned long long)r.heap_in_use_bytes(),
-                (unsigned long long)r.heap_held_bytes());
-    std::printf(",\"decode_tokens\":%llu,\"rpc_errors\":[", (unsigned long long)r.decode_tokens());
-    for (int i = 0; i < r.rpc_errors_size(); ++i) {
-      const auto& e = r.rpc_errors(i);
-      std::printf("%s{\"method\":\"%s\",\"code\":\"%s\",\"count\":%llu}", i ? "," : "",
-                  json_escape(e.method()).c_str(), json_escape(e.code()).c_str(), (unsigned long long)e.count());
-    }
-    std::printf("]");
-    std::printf(",\"logical_tokens\":%llu,\"query_cache_bytes\":%llu,\"score_bytes\":%llu,\"policies\":[",
-                (unsigned long long)r.logical_tokens(), (unsigned long long)r.query_cache_bytes(),
-                (unsigned long long)r.score_bytes());
-    for (int i = 0; i < r.policies_size(); ++i) {
-      const auto& p = r.policies(i);
-      std::printf("%s{\"policy\":\"%s\",\"sequences\":%u,\"resident_tokens\":%llu,\"logical_tokens\":%llu,"
-                  "\"compactions\":%llu,\"tokens_removed\":%llu,\"compaction_seconds\":%.6f,\"failures\":%llu,"
-                  "\"kv_bytes\":%llu,\"fp16_bytes\":%llu,\"nominal_ratio\":%.3f,\"actual_ratio\":%.3f}",
-                  i ? "," : "", json_escape(p.policy()).c_str(), p.sequences(), (unsigned long long)p.resident_tokens(),
-                  (unsigned long long)p.logical_tokens(), (unsigned long long)p.compactions(),
-                  (unsigned long long)p.tokens_removed(), p.compaction_seconds(),
-                  (unsigned long long)p.compaction_failures(), (unsigned long long)p.kv_bytes(),
-                  (unsigned long long)p.fp16_bytes(), p.nominal_ratio(), p.actual_ratio());
-    }
-    std::printf("]}\n");
+    print_json(r);
   } else {
     std::printf("backend          %s\n", r.backend().c_str());
     std::printf("geometry         layers=%d q_heads=%d kv_heads=%d head_dim=%d dtype=%s block_size=%d\n",
@@ -233,17 +201,7 @@ int cmd_sequences(const std::shared_ptr<grpc::Channel>& ch) {
   grpc::Status s = stub->ListSequences(&ctx, req, &r);
   if (!s.ok()) return report_error("ListSequences", s);
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"sequences\":[");
-    for (int i = 0; i < r.sequences_size(); ++i) {
-      const auto& q = r.sequences(i);
-      std::printf("%s{\"id\":%llu,\"session\":\"%s\",\"tenant\":\"%s\",\"policy\":\"%s\",\"length\":%u,"
-                  "\"logical_length\":%u,\"compactions\":%u,"
-                  "\"blocks\":%u,\"shared_blocks\":%u,\"priority\":%d,\"pending_layer\":%d}",
-                  i ? "," : "", (unsigned long long)q.sequence_id(), json_escape(q.session_id()).c_str(),
-                  json_escape(q.tenant()).c_str(), json_escape(q.policy()).c_str(), q.length(), q.logical_length(),
-                  q.compactions(), q.blocks(), q.shared_blocks(), q.priority(), q.pending_layer());
-    }
-    std::printf("]}\n");
+    print_json(r);
   } else {
     std::printf("%-8s %-28s %-10s %-10s %8s %8s %7s %7s %7s %5s\n", "ID", "SESSION", "TENANT", "POLICY", "RESIDENT",
                 "LOGICAL", "COMPACT", "BLOCKS", "SHARED", "PRIO");
@@ -269,22 +227,13 @@ std::string ranges(const google::protobuf::RepeatedField<int32_t>& pos) {
   return out;
 }
 
-// A policy's parameters as "name=value ..." (sorted by name) or a JSON object.
+// A policy's parameters as "name=value ..." (sorted by name).
 std::string params_text(const google::protobuf::Map<std::string, double>& params) {
   std::map<std::string, double> sorted(params.begin(), params.end());
   std::string out;
   for (const auto& [name, value] : sorted) absl::StrAppend(&out, out.empty() ? "" : " ", name, "=", value);
   return out.empty() ? "-" : out;
 }
-std::string params_json(const google::protobuf::Map<std::string, double>& params) {
-  std::map<std::string, double> sorted(params.begin(), params.end());
-  std::string out = "{";
-  for (const auto& [name, value] : sorted) {
-    absl::StrAppend(&out, out.size() > 1 ? "," : "", "\"", json_escape(name), "\":", absl::StrFormat("%.17g", value));
-  }
-  return out + "}";
-}
-
 int cmd_inspect(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_text) {
   uint64_t id = 0;
   if (!absl::SimpleAtoi(id_text, &id)) {
@@ -301,16 +250,7 @@ int cmd_inspect(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
   if (!s.ok()) return report_error("Inspect", s);
   const auto& i = r.info();
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"id\":%llu,\"policy\":\"%s\",\"params\":%s,\"resident\":%u,\"logical\":%u,\"heads\":[",
-                (unsigned long long)i.sequence_id(), json_escape(i.policy()).c_str(), params_json(i.params()).c_str(),
-                i.length(), i.logical_length());
-    for (int k = 0; k < r.heads_size(); ++k) {
-      const auto& h = r.heads(k);
-      std::printf("%s{\"layer\":%d,\"head\":%d,\"positions\":[", k ? "," : "", h.layer(), h.head());
-      for (int p = 0; p < h.positions_size(); ++p) std::printf("%s%d", p ? "," : "", h.positions(p));
-      std::printf("]}");
-    }
-    std::printf("]}\n");
+    print_json(r);
     return 0;
   }
   std::printf("sequence %llu  policy %s%s%s  resident %u of %u logical tokens  prompt %u  compactions %u\n",
@@ -365,8 +305,9 @@ int cmd_compact(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
     }
   }
   int rc = 0;
-  if (absl::GetFlag(FLAGS_json)) std::printf("{\"sequences\":[");
-  bool first = true;
+  const bool json = absl::GetFlag(FLAGS_json);
+  tools::CompactOutput out;
+  out.set_dry_run(absl::GetFlag(FLAGS_dry_run));
   for (uint64_t sid : ids) {
     v1::CompactRequest req;
     req.set_session_id(ar.session_id());
@@ -377,24 +318,23 @@ int cmd_compact(const std::shared_ptr<grpc::Channel>& ch, const std::string& id_
     set_deadline(&ctx);
     grpc::Status s = stub->Compact(&ctx, req, &r);
     if (!s.ok()) {
-      rc = report_error("Compact", s);
+      rc = 1;
+      if (json) *out.add_errors() = rpc_error("Compact", s);
+      else report_error("Compact", s);
       continue;
     }
     for (const auto& c : r.sequences()) {
-      if (absl::GetFlag(FLAGS_json)) {
-        std::printf("%s{\"id\":%llu,\"policy\":\"%s\",\"params\":%s,\"before\":%u,\"after\":%u,\"skipped\":\"%s\"}",
-                    first ? "" : ",", (unsigned long long)c.sequence_id(), json_escape(c.policy()).c_str(),
-                    params_json(c.params()).c_str(), c.tokens_before(), c.tokens_after(), json_escape(c.skipped()).c_str());
+      if (json) {
+        *out.add_sequences() = c;
       } else {
         std::printf("sequence %llu (%s %s): %u -> %u resident tokens%s%s%s\n", (unsigned long long)c.sequence_id(),
                     c.policy().c_str(), params_text(c.params()).c_str(), c.tokens_before(), c.tokens_after(),
                     absl::GetFlag(FLAGS_dry_run) ? " (dry run)" : "", c.skipped().empty() ? "" : "; skipped: ",
                     c.skipped().c_str());
       }
-      first = false;
     }
   }
-  if (absl::GetFlag(FLAGS_json)) std::printf("]}\n");
+  if (json) print_json(out);
   v1::DetachRequest d;
   d.set_session_id(ar.session_id());
   v1::DetachReply dr;
@@ -411,6 +351,61 @@ struct TopSample {
   v1::StatsReply stats;
   std::chrono::steady_clock::time_point at;
 };
+
+uint64_t total_compactions(const v1::StatsReply& r) {
+  uint64_t n = 0;
+  for (const auto& p : r.policies()) n += p.compactions();
+  return n;
+}
+double total_compaction_seconds(const v1::StatsReply& r) {
+  double t = 0;
+  for (const auto& p : r.policies()) t += p.compaction_seconds();
+  return t;
+}
+uint64_t total_errors(const v1::StatsReply& r) {
+  uint64_t n = 0;
+  for (const auto& e : r.rpc_errors()) n += e.count();
+  return n;
+}
+
+// Rates over the time between two frames.
+tools::TopRates rates_between(const TopSample& now, const TopSample& prev) {
+  const double dt = std::max(1e-9, std::chrono::duration<double>(now.at - prev.at).count());
+  // Counters only grow while the daemon lives; a restart between frames would make these negative.
+  auto rate = [dt](uint64_t a, uint64_t b) { return a >= b ? double(a - b) / dt : 0.0; };
+  tools::TopRates r;
+  r.set_interval_seconds(dt);
+  r.set_decode_steps_per_second(rate(now.stats.decode_steps(), prev.stats.decode_steps()));
+  r.set_decode_tokens_per_second(rate(now.stats.decode_tokens(), prev.stats.decode_tokens()));
+  r.set_compactions_per_second(rate(total_compactions(now.stats), total_compactions(prev.stats)));
+  r.set_compaction_time_fraction(
+      std::max(0.0, total_compaction_seconds(now.stats) - total_compaction_seconds(prev.stats)) / dt);
+  r.set_rpc_errors_per_second(rate(total_errors(now.stats), total_errors(prev.stats)));
+  return r;
+}
+
+// The largest sequences first: they are what fills the pool.
+std::vector<const v1::SequenceInfo*> largest_first(const v1::ListSequencesReply& seqs) {
+  std::vector<const v1::SequenceInfo*> rows;
+  for (const auto& q : seqs.sequences()) rows.push_back(&q);
+  std::sort(rows.begin(), rows.end(), [](const v1::SequenceInfo* a, const v1::SequenceInfo* b) {
+    return a->blocks() != b->blocks() ? a->blocks() > b->blocks() : a->sequence_id() < b->sequence_id();
+  });
+  return rows;
+}
+
+tools::TopFrame top_json(const TopSample& now, const TopSample* prev, const v1::ListSequencesReply& seqs,
+                         const std::string& target, int max_rows) {
+  tools::TopFrame f;
+  f.set_target(target);
+  *f.mutable_stats() = now.stats;
+  f.set_kv_cache_usage(now.stats.blocks_total() ? double(now.stats.blocks_used()) / now.stats.blocks_total() : 0.0);
+  if (prev != nullptr) *f.mutable_rates() = rates_between(now, *prev);
+  const auto rows = largest_first(seqs);
+  for (size_t i = 0; i < rows.size() && int(i) < max_rows; ++i) *f.add_sequences() = *rows[i];
+  f.set_sequences_not_shown(rows.size() > size_t(std::max(0, max_rows)) ? uint32_t(rows.size() - max_rows) : 0);
+  return f;
+}
 
 std::string top_frame(const TopSample& now, const TopSample* prev, const v1::ListSequencesReply& seqs,
                       const std::string& target, int max_rows) {
@@ -440,27 +435,16 @@ std::string top_frame(const TopSample& now, const TopSample* prev, const v1::Lis
   absl::StrAppendFormat(&out, "sessions    %u  sequences %u  lease expiries %llu\n", r.sessions(), r.sequences(),
                         (unsigned long long)r.lease_expiries());
   if (prev != nullptr) {
-    const double dt = std::max(1e-9, std::chrono::duration<double>(now.at - prev->at).count());
-    double prev_seconds = 0;
-    uint64_t prev_compactions = 0;
-    for (const auto& p : prev->stats.policies()) {
-      prev_compactions += p.compactions();
-      prev_seconds += p.compaction_seconds();
-    }
-    uint64_t prev_errors = 0;
-    for (const auto& e : prev->stats.rpc_errors()) prev_errors += e.count();
-    // Counters only grow while the daemon lives; a restart between frames would make these negative.
-    auto rate = [dt](uint64_t a, uint64_t b) { return a >= b ? double(a - b) / dt : 0.0; };
+    const tools::TopRates rates = rates_between(now, *prev);
     absl::StrAppendFormat(&out, "throughput  steps/s %.1f  tokens/s %.1f  (decode steps %llu, tokens %llu)\n",
-                          rate(r.decode_steps(), prev->stats.decode_steps()),
-                          rate(r.decode_tokens(), prev->stats.decode_tokens()),
+                          rates.decode_steps_per_second(), rates.decode_tokens_per_second(),
                           (unsigned long long)r.decode_steps(), (unsigned long long)r.decode_tokens());
     absl::StrAppendFormat(&out,
                           "compaction  %llu total, %.1f/s, %.1f%% of wall time  (%.3f s total, %llu failed)\n",
-                          (unsigned long long)compactions, rate(compactions, prev_compactions),
-                          100.0 * std::max(0.0, compaction_seconds - prev_seconds) / dt, compaction_seconds,
-                          (unsigned long long)failures);
-    absl::StrAppendFormat(&out, "errors      %llu total, %.1f/s", (unsigned long long)errors, rate(errors, prev_errors));
+                          (unsigned long long)compactions, rates.compactions_per_second(),
+                          100.0 * rates.compaction_time_fraction(), compaction_seconds, (unsigned long long)failures);
+    absl::StrAppendFormat(&out, "errors      %llu total, %.1f/s", (unsigned long long)errors,
+                          rates.rpc_errors_per_second());
   } else {
     absl::StrAppendFormat(&out, "throughput  steps/s -  tokens/s -  (decode steps %llu, tokens %llu)\n",
                           (unsigned long long)r.decode_steps(), (unsigned long long)r.decode_tokens());
@@ -482,12 +466,7 @@ std::string top_frame(const TopSample& now, const TopSample* prev, const v1::Lis
                             (unsigned long long)p.compactions(), p.actual_ratio());
     }
   }
-  // The largest sequences first: they are what fills the pool.
-  std::vector<const v1::SequenceInfo*> rows;
-  for (const auto& q : seqs.sequences()) rows.push_back(&q);
-  std::sort(rows.begin(), rows.end(), [](const v1::SequenceInfo* a, const v1::SequenceInfo* b) {
-    return a->blocks() != b->blocks() ? a->blocks() > b->blocks() : a->sequence_id() < b->sequence_id();
-  });
+  const std::vector<const v1::SequenceInfo*> rows = largest_first(seqs);
   absl::StrAppendFormat(&out, "\n%-8s %-10s %-12s %8s %8s %7s %7s %7s\n", "ID", "TENANT", "POLICY", "RESIDENT",
                         "LOGICAL", "BLOCKS", "SHARED", "COMPACT");
   for (size_t i = 0; i < rows.size() && int(i) < max_rows; ++i) {
@@ -501,7 +480,8 @@ std::string top_frame(const TopSample& now, const TopSample* prev, const v1::Lis
 }
 
 // A live view refreshed every --interval seconds, --iterations times (0: until interrupted). On a
-// terminal each frame replaces the last; otherwise frames follow each other, separated by a blank line.
+// terminal each frame replaces the last; otherwise frames follow each other, separated by a blank
+// line. --json: one TopFrame per line.
 int cmd_top(const std::shared_ptr<grpc::Channel>& ch) {
   auto stub = v1::KaraKV::NewStub(ch);
   const int iterations = absl::GetFlag(FLAGS_iterations);
@@ -530,11 +510,14 @@ int cmd_top(const std::shared_ptr<grpc::Channel>& ch) {
       grpc::Status s = stub->ListSequences(&ctx, v1::ListSequencesRequest(), &seqs);
       if (!s.ok()) return report_error("ListSequences", s);
     }
-    const std::string frame = top_frame(now, prev ? &*prev : nullptr, seqs, absl::GetFlag(FLAGS_target),
-                                        absl::GetFlag(FLAGS_rows));
-    if (tty) std::fputs("\033[H\033[2J", stdout);  // home and clear: the new frame replaces the old
-    else if (i > 0) std::fputs("\n", stdout);
-    std::fputs(frame.c_str(), stdout);
+    if (absl::GetFlag(FLAGS_json)) {
+      print_json(top_json(now, prev ? &*prev : nullptr, seqs, target(), absl::GetFlag(FLAGS_rows)));
+    } else {
+      const std::string frame = top_frame(now, prev ? &*prev : nullptr, seqs, target(), absl::GetFlag(FLAGS_rows));
+      if (tty) std::fputs("\033[H\033[2J", stdout);  // home and clear: the new frame replaces the old
+      else if (i > 0) std::fputs("\n", stdout);
+      std::fputs(frame.c_str(), stdout);
+    }
     std::fflush(stdout);
     prev = std::move(now);
   }
@@ -571,10 +554,11 @@ std::shared_ptr<grpc::ChannelCredentials> channel_credentials() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv: talk to a running karakvd.\n"
+      "talk to a running karakvd.\n"
       "  karakv [--target=unix:/tmp/karakv.sock] [--json] health | stats | sequences | inspect SEQ |\n"
-      "         compact [SEQ] [--dry_run] [--tenant=T] | top [--iterations=N] [--interval=S]");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+      "         compact [SEQ] [--dry_run] [--tenant=T] | top [--iterations=N] [--interval=S]\n"
+      "The target defaults to $KARAKV_TARGET, else unix:/tmp/karakv.sock.");
+  std::vector<char*> args = karakv::parse_command_line(argc, argv, "karakv");
   if (args.size() < 2 || args.size() > 3) {
     std::fprintf(stderr,
                  "usage: karakv [flags] health | stats | sequences | inspect SEQ | compact [SEQ] | top   (karakv --help for flags)\n");
@@ -584,7 +568,7 @@ int main(int argc, char** argv) {
   const std::string arg = args.size() == 3 ? args[2] : "";
   auto credentials = channel_credentials();
   if (!credentials) return 2;
-  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target), credentials);
+  auto channel = grpc::CreateChannel(target(), credentials);
   if (cmd == "health") return cmd_health(channel);
   if (cmd == "stats") return cmd_stats(channel);
   if (cmd == "sequences") return cmd_sequences(channel);

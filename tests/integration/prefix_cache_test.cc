@@ -217,7 +217,7 @@ TEST(PrefixCacheAcrossWorkers, SecondProcessStartsFromTheFirstsPromptAndMatchesA
   const std::string text = run(std::string(KARAKV_CLI_PATH) + " --target=" + d.target() + " stats");
   EXPECT_THAT(text, HasSubstr("prefix cache     on: 3 lookups, 64 of 210 tokens hit (30.5%), 4 blocks cached"));
   const std::string json = run(std::string(KARAKV_CLI_PATH) + " --target=" + d.target() + " --json stats");
-  EXPECT_THAT(json, HasSubstr("\"hit_tokens\":64"));
+  EXPECT_THAT(json, HasSubstr("\"prefix_hit_tokens\":\"64\""));
   const std::string m = http_get(port, "/metrics");
   EXPECT_THAT(m, HasSubstr("karakv_prefix_lookups_total 3\n"));
   EXPECT_THAT(m, HasSubstr("karakv_prefix_lookup_tokens_total 210\n"));

@@ -44,9 +44,14 @@ struct ReattachOptions {
   int max_attempts = 0;
 };
 
+// The target an empty ClientOptions::target means: $KARAKV_TARGET when set and not empty, else
+// "unix:/tmp/karakv.sock" (karakvd's default --socket).
+std::string default_target();
+
 struct ClientOptions {
-  // gRPC target: "unix:/path/to.sock" or "host:port".
-  std::string target = "unix:/tmp/karakv.sock";
+  // gRPC target: "unix:/path/to.sock" or "host:port". Empty: default_target(), which reads the
+  // KARAKV_TARGET environment variable (the Helm chart sets it), as the karakv CLI does.
+  std::string target;
   // TLS to a TCP target (karakvd --tls_cert): PEM files of the CA that signed the daemon's
   // certificate (empty: the system's roots) and, for mutual TLS (karakvd --tls_client_ca), this
   // client's certificate and key. Any of them set, or tls = true, makes the channel TLS.
