@@ -26,7 +26,12 @@ COPY kernels/ kernels/
 COPY server/ server/
 COPY client/ client/
 COPY examples/ examples/
+COPY util/ util/
 COPY docker/build.sh docker/build.sh
+# The image has no .git: --version and karakv_build_info show this revision ("unknown" when empty):
+# docker build --build-arg KARAKV_GIT_REVISION=$(git rev-parse --short HEAD) .
+ARG KARAKV_GIT_REVISION=""
+ENV KARAKV_GIT_REVISION=$KARAKV_GIT_REVISION
 
 # ---------------------------------------------------------------- build: CPU
 FROM build-base AS build-cpu

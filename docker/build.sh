@@ -4,7 +4,8 @@
 set -eu
 dest=$1
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DKARAKV_BUILD_TESTS=OFF -DKARAKV_BUILD_BENCH=OFF -DCMAKE_INSTALL_PREFIX=/usr/local
+  -DKARAKV_BUILD_TESTS=OFF -DKARAKV_BUILD_BENCH=OFF -DCMAKE_INSTALL_PREFIX=/usr/local \
+  -DKARAKV_GIT_REVISION="${KARAKV_GIT_REVISION:-}"
 cmake --build build
 DESTDIR=/tmp/install cmake --install build
 mkdir -p "$dest/bin" "$dest/lib"
