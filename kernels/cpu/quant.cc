@@ -17,6 +17,7 @@
 
 #include "../common/checks.h"
 #include "../common/dispatch.h"
+#include "../common/quant_codebook.h"
 #include "karakv/kernels/half.h"
 
 namespace karakv::kernels::cpu {
@@ -27,33 +28,10 @@ constexpr float kHalfMax = 65504.0f;   // largest finite fp16
 
 bool is_kivi(QuantFormat f) { return f == QuantFormat::kKivi2 || f == QuantFormat::kKivi4; }
 
-// Lloyd-Max centroids of N(0, 1) (docs/COMPRESSION.md), ascending: code k is entry k.
-template <int B>
-struct Codebook;
-template <>
-struct Codebook<2> {
-  static constexpr float centroid[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-};
-template <>
-struct Codebook<3> {
-  static constexpr float centroid[8] = {-2.1519f, -1.3439f, -0.7560f, -0.2451f,
-                                        0.2451f,  0.7560f,  1.3439f,  2.1519f};
-};
-template <>
-struct Codebook<4> {
-  static constexpr float centroid[16] = {-2.7326f, -2.0690f, -1.6180f, -1.2562f, -0.9423f, -0.6568f,
-                                         -0.3880f, -0.1284f, 0.1284f,  0.3880f,  0.6568f,  0.9423f,
-                                         1.2562f,  1.6180f,  2.0690f,  2.7326f};
-};
-
-// Decision thresholds of the nearest-centroid quantizer: midpoints of adjacent centroids.
-template <int B>
-struct Thresholds {
-  float value[(1 << B) - 1];
-  constexpr Thresholds() : value() {
-    for (int k = 0; k + 1 < (1 << B); ++k) value[k] = 0.5f * (Codebook<B>::centroid[k] + Codebook<B>::centroid[k + 1]);
-  }
-};
+// Lloyd-Max centroids of N(0, 1) and their decision thresholds (common/quant_codebook.h, shared
+// with the CUDA backend so that a code means the same centroid on both).
+using common::Codebook;
+using common::Thresholds;
 
 // The one place a format's bit width turns into a compile-time constant (common/dispatch.h).
 template <typename Fn>
