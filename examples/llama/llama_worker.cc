@@ -23,7 +23,7 @@
 
 ABSL_FLAG(std::string, model, "data/stories260k.bin",
           "Model file: stories260K format, or a converted SmolLM2 file (scripts/fetch_smollm2.sh)");
-ABSL_FLAG(std::string, target, "unix:/tmp/karakv.sock", "karakvd address");
+ABSL_FLAG(std::string, target, "", "karakvd address (empty: $KARAKV_TARGET, else unix:/tmp/karakv.sock)");
 ABSL_FLAG(std::string, prompt, "Once upon a time", "Prompt text");
 ABSL_FLAG(int, tokens, 200, "Tokens to generate per sequence (capped by the model's context)");
 ABSL_FLAG(std::string, policy, "none", "Compression policy of the sequences (docs/COMPRESSION.md)");
