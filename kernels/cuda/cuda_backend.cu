@@ -24,6 +24,7 @@
 #include "../common/allocations.h"
 #include "../common/checks.h"
 #include "../common/validate.h"
+#include "../cpu/quant_storage.h"
 #include "arena.h"
 #include "attention.cuh"
 #include "cam_merge.cuh"
@@ -31,6 +32,7 @@
 #include "cuda_limits.h"
 #include "gather_tokens.cuh"
 #include "karakv/kernels/backend.h"
+#include "quant.cuh"
 #include "read_kv.cuh"
 #include "snapkv_scores.cuh"
 #include "token2chunk.cuh"
@@ -67,15 +69,9 @@ class CudaBackend final : public Backend {
     return "cuda device " + std::to_string(device_) + " (" + device_name_ + ", " + std::to_string(num_sms_) + " SMs)";
   }
 
-  // Quantized storage (KIVI, TurboQuant) runs on the CPU backend only so far.
+  // Every op, quantized storage (KIVI, TurboQuant) included, for every storage dtype.
   bool supports(Op op, DType dtype) const override {
-    if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) return false;
-    switch (op) {
-      case Op::kQuantize:
-      case Op::kDequantize:
-      case Op::kQuantizedAttention: return false;
-      default: return true;
-    }
+    return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   }
 
   KernelStatus allocate(size_t bytes, void** out) override {
@@ -339,7 +335,223 @@ class CudaBackend final : public Backend {
     return call.finish();
   }
 
+  // ---- quantized storage (kernels/cuda/quant.cuh): the reference's byte layouts, so the sizes are
+  // the reference's too.
+  int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const override {
+    if (!cuda::check_geometry(g).is_ok()) return 0;
+    return cpu::quantized_tokens_per_block(g, format);
+  }
+
+  KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q,
+                               int32_t dst) override {
+    constexpr std::string_view op = "quantize_tokens";
+    KARAKV_RETURN_IF_ERROR(check_quantized(op, kv, q));
+    KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(common::check_seq_index(op, kv, seq));
+    const int n = q.tokens_per_block;
+    if (slot_begin < 0 || (long long)slot_begin + n > kv.seq_len[seq])
+      return KernelStatus::invalid(std::string(op) + ": slots [" + std::to_string(slot_begin) + ", " +
+                                   std::to_string((long long)slot_begin + n) + ") not within seq_len " +
+                                   std::to_string(kv.seq_len[seq]));
+    const long long blocks = pool_blocks(kv);
+    KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, seq, slot_begin, (long long)slot_begin + n, blocks));
+    if (dst < 0 || (blocks >= 0 && dst >= blocks))
+      return KernelStatus::invalid(common::out_of_range(op, "dst block", dst, 0, blocks >= 0 ? blocks : INT32_MAX));
+    const Geometry& g = kv.geometry;
+    Call call(*this, op);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const std::vector<uint64_t> seeds = head_seeds(g, q.seed);
+    cuda::DeviceQuant dq;
+    dq.format = q.format;
+    dq.tokens_per_block = n;
+    KARAKV_RETURN_IF_ERROR(call.upload(seeds, &dq.head_seeds));
+    // The first token of each (layer, K/V, head) run the reference would refuse; such runs stay unwritten.
+    std::vector<int32_t> first_bad(size_t(g.num_layers) * 2 * g.num_kv_heads);
+    int32_t* dbad = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.output(first_bad.data(), first_bad.size() * sizeof(int32_t), &dbad));
+    KARAKV_RETURN_IF_ERROR(
+        call.named(cuda::launch_quantize_tokens(dkv, g.dtype, dq, seq, slot_begin, dst, dbad, arena_, stream_)));
+    KARAKV_RETURN_IF_ERROR(call.finish());
+    const bool kivi = q.format == QuantFormat::kKivi2 || q.format == QuantFormat::kKivi4;
+    for (size_t r = 0; r < first_bad.size(); ++r) {
+      if (first_bad[r] == cuda::kNoBadToken) continue;
+      const int hk = g.num_kv_heads;
+      return KernelStatus::invalid(
+          std::string(op) + ": layer " + std::to_string(r / (2 * hk)) + " KV head " + std::to_string(r % hk) +
+          ((r / hk) % 2 == 0 ? " keys" : " values") + ": slot " + std::to_string(slot_begin + first_bad[r]) +
+          (kivi ? " has a value outside the fp16 range [-65504, 65504]"
+                : " has a norm that is not finite in fp16 (must be <= 65504)") +
+          "; that run was not written");
+    }
+    return KernelStatus::ok();
+  }
+
+  KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) override {
+    constexpr std::string_view op = "dequantize_block";
+    KARAKV_RETURN_IF_ERROR(check_quantized(op, kv, q));
+    const long long blocks = pool_blocks(kv);
+    if (block < 0 || (blocks >= 0 && block >= blocks))
+      return KernelStatus::invalid(common::out_of_range(op, "block", block, 0, blocks >= 0 ? blocks : INT32_MAX));
+    if (k == nullptr || v == nullptr) return KernelStatus::invalid(std::string(op) + ": k and v must be non-null");
+    const Geometry& g = kv.geometry;
+    Call call(*this, op);
+    // Only the pool is read: the sequences' tables play no part.
+    PagedKV pool_only = kv;
+    pool_only.num_seqs = 0;
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(pool_only, &dkv));
+    cuda::DeviceQuant dq;
+    dq.format = q.format;
+    dq.tokens_per_block = q.tokens_per_block;
+    const std::vector<uint64_t> seeds = head_seeds(g, q.seed);
+    KARAKV_RETURN_IF_ERROR(call.upload(seeds, &dq.head_seeds));
+    const size_t bytes = size_t(g.num_layers) * q.tokens_per_block * g.kv_token_elems() * dtype_size(g.dtype);
+    void *dk = nullptr, *dv = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
+    KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_dequantize_block(dkv, g.dtype, dq, block, dk, dv, stream_)));
+    return call.finish();
+  }
+
+  KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
+                                          float* out, float scale, float* const* score_acc) override {
+    constexpr std::string_view op = "decode_attention_quantized";
+    KARAKV_RETURN_IF_ERROR(check_quantized(op, kv, qkv));
+    KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
+    if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
+    const long long blocks = pool_blocks(kv);
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      if (kv.seq_len[s] < 0)
+        return KernelStatus::invalid(std::string(op) + ": seq_len[" + std::to_string(s) + "] " +
+                                     std::to_string(kv.seq_len[s]) + " must be >= 0");
+      KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, s, 0, kv.seq_len[s], blocks));
+    }
+    KARAKV_RETURN_IF_ERROR(check_quantized_tables(op, kv, qkv, 0, kv.num_seqs, blocks));
+    if (kv.num_seqs == 0) return KernelStatus::ok();
+    std::vector<int32_t> row_seq(kv.num_seqs), row_quantized(kv.num_seqs), row_fp(kv.seq_len, kv.seq_len + kv.num_seqs);
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      row_seq[s] = s;
+      row_quantized[s] = qkv.quantized(s);
+    }
+    return quantized_attention(op, kv, qkv, layer, row_seq, row_quantized, row_fp, q, out, scale, score_acc);
+  }
+
+  KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
+                                          int num_queries, const float* q, float* out, float scale) override {
+    constexpr std::string_view op = "causal_attention_quantized";
+    KARAKV_RETURN_IF_ERROR(check_quantized(op, kv, qkv));
+    KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
+    KARAKV_RETURN_IF_ERROR(common::check_seq_index(op, kv, seq));
+    KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
+    const int len = kv.seq_len[seq];
+    if (num_queries < 1 || num_queries > len)
+      return KernelStatus::invalid(common::out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
+    if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
+    const long long blocks = pool_blocks(kv);
+    KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, seq, 0, len, blocks));
+    KARAKV_RETURN_IF_ERROR(check_quantized_tables(op, kv, qkv, seq, seq + 1, blocks));
+    std::vector<int32_t> row_seq(num_queries, seq), row_quantized(num_queries, qkv.quantized(seq)), row_fp(num_queries);
+    for (int i = 0; i < num_queries; ++i) row_fp[i] = len - num_queries + i + 1;
+    return quantized_attention(op, kv, qkv, layer, row_seq, row_quantized, row_fp, q, out, scale, nullptr);
+  }
+
  private:
+  // The rotation seed of every (layer, KV head): [num_layers * num_kv_heads].
+  static std::vector<uint64_t> head_seeds(const Geometry& g, uint64_t seed) {
+    std::vector<uint64_t> seeds(size_t(g.num_layers) * g.num_kv_heads);
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int h = 0; h < g.num_kv_heads; ++h) seeds[size_t(l) * g.num_kv_heads + h] = head_seed(seed, l, h);
+    return seeds;
+  }
+
+  // The reference's checks of a quantized call (cpu/quant_storage.cc: geometry, and tokens_per_block
+  // the format's), then the CUDA kernels' limits.
+  static KernelStatus check_quantized(std::string_view op, const PagedKV& kv, const QuantizedKV& q) {
+    KARAKV_RETURN_IF_ERROR(common::check_geometry(op, kv));
+    const int want = cpu::quantized_tokens_per_block(kv.geometry, q.format);
+    if (q.tokens_per_block < 1 || q.tokens_per_block != want)
+      return KernelStatus::invalid(std::string(op) + ": tokens_per_block " + std::to_string(q.tokens_per_block) +
+                                   " does not match the format's " + std::to_string(want));
+    return check_geometry(op, kv);
+  }
+
+  // The quantized tables of sequences [begin, end): offsets ascending from 0, block ids inside the
+  // pool (a bad id would fault the device; the reference trusts them).
+  static KernelStatus check_quantized_tables(std::string_view op, const PagedKV& kv, const QuantizedKV& q, int begin,
+                                             int end, long long pool_blocks) {
+    if (begin >= end) return KernelStatus::ok();
+    if (q.table_offset == nullptr)
+      return KernelStatus::invalid(std::string(op) + ": the quantized table_offset must be non-null");
+    for (int s = begin; s < end; ++s) {
+      const int32_t first = q.table_offset[s], last = q.table_offset[s + 1];
+      if (first < 0 || last < first)
+        return KernelStatus::invalid(std::string(op) + ": quantized table_offset[" + std::to_string(s) + ", " +
+                                     std::to_string(s + 1) + "] = " + std::to_string(first) + ", " +
+                                     std::to_string(last) + " is not ascending from 0");
+      if (last > first && q.block_table == nullptr)
+        return KernelStatus::invalid(std::string(op) + ": the quantized block_table must be non-null");
+      for (int32_t i = first; i < last; ++i)
+        if (q.block_table[i] < 0 || (pool_blocks >= 0 && q.block_table[i] >= pool_blocks))
+          return KernelStatus::invalid(common::out_of_range(op, "quantized block", q.block_table[i], 0,
+                                                            pool_blocks >= 0 ? pool_blocks : INT32_MAX));
+    }
+    return KernelStatus::ok();
+  }
+
+  // Attention rows over quantized storage (validated); with score_acc, each row's probabilities
+  // summed over the group's query heads are added into the host accumulators (decode rows only).
+  KernelStatus quantized_attention(std::string_view op, const PagedKV& kv, const QuantizedKV& qkv, int layer,
+                                   const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
+                                   const std::vector<int32_t>& row_fp, const float* q, float* out, float scale,
+                                   float* const* score_acc) {
+    const Geometry& g = kv.geometry;
+    const int rows = int(row_seq.size());
+    Call call(*this, op);
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    int32_t entries = 0;
+    for (int32_t s : row_seq) entries = std::max(entries, qkv.table_offset[s + 1]);
+    cuda::DeviceQuant dq;
+    dq.format = qkv.format;
+    dq.tokens_per_block = qkv.tokens_per_block;
+    KARAKV_RETURN_IF_ERROR(call.input(qkv.block_table, size_t(entries) * sizeof(int32_t), &dq.block_table));
+    KARAKV_RETURN_IF_ERROR(call.input(qkv.table_offset, size_t(kv.num_seqs + 1) * sizeof(int32_t), &dq.table_offset));
+    const std::vector<uint64_t> seeds = head_seeds(g, qkv.seed);
+    KARAKV_RETURN_IF_ERROR(call.upload(seeds, &dq.head_seeds));
+    const size_t bytes = size_t(rows) * g.q_token_elems() * sizeof(float);
+    const float* dq_in = nullptr;
+    float* dout = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq_in));
+    KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
+    std::vector<float> probs;
+    float* dprobs = nullptr;
+    if (score_acc != nullptr) {
+      size_t total = 0;
+      for (int r = 0; r < rows; ++r) total += (size_t(row_quantized[r]) + row_fp[r]) * g.num_kv_heads;
+      probs.resize(std::max<size_t>(total, 1));
+      KARAKV_RETURN_IF_ERROR(call.output(probs.data(), total * sizeof(float), &dprobs));
+    }
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized,
+                                                                       row_fp, dq_in, dout, scale, dprobs, arena_,
+                                                                       stream_)));
+    KARAKV_RETURN_IF_ERROR(call.finish());
+    if (score_acc == nullptr) return KernelStatus::ok();
+    size_t offset = 0;
+    for (int r = 0; r < rows; ++r) {
+      const size_t slots = size_t(row_quantized[r]) + row_fp[r];
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        float* acc = score_acc[size_t(row_seq[r]) * g.num_kv_heads + h];
+        const float* p = probs.data() + offset + size_t(h) * slots;
+        if (acc != nullptr)
+          for (size_t t = 0; t < slots; ++t) acc[t] += p[t];
+      }
+      offset += slots * g.num_kv_heads;
+    }
+    return KernelStatus::ok();
+  }
+
   // op: "copy_in" or "copy_out", for the messages.
   KernelStatus copy(void* dst, const void* src, size_t bytes, const char* op) {
     if (bytes == 0) return KernelStatus::ok();

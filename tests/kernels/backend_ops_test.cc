@@ -35,8 +35,29 @@ double tolerance(Op op) {
     case Op::kWindowScores:
     case Op::kWindowScoresObserved:
     case Op::kSnapKVScores: return 1e-4;
+    // Attention straight from the codes: the same logits and values as the reference's but summed
+    // in another order and with another expf, on O(1) outputs.
+    case Op::kQuantizedAttention: return 1e-4;
+    // Quantize and dequantize are the reference's IEEE operations step by step: bit exact.
     default: return 0.0;
   }
+}
+
+// Sequences for the quantized tests: random ones, and one whose values make the edge cases of
+// both formats: whole zero tokens (TurboQuant's zero norm), constant channels (KIVI's zero scale)
+// and values on a coarse grid (codes exactly halfway between two levels).
+std::vector<int> quant_lens() { return {0, 1, 16, 33, 300, 256}; }
+void write_structured_sequence(Backend& backend, PagedCache& cache, int seq, int len, std::mt19937 rng) {
+  const Geometry& g = cache.geometry();
+  const size_t n = size_t(g.num_layers) * len * g.kv_token_elems();
+  std::vector<float> k(n), v(n);
+  std::uniform_int_distribution<int> grid(-8, 8);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t c = i % g.head_dim, t = i / g.kv_token_elems() % len;
+    k[i] = t % 7 == 3 || c % 5 == 0 ? 0.0f : float(grid(rng)) / 8.0f;
+    v[i] = t % 7 == 3 || c % 32 == 1 ? 0.0f : float(grid(rng)) / 16.0f;
+  }
+  write_sequence(backend, cache, seq, dense_kv(g, len, k, v));
 }
 
 using OpsParam = std::tuple<std::string, DType>;
@@ -60,15 +81,24 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
   struct Pair {
     std::unique_ptr<PagedCache> test, ref;
   };
-  Pair filled_caches(const std::vector<int>& lens) {
+  Pair filled_caches(const std::vector<int>& lens, int spare_blocks = 3) {
     std::mt19937 table_rng_a(11), table_rng_b(11);
-    Pair p{std::make_unique<PagedCache>(*backend_, geo_, lens, table_rng_a),
-           std::make_unique<PagedCache>(*reference_, geo_, lens, table_rng_b)};
+    Pair p{std::make_unique<PagedCache>(*backend_, geo_, lens, table_rng_a, spare_blocks),
+           std::make_unique<PagedCache>(*reference_, geo_, lens, table_rng_b, spare_blocks)};
     for (size_t s = 0; s < lens.size(); ++s) {
       const DenseKV dense = random_dense_kv(geo_, lens[s], rng_);
       write_sequence(*backend_, *p.test, int(s), dense);
       write_sequence(*reference_, *p.ref, int(s), dense);
     }
+    return p;
+  }
+
+  // filled_caches(quant_lens()) with the last sequence structured and spare blocks to quantize into.
+  Pair quant_caches() {
+    Pair p = filled_caches(quant_lens(), 12);
+    const int last = int(quant_lens().size()) - 1;
+    write_structured_sequence(*backend_, *p.test, last, quant_lens()[last], std::mt19937(3));
+    write_structured_sequence(*reference_, *p.ref, last, quant_lens()[last], std::mt19937(3));
     return p;
   }
 
@@ -78,6 +108,12 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
   std::mt19937 rng_{5};
   const std::vector<int> lens_ = {0, 1, 16, 33, 300};
 };
+
+// Every backend runs every op for every storage dtype: the daemon refuses nothing on either.
+TEST_P(BackendOpsTest, SupportsEveryOp) {
+  for (int op = int(Op::kWriteKV); op <= int(Op::kWindowScoresObserved); ++op)
+    EXPECT_TRUE(supported(Op(op))) << op_name(Op(op));
+}
 
 TEST_P(BackendOpsTest, WriteKv) {
   if (!supported(Op::kWriteKV)) GTEST_SKIP() << "not supported";
@@ -387,6 +423,243 @@ TEST_P(BackendOpsTest, GatherTokensThenCamMerge) {
   }
 }
 
+// ---- quantized storage (docs/COMPRESSION.md section 3): every format and bit width.
+
+constexpr QuantFormat kQuantFormats[] = {QuantFormat::kKivi2, QuantFormat::kKivi4, QuantFormat::kTq2,
+                                         QuantFormat::kTq3, QuantFormat::kTq4};
+const char* format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kKivi2: return "kivi2";
+    case QuantFormat::kKivi4: return "kivi4";
+    case QuantFormat::kTq2: return "tq2";
+    case QuantFormat::kTq3: return "tq3";
+    case QuantFormat::kTq4: return "tq4";
+  }
+  return "unknown";
+}
+constexpr uint64_t kQuantSeed = 0x5eed1234abcdull;
+
+// Each sequence's quantized prefix (its first blocks' tokens quantized into spare blocks) and the
+// unquantized rest, as the daemon keeps them: QuantizedKV tables plus a PagedKV of the remainder.
+struct QuantizedLayout {
+  int tokens_per_block = 0;
+  std::vector<int32_t> qtable, qoffset{0};           // quantized blocks per sequence
+  std::vector<int32_t> fp_table, fp_offset{0}, fp_len;  // the unquantized remainder
+
+  QuantizedKV qkv(QuantFormat f) const {
+    QuantizedKV q;
+    q.format = f;
+    q.tokens_per_block = tokens_per_block;
+    q.seed = kQuantSeed;
+    q.block_table = qtable.data();
+    q.table_offset = qoffset.data();
+    return q;
+  }
+  PagedKV remainder(const PagedCache& cache) const {
+    PagedKV kv = cache.view();
+    kv.block_table = fp_table.data();
+    kv.table_offset = fp_offset.data();
+    kv.seq_len = fp_len.data();
+    return kv;
+  }
+};
+
+// Up to two quantized blocks per sequence (fewer when it is shorter), the first tokens of each.
+QuantizedLayout quantized_layout(const PagedCache& cache, int tokens_per_block, const std::vector<int32_t>& spare) {
+  QuantizedLayout q;
+  q.tokens_per_block = tokens_per_block;
+  const int bs = cache.geometry().block_size;
+  size_t next = 0;
+  for (int s = 0; s + 1 < int(cache.table_offset().size()); ++s) {
+    const int len = cache.seq_len(s);
+    const int blocks = std::min(2, len / tokens_per_block);
+    for (int b = 0; b < blocks; ++b) q.qtable.push_back(spare.at(next++));
+    q.qoffset.push_back(int32_t(q.qtable.size()));
+    const int nq = blocks * tokens_per_block;
+    for (int32_t i = cache.table_offset()[s] + nq / bs; i < cache.table_offset()[s + 1]; ++i)
+      q.fp_table.push_back(cache.block_table()[i]);
+    q.fp_offset.push_back(int32_t(q.fp_table.size()));
+    q.fp_len.push_back(len - nq);
+  }
+  return q;
+}
+
+// "" when a and b are equal, else how many bytes differ and where the first is.
+std::string byte_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " and " + std::to_string(b.size());
+  size_t differ = 0, first = a.size();
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) {
+      ++differ;
+      first = std::min(first, i);
+    }
+  if (differ == 0) return "";
+  return std::to_string(differ) + " bytes differ, the first at byte " + std::to_string(first);
+}
+
+// Quantizes every sequence's prefix as quantized_layout lays it out.
+void quantize_prefixes(Backend& backend, const PagedCache& cache, const QuantizedLayout& q, QuantFormat f) {
+  const QuantizedKV qkv = q.qkv(f);
+  for (int s = 0; s + 1 < int(q.qoffset.size()); ++s)
+    for (int32_t i = q.qoffset[s]; i < q.qoffset[s + 1]; ++i) {
+      const KernelStatus st =
+          backend.quantize_tokens(cache.view(), s, (i - q.qoffset[s]) * q.tokens_per_block, qkv, q.qtable[i]);
+      ASSERT_TRUE(st.is_ok()) << backend.name() << ": " << st.message;
+    }
+}
+
+// The same codes, scales, zero points and norms as the reference, byte for byte, for every
+// sequence's quantized blocks; tokens_per_block agrees too.
+TEST_P(BackendOpsTest, QuantizeIsBitExact) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kQuantize)) GTEST_SKIP() << "not supported";
+  const Pair caches = quant_caches();
+  ASSERT_EQ(caches.test->block_table(), caches.ref->block_table());
+  const std::vector<int32_t> spare = spare_blocks(*caches.test);
+  for (QuantFormat f : kQuantFormats) {
+    SCOPED_TRACE(format_name(f));
+    const int tpb = reference_->quantized_tokens_per_block(geo_, f);
+    ASSERT_GT(tpb, 0);
+    ASSERT_EQ(backend_->quantized_tokens_per_block(geo_, f), tpb);
+    const QuantizedLayout q = quantized_layout(*caches.ref, tpb, spare);
+    ASSERT_GE(q.qtable.size(), 2u) << "the structured sequence and the long one are quantized";
+    quantize_prefixes(*backend_, *caches.test, q, f);
+    quantize_prefixes(*reference_, *caches.ref, q, f);
+    ASSERT_EQ(tolerance(Op::kQuantize), 0.0);
+    EXPECT_EQ(byte_difference(caches.test->pool_bytes(), caches.ref->pool_bytes()), "")
+        << "(blocks of " << geo_.block_bytes() << " bytes)";
+  }
+}
+
+// Dequantizing the reference's quantized blocks (copied into this backend's pool) gives the
+// reference's dense K and V bit for bit.
+TEST_P(BackendOpsTest, DequantizeIsBitExact) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kDequantize)) GTEST_SKIP() << "not supported";
+  const Pair caches = quant_caches();
+  const std::vector<int32_t> spare = spare_blocks(*caches.ref);
+  for (QuantFormat f : kQuantFormats) {
+    SCOPED_TRACE(format_name(f));
+    const int tpb = reference_->quantized_tokens_per_block(geo_, f);
+    const QuantizedLayout q = quantized_layout(*caches.ref, tpb, spare);
+    quantize_prefixes(*reference_, *caches.ref, q, f);
+    const std::vector<uint8_t> pool = caches.ref->pool_bytes();
+    ASSERT_TRUE(backend_->copy_in(caches.test->view().pool, pool.data(), pool.size()).is_ok());
+    const size_t bytes = size_t(geo_.num_layers) * tpb * geo_.kv_token_elems() * dtype_size(geo_.dtype);
+    BackendBuffer k(*backend_, bytes), v(*backend_, bytes);
+    std::vector<uint8_t> rk(bytes), rv(bytes);
+    for (int32_t block : q.qtable) {
+      const KernelStatus st = backend_->dequantize_block(caches.test->view(), q.qkv(f), block, k.get(), v.get());
+      ASSERT_TRUE(st.is_ok()) << st.message;
+      ASSERT_TRUE(reference_->dequantize_block(caches.ref->view(), q.qkv(f), block, rk.data(), rv.data()).is_ok());
+      ASSERT_EQ(tolerance(Op::kDequantize), 0.0);
+      EXPECT_EQ(byte_difference(k.download<uint8_t>(bytes), rk), "") << "keys of block " << block;
+      EXPECT_EQ(byte_difference(v.download<uint8_t>(bytes), rv), "") << "values of block " << block;
+    }
+  }
+}
+
+// Decode attention (with and without the accumulated probabilities) and causal attention over
+// quantized prefixes followed by unquantized tokens, on the reference's codes. Sequences: none at
+// all, unquantized only, one or two quantized blocks with a short or a long unquantized tail.
+TEST_P(BackendOpsTest, QuantizedAttention) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kQuantizedAttention)) GTEST_SKIP() << "not supported";
+  const Pair caches = quant_caches();
+  const std::vector<int32_t> spare = spare_blocks(*caches.ref);
+  const int hk = geo_.num_kv_heads, num_seqs = int(quant_lens().size());
+  const size_t n = size_t(num_seqs) * geo_.q_token_elems();
+  for (QuantFormat f : kQuantFormats) {
+    SCOPED_TRACE(format_name(f));
+    const int tpb = reference_->quantized_tokens_per_block(geo_, f);
+    const QuantizedLayout q = quantized_layout(*caches.ref, tpb, spare);
+    quantize_prefixes(*reference_, *caches.ref, q, f);
+    const std::vector<uint8_t> pool = caches.ref->pool_bytes();
+    ASSERT_TRUE(backend_->copy_in(caches.test->view().pool, pool.data(), pool.size()).is_ok());
+    const PagedKV kv = q.remainder(*caches.test), rkv = q.remainder(*caches.ref);
+    const QuantizedKV qkv = q.qkv(f);
+
+    const std::vector<float> query = random_values(n, -3.0f, 3.0f, rng_);
+    BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
+    qb.upload(query);
+    rqb.upload(query);
+    for (int layer : {0, 2}) {
+      ASSERT_TRUE(backend_->decode_attention_quantized(kv, qkv, layer, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                       nullptr).is_ok());
+      ASSERT_TRUE(reference_->decode_attention_quantized(rkv, qkv, layer, rqb.get<float>(), rob.get<float>(), 0.125f,
+                                                         nullptr).is_ok());
+      EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kQuantizedAttention))
+          << "decode, layer " << layer;
+    }
+
+    // Accumulators over quantized + unquantized slots, from the same values; one row has none.
+    std::vector<std::vector<float>> acc(size_t(num_seqs) * hk), ref(acc.size());
+    std::vector<float*> accp, refp;
+    for (size_t i = 0; i < acc.size(); ++i) {
+      const int s = int(i) / hk;
+      acc[i] = random_values(size_t(qkv.quantized(s) + q.fp_len[s]), 0.0f, 2.0f, rng_);
+      ref[i] = acc[i];
+      accp.push_back(i == 13 ? nullptr : acc[i].data());
+      refp.push_back(i == 13 ? nullptr : ref[i].data());
+    }
+    ASSERT_TRUE(backend_->decode_attention_quantized(kv, qkv, 1, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                     accp.data()).is_ok());
+    ASSERT_TRUE(reference_->decode_attention_quantized(rkv, qkv, 1, rqb.get<float>(), rob.get<float>(), 0.125f,
+                                                       refp.data()).is_ok());
+    EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kQuantizedAttention));
+    for (size_t i = 0; i < acc.size(); ++i)
+      EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kQuantizedAttention)) << "accumulator row " << i;
+
+    for (int seq : {4, 5}) {
+      ASSERT_GT(qkv.quantized(seq), 0);
+      for (int nq : {1, 5, q.fp_len[seq]}) {
+        const size_t m = size_t(nq) * geo_.q_token_elems();
+        const std::vector<float> cq = random_values(m, -3.0f, 3.0f, rng_);
+        BackendBuffer cqb(*backend_, m * 4), cob(*backend_, m * 4), rcqb(*reference_, m * 4), rcob(*reference_, m * 4);
+        cqb.upload(cq);
+        rcqb.upload(cq);
+        const KernelStatus st =
+            backend_->causal_attention_quantized(kv, qkv, seq, 2, nq, cqb.get<float>(), cob.get<float>(), 0.125f);
+        ASSERT_TRUE(st.is_ok()) << st.message;
+        ASSERT_TRUE(reference_->causal_attention_quantized(rkv, qkv, seq, 2, nq, rcqb.get<float>(), rcob.get<float>(),
+                                                           0.125f).is_ok());
+        EXPECT_LE(max_abs_diff(cob.download<float>(m), rcob.download<float>(m)), tolerance(Op::kQuantizedAttention))
+            << "causal, seq " << seq << ", num_queries " << nq;
+      }
+    }
+  }
+}
+
+// Values the reference cannot quantize (outside fp16 for KIVI, a norm above 65504 for TurboQuant):
+// refused with the same code, the run that holds them left unwritten and every other run written,
+// as the reference does. fp16 storage cannot hold such values.
+TEST_P(BackendOpsTest, QuantizeRefusesWhatTheReferenceRefuses) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kQuantize)) GTEST_SKIP() << "not supported";
+  if (geo_.dtype == DType::kFloat16) GTEST_SKIP() << "fp16 storage holds no value outside the fp16 range";
+  const std::vector<int> lens = {300};
+  Pair caches = filled_caches(lens, 4);
+  const size_t elems = size_t(geo_.num_layers) * lens[0] * geo_.kv_token_elems();
+  std::vector<float> k = random_values(elems, -1.0f, 1.0f, rng_), v = random_values(elems, -1.0f, 1.0f, rng_);
+  auto at = [&](int layer, int token, int head, int c) {
+    return ((size_t(layer) * lens[0] + token) * geo_.num_kv_heads + head) * geo_.head_dim + c;
+  };
+  k[at(1, 5, 2, 7)] = 1e6f;   // keys of layer 1, head 2
+  v[at(2, 40, 0, 3)] = -7e4f;  // values of layer 2, head 0
+  const DenseKV dense = dense_kv(geo_, lens[0], k, v);
+  write_sequence(*backend_, *caches.test, 0, dense);
+  write_sequence(*reference_, *caches.ref, 0, dense);
+  const int32_t dst = spare_blocks(*caches.ref).at(0);
+  for (QuantFormat f : kQuantFormats) {
+    SCOPED_TRACE(format_name(f));
+    QuantizedKV q;
+    q.format = f;
+    q.tokens_per_block = reference_->quantized_tokens_per_block(geo_, f);
+    q.seed = kQuantSeed;
+    const KernelStatus a = backend_->quantize_tokens(caches.test->view(), 0, 0, q, dst);
+    const KernelStatus b = reference_->quantize_tokens(caches.ref->view(), 0, 0, q, dst);
+    EXPECT_EQ(int(b.code), int(KernelStatus::Code::kInvalidArgument)) << b.message;
+    EXPECT_EQ(int(a.code), int(b.code)) << a.message << " | " << b.message;
+    EXPECT_EQ(byte_difference(caches.test->pool_bytes(), caches.ref->pool_bytes()), "");
+  }
+}
+
 // Every refusal of the CPU backend is a refusal here too, with the same code.
 TEST_P(BackendOpsTest, InvalidArgumentsAreRefusedLikeTheReference) {
   if (!supported(Op::kWriteKV)) GTEST_SKIP() << "not supported";
@@ -413,6 +686,26 @@ TEST_P(BackendOpsTest, InvalidArgumentsAreRefusedLikeTheReference) {
   const std::vector<int32_t> kept(size_t(geo_.num_layers) * geo_.num_kv_heads, 0);
   same(backend_->gather_tokens(kv, 4, kept.data(), 1, own.data()),
        reference_->gather_tokens(rkv, 4, kept.data(), 1, own.data()));
+  if (supported(Op::kQuantize) && supported(Op::kQuantizedAttention) && supported(Op::kDequantize)) {
+    QuantizedKV qkv;
+    qkv.format = QuantFormat::kTq3;
+    qkv.tokens_per_block = reference_->quantized_tokens_per_block(geo_, qkv.format);
+    const std::vector<int32_t> none(lens_.size() + 1, 0);
+    qkv.table_offset = none.data();
+    const int32_t spare = spare_blocks(*caches.test).at(0);
+    QuantizedKV wrong = qkv;
+    wrong.tokens_per_block += 16;
+    same(backend_->quantize_tokens(kv, 4, 0, wrong, spare), reference_->quantize_tokens(rkv, 4, 0, wrong, spare));
+    same(backend_->quantize_tokens(kv, 4, 300 - qkv.tokens_per_block + 1, qkv, spare),
+         reference_->quantize_tokens(rkv, 4, 300 - qkv.tokens_per_block + 1, qkv, spare));
+    same(backend_->quantize_tokens(kv, 9, 0, qkv, spare), reference_->quantize_tokens(rkv, 9, 0, qkv, spare));
+    same(backend_->dequantize_block(kv, wrong, spare, out.data(), out.data()),
+         reference_->dequantize_block(rkv, wrong, spare, out.data(), out.data()));
+    same(backend_->decode_attention_quantized(kv, qkv, 3, q.data(), out.data(), 1.0f, nullptr),
+         reference_->decode_attention_quantized(rkv, qkv, 3, q.data(), out.data(), 1.0f, nullptr));
+    same(backend_->causal_attention_quantized(kv, qkv, 4, 0, 301, q.data(), out.data(), 1.0f),
+         reference_->causal_attention_quantized(rkv, qkv, 4, 0, 301, q.data(), out.data(), 1.0f));
+  }
   EXPECT_EQ(caches.test->pool_bytes(), caches.ref->pool_bytes()) << "a refused call changed the pool";
 }
 

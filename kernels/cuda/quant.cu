@@ -1,0 +1,685 @@
+#include <climits>
+#include <cmath>
+
+#include "../common/quant_codebook.h"
+#include "quant.cuh"
+
+namespace karakv::kernels::cuda {
+namespace {
+
+constexpr int kKiviGroup = 32;        // tokens per key group, channels per value group
+constexpr float kHalfMax = 65504.0f;  // largest finite fp16
+constexpr int kThreads = 256;
+constexpr int kTileElems = 1024;      // TurboQuant: tokens per CTA = kTileElems / head_dim (>= 1)
+constexpr int kScoreThreads = 128;    // slots per CTA of the logits kernel
+constexpr int kSlotsPerSplit = 256;   // slots per CTA of the value kernel
+// Logits per chunk of attention rows (rows x query heads x slots): bounds the scratch of a long
+// causal call; a single row larger than this is one chunk of its own.
+constexpr long long kChunkLogits = 16LL << 20;
+
+bool is_kivi(QuantFormat f) { return f == QuantFormat::kKivi2 || f == QuantFormat::kKivi4; }
+int format_bits(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kKivi2: case QuantFormat::kTq2: return 2;
+    case QuantFormat::kTq3: return 3;
+    case QuantFormat::kKivi4: case QuantFormat::kTq4: return 4;
+  }
+  return 0;
+}
+
+// Record sizes of cpu/quant.h's layouts.
+__host__ __device__ inline size_t kivi_key_group_bytes(int bits, int d) { return 4 * size_t(d) + size_t(4) * bits * d; }
+__host__ __device__ inline size_t kivi_value_token_bytes(int bits, int d) {
+  return 4 * size_t(d / kKiviGroup) + size_t(d) * bits / 8;
+}
+__host__ __device__ inline size_t tq_token_bytes(int bits, int d) { return 2 + size_t(d) * bits / 8; }
+
+// The codebook as a kernel argument (indexed at run time from the parameter space).
+struct Codebook {
+  float centroid[16];
+  float threshold[15];
+};
+template <int B>
+Codebook codebook() {
+  Codebook c{};
+  constexpr common::Thresholds<B> kThresholds;
+  for (int k = 0; k < (1 << B); ++k) c.centroid[k] = common::Codebook<B>::centroid[k];
+  for (int k = 0; k + 1 < (1 << B); ++k) c.threshold[k] = kThresholds.value[k];
+  return c;
+}
+
+// fp16 fields are read and written a byte at a time: TurboQuant records may be of odd length.
+__device__ __forceinline__ float load_half(const uint8_t* p) {
+  return __half2float(__ushort_as_half(uint16_t(p[0] | (uint16_t(p[1]) << 8))));
+}
+__device__ __forceinline__ void store_half(uint8_t* p, uint16_t h) {
+  p[0] = uint8_t(h);
+  p[1] = uint8_t(h >> 8);
+}
+__device__ __forceinline__ uint16_t half_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+
+// Code i of a stream of B-bit codes packed LSB first (3-bit codes may straddle two bytes).
+template <int B>
+__device__ __forceinline__ int code_at(const uint8_t* stream, int i) {
+  const int bit = i * B, byte = bit >> 3, shift = bit & 7;
+  unsigned w = stream[byte];
+  if (shift + B > 8) w |= unsigned(stream[byte + 1]) << 8;
+  return int((w >> shift) & ((1u << B) - 1));
+}
+// Eight codes into B bytes, LSB first.
+template <int B>
+__device__ __forceinline__ void pack8(const int (&codes)[8], uint8_t* dst) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) w |= uint32_t(codes[k]) << (k * B);
+#pragma unroll
+  for (int byte = 0; byte < B; ++byte) dst[byte] = uint8_t(w >> (8 * byte));
+}
+
+// Sign i of the rotation of `seed` (cpu/quant.h): -1 iff the top bit of splitmix64 output i + 1 is set.
+__device__ __forceinline__ float rotation_sign(uint64_t seed, int i) {
+  uint64_t z = seed + uint64_t(i + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (z >> 63) ? -1.0f : 1.0f;
+}
+
+// In-place unnormalised Walsh-Hadamard transform of `rows` rows of d floats in shared memory: the
+// reference's butterflies (x[j], x[j + h]) <- (x[j] + x[j + h], x[j] - x[j + h]) for h = 1, 2, ..,
+// d / 2, stage by stage, so every value is rounded exactly as there. All threads of the CTA call it.
+__device__ void fwht_rows(float* s, int rows, int d) {
+  const int half = d / 2;
+  for (int h = 1; h < d; h <<= 1) {
+    __syncthreads();
+    for (int p = threadIdx.x; p < rows * half; p += blockDim.x) {
+      const int row = p / half, k = p % half;
+      const int j = (k / h) * 2 * h + k % h;
+      float* x = s + size_t(row) * d;
+      const float a = x[j], b = x[j + h];
+      x[j] = __fadd_rn(a, b);
+      x[j + h] = __fsub_rn(a, b);
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ uint8_t* run_at(const DeviceKV& kv, size_t elem_size, int32_t block, int layer, int kvi,
+                                           int head) {
+  return static_cast<uint8_t*>(kv.pool) + kv.run_offset(block, layer, kvi, head) * elem_size;
+}
+
+// ---- quantize ----------------------------------------------------------------------------------
+
+// One thread per (run, token): whether the reference accepts the token (KIVI: every value within
+// the fp16 range; TurboQuant: the norm, fp32 from an fp64 sum in channel order, at most 65504),
+// and TurboQuant's norm for the quantize kernel. Runs are (layer * 2 + kv) * heads + head.
+template <typename T>
+__global__ void quant_check_kernel(DeviceKV kv, int seq, int slot_begin, int n, bool kivi, float* __restrict__ norms,
+                                   int32_t* __restrict__ first_bad) {
+  const int hk = kv.num_kv_heads, d = kv.head_dim;
+  const long long total = (long long)kv.num_layers * 2 * hk * n;
+  const T* pool = static_cast<const T*>(kv.pool);
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const int r = int(i / n), t = int(i % n);
+    const int layer = r / (2 * hk), kvi = (r / hk) % 2, head = r % hk;
+    const T* x = pool + kv.token_offset(seq, slot_begin + t, layer, kvi, head);
+    bool bad = false;
+    if (kivi) {
+      for (int c = 0; c < d; ++c) bad |= !(fabsf(to_float(x[c])) <= kHalfMax);
+    } else {
+      double sum = 0.0;
+      for (int c = 0; c < d; ++c) {
+        const double v = double(to_float(x[c]));
+        sum = __dadd_rn(sum, __dmul_rn(v, v));  // the product is exact; added in channel order
+      }
+      const float norm = float(sqrt(sum));
+      norms[i] = norm;
+      bad = !(norm <= kHalfMax);
+    }
+    if (bad) atomicMin(first_bad + r, t);
+  }
+}
+
+// KIVI keys: one thread per (layer, head, group of 32 tokens, channel); the group's per-channel
+// scale and zero and its 32 codes.
+template <typename T, int B>
+__global__ void kivi_quantize_keys_kernel(DeviceKV kv, int seq, int slot_begin, int n, int32_t dst,
+                                          const int32_t* __restrict__ first_bad) {
+  constexpr float kLevels = float((1 << B) - 1);
+  const int hk = kv.num_kv_heads, d = kv.head_dim, groups = n / kKiviGroup;
+  const long long total = (long long)kv.num_layers * hk * groups * d;
+  const T* pool = static_cast<const T*>(kv.pool);
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const int c = int(i % d), g = int((i / d) % groups), lh = int(i / ((long long)d * groups));
+    const int layer = lh / hk, head = lh % hk;
+    if (first_bad[(layer * 2) * hk + head] != kNoBadToken) continue;
+    float x[kKiviGroup];
+#pragma unroll
+    for (int t = 0; t < kKiviGroup; ++t)
+      x[t] = to_float(pool[kv.token_offset(seq, slot_begin + g * kKiviGroup + t, layer, 0, head) + c]);
+    float lo = x[0], hi = x[0];
+#pragma unroll
+    for (int t = 1; t < kKiviGroup; ++t) {
+      lo = x[t] < lo ? x[t] : lo;  // std::min(lo, x), std::max(hi, x)
+      hi = hi < x[t] ? x[t] : hi;
+    }
+    const uint16_t scale_bits = half_bits(__fdiv_rn(__fsub_rn(hi, lo), kLevels)), zero_bits = half_bits(lo);
+    const float scale = __half2float(__ushort_as_half(scale_bits)), zero = __half2float(__ushort_as_half(zero_bits));
+    uint8_t* rec = run_at(kv, sizeof(T), dst, layer, 0, head) + g * kivi_key_group_bytes(B, d);
+    store_half(rec + 2 * c, scale_bits);
+    store_half(rec + 2 * (d + c), zero_bits);
+    uint8_t* codes = rec + 4 * size_t(d) + size_t(c) * (kKiviGroup * B / 8);
+#pragma unroll
+    for (int t8 = 0; t8 < kKiviGroup; t8 += 8) {
+      int code[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        code[k] = scale == 0.0f ? 0 : int(fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x[t8 + k], zero), scale)), 0.0f), kLevels));
+      pack8<B>(code, codes + t8 / 8 * B);
+    }
+  }
+}
+
+// KIVI values: one thread per (layer, head, token, group of 32 channels).
+template <typename T, int B>
+__global__ void kivi_quantize_values_kernel(DeviceKV kv, int seq, int slot_begin, int n, int32_t dst,
+                                            const int32_t* __restrict__ first_bad) {
+  constexpr float kLevels = float((1 << B) - 1);
+  const int hk = kv.num_kv_heads, d = kv.head_dim, groups = d / kKiviGroup;
+  const long long total = (long long)kv.num_layers * hk * n * groups;
+  const T* pool = static_cast<const T*>(kv.pool);
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const int g = int(i % groups), t = int((i / groups) % n), lh = int(i / ((long long)groups * n));
+    const int layer = lh / hk, head = lh % hk;
+    if (first_bad[(layer * 2 + 1) * hk + head] != kNoBadToken) continue;
+    const T* row = pool + kv.token_offset(seq, slot_begin + t, layer, 1, head) + g * kKiviGroup;
+    float x[kKiviGroup];
+#pragma unroll
+    for (int c = 0; c < kKiviGroup; ++c) x[c] = to_float(row[c]);
+    float lo = x[0], hi = x[0];
+#pragma unroll
+    for (int c = 1; c < kKiviGroup; ++c) {
+      lo = x[c] < lo ? x[c] : lo;
+      hi = hi < x[c] ? x[c] : hi;
+    }
+    const uint16_t scale_bits = half_bits(__fdiv_rn(__fsub_rn(hi, lo), kLevels)), zero_bits = half_bits(lo);
+    const float scale = __half2float(__ushort_as_half(scale_bits)), zero = __half2float(__ushort_as_half(zero_bits));
+    uint8_t* rec = run_at(kv, sizeof(T), dst, layer, 1, head) + size_t(t) * kivi_value_token_bytes(B, d);
+    store_half(rec + 2 * g, scale_bits);
+    store_half(rec + 2 * (groups + g), zero_bits);
+    uint8_t* codes = rec + 4 * size_t(groups) + size_t(g) * (kKiviGroup * B / 8);
+#pragma unroll
+    for (int c8 = 0; c8 < kKiviGroup; c8 += 8) {
+      int code[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        code[k] = scale == 0.0f ? 0 : int(fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x[c8 + k], zero), scale)), 0.0f), kLevels));
+      pack8<B>(code, codes + c8 / 8 * B);
+    }
+  }
+}
+
+// TurboQuant: a CTA per (tile of tokens, run). v = H (D x) in shared memory; code = the number of
+// thresholds v / norm exceeds (u * sqrt(d) = H D x / ||x||: the rotation's 1/sqrt(d) cancels).
+template <typename T, int B>
+__global__ void tq_quantize_kernel(DeviceKV kv, int seq, int slot_begin, int n, int tile, int32_t dst,
+                                   const uint64_t* __restrict__ head_seeds, const float* __restrict__ norms,
+                                   const int32_t* __restrict__ first_bad, Codebook book) {
+  extern __shared__ float s_v[];  // [tile][d]
+  const int hk = kv.num_kv_heads, d = kv.head_dim;
+  const int r = blockIdx.x, layer = r / (2 * hk), kvi = (r / hk) % 2, head = r % hk;
+  if (first_bad[r] != kNoBadToken) return;
+  const int t0 = blockIdx.y * tile, rows = min(tile, n - t0);
+  const uint64_t seed = head_seeds[layer * hk + head];
+  const T* pool = static_cast<const T*>(kv.pool);
+  for (int e = threadIdx.x; e < rows * d; e += blockDim.x) {
+    const int tt = e / d, c = e % d;
+    s_v[e] = __fmul_rn(to_float(pool[kv.token_offset(seq, slot_begin + t0 + tt, layer, kvi, head) + c]),
+                       rotation_sign(seed, c));
+  }
+  fwht_rows(s_v, rows, d);
+  const size_t record = tq_token_bytes(B, d);
+  uint8_t* run = run_at(kv, sizeof(T), dst, layer, kvi, head);
+  const int octets = d / 8;
+  for (int e = threadIdx.x; e < rows * octets; e += blockDim.x) {
+    const int tt = e / octets, o = e % octets, t = t0 + tt;
+    const float norm = norms[size_t(r) * n + t];
+    uint8_t* rec = run + size_t(t) * record;
+    if (o == 0) store_half(rec, half_bits(norm));
+    int code[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      code[k] = 0;
+      if (norm != 0.0f) {
+        const float u = __fdiv_rn(s_v[tt * d + o * 8 + k], norm);
+#pragma unroll
+        for (int j = 0; j + 1 < (1 << B); ++j) code[k] += u > book.threshold[j];
+      }
+    }
+    pack8<B>(code, rec + 2 + o * B);
+  }
+}
+
+// ---- dequantize --------------------------------------------------------------------------------
+
+// KIVI: one thread per element of the dense output, K and V alike; x' = code * scale + zero (the
+// product of a code < 16 and an fp16 scale is exact in fp32, so only the add rounds).
+template <typename T, int B>
+__global__ void kivi_dequantize_kernel(DeviceKV kv, int n, int32_t block, T* __restrict__ k, T* __restrict__ v) {
+  const int hk = kv.num_kv_heads, d = kv.head_dim, groups = d / kKiviGroup;
+  const long long total = (long long)kv.num_layers * n * hk * d;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const DenseTokenIndex x = split_dense_index(i, n, hk, d);
+    const int c = x.dim, t = x.token;
+    {  // key: group t / 32, per-channel scale and zero, channel c's codes of the group's tokens
+      const uint8_t* rec = run_at(kv, sizeof(T), block, x.layer, 0, x.head) + (t / kKiviGroup) * kivi_key_group_bytes(B, d);
+      const float scale = load_half(rec + 2 * c), zero = load_half(rec + 2 * (d + c));
+      const int code = code_at<B>(rec + 4 * size_t(d) + size_t(c) * (kKiviGroup * B / 8), t % kKiviGroup);
+      k[i] = from_float<T>(__fadd_rn(__fmul_rn(float(code), scale), zero));
+    }
+    {  // value: token t's record, channel group c / 32
+      const uint8_t* rec = run_at(kv, sizeof(T), block, x.layer, 1, x.head) + size_t(t) * kivi_value_token_bytes(B, d);
+      const int g = c / kKiviGroup;
+      const float scale = load_half(rec + 2 * g), zero = load_half(rec + 2 * (groups + g));
+      const int code = code_at<B>(rec + 4 * size_t(groups), c);
+      v[i] = from_float<T>(__fadd_rn(__fmul_rn(float(code), scale), zero));
+    }
+  }
+}
+
+// TurboQuant: a CTA per (tile of tokens, run); x' = D H (norm * centroid) / d.
+template <typename T, int B>
+__global__ void tq_dequantize_kernel(DeviceKV kv, int n, int tile, int32_t block, const uint64_t* __restrict__ head_seeds,
+                                     Codebook book, T* __restrict__ k, T* __restrict__ v) {
+  extern __shared__ float s_x[];  // [tile][d]
+  const int hk = kv.num_kv_heads, d = kv.head_dim;
+  const int r = blockIdx.x, layer = r / (2 * hk), kvi = (r / hk) % 2, head = r % hk;
+  const int t0 = blockIdx.y * tile, rows = min(tile, n - t0);
+  const size_t record = tq_token_bytes(B, d);
+  const uint8_t* run = run_at(kv, sizeof(T), block, layer, kvi, head);
+  for (int e = threadIdx.x; e < rows * d; e += blockDim.x) {
+    const int tt = e / d, c = e % d;
+    const uint8_t* rec = run + size_t(t0 + tt) * record;
+    s_x[e] = __fmul_rn(book.centroid[code_at<B>(rec + 2, c)], load_half(rec));
+  }
+  fwht_rows(s_x, rows, d);
+  const uint64_t seed = head_seeds[layer * hk + head];
+  const float inv_d = 1.0f / float(d);
+  T* out = kvi == 0 ? k : v;
+  for (int e = threadIdx.x; e < rows * d; e += blockDim.x) {
+    const int tt = e / d, c = e % d;
+    out[((size_t(layer) * n + t0 + tt) * hk + head) * d + c] = from_float<T>(__fmul_rn(s_x[e], rotation_sign(seed, c) * inv_d));
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+// The rows of one chunk, in device memory.
+struct Rows {
+  const int32_t* seq;        // [rows] sequence of the row
+  const int32_t* quantized;  // [rows] its quantized tokens (slots [0, quantized))
+  const int32_t* fp;         // [rows] unquantized slots it sees (slots [quantized, quantized + fp))
+  const long long* offset;   // [rows] start of the row's logits: [num_q_heads][slots]
+};
+
+__device__ __forceinline__ int slots_of(const Rows& rows, int r) { return rows.quantized[r] + rows.fp[r]; }
+
+// TurboQuant: each query rotated into the keys' space once, H D q (the 1/sqrt(d)s go into the logit).
+__global__ void rotate_queries_kernel(int hq, int hk, int d, int layer, const uint64_t* __restrict__ head_seeds,
+                                      const float* __restrict__ q, float* __restrict__ qrot) {
+  extern __shared__ float s_q[];  // [d]
+  const int r = blockIdx.x, j = blockIdx.y, g = hq / hk;
+  const uint64_t seed = head_seeds[layer * hk + j / g];
+  const size_t base = (size_t(r) * hq + j) * d;
+  for (int c = threadIdx.x; c < d; c += blockDim.x) s_q[c] = q[base + c] * rotation_sign(seed, c);
+  fwht_rows(s_q, 1, d);
+  for (int c = threadIdx.x; c < d; c += blockDim.x) qrot[base + c] = s_q[c];
+}
+
+// The scaled logit of slot `slot` of sequence `seq` (nq of its slots quantized) for query q (TurboQuant:
+// the rotated query) of KV head `head`.
+template <typename T, int B, bool kKivi>
+__device__ __forceinline__ float slot_logit(const DeviceKV& kv, const DeviceQuant& qd, int layer, int seq, int nq,
+                                            int head, int slot, const float* q, float scale, const float* centroid) {
+  const int d = kv.head_dim;
+  if (slot >= nq) {
+    const T* k = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot - nq, layer, 0, head);
+    return dot_row(q, k, d) * scale;
+  }
+  const int tpb = qd.tokens_per_block, i = slot % tpb;
+  const int32_t block = qd.block_table[qd.table_offset[seq] + slot / tpb];
+  const uint8_t* run = run_at(kv, sizeof(T), block, layer, 0, head);
+  if constexpr (kKivi) {
+    // sum_c q_c (code_c s_c + z_c) = sum_c (q_c s_c) code_c + sum_c q_c z_c
+    const uint8_t* rec = run + (i / kKiviGroup) * kivi_key_group_bytes(B, d);
+    const uint8_t* codes = rec + 4 * size_t(d);
+    const int tt = i % kKiviGroup;
+    float acc = 0.0f, bias = 0.0f;
+    for (int c = 0; c < d; ++c) {
+      acc = fmaf(q[c] * load_half(rec + 2 * c), float(code_at<B>(codes + size_t(c) * (kKiviGroup * B / 8), tt)), acc);
+      bias = fmaf(q[c], load_half(rec + 2 * (d + c)), bias);
+    }
+    return scale * (acc + bias);
+  } else {
+    // q . R^T (norm c) = norm * (H D q) . centroid / d
+    const uint8_t* rec = run + size_t(i) * tq_token_bytes(B, d);
+    float dot = 0.0f;
+    for (int c = 0; c < d; ++c) dot = fmaf(q[c], centroid[code_at<B>(rec + 2, c)], dot);
+    return scale / float(d) * load_half(rec) * dot;
+  }
+}
+
+// Scaled logits of every slot of (row, query head): one thread per slot.
+template <typename T, int B, bool kKivi>
+__global__ void __launch_bounds__(kScoreThreads)
+    quant_logits_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ q, float scale,
+                        Codebook book, float* __restrict__ logits) {
+  extern __shared__ float s_q[];  // [d]
+  __shared__ float s_centroid[16];
+  const int r = blockIdx.x, j = blockIdx.y;
+  const int hq = kv.num_q_heads, d = kv.head_dim, head = j / kv.group_size();
+  for (int c = threadIdx.x; c < d; c += blockDim.x) s_q[c] = q[(size_t(r) * hq + j) * d + c];
+  if (threadIdx.x < 16) s_centroid[threadIdx.x] = book.centroid[threadIdx.x];
+  __syncthreads();
+  const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r];
+  float* out = logits + rows.offset[r] + size_t(j) * n;
+  for (int slot = blockIdx.z * kScoreThreads + threadIdx.x; slot < n; slot += gridDim.z * kScoreThreads)
+    out[slot] = slot_logit<T, B, kKivi>(kv, qd, layer, seq, nq, head, slot, s_q, scale, s_centroid);
+}
+
+// Softmax of one (row, query head) in place: p = exp(l - max) / sum, the sum in fp64.
+__global__ void quant_softmax_kernel(int hq, Rows rows, float* __restrict__ logits) {
+  __shared__ float s_max[kThreads / 32];
+  __shared__ double s_sum[kThreads / 32];
+  const int r = blockIdx.x, j = blockIdx.y;
+  const int n = slots_of(rows, r);
+  float* p = logits + rows.offset[r] + size_t(j) * n;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float mx = -INFINITY;
+  for (int t = threadIdx.x; t < n; t += blockDim.x) mx = fmaxf(mx, p[t]);
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) s_max[warp] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < kThreads / 32; ++w) mx = fmaxf(mx, s_max[w]);
+  double sum = 0.0;
+  for (int t = threadIdx.x; t < n; t += blockDim.x) sum += (p[t] = expf(p[t] - mx));
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) s_sum[warp] = sum;
+  __syncthreads();
+  sum = 0.0;
+  for (int w = 0; w < kThreads / 32; ++w) sum += s_sum[w];
+  const float inv = sum > 0.0 ? float(1.0 / sum) : 0.0f;
+  for (int t = threadIdx.x; t < n; t += blockDim.x) p[t] *= inv;
+}
+
+// Values over slots [split * slots_per_split, ...) of (row, query head): one thread per channel;
+// the quantized part (TurboQuant: in the rotated space, norm folded into the weight) and the
+// unquantized part apart, into part[row][head][split][2][d].
+template <typename T, int B, bool kKivi>
+__global__ void quant_values_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ probs,
+                                    int num_splits, int slots_per_split, Codebook book, float* __restrict__ part) {
+  const int r = blockIdx.x, j = blockIdx.y, split = blockIdx.z, c = threadIdx.x;
+  const int hq = kv.num_q_heads, d = kv.head_dim, head = j / kv.group_size();
+  const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r];
+  const float* p = probs + rows.offset[r] + size_t(j) * n;
+  const int tpb = qd.tokens_per_block, groups = d / kKiviGroup;
+  const int begin = min(n, split * slots_per_split), end = min(n, begin + slots_per_split);
+  float acc_q = 0.0f, acc_f = 0.0f;
+  if (c < d) {
+    for (int slot = begin; slot < end; ++slot) {
+      const float w = p[slot];
+      if (w == 0.0f) continue;
+      if (slot < nq) {
+        const int i = slot % tpb;
+        const int32_t block = qd.block_table[qd.table_offset[seq] + slot / tpb];
+        const uint8_t* run = run_at(kv, sizeof(T), block, layer, 1, head);
+        if constexpr (kKivi) {
+          const uint8_t* rec = run + size_t(i) * kivi_value_token_bytes(B, d);
+          const int g = c / kKiviGroup;
+          const float ws = w * load_half(rec + 2 * g), wz = w * load_half(rec + 2 * (groups + g));
+          acc_q += fmaf(ws, float(code_at<B>(rec + 4 * size_t(groups), c)), wz);
+        } else {
+          const uint8_t* rec = run + size_t(i) * tq_token_bytes(B, d);
+          acc_q = fmaf(w * load_half(rec), book.centroid[code_at<B>(rec + 2, c)], acc_q);
+        }
+      } else {
+        const T* v = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot - nq, layer, 1, head);
+        acc_f = fmaf(w, to_float(v[c]), acc_f);
+      }
+    }
+    float* out = part + ((size_t(r) * hq + j) * num_splits + split) * 2 * d;
+    out[c] = acc_q;
+    out[d + c] = acc_f;
+  }
+}
+
+// Sums the splits; TurboQuant de-rotates the quantized part once (D H acc / d). One thread per
+// channel (blockDim.x >= d).
+template <bool kKivi>
+__global__ void quant_combine_kernel(int hq, int hk, int d, int layer, int num_splits,
+                                     const uint64_t* __restrict__ head_seeds, const float* __restrict__ part,
+                                     float* __restrict__ out) {
+  extern __shared__ float s_acc[];  // [d]
+  const int r = blockIdx.x, j = blockIdx.y, c = threadIdx.x;
+  const float* base = part + (size_t(r) * hq + j) * num_splits * 2 * d;
+  float fp = 0.0f;
+  if (c < d) {
+    float quantized = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+      quantized += base[size_t(s) * 2 * d + c];
+      fp += base[size_t(s) * 2 * d + d + c];
+    }
+    s_acc[c] = quantized;
+  }
+  if constexpr (!kKivi) fwht_rows(s_acc, 1, d);
+  if (c >= d) return;
+  float quantized = s_acc[c];
+  if constexpr (!kKivi) quantized *= rotation_sign(head_seeds[layer * hk + j / (hq / hk)], c) * (1.0f / float(d));
+  out[(size_t(r) * hq + j) * d + c] = quantized + fp;
+}
+
+// For score_acc: per (row, KV head, slot) the probabilities summed over the group's query heads.
+__global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float* __restrict__ probs,
+                                         const long long* __restrict__ group_offset, float* __restrict__ group_probs) {
+  const int r = blockIdx.x, h = blockIdx.y, g = hq / hk;
+  const int n = slots_of(rows, r);
+  const float* p = probs + rows.offset[r];
+  for (int t = blockIdx.z * blockDim.x + threadIdx.x; t < n; t += gridDim.z * blockDim.x) {
+    float sum = 0.0f;
+    for (int j = 0; j < g; ++j) sum += p[size_t(h * g + j) * n + t];
+    group_probs[group_offset[r] + size_t(h) * n + t] = sum;
+  }
+}
+
+// Slots per CTA of the value kernel for rows of up to `slots` slots: at least kSlotsPerSplit, and
+// few enough splits for grid.z.
+int split_slots(int slots) { return std::max(kSlotsPerSplit, ceil_div(slots, 65535)); }
+
+template <typename T>
+KernelStatus upload(const std::vector<T>& host, const T** out, Arena& arena, cudaStream_t stream) {
+  T* d = nullptr;
+  if (auto st = arena.take(std::max<size_t>(host.size(), 1), &d); !st.is_ok()) return st;
+  if (!host.empty())
+    KARAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  *out = d;
+  return KernelStatus::ok();
+}
+
+// Calls f(storage type tag, bits tag, is_kivi tag) for the call's dtype and format.
+template <typename F>
+KernelStatus dispatch_quant(DType dtype, QuantFormat format, F&& f) {
+  return common::dispatch_dtype(dtype, [&](auto dtag) {
+    return common::dispatch_quant_bits(format, format_bits(format), [&](auto btag) -> KernelStatus {
+      constexpr int B = decltype(btag)::value;
+      if (is_kivi(format)) {
+        if constexpr (B == 3) return KernelStatus::invalid("kivi has no 3-bit format");
+        else return f(dtag, btag, std::true_type{});
+      }
+      return f(dtag, btag, std::false_type{});
+    });
+  });
+}
+
+}  // namespace
+
+KernelStatus launch_quantize_tokens(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int seq, int slot_begin,
+                                    int32_t dst, int32_t* first_bad, Arena& arena, cudaStream_t stream) {
+  const int n = q.tokens_per_block, hk = kv.num_kv_heads, d = kv.head_dim;
+  const int runs = kv.num_layers * 2 * hk;
+  const bool kivi = is_kivi(q.format);
+  KARAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(first_bad, 0x7f, size_t(runs) * sizeof(int32_t), stream));
+  float* norms = nullptr;
+  if (!kivi)
+    if (auto st = arena.take(size_t(runs) * n, &norms); !st.is_ok()) return st;
+  return dispatch_quant(dtype, q.format, [&](auto dtag, auto btag, auto kivi_tag) -> KernelStatus {
+    using T = storage_t<decltype(dtag)::value>;
+    constexpr int B = decltype(btag)::value;
+    quant_check_kernel<T><<<copy_grid((long long)runs * n), kCopyThreads, 0, stream>>>(kv, seq, slot_begin, n, kivi,
+                                                                                     norms, first_bad);
+    KARAKV_CUDA_CHECK_LAUNCH("quantize_tokens check");
+    if constexpr (decltype(kivi_tag)::value) {
+      const long long keys = (long long)kv.num_layers * hk * (n / kKiviGroup) * d;
+      kivi_quantize_keys_kernel<T, B><<<copy_grid(keys), kCopyThreads, 0, stream>>>(kv, seq, slot_begin, n, dst,
+                                                                                    first_bad);
+      KARAKV_CUDA_CHECK_LAUNCH("kivi quantize keys");
+      const long long values = (long long)kv.num_layers * hk * n * (d / kKiviGroup);
+      kivi_quantize_values_kernel<T, B><<<copy_grid(values), kCopyThreads, 0, stream>>>(kv, seq, slot_begin, n, dst,
+                                                                                        first_bad);
+      KARAKV_CUDA_CHECK_LAUNCH("kivi quantize values");
+    } else {
+      const int tile = std::max(1, kTileElems / d);
+      const dim3 grid(runs, ceil_div(n, tile));
+      tq_quantize_kernel<T, B><<<grid, kThreads, size_t(tile) * d * sizeof(float), stream>>>(
+          kv, seq, slot_begin, n, tile, dst, q.head_seeds, norms, first_bad, codebook<B>());
+      KARAKV_CUDA_CHECK_LAUNCH("turboquant quantize");
+    }
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int32_t block, void* k,
+                                     void* v, cudaStream_t stream) {
+  const int n = q.tokens_per_block, hk = kv.num_kv_heads, d = kv.head_dim;
+  return dispatch_quant(dtype, q.format, [&](auto dtag, auto btag, auto kivi_tag) -> KernelStatus {
+    using T = storage_t<decltype(dtag)::value>;
+    constexpr int B = decltype(btag)::value;
+    if constexpr (decltype(kivi_tag)::value) {
+      const long long total = (long long)kv.num_layers * n * hk * d;
+      kivi_dequantize_kernel<T, B><<<copy_grid(total), kCopyThreads, 0, stream>>>(kv, n, block, static_cast<T*>(k),
+                                                                                   static_cast<T*>(v));
+      KARAKV_CUDA_CHECK_LAUNCH("kivi dequantize");
+    } else {
+      const int tile = std::max(1, kTileElems / d);
+      const dim3 grid(kv.num_layers * 2 * hk, ceil_div(n, tile));
+      tq_dequantize_kernel<T, B><<<grid, kThreads, size_t(tile) * d * sizeof(float), stream>>>(
+          kv, n, tile, block, q.head_seeds, codebook<B>(), static_cast<T*>(k), static_cast<T*>(v));
+      KARAKV_CUDA_CHECK_LAUNCH("turboquant dequantize");
+    }
+    return KernelStatus::ok();
+  });
+}
+
+KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
+                                        const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
+                                        const std::vector<int32_t>& row_fp, const float* query, float* out, float scale,
+                                        float* group_probs, Arena& arena, cudaStream_t stream) {
+  const int num_rows = int(row_seq.size());
+  if (num_rows == 0) return KernelStatus::ok();
+  const int hq = kv.num_q_heads, hk = kv.num_kv_heads, d = kv.head_dim;
+  if (d > kMaxHeadDim)
+    return KernelStatus::invalid("cuda quantized attention: head_dim " + std::to_string(d) + " exceeds " +
+                                 std::to_string(kMaxHeadDim));
+  const bool kivi = is_kivi(q.format);
+
+  // Chunks of rows whose logits fit kChunkLogits; each row's logits offset is relative to its chunk.
+  std::vector<int> chunk_begin{0}, chunk_max;
+  std::vector<long long> offset(num_rows), group_offset(num_rows);
+  long long used = 0, group_total = 0, largest = 0;
+  int max_slots = 0;
+  for (int r = 0; r < num_rows; ++r) {
+    const long long slots = (long long)row_quantized[r] + row_fp[r];
+    if (r > chunk_begin.back() && used + slots * hq > kChunkLogits) {
+      chunk_max.push_back(max_slots);
+      chunk_begin.push_back(r);
+      used = 0;
+      max_slots = 0;
+    }
+    offset[r] = used;
+    used += slots * hq;
+    largest = std::max(largest, used);
+    max_slots = std::max<int>(max_slots, int(slots));
+    group_offset[r] = group_total;
+    group_total += slots * hk;
+  }
+  chunk_max.push_back(max_slots);
+  chunk_begin.push_back(num_rows);
+
+  const int32_t *dseq = nullptr, *dquant = nullptr, *dfp = nullptr;
+  const long long *doffset = nullptr, *dgroup = nullptr;
+  if (auto st = upload(row_seq, &dseq, arena, stream); !st.is_ok()) return st;
+  if (auto st = upload(row_quantized, &dquant, arena, stream); !st.is_ok()) return st;
+  if (auto st = upload(row_fp, &dfp, arena, stream); !st.is_ok()) return st;
+  if (auto st = upload(offset, &doffset, arena, stream); !st.is_ok()) return st;
+  if (group_probs != nullptr)
+    if (auto st = upload(group_offset, &dgroup, arena, stream); !st.is_ok()) return st;
+
+  size_t max_chunk_rows = 0, max_part = 0;
+  for (size_t i = 0; i + 1 < chunk_begin.size(); ++i) {
+    const size_t rows = size_t(chunk_begin[i + 1] - chunk_begin[i]);
+    const size_t splits = std::max(1, ceil_div(chunk_max[i], split_slots(chunk_max[i])));
+    max_chunk_rows = std::max(max_chunk_rows, rows);
+    max_part = std::max(max_part, rows * hq * splits * 2 * d);
+  }
+  float *logits = nullptr, *qrot = nullptr, *part = nullptr;
+  if (auto st = arena.take(size_t(std::max<long long>(largest, 1)), &logits); !st.is_ok()) return st;
+  if (auto st = arena.take(max_part, &part); !st.is_ok()) return st;
+  if (!kivi)
+    if (auto st = arena.take(max_chunk_rows * hq * d, &qrot); !st.is_ok()) return st;
+
+  return dispatch_quant(dtype, q.format, [&](auto dtag, auto btag, auto kivi_tag) -> KernelStatus {
+    using T = storage_t<decltype(dtag)::value>;
+    constexpr int B = decltype(btag)::value;
+    constexpr bool kKivi = decltype(kivi_tag)::value;
+    const Codebook book = codebook<B>();
+    for (size_t i = 0; i + 1 < chunk_begin.size(); ++i) {
+      const int r0 = chunk_begin[i], rows = chunk_begin[i + 1] - r0, slots = chunk_max[i];
+      const Rows chunk{dseq + r0, dquant + r0, dfp + r0, doffset + r0};
+      const float* cq = query + size_t(r0) * hq * d;
+      float* cout = out + size_t(r0) * hq * d;
+      if (slots == 0) {  // nothing to attend: zeros, as the reference
+        KARAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(cout, 0, size_t(rows) * hq * d * sizeof(float), stream));
+        continue;
+      }
+      const float* keys_q = cq;
+      if constexpr (!kKivi) {
+        rotate_queries_kernel<<<dim3(rows, hq), std::min(d, kThreads), d * sizeof(float), stream>>>(
+            hq, hk, d, layer, q.head_seeds, cq, qrot);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention rotate");
+        keys_q = qrot;
+      }
+      quant_logits_kernel<T, B, kKivi><<<dim3(rows, hq, std::min(ceil_div(slots, kScoreThreads), 65535)), kScoreThreads,
+                                         d * sizeof(float), stream>>>(kv, q, layer, chunk, keys_q, scale, book, logits);
+      KARAKV_CUDA_CHECK_LAUNCH("quantized attention logits");
+      quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits);
+      KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
+      const int per_split = split_slots(slots), splits = std::max(1, ceil_div(slots, per_split));
+      const int threads = (d + 31) / 32 * 32;
+      quant_values_kernel<T, B, kKivi><<<dim3(rows, hq, splits), threads, 0, stream>>>(
+          kv, q, layer, chunk, logits, splits, per_split, book, part);
+      KARAKV_CUDA_CHECK_LAUNCH("quantized attention values");
+      quant_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
+          hq, hk, d, layer, splits, q.head_seeds, part, cout);
+      KARAKV_CUDA_CHECK_LAUNCH("quantized attention combine");
+      if (group_probs != nullptr) {
+        const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
+        quant_group_probs_kernel<<<grid, kThreads, 0, stream>>>(hq, hk, chunk, logits, dgroup + r0, group_probs);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention probabilities");
+      }
+    }
+    return KernelStatus::ok();
+  });
+}
+
+}  // namespace karakv::kernels::cuda
