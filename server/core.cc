@@ -193,7 +193,7 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
       if (!backend_->supports(op, g.dtype)) {
         return absl::UnimplementedError(absl::StrCat(
             "storage '", storage, "' needs ", kernels::op_name(op), ", which backend ", std::string(backend_->name()),
-            " does not run (quantized storage is CPU-only so far); start karakvd with --backend=cpu for it"));
+            " does not run for ", kernels::dtype_name(g.dtype), "; start karakvd with --backend=cpu"));
       }
     }
     tokens_per_qblock = backend_->quantized_tokens_per_block(g, format);
