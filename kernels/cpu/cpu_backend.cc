@@ -1,6 +1,7 @@
 // The CPU backend: the reference every other backend is tested against, and the production backend
 // on machines without a GPU. Validation is cheap (O(blocks touched)) and happens before any write,
-// so an invalid call changes nothing. Work is split over OpenMP threads.
+// so an invalid call changes nothing. Work is split over OpenMP threads: one team for the backend,
+// whose master is the team thread (team_thread.h), whichever thread calls.
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -16,9 +17,11 @@
 #include "../common/validate.h"
 #include "attention.h"
 #include "compress.h"
+#include "karakv/kernels/backend.h"
+#include "karakv/kernels/cpus.h"
 #include "merge.h"
 #include "quant_storage.h"
-#include "karakv/kernels/backend.h"
+#include "team_thread.h"
 
 namespace karakv::kernels {
 namespace {
@@ -31,6 +34,9 @@ constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kCacheLine = 64;
 // Below this many bytes a copy is not worth waking the thread team for.
 constexpr size_t kParallelCopyBytes = size_t(1) << 20;
+// Attention reading less K/V than this runs on the calling thread: handing it to the team thread
+// and waking the team costs more than the work (a one-token Step over a short context).
+constexpr size_t kParallelAttentionBytes = size_t(1) << 20;
 // decode_attention gives each task a whole sequence once there are this many per thread (enough
 // for dynamic scheduling to balance unequal lengths).
 constexpr int kSeqsPerThreadForWholeSeqTasks = 4;
@@ -43,8 +49,7 @@ cpu::AttentionScratch& thread_scratch() {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads)
-      : num_threads_(num_threads > 0 ? num_threads : std::max(1, omp_get_max_threads())) {}
+  explicit CpuBackend(int num_threads) : num_threads_(num_threads > 0 ? num_threads : usable_cpus().count) {}
 
   ~CpuBackend() override {
     allocations_.release_all([](void* p) { std::free(p); });
@@ -52,11 +57,9 @@ class CpuBackend final : public Backend {
 
   std::string_view name() const override { return "cpu"; }
 
-  void prepare_thread() override {
-    // An empty region of the kernels' width: libgomp makes this thread's team now and keeps it.
-#pragma omp parallel num_threads(num_threads_)
-    { [[maybe_unused]] volatile int touched = omp_get_thread_num(); }
-  }
+  // The calling thread needs nothing of its own: parallel regions run on the team thread, whose
+  // OpenMP team this starts if it is not running yet.
+  void prepare_thread() override { team_.start(); }
 
   bool supports(Op op, DType dtype) const override {
     return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
@@ -100,20 +103,23 @@ class CpuBackend final : public Backend {
     const auto* ks = static_cast<const char*>(k);
     const auto* vs = static_cast<const char*>(v);
     // Split over (layer, token): one layer of many tokens (a Step, or a single-layer model) must
-    // still spread, and a tiny copy must not wake the thread team at all.
-#pragma omp parallel for collapse(2) num_threads(num_threads_) if (total >= kParallelCopyBytes) schedule(static)
-    for (int l = 0; l < num_layers; ++l) {
-      for (int i = 0; i < num_tokens; ++i) {
-        const int pos = start_pos + i;
-        const int32_t block = kv.block_of(seq, pos);
-        const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
-        for (int h = 0; h < geo.num_kv_heads; ++h) {
-          const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
-          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
-          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
+    // still spread, and a tiny copy must not wake the thread team at all (it runs on the caller).
+    const bool parallel = total >= kParallelCopyBytes;
+    parallel_if(parallel, [&] {
+#pragma omp parallel for collapse(2) num_threads(num_threads_) if (parallel) schedule(static)
+      for (int l = 0; l < num_layers; ++l) {
+        for (int i = 0; i < num_tokens; ++i) {
+          const int pos = start_pos + i;
+          const int32_t block = kv.block_of(seq, pos);
+          const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
+          for (int h = 0; h < geo.num_kv_heads; ++h) {
+            const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
+            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
+            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
+          }
         }
       }
-    }
+    });
     return KernelStatus::ok();
   }
 
@@ -130,14 +136,17 @@ class CpuBackend final : public Backend {
     const int slices = (geo.num_kv_heads + heads_per_task - 1) / heads_per_task;
     const size_t group_elems = size_t(geo.group_size()) * geo.head_dim;
     const size_t seq_elems = geo.q_token_elems();
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads_)
-    for (long long task = 0; task < static_cast<long long>(kv.num_seqs) * slices; ++task) {
-      const int s = int(task / slices);
-      const int h = int(task % slices) * heads_per_task;
-      const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
-      const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
-      cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch());
-    }
+    const bool parallel = attention_is_large(kv);
+    parallel_if(parallel, [&] {
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads_) if (parallel)
+      for (long long task = 0; task < static_cast<long long>(kv.num_seqs) * slices; ++task) {
+        const int s = int(task / slices);
+        const int h = int(task % slices) * heads_per_task;
+        const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
+        const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
+        cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch());
+      }
+    });
     return KernelStatus::ok();
   }
 
@@ -152,13 +161,18 @@ class CpuBackend final : public Backend {
     const size_t group_elems = size_t(geo.group_size()) * geo.head_dim;
     const size_t query_elems = geo.q_token_elems();
     const int first_pos = len - num_queries;
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_)
-    for (int i = 0; i < num_queries; ++i) {
-      for (int h = 0; h < num_kv_heads; ++h) {
-        const size_t off = size_t(i) * query_elems + size_t(h) * group_elems;
-        cpu::attend_heads(kv, seq, layer, h, 1, first_pos + i + 1, q + off, out + off, scale, thread_scratch());
+    // Each query reads at most the whole sequence.
+    const bool parallel =
+        size_t(num_queries) * size_t(len) * geo.kv_token_elems() * dtype_size(geo.dtype) * 2 >= kParallelAttentionBytes;
+    parallel_if(parallel, [&] {
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_) if (parallel)
+      for (int i = 0; i < num_queries; ++i) {
+        for (int h = 0; h < num_kv_heads; ++h) {
+          const size_t off = size_t(i) * query_elems + size_t(h) * group_elems;
+          cpu::attend_heads(kv, seq, layer, h, 1, first_pos + i + 1, q + off, out + off, scale, thread_scratch());
+        }
       }
-    }
+    });
     return KernelStatus::ok();
   }
 
@@ -174,18 +188,21 @@ class CpuBackend final : public Backend {
     const auto* pool = static_cast<const char*>(kv.pool);
     auto* kd = static_cast<char*>(k);
     auto* vd = static_cast<char*>(v);
-#pragma omp parallel for num_threads(num_threads_) if (total >= kParallelCopyBytes) schedule(static)
-    for (int l = 0; l < geo.num_layers; ++l) {
-      for (int t = 0; t < len; ++t) {
-        const int32_t block = kv.block_of(seq, t);
-        const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
-        for (int h = 0; h < geo.num_kv_heads; ++h) {
-          const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
-          std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
-          std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
+    const bool parallel = total >= kParallelCopyBytes;
+    parallel_if(parallel, [&] {
+#pragma omp parallel for num_threads(num_threads_) if (parallel) schedule(static)
+      for (int l = 0; l < geo.num_layers; ++l) {
+        for (int t = 0; t < len; ++t) {
+          const int32_t block = kv.block_of(seq, t);
+          const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
+          for (int h = 0; h < geo.num_kv_heads; ++h) {
+            const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
+            std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
+            std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
+          }
         }
       }
-    }
+    });
     return KernelStatus::ok();
   }
 
@@ -198,23 +215,24 @@ class CpuBackend final : public Backend {
     return KernelStatus::ok();
   }
 
-  // Compression kernels live in compress.cc; they run on this backend's thread count.
+  // Compression kernels live in compress.cc; they run on the team thread, whose default width
+  // (omp_set_num_threads) is this backend's thread count.
   KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                              float scale, float* out) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv));
+    return team_.run(
+        [&] { return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)); });
   }
   KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                                       const float* q, float scale, const float* lse, bool later_keys_only,
                                       float* out) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::window_scores_observed(kv, seq, layer, slot_begin, window, q, scale, lse, later_keys_only, out,
-                                       pool_blocks(kv));
+    return team_.run([&] {
+      return cpu::window_scores_observed(kv, seq, layer, slot_begin, window, q, scale, lse, later_keys_only, out,
+                                         pool_blocks(kv));
+    });
   }
   KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                              int pool, float* out) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv));
+    return team_.run([&] { return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv)); });
   }
   KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override { return cpu::top_k(scores, n, k, out); }
   KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
@@ -223,53 +241,76 @@ class CpuBackend final : public Backend {
   }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv));
+    return team_.run([&] { return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)); });
   }
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks,
-                                 pool_blocks(kv));
+    return team_.run([&] {
+      return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks,
+                                   pool_blocks(kv));
+    });
   }
   int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const override {
     return cpu::quantized_tokens_per_block(g, format);
   }
   KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q,
                                int32_t dst) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::quantize_tokens(kv, seq, slot_begin, q, dst);
+    return team_.run([&] { return cpu::quantize_tokens(kv, seq, slot_begin, q, dst); });
   }
   KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) override {
     return cpu::dequantize_block(kv, q, block, k, v);
   }
   KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
                                           float* out, float scale, float* const* score_acc) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc);
+    return team_.run([&] { return cpu::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc); });
   }
   KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
                                           int num_queries, const float* q, float* out, float scale) override {
-    omp_set_num_threads(num_threads_);
-    return cpu::causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale);
+    return team_.run([&] { return cpu::causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale); });
   }
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
                                            float* const* score_acc) override {
-    KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
-    omp_set_num_threads(num_threads_);
-    return cpu::accumulate_attention(kv, layer, q, scale, score_acc);
+    return parallel_if(attention_is_large(kv), [&] {  // one hand-over for both kernels
+      KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
+      return cpu::accumulate_attention(kv, layer, q, scale, score_acc);
+    });
   }
   KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
                                         float* const* score_acc, float* const* lse) override {
-    KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
-    omp_set_num_threads(num_threads_);
-    return cpu::accumulate_attention(kv, layer, q, scale, score_acc, lse);
+    return parallel_if(attention_is_large(kv), [&] {
+      KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
+      return cpu::accumulate_attention(kv, layer, q, scale, score_acc, lse);
+    });
   }
 
  private:
   long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
 
+  // Runs f on the team thread when `parallel`, else on the calling thread without a team: its
+  // regions' if clauses are false there, and those that name no width take this thread's default,
+  // set to 1 here.
+  template <class F>
+  auto parallel_if(bool parallel, F&& f) -> std::invoke_result_t<F&> {
+    if (parallel) return team_.run(f);
+    serial_on_this_thread();
+    return f();
+  }
+  static void serial_on_this_thread() {
+    static thread_local bool set = false;
+    if (!set && !cpu::on_a_team_thread()) {
+      omp_set_num_threads(1);
+      set = true;
+    }
+  }
+  // Whether decode attention over `kv` reads enough K/V to be worth the team.
+  static bool attention_is_large(const PagedKV& kv) {
+    size_t tokens = 0;
+    for (int s = 0; s < kv.num_seqs; ++s) tokens += size_t(kv.seq_len[s]);
+    return tokens * kv.geometry.kv_token_elems() * dtype_size(kv.geometry.dtype) * 2 >= kParallelAttentionBytes;
+  }
+
   const int num_threads_;
+  cpu::TeamThread team_{num_threads_};
   common::Allocations allocations_;
 };
 

@@ -6,6 +6,8 @@
 #include <omp.h>
 
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
 #include <filesystem>
 #include <thread>
 #include <tuple>
@@ -438,42 +440,109 @@ int process_threads() {
   return n;
 }
 
-// prepare_thread makes the calling thread's OpenMP team (num_threads - 1 threads that live as
-// long as the calling thread), and the kernels that thread runs afterwards use that team: a
-// decode step starts no thread and still matches the float64 reference.
-TEST(CpuPrepareThreadTest, MakesTheCallersTeamOnceAndKernelsReuseIt) {
-  const int width = 2;
-  const int limit = omp_get_thread_limit();  // OMP_THREAD_LIMIT=1 leaves no team to make
-  const int team_threads = std::min(width, limit) - 1;
-  const Geometry g{1, 4, 2, 16, 8, DType::kFloat32};
-  std::unique_ptr<Backend> backend = make_cpu_backend(width);
-  std::mt19937 rng(7);
-  PagedCache cache(*backend, g, {40}, rng);
-  const DenseKV dense = random_dense_kv(g, 40, rng);
-  write_sequence(*backend, cache, 0, dense);
-  const std::vector<float> q = random_values(g.q_token_elems(), -2.0f, 2.0f, rng);
-  BackendBuffer qb(*backend, q.size() * 4), ob(*backend, q.size() * 4);
-  qb.upload(q);
+// Callers on many threads (a ring thread per fast-path session) share the backend's one OpenMP
+// team: while 6 fresh threads have each run kernels, small (on the caller) and large (on the team),
+// the process has the 6 callers plus the team thread and its width - 1 workers, not a team per
+// caller (6 x (width - 1) more), and the results still match the float64 reference. The team ends
+// with the backend.
+TEST(CpuTeamThreadTest, CallersOnManyThreadsShareOneTeam) {
+  const int width = 3, callers = 6;
+  const int limit = omp_get_thread_limit();  // OMP_THREAD_LIMIT=1 leaves no workers to make
+  const int workers = std::min(width, limit) - 1;
+  // 40 tokens x 2 KV heads x dim 16: a few KiB of K/V, run on the caller; 600 tokens x dim 128:
+  // over 1 MiB, run on the team.
+  const Geometry small{1, 4, 2, 16, 8, DType::kFloat32}, large{1, 4, 2, 128, 8, DType::kFloat32};
+  const int small_len = 40, large_len = 600;
+  const int baseline = process_threads();
+  {
+    std::unique_ptr<Backend> backend = make_cpu_backend(width);
+    std::mt19937 rng(7);
+    PagedCache small_cache(*backend, small, {small_len}, rng), large_cache(*backend, large, {large_len}, rng);
+    const DenseKV small_kv = random_dense_kv(small, small_len, rng), large_kv = random_dense_kv(large, large_len, rng);
+    write_sequence(*backend, small_cache, 0, small_kv);
+    write_sequence(*backend, large_cache, 0, large_kv);
+    const std::vector<float> small_q = random_values(small.q_token_elems(), -2.0f, 2.0f, rng);
+    const std::vector<float> large_q = random_values(large.q_token_elems(), -2.0f, 2.0f, rng);
+    const std::vector<double> small_want = naive_attention(small, small_kv, 0, small_len, small_q.data(), 0.25f);
+    const std::vector<double> large_want = naive_attention(large, large_kv, 0, large_len, large_q.data(), 0.08f);
 
-  int before = 0, prepared = 0, again = 0, after_kernel = 0;
-  std::vector<float> out;
-  std::thread server([&] {  // a fresh thread, as a ring thread is: no team yet
+    std::mutex mu;
+    std::condition_variable cv;
+    int ran = 0;
+    bool release = false;
+    std::vector<std::vector<float>> small_outs(callers), large_outs(callers);
+    std::vector<std::thread> threads;
+    for (int c = 0; c < callers; ++c) {
+      threads.emplace_back([&, c] {  // fresh threads, as ring threads are
+        backend->prepare_thread();
+        std::vector<float> small_out(small_q.size()), large_out(large_q.size());
+        for (int rep = 0; rep < 3; ++rep) {
+          ASSERT_TRUE(
+              backend->decode_attention(small_cache.view(), 0, small_q.data(), small_out.data(), 0.25f).is_ok());
+          ASSERT_TRUE(
+              backend->decode_attention(large_cache.view(), 0, large_q.data(), large_out.data(), 0.08f).is_ok());
+        }
+        small_outs[c] = small_out;
+        large_outs[c] = large_out;
+        std::unique_lock<std::mutex> lock(mu);
+        ++ran;
+        cv.notify_all();
+        cv.wait(lock, [&] { return release; });  // stay alive while the threads are counted
+      });
+    }
+    int during = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return ran == callers; });
+      during = process_threads();
+      release = true;
+      cv.notify_all();
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(during - baseline, callers + 1 + workers);
+    for (int c = 0; c < callers; ++c) {
+      ASSERT_EQ(small_outs[c].size(), small_want.size());
+      ASSERT_EQ(large_outs[c].size(), large_want.size());
+      for (size_t i = 0; i < small_want.size(); ++i)
+        EXPECT_NEAR(small_outs[c][i], small_want[i], kAttentionTolerance) << c << " " << i;
+      for (size_t i = 0; i < large_want.size(); ++i)
+        EXPECT_NEAR(large_outs[c][i], large_want[i], kAttentionTolerance) << c << " " << i;
+    }
+    EXPECT_EQ(process_threads() - baseline, 1 + workers);  // the callers ended; the team stays
+  }
+  // libgomp lets go of a team's threads as its master ends; they take a moment to exit.
+  for (int i = 0; i < 200 && process_threads() != baseline; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(process_threads(), baseline);
+}
+
+// One thread: no team and no team thread; kernels run on the caller, including those whose
+// parallel regions name no width (which would otherwise take OpenMP's default, every CPU).
+TEST(CpuTeamThreadTest, OneThreadRunsOnTheCallerWithoutATeam) {
+  const Geometry g{1, 4, 2, 16, 8, DType::kFloat32};
+  std::unique_ptr<Backend> backend = make_cpu_backend(1);
+  std::mt19937 rng(11);
+  PagedCache cache(*backend, g, {40}, rng);
+  write_sequence(*backend, cache, 0, random_dense_kv(g, 40, rng));
+  const std::vector<float> q = random_values(g.q_token_elems(), -2.0f, 2.0f, rng);
+  std::vector<float> out(q.size());
+  std::vector<std::vector<float>> acc(g.num_kv_heads, std::vector<float>(40, 0.0f));
+  std::vector<float*> accp;
+  for (auto& a : acc) accp.push_back(a.data());
+  int before = 0, after = 0;
+  std::thread caller([&] {
     before = process_threads();
     backend->prepare_thread();
-    prepared = process_threads();
-    backend->prepare_thread();
-    again = process_threads();
-    ASSERT_TRUE(backend->decode_attention(cache.view(), 0, qb.get<float>(), ob.get<float>(), 0.25f).is_ok());
-    after_kernel = process_threads();
-    out = ob.download<float>(q.size());
+    ASSERT_TRUE(backend->decode_attention(cache.view(), 0, q.data(), out.data(), 0.25f).is_ok());
+    ASSERT_TRUE(
+        backend->decode_attention_accumulate(cache.view(), 0, q.data(), out.data(), 0.25f, accp.data()).is_ok());
+    after = process_threads();
   });
-  server.join();
-  EXPECT_EQ(prepared - before, team_threads);
-  EXPECT_EQ(again, prepared);
-  EXPECT_EQ(after_kernel, prepared);
-  const std::vector<double> want = naive_attention(g, dense, 0, 40, q.data(), 0.25f);
-  ASSERT_EQ(out.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(out[i], want[i], kAttentionTolerance) << i;
+  caller.join();
+  EXPECT_EQ(after, before);
+  double total = 0;
+  for (const auto& a : acc)
+    for (float x : a) total += x;
+  EXPECT_NEAR(total, g.num_q_heads, 1e-3);  // each query head's probabilities sum to 1
 }
 
 }  // namespace

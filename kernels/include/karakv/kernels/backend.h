@@ -48,9 +48,9 @@ class Backend {
   // Whether `op` runs on this backend for storage dtype `dtype`; the server refuses what is not.
   virtual bool supports(Op op, DType dtype) const = 0;
 
-  // Makes what the calling thread needs before it runs kernels (the CPU backend: its OpenMP thread
-  // team, which libgomp keeps for the thread's lifetime), so a long-lived serving thread pays for
-  // it when it starts instead of in its first request. Optional; kernels work without it.
+  // Makes what kernels called from this thread need, so a long-lived serving thread pays for it
+  // when it starts instead of in its first request (the CPU backend: its one OpenMP team, shared by
+  // every calling thread, if not started yet). Optional; kernels work without it.
   virtual void prepare_thread() {}
 
   // Memory for the block pool. Returned memory is zero-filled.
@@ -243,8 +243,10 @@ class Backend {
   }
 };
 
-// The reference backend: host memory, multi-threaded over sequences and heads.
-// num_threads <= 0 uses every hardware thread.
+// The reference backend: host memory, multi-threaded over sequences and heads. num_threads <= 0
+// uses the CPUs this process may use (usable_cpus() in karakv/kernels/cpus.h: the affinity mask
+// capped by the cgroup CPU quota). Whichever threads call it, its kernels run on one OpenMP team
+// of num_threads threads (kernels/cpu/team_thread.h); with one thread, on the caller.
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
 
 // The CUDA backend on GPU `device` (kernels/cuda). Returns null, with the reason in *error when
