@@ -55,7 +55,9 @@ ABSL_FLAG(std::string, backend, "auto",
           "Kernel backend: auto | cpu | cuda. auto runs on the GPU when this build has the CUDA backend and a "
           "GPU works, else on the CPU, and logs which it chose and why; cuda refuses to start without a GPU");
 ABSL_FLAG(int32_t, cuda_device, 0, "GPU index for --backend=cuda or auto");
-ABSL_FLAG(int32_t, threads, 0, "Kernel threads (0: all hardware threads)");
+ABSL_FLAG(int32_t, threads, 0,
+          "CPU backend: kernel threads, one team whichever thread calls (0: the CPUs this process may use, its "
+          "affinity mask capped by its cgroup CPU quota, rounded up)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace | debug | info | warn | error");
 ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may take to finish");
@@ -77,7 +79,7 @@ ABSL_FLAG(bool, prefix_cache_shared_namespaces, false,
 ABSL_FLAG(bool, fast_path, true,
           "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
 ABSL_FLAG(int32_t, ring_idle_threads, 16,
-          "Fast path: ring threads started with the daemon (each with its kernels' thread team) and kept "
+          "Fast path: ring threads started with the daemon (sharing the kernels' one thread team) and kept "
           "waiting for sessions; more start while more sessions than this are open at once, and end with them");
 ABSL_FLAG(int32_t, malloc_arenas, 2,
           "Most glibc malloc arenas (M_ARENA_MAX; 0: glibc's default, 8 per core, or MALLOC_ARENA_MAX). "
@@ -291,6 +293,10 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--cuda_device=", c.cuda_device, ", expected a GPU index >= 0"));
   }
   c.kernel_threads = absl::GetFlag(FLAGS_threads);
+  if (c.kernel_threads < 0 || c.kernel_threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--threads=", c.kernel_threads,
+                                                   ", expected 0 (the CPUs this process may use) or 1..4096 threads"));
+  }
   c.log_format = absl::GetFlag(FLAGS_log_format);
   if (c.log_format != "text" && c.log_format != "json") {
     return absl::InvalidArgumentError(absl::StrCat("--log_format=", c.log_format, ", expected text or json"));

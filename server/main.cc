@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "karakv/kernels/backend.h"
+#include "karakv/kernels/cpus.h"
 #include "server/backend_select.h"
 #include "server/config.h"
 #include "server/heap_usage.h"
@@ -69,6 +71,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "karakvd: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
+  // The kernels' OpenMP workers sleep as soon as a region ends instead of spinning: libgomp spins
+  // for a long while when its team fits the CPUs it sees, and it sees the host's CPUs, not the
+  // cgroup quota; on a machine shared with other work the spinning worker took the CPU the ring and
+  // gRPC threads needed (decode at batch 64 fell to an eighth). libgomp reads it when it loads, so
+  // it applies from the re-execution below. Set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) to choose.
+  if (std::getenv("GOMP_SPINCOUNT") == nullptr) setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
   // Before any thread of the daemon's starts (gRPC's, the kernels', the rings'). The tcache cap
   // re-executes karakvd (same pid and arguments) the first time through; on failure it runs on.
   const absl::Status tcache_status = karakv::server::apply_tcache_max(config->malloc_tcache_max, argv);
@@ -98,11 +106,27 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto selected = karakv::server::select_backend(config->backend, config->cuda_device, config->kernel_threads,
-                                                 config->core.geometry);
+  // Kernel threads: --threads, else the CPUs this process may use (affinity capped by the cgroup
+  // CPU quota; a container limited to 1 CPU gets 1 thread, not one per host CPU).
+  const karakv::kernels::UsableCpus usable = karakv::kernels::usable_cpus();
+  const int kernel_threads = config->kernel_threads > 0 ? config->kernel_threads : usable.count;
+  auto selected =
+      karakv::server::select_backend(config->backend, config->cuda_device, kernel_threads, config->core.geometry);
   if (!selected.ok()) return fail(selected.status());
   spdlog::info("backend: {} ({})", selected->backend->description(), selected->reason);
   const std::string backend_name(selected->backend->name());
+  if (backend_name == "cpu") {
+    if (config->kernel_threads > 0) {
+      spdlog::info("kernel threads: {} (--threads; usable CPUs {}: {})", kernel_threads, usable.count, usable.reason());
+      if (kernel_threads > usable.count) {
+        spdlog::warn("--threads={} is more than the {} CPU(s) this process may use ({}): the kernels' threads will "
+                     "wait for each other",
+                     kernel_threads, usable.count, usable.reason());
+      }
+    } else {
+      spdlog::info("kernel threads: {} ({})", kernel_threads, usable.reason());
+    }
+  }
   auto core = karakv::server::Core::create(config->core, std::move(selected->backend));
   if (!core.ok()) return fail(core.status());
   auto metrics = karakv::server::Metrics::create(config->metrics_listen, backend_name);

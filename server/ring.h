@@ -8,10 +8,12 @@
 // l's output), so a ring has at most a few commands in flight and its thread is either running one
 // or waiting; a thread per ring gives each session its own futex and no head-of-line blocking.
 // A thread whose session ended waits for the next session (up to `idle_threads` wait), so workers
-// that attach and detach all the time reuse threads, and the kernels' OpenMP team each thread
-// keeps, instead of making and ending both per session (which also grew the heap's arenas).
-// karakvd starts that many threads with the daemon (`start_threads`), each making its team
-// first, so the set of threads is fixed unless more sessions than that are open at once.
+// that attach and detach all the time reuse threads instead of making and ending one per session
+// (which also grew the heap's arenas). karakvd starts that many threads with the daemon
+// (`start_threads`), so the set of threads is fixed unless more sessions than that are open at
+// once. Ring threads have no kernel threads of their own: the CPU backend runs every caller's
+// kernels on its one OpenMP team (kernels/cpu/team_thread.h), so N ring threads add N threads, not
+// N teams.
 // Waiting: spin for `spin` after the last command, then FUTEX_WAIT on the doorbell in slices of
 // `poll`, checking between slices that the session still exists (detach, lease expiry): the thread
 // ends within one slice of its session. A ring with impossible indices or a command that is not a

@@ -5,7 +5,11 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <numeric>
 #include <thread>
 
@@ -252,6 +256,59 @@ TEST(FastPath, DaemonGoneIsUnavailableNotAHang) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   EXPECT_LT(waited, 10.0);  // far below the 20 s rpc_timeout: the liveness check ended the wait
   d.stop();
+}
+
+// Threads of process `pid` by name (/proc/PID/task/*/comm). Threads inherit their creator's name,
+// so OpenMP workers carry the name of the thread whose team they are.
+std::map<std::string, int> thread_names(pid_t pid) {
+  std::map<std::string, int> out;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(e.path() / "comm");
+    std::string name;
+    if (std::getline(in, name)) ++out[name];
+  }
+  return out;
+}
+
+// Ring threads share the daemon's one kernel team: with 4 ring threads and 3 kernel threads the
+// daemon has 4 threads named karakv-ring and 3 named karakv-kernels (the team thread and its 2
+// OpenMP workers), both at start and after 4 fast-path sessions ran Steps at once. A team per ring
+// thread would be 4 + 4 x 2 karakv-ring threads.
+TEST(FastPath, RingThreadsShareOneKernelTeam) {
+  const int width = 3, rings = 4;
+  int limit = width;  // OMP_THREAD_LIMIT (the TSan runs set 1) caps the team, the daemon inherits it
+  if (const char* env = std::getenv("OMP_THREAD_LIMIT"); env != nullptr && std::atoi(env) > 0) {
+    limit = std::min(limit, std::atoi(env));
+  }
+  Daemon d(flags({"--threads=" + std::to_string(width), "--ring_idle_threads=" + std::to_string(rings)}));
+  ASSERT_TRUE(d.ready());
+  // The ring threads start with the daemon and make the team before they wait for sessions.
+  std::map<std::string, int> names;
+  for (int i = 0; i < 400; ++i) {
+    names = thread_names(d.pid());
+    if (names["karakv-kernels"] == limit && names["karakv-ring"] >= rings) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(names["karakv-ring"], rings);
+  EXPECT_EQ(names["karakv-kernels"], limit);
+
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < rings; ++i) {
+    clients.push_back(attach(d, true));
+    ASSERT_TRUE(clients.back() && clients.back()->fast_path());
+  }
+  std::vector<std::thread> workers;
+  std::vector<Trace> traces(rings);
+  for (int i = 0; i < rings; ++i) workers.emplace_back([&, i] { traces[i] = workload(*clients[i]); });
+  for (std::thread& t : workers) t.join();
+  for (int i = 0; i < rings; ++i) {
+    EXPECT_GE(clients[i]->ring_calls(), 80u) << i;
+    EXPECT_EQ(traces[i].errors.size(), 5u) << i;  // the workload's deliberately refused calls only
+  }
+  names = thread_names(d.pid());
+  EXPECT_EQ(names["karakv-ring"], rings);
+  EXPECT_EQ(names["karakv-kernels"], limit);
 }
 
 }  // namespace

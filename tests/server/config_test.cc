@@ -18,6 +18,7 @@
 
 ABSL_DECLARE_FLAG(int32_t, layers);
 ABSL_DECLARE_FLAG(int32_t, ring_idle_threads);
+ABSL_DECLARE_FLAG(int32_t, threads);
 ABSL_DECLARE_FLAG(int32_t, malloc_arenas);
 ABSL_DECLARE_FLAG(int32_t, malloc_tcache_max);
 ABSL_DECLARE_FLAG(int32_t, malloc_mmap_threshold);
@@ -177,6 +178,24 @@ TEST_F(ConfigFileTest, RingIdleThreadsDefaultAndRefusal) {
   c = config_from_flags();
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find("--ring_idle_threads=-1, expected 0..4096"), std::string::npos) << c.status();
+}
+
+// --threads: 0 (the default) leaves the count to the CPUs the daemon may use; a negative count is
+// refused rather than taken as "default".
+TEST_F(ConfigFileTest, KernelThreadsDefaultAndRefusal) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kernel_threads, 0);
+  ASSERT_TRUE(apply_config_file(write("threads = 3\n")).ok());
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kernel_threads, 3);
+  absl::SetFlag(&FLAGS_threads, -2);
+  c = config_from_flags();
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("--threads=-2, expected 0 (the CPUs this process may use) or 1..4096"),
+            std::string::npos)
+      << c.status();
 }
 
 TEST_F(ConfigFileTest, MallocTcacheMaxDefaultAndRefusal) {
