@@ -48,7 +48,8 @@ uint64_t decode_staging_bytes(const kn::Geometry& g, int prompt, int batch) {
          2 * size_t(batch) * g.q_token_elems() * sizeof(float) + (4 << 20);
 }
 
-absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<std::string>& policies, int prompt) {
+absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<std::string>& policies, int prompt,
+                     const std::map<std::string, double>& params) {
   karakv::Client& c = *set.c;
   const int batch = int(policies.size());
   const int chunk = std::min(prompt, 256);
@@ -62,6 +63,7 @@ absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<st
   for (int s = 0; s < batch; ++s) {
     karakv::SequenceOptions o;
     o.policy = policies[s];
+    o.params = params;
     auto id = c.CreateSequence(o);
     if (!id.ok()) return id.status();
     set.ids.push_back(*id);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -141,7 +142,9 @@ uint64_t decode_staging_bytes(const kn::Geometry& g, int prompt, int batch);
 
 // Creates one sequence per entry of `policies` in client `c`, appends the synthetic prompt of
 // index i (in chunks of up to 256 tokens) and allocates the Step buffers.
-absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<std::string>& policies, int prompt);
+// `params`: policy parameters given to every sequence created (empty: the policy's defaults).
+absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<std::string>& policies, int prompt,
+                     const std::map<std::string, double>& params = {});
 
 // Pool for `seqs` uncompressed sequences of `tokens` tokens each, plus slack for compaction.
 size_t decode_pool_bytes(const kn::Geometry& g, int seqs, int tokens);

@@ -2,6 +2,7 @@
 // tokens/s with Kara vs none, decoded side by side through two karakvd.
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,7 +12,10 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "bench_common.h"
 #include "harness.h"
 #include "karakv/client.h"
@@ -19,6 +23,9 @@
 ABSL_FLAG(int32_t, p5_sequences, 32, "P5: sequences in the decode batch (each policy)");
 ABSL_FLAG(int32_t, p5_prompt, 128, "P5: prompt tokens per sequence (Append)");
 ABSL_FLAG(int32_t, p5_steps, 2048, "P5: decode steps (each a Step per layer over the batch)");
+ABSL_FLAG(std::string, p5_kara_params, "",
+          "P5: Kara parameters over its defaults, name=value,... (e.g. observers=0 for version 1's window "
+          "scorer, whose decode records nothing)");
 
 namespace karakv::bench {
 namespace {
@@ -51,6 +58,15 @@ absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
     std::unique_ptr<karakv::Client> client;
     DecodeSet set;
   };
+  std::map<std::string, double> kara_params;
+  for (absl::string_view kv : absl::StrSplit(absl::GetFlag(FLAGS_p5_kara_params), ',', absl::SkipEmpty())) {
+    const std::vector<std::string> nv = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    double value = 0;
+    if (nv.size() != 2 || !absl::SimpleAtod(nv[1], &value)) {
+      return absl::InvalidArgumentError(absl::StrCat("--p5_kara_params: expected name=value, got '", kv, "'"));
+    }
+    kara_params[nv[0]] = value;
+  }
   std::vector<Side> sides(2);
   sides[0].policy = "kara";
   sides[1].policy = "none";
@@ -64,7 +80,8 @@ absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
     s.set.label = s.policy;
     s.set.c = s.client.get();
     const auto t = Clock::now();
-    if (absl::Status st = prefill(s.set, g, std::vector<std::string>(seqs, s.policy), prompt); !st.ok()) return st;
+    if (absl::Status st = prefill(s.set, g, std::vector<std::string>(seqs, s.policy), prompt,
+                                      s.policy == "kara" ? kara_params : std::map<std::string, double>{}); !st.ok()) return st;
     progress(absl::StrFormat("P5 %s: %d sequences x %d prompt tokens appended in %.2f s (pool %.2f GB)", s.policy,
                              seqs, prompt, seconds_since(t), pool / 1e9));
   }

@@ -2,8 +2,8 @@
 """Draws llama_quality --kara_points results: perplexity against MEAN resident K/V tokens per
 sequence (COMPRESSION.md section 4 matches baselines on it), one series per policy: every Kara point
 (labelled), and each baseline sized to the points (snapkv, streaming, h2o, joined in memory order).
-Greedy tasks, when present, get a second panel with agreement on the same axis (end memory, which
-is what the greedy task samples).
+Greedy tasks, when present, get a second panel with agreement on the same axis (mean resident
+tokens of the sequences still decoding, sampled every 8th step; end memory for older CSVs without it).
 
 Usage: bench/plot_ablation.py OUTPUT_PNG ABLATION_CSV [ABLATION_CSV ...]
 Needs matplotlib; without it, says so and exits 0.
@@ -34,7 +34,8 @@ def main():
     for ax, kind in zip(axes[0], kinds):
         sel = [r for r in rows if r["kind"] == kind]
         ykey = "perplexity" if kind == "perplexity" else "greedy_agreement"
-        xkey = "resident_mean" if kind == "perplexity" else "resident_final"
+        has_mean = all(r["resident_mean"] for r in sel)
+        xkey = "resident_mean" if has_mean else "resident_final"
         series = {}
         for r in sel:
             name = r["policy"]
@@ -52,7 +53,7 @@ def main():
                 for x, y, name in pts:
                     ax.annotate(name.replace("p_", "").replace("_rho0.25", ""), (x, y), fontsize=7,
                                 xytext=(4, 3), textcoords="offset points")
-        ax.set_xlabel("mean resident tokens per sequence over the decode steps" if kind == "perplexity"
+        ax.set_xlabel("mean resident tokens per sequence over the decode steps" if has_mean
                       else "resident tokens per sequence at the end")
         ax.set_ylabel(ykey.replace("_", " "))
         ax.set_title(f"{sel[0]['task']}: {kind} (SmolLM2-135M)")
