@@ -1,6 +1,6 @@
 """Fixtures: real karakvd processes (the binary named by $KARAKVD) on temporary Unix sockets."""
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,9 +33,12 @@ def metric(port, line_start):
     return 0
 
 
-def _die_with_parent():
-    # A test run that crashes must not leave its daemons behind (PR_SET_PDEATHSIG = 1).
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+# A test run that crashes must not leave its daemons behind: util-linux's setpriv sets
+# PR_SET_PDEATHSIG and execs the daemon (the signal survives exec), so Python never runs code in a
+# forked child. A preexec_fn would: once this process has gRPC channels open (other tests', the
+# asyncio client's threads), gRPC's fork handlers can abort that child before it execs (seen:
+# "epoll_wait error: Bad file descriptor", SIGABRT).
+_SETPRIV = shutil.which("setpriv")
 
 
 class Daemon:
@@ -46,11 +49,9 @@ class Daemon:
         self._start()
 
     def _start(self, die_with_parent=True):
-        # preexec_fn makes Python fork() and run code in the child; once this process has gRPC
-        # channels open, gRPC's fork handlers can abort that child (seen: "epoll_wait error: Bad file
-        # descriptor", SIGABRT). Without it, subprocess uses vfork/exec and no handler runs.
-        self.proc = subprocess.Popen([self._binary, "--socket=" + self.socket, "--log_level=warn", "--threads=2",
-                                      *self._args], preexec_fn=_die_with_parent if die_with_parent else None)
+        wrap = [_SETPRIV, "--pdeathsig", "KILL"] if die_with_parent and _SETPRIV else []
+        self.proc = subprocess.Popen([*wrap, self._binary, "--socket=" + self.socket, "--log_level=warn",
+                                      "--threads=2", *self._args])
         args = self._args
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -72,7 +73,7 @@ class Daemon:
         self.proc.wait()
         if os.path.exists(self.socket):
             os.unlink(self.socket)
-        self._start(die_with_parent=False)  # stop() still ends it after the test
+        self._start()
 
     def stop(self):
         if self.proc.poll() is None:
