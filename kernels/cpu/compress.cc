@@ -49,28 +49,74 @@ ScoreScratch& thread_scratch() {
   return scratch;
 }
 
+#if KARAKV_CPU_AVX2
+// r[e][c] <- r[c][e]: eight rows of eight floats transposed in registers.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+
 // The tiled keys of slots [slot_begin, slot_begin + num_keys) of (layer, head) of `seq`, widened
-// to fp32 into scratch.keys.
+// to fp32 into scratch.keys; the padding keys of the last tile are zeros. With AVX2 a tile is
+// eight keys widened eight dimensions at a time (F16C for fp16) and transposed in registers: the
+// scalar path (software half widening, one strided store per element) took most of a decode
+// step's time once Kara's decode observers score every key at every step.
 template <DType D>
 void load_key_tiles(const PagedKV& kv, int seq, int layer, int head, int slot_begin, int num_keys,
                     ScoreScratch& scratch) {
   const Geometry& g = kv.geometry;
   const int hd = g.head_dim;
   const int bs = g.block_size;
+  const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
+  auto key = [&](int i) {
+    const int slot = slot_begin + i;
+    return pool + kv.run_offset(kv.block_of(seq, slot), layer, 0, head) + size_t(slot % bs) * hd;
+  };
+#if KARAKV_CPU_AVX2
+  static_assert(kKeyTile == 8, "one tile row is one AVX2 vector");
+  if (hd % 8 == 0) {
+    scratch.keys.resize(size_t(padded_keys(num_keys)) * hd);  // every element is written below
+    float* keys = scratch.keys.data();
+    for (int t0 = 0; t0 < num_keys; t0 += kKeyTile) {
+      const int n = std::min(kKeyTile, num_keys - t0);
+      const storage_t<D>* src[kKeyTile];
+      for (int c = 0; c < n; ++c) src[c] = key(t0 + c);
+      float* tile = keys + size_t(t0 / kKeyTile) * hd * kKeyTile;
+      for (int d = 0; d < hd; d += 8) {
+        __m256 r[8];
+        for (int c = 0; c < 8; ++c) r[c] = c < n ? load8<D>(src[c] + d) : _mm256_setzero_ps();
+        transpose8(r);
+        for (int e = 0; e < 8; ++e) _mm256_storeu_ps(tile + size_t(d + e) * kKeyTile, r[e]);
+      }
+    }
+    return;
+  }
+#endif
   scratch.keys.assign(size_t(padded_keys(num_keys)) * hd, 0.0f);
   float* keys = scratch.keys.data();
-  const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
-  for (int i = 0; i < num_keys;) {
-    const int slot = slot_begin + i;
-    const int in_block = slot % bs;
-    const int run = std::min(bs - in_block, num_keys - i);
-    const storage_t<D>* k = pool + kv.run_offset(kv.block_of(seq, slot), layer, 0, head) + size_t(in_block) * hd;
-    for (int t = 0; t < run; ++t) {
-      const int key = i + t;
-      float* tile = keys + size_t(key / kKeyTile) * hd * kKeyTile + key % kKeyTile;
-      for (int d = 0; d < hd; ++d) tile[size_t(d) * kKeyTile] = load1<D>(k + size_t(t) * hd + d);
-    }
-    i += run;
+  for (int i = 0; i < num_keys; ++i) {
+    const storage_t<D>* k = key(i);
+    float* tile = keys + size_t(i / kKeyTile) * hd * kKeyTile + i % kKeyTile;
+    for (int d = 0; d < hd; ++d) tile[size_t(d) * kKeyTile] = load1<D>(k + d);
   }
 }
 
