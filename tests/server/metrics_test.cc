@@ -38,7 +38,8 @@ const prometheus::ClientMetric* find(const std::vector<prometheus::MetricFamily>
 // The series' value (a histogram's sample count); -1 when there is no such series.
 double value(Metrics& m, const std::string& name, const Labels& labels) {
   prometheus::MetricType type;
-  const auto* metric = find(m.registry()->Collect(), name, labels, &type);
+  const std::vector<prometheus::MetricFamily> families = m.registry()->Collect();  // outlives `metric`
+  const auto* metric = find(families, name, labels, &type);
   if (metric == nullptr) return -1;
   if (type == prometheus::MetricType::Histogram) return double(metric->histogram.sample_count);
   return type == prometheus::MetricType::Gauge ? metric->gauge.value : metric->counter.value;
