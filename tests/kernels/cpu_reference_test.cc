@@ -2,6 +2,7 @@
 // independently of it: the pool layout is checked by direct indexing, attention by a dense
 // double-precision softmax over the same rounded K/V values.
 #include <gtest/gtest.h>
+#include <dlfcn.h>
 
 #include <omp.h>
 
@@ -433,6 +434,10 @@ TEST(CpuBackendTest, NamesAndSupport) {
 namespace karakv::kernels::test {
 namespace {
 
+// LLVM's OpenMP runtime (the clang + TSan/Archer tree) keeps a team's threads in a pool after its
+// master ends and may add a helper thread, so exact thread counts hold for GCC's libgomp only.
+bool openmp_is_libgomp() { return dlsym(RTLD_DEFAULT, "__kmpc_fork_call") == nullptr; }
+
 // Threads of this process, as the kernel lists them.
 int process_threads() {
   int n = 0;
@@ -499,7 +504,13 @@ TEST(CpuTeamThreadTest, CallersOnManyThreadsShareOneTeam) {
       cv.notify_all();
     }
     for (std::thread& t : threads) t.join();
-    EXPECT_EQ(during - baseline, callers + 1 + workers);
+    const bool exact = openmp_is_libgomp();
+    if (exact) {
+      EXPECT_EQ(during - baseline, callers + 1 + workers);
+    } else {
+      EXPECT_GE(during - baseline, callers + 1 + workers);  // at least the team; not a team per caller
+      EXPECT_LT(during - baseline, callers * (1 + workers));
+    }
     for (int c = 0; c < callers; ++c) {
       ASSERT_EQ(small_outs[c].size(), small_want.size());
       ASSERT_EQ(large_outs[c].size(), large_want.size());
@@ -508,8 +519,9 @@ TEST(CpuTeamThreadTest, CallersOnManyThreadsShareOneTeam) {
       for (size_t i = 0; i < large_want.size(); ++i)
         EXPECT_NEAR(large_outs[c][i], large_want[i], kAttentionTolerance) << c << " " << i;
     }
-    EXPECT_EQ(process_threads() - baseline, 1 + workers);  // the callers ended; the team stays
+    if (exact) EXPECT_EQ(process_threads() - baseline, 1 + workers);  // the callers ended; the team stays
   }
+  if (!openmp_is_libgomp()) return;
   // libgomp lets go of a team's threads as its master ends; they take a moment to exit.
   for (int i = 0; i < 200 && process_threads() != baseline; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(process_threads(), baseline);
