@@ -118,6 +118,18 @@ KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_quer
   return check_covered(op, kv, seq, 0, len, pool_blocks);
 }
 
+KernelStatus validate_causal_quantized_rows(const PagedKV& kv, int seq, int layer, int num_queries,
+                                            long long pool_blocks) {
+  constexpr std::string_view op = "causal_attention_quantized";
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(check_seq_index(op, kv, seq));
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  const int len = kv.seq_len[seq];
+  if (num_queries < 1 || num_queries > len)
+    return KernelStatus::invalid(out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
+  return check_covered(op, kv, seq, 0, len, pool_blocks);
+}
+
 KernelStatus validate_read_kv(const PagedKV& kv, int seq, const void* k, const void* v, long long pool_blocks) {
   constexpr std::string_view op = "read_kv";
   KARAKV_RETURN_IF_ERROR(check_tables(op, kv));

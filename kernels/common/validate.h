@@ -19,6 +19,11 @@ KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, 
                              long long pool_blocks);
 KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_queries, const float* q,
                              const float* out, long long pool_blocks);
+// The rows of causal_attention_quantized (both backends): tables, sequence, layer, 1 <= num_queries
+// <= seq_len, and the sequence's tokens covered by its block table. The quantized view is each
+// backend's own check.
+KernelStatus validate_causal_quantized_rows(const PagedKV& kv, int seq, int layer, int num_queries,
+                                            long long pool_blocks);
 KernelStatus validate_read_kv(const PagedKV& kv, int seq, const void* k, const void* v, long long pool_blocks);
 KernelStatus validate_copy_block(const PagedKV& kv, int32_t src, int32_t dst, long long pool_blocks);
 KernelStatus validate_window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/validate.h"
 #include "karakv/kernels/half.h"
 #include "quant.h"
 #include "scratch.h"
@@ -198,13 +199,8 @@ KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
                                         int num_queries, const float* q, float* out, float scale) {
   constexpr std::string_view op = "causal_attention_quantized";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, qkv));
-  KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
-  KARAKV_RETURN_IF_ERROR(common::check_seq_index(op, kv, seq));
-  KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
+  KARAKV_RETURN_IF_ERROR(common::validate_causal_quantized_rows(kv, seq, layer, num_queries, -1));
   const int len = kv.seq_len[seq];
-  if (num_queries < 1 || num_queries > len)
-    return KernelStatus::invalid(common::out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
-  KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, seq, 0, len));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
 #pragma omp parallel

@@ -442,15 +442,10 @@ class CudaBackend final : public Backend {
                                           int num_queries, const float* q, float* out, float scale) override {
     constexpr std::string_view op = "causal_attention_quantized";
     KARAKV_RETURN_IF_ERROR(check_quantized(op, kv, qkv));
-    KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
-    KARAKV_RETURN_IF_ERROR(common::check_seq_index(op, kv, seq));
-    KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
-    const int len = kv.seq_len[seq];
-    if (num_queries < 1 || num_queries > len)
-      return KernelStatus::invalid(common::out_of_range(op, "num_queries", num_queries, 1, (long long)len + 1));
-    if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
     const long long blocks = pool_blocks(kv);
-    KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, seq, 0, len, blocks));
+    KARAKV_RETURN_IF_ERROR(common::validate_causal_quantized_rows(kv, seq, layer, num_queries, blocks));
+    if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
+    const int len = kv.seq_len[seq];
     KARAKV_RETURN_IF_ERROR(check_quantized_tables(op, kv, qkv, seq, seq + 1, blocks));
     std::vector<int32_t> row_seq(num_queries, seq), row_quantized(num_queries, qkv.quantized(seq)), row_fp(num_queries);
     for (int i = 0; i < num_queries; ++i) row_fp[i] = len - num_queries + i + 1;
