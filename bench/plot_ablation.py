@@ -42,15 +42,21 @@ def main():
             if not r[ykey] or not r[xkey]:
                 continue
             base = name.split("@")[0]
-            group = base if base in ("snapkv", "streaming", "h2o", "chunkkv", "none") else "kara"
+            group = base if base in ("snapkv", "streaming", "h2o", "chunkkv", "none", "kara") else "kara points"
             series.setdefault(group, []).append((float(r[xkey]), float(r[ykey]), name))
         for group, pts in sorted(series.items()):
             pts.sort()
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            style = "o" if group == "kara" else "s-" if group != "none" else "*"
-            ax.plot(xs, ys, style, label=group, markersize=8 if group == "none" else 6, alpha=0.85)
-            if group == "kara":
+            style = {"kara points": "o", "none": "*", "kara": "D"}.get(group, "s-")
+            label = "kara (the defaults)" if group == "kara" else group
+            ax.plot(xs, ys, style, label=label, markersize=8 if group in ("none", "kara") else 5,
+                    alpha=0.85 if group != "kara points" else 0.6)
+            # Ablation points crowd near the defaults' memory: only points away from the crowd are
+            # named (the tables in docs/QUALITY.md name every point).
+            if group == "kara points":
                 for x, y, name in pts:
+                    if sum(1 for px, py, _ in pts if abs(px - x) < 25) > 2:
+                        continue
                     ax.annotate(name.replace("p_", "").replace("_rho0.25", ""), (x, y), fontsize=7,
                                 xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel("mean resident tokens per sequence over the decode steps" if has_mean
