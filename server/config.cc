@@ -28,6 +28,9 @@ ABSL_FLAG(int32_t, block_size, 16, "Tokens per pool block");
 ABSL_FLAG(std::string, pool_bytes, "512MiB", "Size of the KV block pool (suffixes KiB, MiB, GiB)");
 ABSL_FLAG(int32_t, lease_seconds, 30, "Session lease: a worker silent this long loses its session");
 ABSL_FLAG(std::string, max_staging_bytes, "1GiB", "Largest staging region one session may ask for");
+ABSL_FLAG(std::string, max_device_staging_bytes, "8GiB",
+          "GPU memory all device staging regions together may hold (Attach staging_kind CUDA_IPC, --backend=cuda), "
+          "counting regions kept for the same tenant's reuse and those quarantined after a lease expiry");
 ABSL_FLAG(int32_t, max_sessions, 0, "Most sessions attached at once; Attach beyond it is refused (0: no limit)");
 ABSL_FLAG(int32_t, max_sequences_per_session, 0,
           "Most sequences one session holds at once; CreateSequence and Fork beyond it are refused (0: no limit)");
@@ -218,6 +221,12 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--max_staging_bytes: ", staging.status().message()));
   }
   c.core.max_staging_bytes = static_cast<uint64_t>(*staging);
+  auto device_staging = parse_bytes(absl::GetFlag(FLAGS_max_device_staging_bytes));
+  if (!device_staging.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_device_staging_bytes: ", device_staging.status().message()));
+  }
+  c.core.max_device_staging_bytes = static_cast<uint64_t>(*device_staging);
   c.core.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   if (c.core.max_sessions < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--max_sessions=", c.core.max_sessions,

@@ -69,6 +69,7 @@ absl::StatusOr<SequenceSpec> split_spec(const SequenceOptions& options) {
 
 absl::StatusOr<std::unique_ptr<Core>> Core::create(const CoreConfig& config, std::unique_ptr<kernels::Backend> backend) {
   std::unique_ptr<Core> core(new Core(config, std::move(backend)));
+  core->device_staging_ = DeviceStagingPool::create(*core->backend_, config.max_device_staging_bytes);
   StoreConfig sc;
   sc.geometry = config.geometry;
   sc.pool_bytes = config.pool_bytes;
@@ -86,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Core>> Core::create(const CoreConfig& config, std
   limits.preempt_on_pressure = config.preempt_on_pressure;
   absl::MutexLock lock(&core->mu_);
   core->store_ = std::move(*store);
-  core->sessions_ = std::make_unique<SessionTable>(limits, *core->store_);
+  core->sessions_ = std::make_unique<SessionTable>(limits, *core->store_, core->device_staging_.get());
   core->compactor_ = std::make_unique<Compactor>(*core->store_, config.max_sequences_per_tick);
   return core;
 }
@@ -109,7 +110,8 @@ size_t Core::q_bytes(size_t rows) const { return server::q_bytes(config_.geometr
 
 absl::StatusOr<AttachResult> Core::attach(const std::string& worker_id, const std::string& tenant,
                                           uint64_t staging_bytes, const Geometry& worker_geometry,
-                                          const std::string& cache_namespace, uint64_t reserved_bytes) {
+                                          const std::string& cache_namespace, uint64_t reserved_bytes,
+                                          StagingKind staging_kind) {
   if (absl::Status s = check_worker_geometry(worker_geometry, config_.geometry); !s.ok()) return s;
   absl::StatusOr<SessionTable::Admission> admission;
   {
@@ -119,7 +121,7 @@ absl::StatusOr<AttachResult> Core::attach(const std::string& worker_id, const st
       absl::MutexLock lock(&mu_);
       sessions = sessions_.get();
     }
-    admission = sessions->prepare(worker_id, tenant, staging_bytes, cache_namespace, reserved_bytes);
+    admission = sessions->prepare(worker_id, tenant, staging_bytes, cache_namespace, reserved_bytes, staging_kind);
   }
   if (!admission.ok()) return admission.status();
   AttachResult result = admission->result;
@@ -146,11 +148,17 @@ absl::Status Core::heartbeat(const std::string& session_id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<StagingRegion>> Core::staging(const std::string& session_id) {
+absl::StatusOr<std::shared_ptr<Staging>> Core::staging(const std::string& session_id) {
   absl::MutexLock lock(&mu_);
   auto session = sessions_->find(session_id);
   if (!session.ok()) return session.status();
   return (*session)->staging;
+}
+
+absl::StatusOr<std::shared_ptr<StagingRegion>> Core::shm_staging(const std::string& session_id) {
+  auto staging = this->staging(session_id);
+  if (!staging.ok()) return staging.status();
+  return std::dynamic_pointer_cast<StagingRegion>(*staging);
 }
 
 int Core::expire_leases(absl::Time now) {
@@ -282,6 +290,15 @@ absl::StatusOr<int> Core::release_sequence(const std::string& session_id, uint64
 
 // ---- the data path ----
 
+absl::StatusOr<const float*> Core::host_floats(ConstBytes bytes, bool needed, std::vector<float>* copy) const {
+  if (!needed || bytes.empty() || !backend_->is_device_memory(bytes.data())) {
+    return reinterpret_cast<const float*>(bytes.data());
+  }
+  copy->resize(bytes.size() / sizeof(float));
+  if (auto s = backend_->copy_out(copy->data(), bytes.data(), bytes.size()); !s.is_ok()) return to_status(s);
+  return copy->data();
+}
+
 absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t sequence_id, int32_t num_tokens,
                                      ConstBytes k, ConstBytes v, ConstBytes q, int32_t num_query_tokens,
                                      absl::Span<const int32_t> token_ids) {
@@ -346,12 +363,14 @@ absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t seq
   seq.length = new_length;
   seq.logical += num_tokens;
   compactor_->on_grow(seq, seq.length);
-  const float* qf = reinterpret_cast<const float*>(q.data());
+  std::vector<float> host_q;
+  auto qf = host_floats(q, num_query_tokens > 0, &host_q);
+  if (!qf.ok()) return qf.status();
   const size_t row = g.q_token_elems();
   for (int32_t i = 0; i < num_query_tokens; ++i) {
     float* entry = store_->query_entry(seq, first_q + i, compactor_->query_capacity_hint(seq));
     for (int l = 0; l < g.num_layers; ++l) {
-      std::memcpy(entry + l * row, qf + (size_t(l) * num_query_tokens + i) * row, row * 4);
+      std::memcpy(entry + l * row, *qf + (size_t(l) * num_query_tokens + i) * row, row * 4);
     }
   }
   compactor_->trim_queries(seq);
@@ -434,11 +453,16 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
     return s;
   }
   const size_t row = g.q_token_elems();
+  bool keeps_queries = false;
+  for (const Sequence* seq : seqs) keeps_queries |= compactor_->keeps_step_queries(*seq);
+  std::vector<float> host_q;
+  auto host_qf = host_floats(q, keeps_queries, &host_q);
+  if (!host_qf.ok()) return host_qf.status();
   for (size_t i = 0; i < batch; ++i) {
     Sequence& seq = *seqs[i];
     if (compactor_->keeps_step_queries(seq)) {
       std::memcpy(store_->query_entry(seq, seq.length, compactor_->query_capacity_hint(seq)) + size_t(layer) * row,
-                  qf + i * row, row * 4);
+                  *host_qf + i * row, row * 4);
     }
   }
   StepResult result;

@@ -29,6 +29,7 @@
 #include "server/core_types.h"
 #include "server/sequence_store.h"
 #include "server/sessions.h"
+#include "server/device_staging.h"
 #include "server/staging.h"
 #include "server/validation.h"
 
@@ -39,6 +40,9 @@ struct CoreConfig {
   int64_t pool_bytes = 256ll << 20;
   absl::Duration lease = absl::Seconds(30);
   uint64_t max_staging_bytes = 1ull << 30;
+  // Device staging (Attach staging_kind CUDA_IPC): GPU memory all sessions' regions together may
+  // hold, including regions kept for reuse and those quarantined after a lease expiry.
+  uint64_t max_device_staging_bytes = 8ull << 30;
   // Kara: at most this many sequences compress per tick, longest tail first (0: no limit).
   int max_sequences_per_tick = 0;
   // Prefix caching (docs/PREFIX_CACHE.md): full prompt blocks appended with token ids are indexed
@@ -83,11 +87,17 @@ class Core {
                                       uint64_t staging_bytes,
                                       const kernels::Geometry& worker_geometry,
                                       const std::string& cache_namespace = "",
-                                      uint64_t reserved_bytes = 0);
+                                      uint64_t reserved_bytes = 0, StagingKind staging_kind = StagingKind::kShm);
   absl::StatusOr<int> detach(const std::string& session_id);
   absl::Status heartbeat(const std::string& session_id);
   // The session's staging region, kept alive by the returned pointer even if the session ends.
-  absl::StatusOr<std::shared_ptr<StagingRegion>> staging(const std::string& session_id);
+  absl::StatusOr<std::shared_ptr<Staging>> staging(const std::string& session_id);
+  // The same when it is shared memory (the fast path's rings follow it); null for device staging.
+  absl::StatusOr<std::shared_ptr<StagingRegion>> shm_staging(const std::string& session_id);
+  // Bytes of GPU memory held for device staging (live, kept for reuse, quarantined).
+  size_t device_staging_bytes() const { return device_staging_->bytes_held(); }
+  // Whether `p` is the backend's device memory (a device staging pointer), never to be read on the host.
+  bool is_device_memory(const void* p) const { return backend_->is_device_memory(p); }
   // Frees every session whose lease ended before `now`; returns how many.
   int expire_leases(absl::Time now);
 
@@ -160,10 +170,15 @@ class Core {
 
  private:
   Core(const CoreConfig& config, std::unique_ptr<kernels::Backend> backend);
+  // `bytes` as host floats: themselves, or (device staging, when `needed`) a copy into `copy` made
+  // through the backend. The query cache is host memory.
+  absl::StatusOr<const float*> host_floats(ConstBytes bytes, bool needed, std::vector<float>* copy) const;
   std::vector<SequenceInfo> list_locked(const std::string& session_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoreConfig config_;
   const std::unique_ptr<kernels::Backend> backend_;
+  // Device staging regions; destroyed before the backend, after the sessions that hold regions.
+  std::shared_ptr<DeviceStagingPool> device_staging_;
 
   mutable absl::Mutex mu_;
   std::unique_ptr<SequenceStore> store_ ABSL_GUARDED_BY(mu_);

@@ -71,6 +71,10 @@ struct AttachResult {
   std::string cache_namespace;
   std::string staging_name;
   uint64_t staging_bytes = 0;
+  // Device staging: the region's CUDA IPC handle bytes, device ordinal and generation.
+  std::string staging_ipc_handle;
+  int staging_device = -1;
+  uint64_t staging_generation = 0;
 };
 
 struct SequenceInfo {

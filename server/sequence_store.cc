@@ -337,6 +337,16 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
     else groups.push_back({i});
   }
   if (!plain.empty()) groups.insert(groups.begin(), plain);
+  if (groups.size() > 1 && (backend_.is_device_memory(q) || backend_.is_device_memory(out))) {
+    // Device staging and a batch split into groups: the groups' rows are gathered on the host, so
+    // the batch goes through host copies of q and out (a batch of unquantized sequences does not).
+    std::vector<float> host_q(seqs.size() * row), host_out(seqs.size() * row);
+    if (auto s = backend_.copy_out(host_q.data(), q, host_q.size() * 4); !s.is_ok()) return to_status(s);
+    if (absl::Status s = decode_attention(seqs, layer, host_q.data(), host_out.data(), scale, observers); !s.ok()) {
+      return s;
+    }
+    return to_status(backend_.copy_in(out, host_out.data(), host_out.size() * 4));
+  }
   for (const std::vector<size_t>& group : groups) {
     const bool whole = group.size() == seqs.size();
     std::vector<const Sequence*> members;
@@ -404,6 +414,21 @@ absl::StatusOr<int32_t> SequenceStore::read_kv(
                                                    " tokens: k and v need ", want,
                                                    " bytes each, positions ", rows * seq.length * 4));
   }
+  // Device staging: assembled on the host (the layout mixes dequantized and plain slots), then
+  // copied into the device outputs through the backend.
+  const bool device = backend_.is_device_memory(out->k.data()) || backend_.is_device_memory(out->v.data()) ||
+                      backend_.is_device_memory(out->positions.data());
+  std::vector<uint8_t> host_k, host_v, host_positions;
+  ReadKVTargets device_out;
+  if (device) {
+    device_out = *out;
+    host_k.resize(want);
+    host_v.resize(want);
+    host_positions.resize(rows * seq.length * 4);
+    out->k = MutableBytes(host_k.data(), host_k.size());
+    out->v = MutableBytes(host_v.data(), host_v.size());
+    out->positions = MutableBytes(host_positions.data(), host_positions.size());
+  }
   if (seq.length > 0) {
     // Quantized blocks come back dequantized (what attention sees), then the unquantized slots.
     const Geometry& g = config_.geometry;
@@ -435,6 +460,12 @@ absl::StatusOr<int32_t> SequenceStore::read_kv(
   int32_t* pos = reinterpret_cast<int32_t*>(out->positions.data());
   for (size_t r = 0; r < rows; ++r) {
     for (int32_t t = 0; t < seq.length; ++t) pos[r * seq.length + t] = seq.position(int(r), t);
+  }
+  if (device) {
+    for (auto [dst, src] : {std::pair{device_out.k, &host_k}, std::pair{device_out.v, &host_v},
+                            std::pair{device_out.positions, &host_positions}}) {
+      if (auto s = backend_.copy_in(dst.data(), src->data(), src->size()); !s.is_ok()) return to_status(s);
+    }
   }
   return seq.length;
 }

@@ -28,7 +28,7 @@ namespace {
 
 using Input = KaraKVService::Input;
 
-absl::Status resolve_input(const v1::TensorRef& ref, const StagingRegion* staging, const char* what,
+absl::Status resolve_input(const v1::TensorRef& ref, const Staging* staging, const char* what,
                            Input* out) {
   switch (ref.location_case()) {
     case v1::TensorRef::kData: {
@@ -60,7 +60,7 @@ absl::Status resolve_input(const v1::TensorRef& ref, const StagingRegion* stagin
 
 // An output tensor: a staging range of exactly `want` bytes, or (no range given) the reply's own
 // bytes field resized to `want`.
-absl::StatusOr<MutableBytes> resolve_output(const v1::OutputRef& ref, const StagingRegion* staging,
+absl::StatusOr<MutableBytes> resolve_output(const v1::OutputRef& ref, const Staging* staging,
                                             size_t want, bool exact, const char* what,
                                             std::string* inline_dst) {
   if (!ref.has_staging()) {
@@ -81,12 +81,19 @@ absl::StatusOr<MutableBytes> resolve_output(const v1::OutputRef& ref, const Stag
 bool uses_staging(const v1::TensorRef& r) { return r.has_staging(); }
 bool uses_staging(const v1::OutputRef& r) { return r.has_staging(); }
 
-// The session's staging region, looked up only when some tensor of the request lives there.
+// The session's staging region, looked up only when some tensor of the request lives there, and
+// checked against the generation the request names (check_generation: FAILED_PRECONDITION when it
+// is stale, or missing with device staging).
 template <typename... Refs>
-absl::StatusOr<std::shared_ptr<StagingRegion>> staging_for(Core* core, const std::string& session,
-                                                           const Refs&... refs) {
-  if (!(uses_staging(refs) || ...)) return std::shared_ptr<StagingRegion>();
-  return core->staging(session);
+absl::StatusOr<std::shared_ptr<Staging>> staging_for(Core* core, const std::string& session, uint64_t generation,
+                                                     const Refs&... refs) {
+  if (!(uses_staging(refs) || ...)) return std::shared_ptr<Staging>();
+  auto staging = core->staging(session);
+  if (!staging.ok()) return staging.status();
+  if (*staging != nullptr) {
+    if (absl::Status s = check_generation(**staging, generation); !s.ok()) return s;
+  }
+  return staging;
 }
 
 }  // namespace
@@ -121,33 +128,53 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   if (req.fast_path() && req.staging_bytes() == 0) {
     return absl::InvalidArgumentError("fast_path needs a staging region: set staging_bytes > 0");
   }
+  StagingKind kind = StagingKind::kShm;
+  switch (req.staging_kind()) {
+    case v1::STAGING_KIND_SHM: break;
+    case v1::STAGING_KIND_CUDA_IPC: kind = StagingKind::kCudaIpc; break;
+    case v1::STAGING_KIND_CUDA_VMM_FD: kind = StagingKind::kCudaVmmFd; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("staging_kind ", static_cast<int>(req.staging_kind()),
+                                                     " unknown; expected SHM (0), CUDA_IPC (1) or CUDA_VMM_FD (2)"));
+  }
   auto r = core_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
                              req.staging_bytes(), wg, req.cache_namespace(),
-                             req.fast_path() ? ring::kRingBytes : 0);
+                             req.fast_path() ? ring::kRingBytes : 0, kind);
   if (!r.ok()) return r.status();
   if (req.fast_path()) {
-    auto staging = core_->staging(r->session_id);
-    absl::Status s = staging.ok() ? rings_->start(r->session_id, *staging) : staging.status();
+    // Fast-path sessions always have shm staging (SessionTable::prepare refuses device staging with rings).
+    auto staging = core_->shm_staging(r->session_id);
+    std::shared_ptr<StagingRegion> shm = staging.ok() ? *staging : nullptr;
+    absl::Status s = !staging.ok() ? staging.status()
+                     : shm == nullptr ? absl::InternalError("fast path: the session's staging is not shared memory")
+                                      : rings_->start(r->session_id, shm);
     if (!s.ok()) {
       core_->detach(r->session_id).IgnoreError();
       return s;
     }
     reply->set_ring_offset(r->staging_bytes);
-    reply->set_ring_bytes((*staging)->reserved_size());
+    reply->set_ring_bytes(shm->reserved_size());
   }
   reply->set_session_id(r->session_id);
   reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(core_->config().lease)));
   *reply->mutable_geometry() = to_proto(core_->geometry());
   reply->set_staging_name(r->staging_name);
   reply->set_staging_bytes(r->staging_bytes);
+  if (kind != StagingKind::kShm) {
+    reply->set_staging_kind(req.staging_kind());
+    reply->set_staging_ipc_handle(r->staging_ipc_handle);
+    reply->set_staging_device(r->staging_device);
+    reply->set_staging_generation(r->staging_generation);
+  }
   reply->set_instance_id(instance_id_);
-  spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of staging", r->session_id, req.worker_id(),
-               req.tenant().empty() ? "default" : req.tenant(), r->staging_bytes);
+  spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of {} staging", r->session_id,
+               req.worker_id(), req.tenant().empty() ? "default" : req.tenant(), r->staging_bytes,
+               staging_kind_name(kind));
   return absl::OkStatus();
 }
 
 absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendReply* reply) {
-  auto staging = staging_for(core_, req.session_id(), req.k(), req.v(), req.q());
+  auto staging = staging_for(core_, req.session_id(), req.staging_generation(), req.k(), req.v(), req.q());
   if (!staging.ok()) return staging.status();
   Input k, v, q;
   if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
@@ -261,7 +288,7 @@ absl::Status KaraKVService::Handle(const v1::StepRequest& req, v1::StepReply* re
   absl::StatusOr<MutableBytes> out = MutableBytes();
   // An empty batch first: the output is sized by it.
   absl::Status resolution = check_batch(req.sequence_ids_size());
-  auto staging = staging_for(core_, req.session_id(), req.k(), req.v(), req.q(), req.out());
+  auto staging = staging_for(core_, req.session_id(), req.staging_generation(), req.k(), req.v(), req.q(), req.out());
   if (resolution.ok()) resolution = staging.status();
   if (resolution.ok()) resolution = resolve_input(req.k(), staging->get(), "k", &k);
   if (resolution.ok()) resolution = resolve_input(req.v(), staging->get(), "v", &v);
@@ -293,7 +320,7 @@ absl::Status KaraKVService::Handle(const v1::StepRequest& req, v1::StepReply* re
 absl::Status KaraKVService::Handle(const v1::AttendRequest& req, v1::AttendReply* reply) {
   Input q;
   absl::StatusOr<MutableBytes> out = MutableBytes();
-  auto staging = staging_for(core_, req.session_id(), req.q(), req.out());
+  auto staging = staging_for(core_, req.session_id(), req.staging_generation(), req.q(), req.out());
   absl::Status resolution = staging.status();
   if (resolution.ok()) resolution = resolve_input(req.q(), staging->get(), "q", &q);
   if (resolution.ok()) {
@@ -315,7 +342,7 @@ absl::Status KaraKVService::Handle(const v1::AttendRequest& req, v1::AttendReply
 }
 
 absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVReply* reply) {
-  auto staging = staging_for(core_, req.session_id(), req.k(), req.v(), req.positions());
+  auto staging = staging_for(core_, req.session_id(), req.staging_generation(), req.k(), req.v(), req.positions());
   if (!staging.ok()) return staging.status();
   auto targets = [&](int32_t tokens) -> absl::StatusOr<ReadKVTargets> {
     ReadKVTargets t;

@@ -23,12 +23,14 @@ absl::Status unknown_session(const std::string& session_id) {
       absl::StrCat("unknown session '", session_id, "' (never attached, detached, or its lease expired)"));
 }
 
-SessionTable::SessionTable(const SessionLimits& limits, SequenceStore& store) : limits_(limits), store_(store) {}
+SessionTable::SessionTable(const SessionLimits& limits, SequenceStore& store, DeviceStagingPool* device_staging)
+    : limits_(limits), store_(store), device_staging_(device_staging) {}
 
 absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string& worker_id, const std::string& tenant,
                                                               uint64_t staging_bytes,
                                                               const std::string& cache_namespace,
-                                                              uint64_t reserved_bytes) const {
+                                                              uint64_t reserved_bytes,
+                                                              StagingKind staging_kind) const {
   if (!cache_namespace.empty() && !limits_.prefix_cache_shared_namespaces) {
     return absl::PermissionDeniedError(absl::StrCat(
         "cache_namespace '", cache_namespace, "' asked for, but this daemon keeps each tenant's cached prompts "
@@ -40,12 +42,37 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
                                                    " (karakvd --max_staging_bytes); ask for less"));
   }
   Admission a;
-  if (staging_bytes > 0) {
+  if (staging_kind != StagingKind::kShm) {
+    if (staging_kind != StagingKind::kCudaIpc) {
+      return absl::UnimplementedError(absl::StrCat(
+          "staging_kind ", staging_kind_name(staging_kind), " is not served by this karakvd yet; use CUDA_IPC "
+          "(workers that share the daemon's PID namespace) or SHM"));
+    }
+    if (device_staging_ == nullptr) {
+      return absl::FailedPreconditionError("staging_kind cuda_ipc: this daemon has no device staging; use SHM");
+    }
+    if (reserved_bytes > 0) {
+      return absl::InvalidArgumentError(
+          "fast_path needs shm staging (its rings live in shared memory); attach with staging_kind SHM or without "
+          "fast_path");
+    }
+    if (staging_bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("staging_kind ", staging_kind_name(staging_kind),
+                                                     " needs a staging region: set staging_bytes > 0"));
+    }
+    auto region = device_staging_->acquire(staging_bytes, tenant);
+    if (!region.ok()) return region.status();
+    a.result.staging_bytes = (*region)->size();
+    a.result.staging_ipc_handle = (*region)->ipc_handle();
+    a.result.staging_device = (*region)->device();
+    a.result.staging_generation = (*region)->generation();
+    a.session.staging = std::move(*region);
+  } else if (staging_bytes > 0) {
     auto region = StagingRegion::create(staging_bytes, reserved_bytes);
     if (!region.ok()) return region.status();
+    a.result.staging_name = (*region)->name();
+    a.result.staging_bytes = (*region)->size();
     a.session.staging = std::move(*region);
-    a.result.staging_name = a.session.staging->name();
-    a.result.staging_bytes = a.session.staging->size();
   }
   a.result.session_id = new_session_id();
   // Distinct prefixes: a named namespace can never be a tenant's private one.
@@ -90,6 +117,11 @@ void SessionTable::end(const std::string& session_id, bool lease_expired) {
                   ? absl::StrCat("lease expired: no Heartbeat for ", absl::FormatDuration(limits_.lease),
                                  "; the session's ", e.sequences_released, " sequences and staging were freed")
                   : absl::StrCat("detached; the session's ", e.sequences_released, " sequences were freed");
+  // The SDK closes a device region's mapping before it sends Detach; after a lease expiry the worker
+  // may still hold it, and the region is quarantined instead of reused (device_staging.h).
+  if (!lease_expired && it->second.staging != nullptr && it->second.staging->on_device()) {
+    static_cast<DeviceStaging&>(*it->second.staging).mark_importer_closed();
+  }
   sessions_.erase(it);  // drops our reference to the staging region; it unmaps when unused
   emit(e);
 }

@@ -18,6 +18,7 @@
 #include "absl/types/span.h"
 #include "server/core_types.h"
 #include "server/sequence_store.h"
+#include "server/device_staging.h"
 #include "server/staging.h"
 
 namespace karakv::server {
@@ -41,7 +42,7 @@ struct Session {
   std::string worker_id;
   std::string tenant;
   std::string cache_namespace;
-  std::shared_ptr<StagingRegion> staging;
+  std::shared_ptr<Staging> staging;  // shm (StagingRegion) or device (DeviceStaging), or none
   absl::Time lease_deadline;
   absl::flat_hash_set<uint64_t> sequences;
   absl::flat_hash_set<uint64_t> preempted;  // its sequences preempted and not yet released
@@ -49,7 +50,9 @@ struct Session {
 
 class SessionTable {
  public:
-  SessionTable(const SessionLimits& limits, SequenceStore& store);
+  // device_staging: where device staging regions come from (null: every device staging request is
+  // refused); it must outlive the table.
+  SessionTable(const SessionLimits& limits, SequenceStore& store, DeviceStagingPool* device_staging = nullptr);
 
   const SessionLimits& limits() const { return limits_; }
 
@@ -60,7 +63,8 @@ class SessionTable {
     Session session;
   };
   absl::StatusOr<Admission> prepare(const std::string& worker_id, const std::string& tenant, uint64_t staging_bytes,
-                                    const std::string& cache_namespace, uint64_t reserved_bytes) const;
+                                    const std::string& cache_namespace, uint64_t reserved_bytes,
+                                    StagingKind staging_kind = StagingKind::kShm) const;
   // RESOURCE_EXHAUSTED at --max_sessions.
   absl::Status add(Admission admission);
 
@@ -110,6 +114,7 @@ class SessionTable {
 
   const SessionLimits limits_;
   SequenceStore& store_;
+  DeviceStagingPool* const device_staging_;
   absl::flat_hash_map<std::string, Session> sessions_;
   absl::flat_hash_map<uint64_t, Tombstone> preempted_;
   uint64_t lease_expiries_ = 0, preemptions_ = 0;

@@ -78,18 +78,42 @@ StagingRegion::~StagingRegion() {
   shm_unlink(name_.c_str());
 }
 
-absl::StatusOr<uint8_t*> StagingRegion::resolve(uint64_t offset, uint64_t length, size_t align,
-                                                const char* what) const {
-  if (offset > size_ || length > size_ - offset) {
+const char* staging_kind_name(StagingKind kind) {
+  switch (kind) {
+    case StagingKind::kShm: return "shm";
+    case StagingKind::kCudaIpc: return "cuda_ipc";
+    case StagingKind::kCudaVmmFd: return "cuda_vmm_fd";
+  }
+  return "?";
+}
+
+absl::Status check_generation(const Staging& staging, uint64_t requested) {
+  if (requested == staging.generation()) return absl::OkStatus();
+  if (requested == 0 && !staging.on_device()) return absl::OkStatus();
+  if (requested == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "staging_generation is missing: this session's ", staging_kind_name(staging.kind()),
+        " staging region is generation ", staging.generation(),
+        "; set staging_generation to AttachReply.staging_generation"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "stale staging handle: the request names staging generation ", requested, ", this session's ",
+      staging_kind_name(staging.kind()), " staging region is generation ", staging.generation(),
+      "; use the handle and generation of this session's AttachReply (re-attach if it was lost)"));
+}
+
+absl::StatusOr<uint8_t*> Staging::resolve(uint64_t offset, uint64_t length, size_t align, const char* what) const {
+  const size_t region = size();
+  if (offset > region || length > region - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": staging range [", offset, ", ", offset + length, ") falls outside the session's ",
-        size_, "-byte staging region"));
+        region, "-byte staging region"));
   }
   if (align > 1 && offset % align != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": staging offset ", offset, " is not a multiple of ", align));
   }
-  return base_ + offset;
+  return base() + offset;
 }
 
 }  // namespace karakv::server

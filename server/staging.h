@@ -1,5 +1,6 @@
-// A session's staging region: a POSIX shared-memory object with an unguessable name, mode 0600,
-// mapped by the daemon and by the one worker it was made for. Requests address it by offset.
+// A session's staging region, addressed by requests as offset ranges: a POSIX shared-memory object
+// with an unguessable name, mode 0600, mapped by the daemon and the one worker it was made for
+// (StagingRegion, here), or device memory exported to that worker (DeviceStaging, device_staging.h).
 #pragma once
 
 #include <cstddef>
@@ -7,11 +8,39 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace karakv::server {
 
-class StagingRegion {
+enum class StagingKind { kShm, kCudaIpc, kCudaVmmFd };
+const char* staging_kind_name(StagingKind kind);  // "shm", "cuda_ipc", "cuda_vmm_fd"
+
+// What requests see of a staging region, whichever memory it is.
+class Staging {
+ public:
+  virtual ~Staging() = default;
+  virtual StagingKind kind() const = 0;
+  // Bytes requests may address, from base().
+  virtual size_t size() const = 0;
+  // Host memory for shm; a device pointer (the daemon's GPU) for device staging: never read it on
+  // the host.
+  virtual uint8_t* base() const = 0;
+  bool on_device() const { return kind() != StagingKind::kShm; }
+  // Unique per device region this daemon handed out; 0 for shm.
+  virtual uint64_t generation() const { return 0; }
+
+  // Resolves [offset, offset + length) to a pointer, refusing ranges outside the region or not
+  // aligned to `align` bytes. `what` names the tensor in the error message.
+  absl::StatusOr<uint8_t*> resolve(uint64_t offset, uint64_t length, size_t align, const char* what) const;
+};
+
+// The generation a request names against its session's region: OK when they match; a request
+// without one (0) is accepted for shm and refused for device staging. FAILED_PRECONDITION names
+// both generations.
+absl::Status check_generation(const Staging& staging, uint64_t requested);
+
+class StagingRegion final : public Staging {
  public:
   // Creates and maps a new region of `bytes` bytes (rounded up to the page size), followed by
   // `reserved_bytes` (page-rounded) that requests cannot address: the fast path's rings live there.
@@ -20,17 +49,13 @@ class StagingRegion {
   StagingRegion(const StagingRegion&) = delete;
   StagingRegion& operator=(const StagingRegion&) = delete;
 
+  StagingKind kind() const override { return StagingKind::kShm; }
   const std::string& name() const { return name_; }
-  size_t size() const { return size_; }
-  uint8_t* base() const { return base_; }
+  size_t size() const override { return size_; }
+  uint8_t* base() const override { return base_; }
   // The reserved tail: it starts at offset size() and has reserved_size() bytes.
   uint8_t* reserved() const { return base_ + size_; }
   size_t reserved_size() const { return reserved_; }
-
-  // Resolves [offset, offset + length) to a pointer, refusing ranges outside the region or not
-  // aligned to `align` bytes. `what` names the tensor in the error message.
-  absl::StatusOr<uint8_t*> resolve(uint64_t offset, uint64_t length, size_t align,
-                                   const char* what) const;
 
  private:
   StagingRegion(std::string name, uint8_t* base, size_t size, size_t reserved)

@@ -115,6 +115,56 @@ class CudaBackend final : public Backend {
     cudaFree(ptr);
   }
 
+  // A plain cudaMalloc of its own (cudaIpcGetMemHandle exports whole allocations; cudaMalloc of
+  // 2 MiB multiples is 2 MiB-aligned), zeroed, complete before it is handed out.
+  bool shares_device_memory() const override { return true; }
+  KernelStatus allocate_shared(size_t bytes, SharedDeviceMemory* out) override {
+    if (out == nullptr) return KernelStatus::invalid("allocate_shared: out is null");
+    if (bytes == 0) return KernelStatus::invalid("allocate_shared: bytes must be > 0");
+    const size_t rounded = (bytes + kSharedMemoryAlignment - 1) / kSharedMemoryAlignment * kSharedMemoryAlignment;
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("allocate_shared", "cudaSetDevice", cudaSetDevice(device_));
+    void* p = nullptr;
+    if (const cudaError_t err = cudaMalloc(&p, rounded); err != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      return {KernelStatus::Code::kInternal,
+              "allocate_shared: cudaMalloc of " + std::to_string(rounded) + " bytes of device staging on " +
+                  description() + " failed: " + cudaGetErrorString(err) + " (" + std::to_string(free_bytes) +
+                  " of " + std::to_string(total_bytes) + " bytes free)"};
+    }
+    cudaIpcMemHandle_t handle;
+    const char* what = "cudaMemsetAsync";
+    cudaError_t e = cudaMemsetAsync(p, 0, rounded, stream_);
+    if (e == cudaSuccess) {
+      what = "cudaStreamSynchronize after cudaMemsetAsync";
+      e = cudaStreamSynchronize(stream_);
+    }
+    if (e == cudaSuccess) {
+      what = "cudaIpcGetMemHandle";
+      e = cudaIpcGetMemHandle(&handle, p);
+    }
+    if (e != cudaSuccess) {
+      cudaFree(p);
+      return cuda::cuda_status(e, std::string("allocate_shared: ") + what);
+    }
+    out->ptr = p;
+    out->bytes = rounded;
+    out->device = device_;
+    out->ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    return KernelStatus::ok();
+  }
+
+  void free_shared(const SharedDeviceMemory& memory) override {
+    if (memory.ptr == nullptr) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaSetDevice(device_);
+    cudaFree(memory.ptr);
+  }
+
+  bool is_device_memory(const void* p) const override { return Call::is_device(p); }
+
   // On the backend's stream and complete on return (a plain cudaMemcpy from pageable memory may
   // return before the device copy lands, and the legacy stream does not order with stream_).
   KernelStatus copy_in(void* dst, const void* src, size_t bytes) override {
@@ -648,12 +698,6 @@ class CudaBackend final : public Backend {
       return KernelStatus::ok();
     }
 
-   private:
-    struct Copy {
-      void* host;
-      const void* device;
-      size_t bytes;
-    };
     static bool is_device(const void* p) {
       cudaPointerAttributes attr{};
       if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
@@ -662,6 +706,13 @@ class CudaBackend final : public Backend {
       }
       return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
     }
+
+   private:
+    struct Copy {
+      void* host;
+      const void* device;
+      size_t bytes;
+    };
     CudaBackend& b_;
     const std::string_view op_;
     std::lock_guard<std::mutex> lock_;

@@ -142,7 +142,7 @@ TEST_F(ServiceTest, DrainingRefusesThroughHandleToo) {
 TEST_F(ServiceTest, RingPollRunsCommandsOnTheCallersThread) {
   const std::string s = attach(true);
   const uint64_t id = sequence(s, 5);
-  auto staging = *core_->staging(s);
+  auto staging = *core_->shm_staging(s);
   ring::Header* h = ring::header(staging->reserved());
   ring::Command c{};
   c.tag = 42;
@@ -255,7 +255,7 @@ TEST_F(ServiceTest, StepAndAttendRefuseABadScaleNamingIt) {
     v1::AttendReply reply;
     return service_->Handle(req, &reply);
   };
-  auto staging = *core_->staging(s);
+  auto staging = *core_->shm_staging(s);
   ring::Header* h = ring::header(staging->reserved());
   uint64_t submitted = 0;
   auto ring_attend = [&](float scale) {
@@ -354,6 +354,91 @@ TEST_F(ServiceTest, InspectAndDryRunShowTheResolvedParameters) {
   ASSERT_EQ(drep.sequences_size(), 1);
   EXPECT_EQ(drep.sequences(0).params().at("window"), 16);
   EXPECT_EQ(drep.sequences(0).params().at("norm"), 0);
+}
+
+// Device staging on the CPU backend: refused at Attach, naming the backend and what to do; no
+// session is left behind.
+TEST_F(ServiceTest, DeviceStagingOnTheCpuBackendIsRefusedNamingTheFix) {
+  v1::AttachRequest req;
+  req.set_staging_bytes(1 << 20);
+  req.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+  v1::AttachReply reply;
+  const absl::Status s = service_->Handle(req, &reply);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("cpu backend"));
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("--backend=cuda"));
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("staging_kind SHM"));
+  EXPECT_TRUE(reply.session_id().empty());
+  EXPECT_EQ(core_->device_staging_bytes(), 0u);
+
+  req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);
+  EXPECT_EQ(service_->Handle(req, &reply).code(), absl::StatusCode::kUnimplemented);
+  req.set_staging_kind(static_cast<v1::StagingKind>(9));
+  const absl::Status unknown = service_->Handle(req, &reply);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unknown.message()), ::testing::HasSubstr("staging_kind 9 unknown"));
+  v1::StatsRequest stats_req;
+  v1::StatsReply stats;
+  ASSERT_TRUE(service_->Handle(stats_req, &stats).ok());
+  EXPECT_EQ(stats.sessions(), 0u);
+}
+
+// A shm session's requests may name a staging generation; a wrong one is refused before any
+// tensor is touched, naming both generations.
+TEST_F(ServiceTest, AWrongStagingGenerationIsRefusedNamingBoth) {
+  const std::string s = attach();
+  const uint64_t seq = sequence(s, 4);
+  v1::StepRequest step;
+  step.set_session_id(s);
+  step.set_layer(0);
+  step.add_sequence_ids(seq);
+  const size_t kv = core_->step_kv_bytes(1), q = core_->q_bytes(1);
+  step.mutable_k()->mutable_staging()->set_offset(0);
+  step.mutable_k()->mutable_staging()->set_length(kv);
+  step.mutable_v()->mutable_staging()->set_offset(1024);
+  step.mutable_v()->mutable_staging()->set_length(kv);
+  step.mutable_q()->mutable_staging()->set_offset(2048);
+  step.mutable_q()->mutable_staging()->set_length(q);
+  step.mutable_out()->mutable_staging()->set_offset(4096);
+  step.mutable_out()->mutable_staging()->set_length(q);
+  step.set_staging_generation(5);
+  v1::StepReply reply;
+  const absl::Status refused = service_->Handle(step, &reply);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("generation 5"));
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("generation 0"));
+  // Nothing happened: the sequence is not mid-step, and the same Step without a generation runs.
+  step.set_staging_generation(0);
+  EXPECT_TRUE(service_->Handle(step, &reply).ok());
+}
+
+// The device staging fields survive the wire: 64 handle bytes (any byte values), the generation,
+// the device, and the request's generation; an old client's AttachRequest parses as SHM.
+TEST(StagingProtoTest, DeviceStagingFieldsRoundTrip) {
+  v1::AttachReply reply;
+  std::string handle(64, '\0');
+  for (int i = 0; i < 64; ++i) handle[i] = static_cast<char>(255 - 3 * i);
+  reply.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+  reply.set_staging_ipc_handle(handle);
+  reply.set_staging_device(3);
+  reply.set_staging_generation(uint64_t(1) << 40);
+  reply.set_staging_bytes(4u << 20);
+  v1::AttachReply back;
+  ASSERT_TRUE(back.ParseFromString(reply.SerializeAsString()));
+  EXPECT_EQ(back.staging_kind(), v1::STAGING_KIND_CUDA_IPC);
+  EXPECT_EQ(back.staging_ipc_handle(), handle);
+  EXPECT_EQ(back.staging_device(), 3);
+  EXPECT_EQ(back.staging_generation(), uint64_t(1) << 40);
+  v1::StepRequest step;
+  step.set_staging_generation(42);
+  v1::StepRequest step_back;
+  ASSERT_TRUE(step_back.ParseFromString(step.SerializeAsString()));
+  EXPECT_EQ(step_back.staging_generation(), 42u);
+  v1::AttachRequest old_client;  // no staging_kind on the wire
+  old_client.set_staging_bytes(1 << 16);
+  v1::AttachRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(old_client.SerializeAsString()));
+  EXPECT_EQ(parsed.staging_kind(), v1::STAGING_KIND_SHM);
 }
 
 }  // namespace

@@ -17,6 +17,16 @@
 
 namespace karakv::kernels {
 
+// Device memory another process maps (device staging): one allocation of its own, because legacy
+// CUDA IPC maps whole allocations, exported as a CUDA IPC memory handle.
+inline constexpr size_t kSharedMemoryAlignment = size_t(2) << 20;  // sizes round up to 2 MiB
+struct SharedDeviceMemory {
+  void* ptr = nullptr;     // this process's device pointer
+  size_t bytes = 0;        // a multiple of kSharedMemoryAlignment
+  int device = -1;         // the CUDA device ordinal
+  std::string ipc_handle;  // cudaIpcMemHandle_t, 64 bytes
+};
+
 enum class Op : uint8_t {
   kWriteKV,
   kDecodeAttention,
@@ -65,6 +75,19 @@ class Backend {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return KernelStatus::ok();
   }
+
+  // Whether allocate_shared can work (the backend has device memory).
+  virtual bool shares_device_memory() const { return false; }
+  // Device staging: `bytes` (rounded up to kSharedMemoryAlignment) of zero-filled device memory
+  // exported for another process. Backends without device memory refuse with kUnsupported.
+  virtual KernelStatus allocate_shared(size_t bytes, SharedDeviceMemory* out) {
+    return KernelStatus::unsupported(std::string(name()) + " backend has no device memory to share");
+  }
+  virtual void free_shared(const SharedDeviceMemory& memory) {}
+  // Whether `p` is device memory of this backend (a device staging pointer): the server never
+  // reads such bytes on the host, it moves them with copy_in / copy_out (which take device
+  // memory on either side).
+  virtual bool is_device_memory(const void* p) const { return false; }
 
   // Writes tokens [start_pos, start_pos + num_tokens) of sequence `seq` for layers
   // [layer_begin, layer_begin + num_layers). The blocks covering them must already be in the
