@@ -27,6 +27,7 @@
 #include "karakv/v1/geometry.h"
 #include "karakv/v1/karakv.grpc.pb.h"
 #include "karakv/v1/ring.h"
+#include "device_import.h"
 #include "ring_client.h"
 
 namespace karakv {
@@ -61,6 +62,8 @@ struct Client::Impl {
   size_t staging_size = 0;
   size_t staging_used = 0;
   size_t mapped_size = 0;
+  DeviceImport device;  // Staging::kDevice: the imported region (staging points into it)
+  uint64_t staging_generation = 0;
   std::unique_ptr<RingClient> ring;
   std::mutex ring_mu;  // the ring has one producer
   bool attached = false;
@@ -270,6 +273,7 @@ absl::Status Client::Impl::attach_rpc(v1::AttachReply* reply) {
   req.set_staging_bytes(options.staging_bytes);
   req.set_cache_namespace(options.cache_namespace);
   req.set_fast_path(options.fast_path && options.staging_bytes > 0);
+  if (options.staging == Staging::kDevice) req.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
   if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
   grpc::ClientContext ctx;
   prepare(&ctx);
@@ -333,6 +337,7 @@ absl::Status Client::Impl::reattach(const char* method) {
     return absl::FailedPreconditionError(absl::StrCat(method, ": ", given_up));
   };
   if (reply.geometry().SerializeAsString() != geometry_proto) return give_up("it serves another geometry");
+  if (device.ptr != nullptr) return give_up("its device staging region cannot take the old one's address");
   const size_t map_size = reply.staging_bytes() + reply.ring_bytes();
   if (reply.staging_bytes() != staging_size || (staging != nullptr && map_size > mapped_size) ||
       (staging != nullptr) != !reply.staging_name().empty()) {
@@ -444,7 +449,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
   std::unique_ptr<Client> client(new Client(std::move(impl)));
   Impl& im = *client->impl_;
 
-  if (!reply.staging_name().empty()) {
+  if (reply.staging_kind() == v1::STAGING_KIND_CUDA_IPC) {
+    auto imported = import_device_staging(reply.staging_ipc_handle(), reply.staging_device(), reply.staging_bytes());
+    if (!imported.ok()) return imported.status();
+    im.device = *imported;
+    im.staging = static_cast<uint8_t*>(im.device.ptr);
+    im.staging_size = reply.staging_bytes();
+    im.staging_generation = reply.staging_generation();
+  } else if (options.staging == Staging::kDevice) {
+    return absl::FailedPreconditionError("Attach: asked for device staging but karakvd answered with another kind");
+  } else if (!reply.staging_name().empty()) {
     int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);
     if (fd < 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -526,7 +540,11 @@ Client::~Client() {
     impl_->stop_heartbeat.Notify();
     impl_->heartbeat.join();
   }
-  if (impl_->staging) munmap(impl_->staging, impl_->mapped_size);
+  if (impl_->device.ptr != nullptr) {
+    close_device_staging(&impl_->device);
+  } else if (impl_->staging) {
+    munmap(impl_->staging, impl_->mapped_size);
+  }
 }
 
 absl::Status Client::Detach() {
@@ -535,6 +553,13 @@ absl::Status Client::Detach() {
   if (impl_->heartbeat.joinable()) {
     impl_->stop_heartbeat.Notify();
     impl_->heartbeat.join();
+  }
+  // Device staging: the mapping is closed before Detach, so karakvd may give the region to this
+  // tenant's next session (device_staging.h); Buffers of this client are invalid from here on.
+  if (impl_->device.ptr != nullptr) {
+    close_device_staging(&impl_->device);
+    impl_->staging = nullptr;
+    impl_->staging_size = 0;
   }
   v1::DetachRequest req;
   req.set_session_id(impl_->session());
@@ -556,6 +581,8 @@ uint64_t Client::reattach_probes() const {
   return impl_->probes;
 }
 uint64_t Client::staging_bytes() const { return impl_->staging_size; }
+bool Client::device_staging() const { return impl_->device.ptr != nullptr; }
+uint64_t Client::staging_generation() const { return impl_->staging_generation; }
 bool Client::fast_path() const { return impl_->ring != nullptr && impl_->ring->usable(); }
 uint64_t Client::ring_calls() const { return impl_->ring ? impl_->ring->calls() : 0; }
 
@@ -705,6 +732,7 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
   req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
   req.set_sequence_id(sequence_id);
   req.set_num_tokens(static_cast<uint32_t>(num_tokens));
+  req.set_staging_generation(impl_->staging_generation);
   impl_->set_input(k, req.mutable_k());
   impl_->set_input(v, req.mutable_v());
   if (num_query_tokens > 0) {
@@ -748,6 +776,7 @@ absl::StatusOr<uint64_t> Client::Step(int layer, std::span<const uint64_t> seque
     v1::StepRequest req;
     req.set_session_id(impl_->session());
     req.set_layer(layer);
+    req.set_staging_generation(impl_->staging_generation);
     req.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
     impl_->set_input(k, req.mutable_k());
     impl_->set_input(v, req.mutable_v());
@@ -787,6 +816,7 @@ absl::Status Client::Attend(uint64_t sequence_id, int layer, int num_queries, co
     req.set_sequence_id(sequence_id);
     req.set_layer(layer);
     req.set_num_queries(static_cast<uint32_t>(num_queries));
+    req.set_staging_generation(impl_->staging_generation);
     impl_->set_input(q, req.mutable_q());
     impl_->set_output(out, req.mutable_out());
     req.set_scale(scale);
@@ -829,6 +859,7 @@ absl::StatusOr<int> Client::ReadKV(uint64_t sequence_id, const Buffer& k, const 
                                    const Buffer& positions) {
   v1::ReadKVRequest req;
   req.set_sequence_id(sequence_id);
+  req.set_staging_generation(impl_->staging_generation);
   impl_->set_output(k, req.mutable_k());
   impl_->set_output(v, req.mutable_v());
   impl_->set_output(positions, req.mutable_positions());

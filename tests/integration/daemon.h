@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -30,7 +31,10 @@ class Daemon {
     socket_ = socket.empty()
                   ? "/tmp/karakv-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + ".sock"
                   : socket;
-    args.insert(args.begin(), {KARAKVD_PATH, "--socket=" + socket_, "--log_level=warn", "--threads=2"});
+    // $KARAKV_TEST_KARAKVD: another karakvd binary (scripts/gpu-check.sh runs the carried one).
+    const char* karakvd = std::getenv("KARAKV_TEST_KARAKVD");
+    args.insert(args.begin(), {karakvd != nullptr && *karakvd != '\0' ? std::string(karakvd) : std::string(KARAKVD_PATH),
+                               "--socket=" + socket_, "--log_level=warn", "--threads=2"});
     pid_ = fork();
     if (pid_ == 0) {
       // A test that crashes must not leave its daemon running: it dies with its parent.

@@ -48,6 +48,13 @@ struct ReattachOptions {
 // "unix:/tmp/karakv.sock" (karakvd's default --socket).
 std::string default_target();
 
+// Where the staging region lives (ClientOptions::staging).
+enum class Staging {
+  kShm,     // POSIX shared memory, mapped into this process: Buffer::data() is host memory
+  kDevice,  // the daemon's GPU memory, imported with cudaIpcOpenMemHandle: Buffer::data() is a
+            // device pointer of this process (write it with CUDA, never dereference it on the host)
+};
+
 struct ClientOptions {
   // gRPC target: "unix:/path/to.sock" or "host:port". Empty: default_target(), which reads the
   // KARAKV_TARGET environment variable (the Helm chart sets it), as the karakv CLI does.
@@ -64,6 +71,12 @@ struct ClientOptions {
   std::string cache_namespace;
   // Size of the staging region to ask for; 0 attaches without one (inline tensors only).
   uint64_t staging_bytes = 64ull << 20;
+  // kDevice needs karakvd --backend=cuda, this SDK built with CUDA, a process that can see the
+  // daemon's PID (same PID namespace) and no fast_path. Ordering contract: synchronize the stream
+  // that wrote a call's inputs before making the call; when a call returns OK its outputs are
+  // complete in device memory (karakvd synchronized its stream before replying). Re-attaching
+  // after a daemon restart is not possible with device staging (the client gives up, saying so).
+  Staging staging = Staging::kShm;
   // When set, Attach fails unless the daemon serves exactly this geometry.
   std::optional<Geometry> geometry;
   // Sends Heartbeat from a background thread so the lease never runs out while attached.
@@ -227,6 +240,10 @@ class Client {
   uint64_t reattaches() const;
   uint64_t reattach_probes() const;
   uint64_t staging_bytes() const;
+  // Staging::kDevice: whether the region is device memory, and its generation (sent with every
+  // request that addresses it; karakvd refuses a stale one).
+  bool device_staging() const;
+  uint64_t staging_generation() const;
   // Whether Step/Attend currently go through the fast path's ring (attached with fast_path, and
   // the ring was not closed). The rings follow the staging region: they start at offset
   // staging_bytes() of the same mapping.

@@ -1,0 +1,288 @@
+// Device staging (Staging::kDevice, CUDA IPC) against real daemons: this test process is the
+// worker, karakvd the other process. On a GPU: the same Append / Step / Attend / ReadKV through
+// device staging and through shm staging of one daemon give the same outputs (fp32 storage, to
+// 1e-6), a stale or missing generation is refused, and a detached region comes back to the same
+// tenant only under a new generation. Without a GPU those print "no device" and skip. Everywhere:
+// the SDK's device staging on a CPU daemon is refused with a message naming the fix.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "daemon.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "karakv/client.h"
+#include "karakv/v1/karakv.grpc.pb.h"
+
+#if KARAKV_DEVICE_TEST_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace karakv {
+namespace {
+
+using ::testing::HasSubstr;
+using karakv::testing::Daemon;
+
+std::vector<std::string> geometry_flags(const std::string& backend) {
+  return {"--backend=" + backend, "--layers=2", "--q_heads=4", "--kv_heads=2", "--head_dim=64", "--dtype=fp32",
+          "--block_size=16", "--pool_bytes=64MiB"};
+}
+
+TEST(DeviceStagingTest, TheSdkOnACpuDaemonIsRefusedNamingTheFix) {
+  Daemon d(geometry_flags("cpu"));
+  ASSERT_TRUE(d.ready());
+  ClientOptions o;
+  o.target = d.target();
+  o.staging_bytes = 1 << 20;
+  o.staging = Staging::kDevice;
+  auto c = Client::Attach(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("--backend=cuda"));
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("staging_kind SHM"));
+  // shm staging on the same daemon still works.
+  o.staging = Staging::kShm;
+  auto shm = Client::Attach(o);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  EXPECT_FALSE((*shm)->device_staging());
+  EXPECT_EQ((*shm)->staging_generation(), 0u);
+}
+
+#if KARAKV_DEVICE_TEST_CUDA
+
+// Why device tests cannot run here, or empty.
+std::string no_device_reason() {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) return std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err);
+  if (n == 0) return "no CUDA device";
+  return "";
+}
+
+#define SKIP_WITHOUT_DEVICE()                                              \
+  do {                                                                     \
+    if (const std::string why = no_device_reason(); !why.empty()) {        \
+      std::printf("no device: %s\n", why.c_str());                         \
+      GTEST_SKIP() << "no device: " << why;                                \
+    }                                                                      \
+  } while (0)
+
+// One worker's buffers, wherever its staging lives: host data goes in with put() (device staging:
+// cudaMemcpy, then cudaDeviceSynchronize, the worker's half of the ordering contract) and comes out
+// with get().
+struct Worker {
+  std::unique_ptr<Client> client;
+  bool device = false;
+  Buffer alloc(size_t bytes) {
+    auto b = client->alloc(bytes);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return *b;
+  }
+  Buffer put(const std::vector<float>& host) {
+    Buffer b = alloc(host.size() * 4);
+    if (device) {
+      EXPECT_EQ(cudaMemcpy(b.data(), host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    } else {
+      std::memcpy(b.data(), host.data(), host.size() * 4);
+    }
+    return b;
+  }
+  std::vector<float> get(const Buffer& b) {
+    std::vector<float> host(b.size() / 4);
+    if (device) {
+      EXPECT_EQ(cudaMemcpy(host.data(), b.data(), b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    } else {
+      std::memcpy(host.data(), b.data(), b.size());
+    }
+    return host;
+  }
+};
+
+Worker attach(const Daemon& d, bool device, const std::string& tenant = "default") {
+  ClientOptions o;
+  o.target = d.target();
+  o.tenant = tenant;
+  o.staging_bytes = 8 << 20;
+  o.staging = device ? Staging::kDevice : Staging::kShm;
+  auto c = Client::Attach(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  Worker w;
+  if (!c.ok()) return w;
+  w.client = std::move(*c);
+  w.device = device;
+  EXPECT_EQ(w.client->device_staging(), device);
+  return w;
+}
+
+std::vector<float> random_floats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+void expect_near(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-6f * (1.f + std::fabs(want[i]))) << what << " element " << i;
+  }
+}
+
+// Everything a worker reads back from one fixed script of calls.
+struct Outputs {
+  std::vector<std::vector<float>> steps, attend;
+  std::vector<float> k, v;
+  std::vector<int32_t> positions;
+};
+
+Outputs run_script(Worker& w) {
+  Outputs o;
+  Client& c = *w.client;
+  const int prompt = 37, steps = 3, queries = 4;
+  auto seq = c.CreateSequence();
+  EXPECT_TRUE(seq.ok()) << seq.status();
+  Buffer k = w.put(random_floats(c.append_bytes(prompt) / 4, 1));
+  Buffer v = w.put(random_floats(c.append_bytes(prompt) / 4, 2));
+  auto appended = c.Append(*seq, prompt, k, v);
+  EXPECT_TRUE(appended.ok()) << appended.status();
+  const uint64_t ids[] = {*seq};
+  for (int s = 0; s < steps; ++s) {
+    for (int layer = 0; layer < c.geometry().num_layers; ++layer) {
+      c.reset_staging();
+      const uint32_t seed = 100 + s * 10 + layer;
+      Buffer sk = w.put(random_floats(c.step_kv_bytes(1) / 4, seed));
+      Buffer sv = w.put(random_floats(c.step_kv_bytes(1) / 4, seed + 1000));
+      Buffer q = w.put(random_floats(c.q_bytes(1) / 4, seed + 2000));
+      Buffer out = w.alloc(c.q_bytes(1));
+      auto r = c.Step(layer, ids, sk, sv, q, out);
+      EXPECT_TRUE(r.ok()) << r.status();
+      o.steps.push_back(w.get(out));
+    }
+  }
+  for (int layer = 0; layer < c.geometry().num_layers; ++layer) {
+    c.reset_staging();
+    Buffer q = w.put(random_floats(c.q_bytes(queries) / 4, 500 + layer));
+    Buffer out = w.alloc(c.q_bytes(queries));
+    EXPECT_TRUE(c.Attend(*seq, layer, queries, q, out).ok());
+    o.attend.push_back(w.get(out));
+  }
+  c.reset_staging();
+  const int total = prompt + steps;
+  Buffer rk = w.alloc(c.append_bytes(total)), rv = w.alloc(c.append_bytes(total));
+  Buffer rp = w.alloc(size_t(c.geometry().num_layers) * c.geometry().num_kv_heads * total * 4);
+  auto n = c.ReadKV(*seq, rk, rv, rp);
+  EXPECT_TRUE(n.ok()) << n.status();
+  o.k = w.get(rk);
+  o.v = w.get(rv);
+  const std::vector<float> p = w.get(rp);
+  o.positions.resize(p.size());
+  std::memcpy(o.positions.data(), p.data(), p.size() * 4);
+  return o;
+}
+
+TEST(DeviceStagingTest, TwoProcessOutputsEqualTheShmPath) {
+  SKIP_WITHOUT_DEVICE();
+  Daemon d(geometry_flags("cuda"));
+  ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
+  Worker shm = attach(d, false);
+  Worker dev = attach(d, true);
+  ASSERT_TRUE(shm.client && dev.client);
+  EXPECT_NE(dev.client->staging_generation(), 0u);
+  const Outputs want = run_script(shm);
+  const Outputs got = run_script(dev);
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
+  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
+  expect_near(got.k, want.k, "ReadKV.k");
+  expect_near(got.v, want.v, "ReadKV.v");
+  EXPECT_EQ(got.positions, want.positions);
+}
+
+TEST(DeviceStagingTest, AStaleOrMissingGenerationIsRefusedAndNeverAliased) {
+  SKIP_WITHOUT_DEVICE();
+  Daemon d(geometry_flags("cuda"));
+  ASSERT_TRUE(d.ready());
+  auto stub = v1::KaraKV::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  auto attach_raw = [&](v1::AttachReply* reply) {
+    v1::AttachRequest req;
+    req.set_tenant("t");
+    req.set_staging_bytes(1 << 20);
+    req.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+    grpc::ClientContext ctx;
+    return stub->Attach(&ctx, req, reply);
+  };
+  v1::AttachReply first;
+  ASSERT_TRUE(attach_raw(&first).ok());
+  EXPECT_EQ(first.staging_ipc_handle().size(), 64u);
+  EXPECT_EQ(first.staging_bytes() % (2u << 20), 0u);
+  const uint64_t old_generation = first.staging_generation();
+  ASSERT_NE(old_generation, 0u);
+  // This process never opened the handle, so Detach honours the contract; the tenant's next
+  // session gets the same allocation (identical handle bytes) under a new generation.
+  {
+    v1::DetachRequest req;
+    req.set_session_id(first.session_id());
+    v1::DetachReply reply;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Detach(&ctx, req, &reply).ok());
+  }
+  v1::AttachReply second;
+  ASSERT_TRUE(attach_raw(&second).ok());
+  EXPECT_EQ(second.staging_ipc_handle(), first.staging_ipc_handle());
+  EXPECT_GT(second.staging_generation(), old_generation);
+
+  v1::CreateSequenceRequest creq;
+  creq.set_session_id(second.session_id());
+  v1::CreateSequenceReply crep;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->CreateSequence(&ctx, creq, &crep).ok());
+  }
+  auto attend = [&](uint64_t generation) {
+    v1::AttendRequest req;
+    req.set_session_id(second.session_id());
+    req.set_sequence_id(crep.sequence_id());
+    req.set_num_queries(1);
+    req.mutable_q()->mutable_staging()->set_offset(0);
+    req.mutable_q()->mutable_staging()->set_length(4 * 64 * 4);
+    req.mutable_out()->mutable_staging()->set_offset(4096);
+    req.mutable_out()->mutable_staging()->set_length(4 * 64 * 4);
+    req.set_staging_generation(generation);
+    v1::AttendReply reply;
+    grpc::ClientContext ctx;
+    return stub->Attend(&ctx, req, &reply);
+  };
+  const grpc::Status stale = attend(old_generation);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << stale.error_message();
+  EXPECT_THAT(stale.error_message(), HasSubstr("generation " + std::to_string(old_generation)));
+  EXPECT_THAT(stale.error_message(), HasSubstr("generation " + std::to_string(second.staging_generation())));
+  const grpc::Status missing = attend(0);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(missing.error_message(), HasSubstr("staging_generation is missing"));
+  // The current generation gets past the staging checks (the sequence is empty: INVALID_ARGUMENT
+  // about num_queries, not about staging).
+  const grpc::Status current = attend(second.staging_generation());
+  EXPECT_EQ(current.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << current.error_message();
+  EXPECT_THAT(current.error_message(), HasSubstr("num_queries"));
+
+  // Another tenant never gets that allocation.
+  v1::AttachRequest other;
+  other.set_tenant("u");
+  other.set_staging_bytes(1 << 20);
+  other.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+  v1::AttachReply third;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub->Attach(&ctx, other, &third).ok());
+  EXPECT_NE(third.staging_ipc_handle(), first.staging_ipc_handle());
+}
+
+#endif  // KARAKV_DEVICE_TEST_CUDA
+
+}  // namespace
+}  // namespace karakv
