@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 
 ABSL_DECLARE_FLAG(std::string, karakvd);
+ABSL_DECLARE_FLAG(std::vector<std::string>, karakvd_flags);
 
 namespace karakv::bench {
 
@@ -136,6 +137,8 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
                                                                         : absl::GetFlag(FLAGS_karakvd),
                                    "--socket=" + socket, "--log_level=warn", "--drain_seconds=2"};
   argv.insert(argv.end(), geometry_flags.begin(), geometry_flags.end());
+  const std::vector<std::string> extra = absl::GetFlag(FLAGS_karakvd_flags);
+  argv.insert(argv.end(), extra.begin(), extra.end());
   progress(absl::StrCat("starting ", absl::StrJoin(argv, " ")));
   auto child = ChildProcess::start(name, argv, dir.file(name + ".log"));
   if (!child.ok()) return child.status();

@@ -48,6 +48,9 @@
 #include "soak.h"
 
 ABSL_FLAG(std::string, karakvd, "", "karakvd binary (default: ../server/karakvd next to this binary)");
+ABSL_FLAG(std::vector<std::string>, karakvd_flags, {},
+          "Extra flags for every karakvd it starts, comma-separated (e.g. --backend=cuda; they come last, so they "
+          "override the mode's own)");
 ABSL_FLAG(std::string, out_dir, "",
           "Write one CSV per mode (p1.csv, p2.csv, p3.csv, p5.csv, memory.csv, quant.csv, prefix.csv; memory also "
           "memory_series.csv, quant also quant_ratio.csv and quant_formats.csv) "
@@ -156,7 +159,7 @@ absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|all [--karakvd=PATH] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|all [--karakvd=PATH] [--karakvd_flags=F,...] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
       "  p1      Append throughput vs Redis SET (target >= 3x)\n"
       "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
       "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"

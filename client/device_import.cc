@@ -12,8 +12,6 @@ namespace karakv {
 
 #if KARAKV_CLIENT_CUDA
 
-bool sdk_has_cuda() { return true; }
-
 absl::StatusOr<DeviceImport> import_device_staging(const std::string& handle, int device, uint64_t bytes) {
   cudaIpcMemHandle_t h;
   if (handle.size() != sizeof(h)) {
@@ -49,8 +47,6 @@ void close_device_staging(DeviceImport* import) {
 }
 
 #else
-
-bool sdk_has_cuda() { return false; }
 
 absl::StatusOr<DeviceImport> import_device_staging(const std::string&, int, uint64_t) {
   return absl::FailedPreconditionError(

@@ -20,7 +20,5 @@ struct DeviceImport {
 absl::StatusOr<DeviceImport> import_device_staging(const std::string& handle, int device, uint64_t bytes);
 // Closes the mapping (cudaIpcCloseMemHandle); *import is reset. Safe on an empty import.
 void close_device_staging(DeviceImport* import);
-// Whether this SDK was built with CUDA (device staging possible).
-bool sdk_has_cuda();
 
 }  // namespace karakv

@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check: every CUDA kernel against the CPU reference on fresh random inputs, then the kernel
-# benchmarks, in one short table. Two halves:
+# The GPU check: every CUDA kernel against the CPU reference on fresh random inputs, the kernel
+# benchmarks, the two-process device staging test (CUDA IPC) and karakv-bench serve on the GPU, in one
+# short table. Two halves:
 #
 #   scripts/gpu-check.sh --prepare   here, on a machine with nvcc but no GPU: builds the kernel library,
 #                                    its tests and benchmark into build-gpu/ (KARAKV_KERNELS_ONLY: no
 #                                    gRPC needed; libstdc++ and libgcc linked in statically), and copies
 #                                    the shared libraries they still need that are not part of the C
 #                                    library (ldd: libgomp) plus GoogleTest (its sources, and the built
-#                                    libraries, to rebuild there) into build-gpu/carry/.
-#   scripts/gpu-check.sh             on the GPU machine (nvcc, cmake, ninja and PyTorch, no network, no
-#                                    Debian libraries): runs the carried binaries, or rebuilds them with
-#                                    that machine's nvcc when the carried ones cannot start there, then
-#                                    prints the table. With no GPU (nvidia-smi finds none) it says
-#                                    "no device" and exits 0.
+#                                    libraries, to rebuild there) into build-gpu/carry/. Then the full
+#                                    CUDA build (build-gpu-full/: karakvd, karakv-bench,
+#                                    device_staging_test, which need gRPC) goes to build-gpu/carry/full/
+#                                    with every shared library they load, the C library and its
+#                                    dynamic loader included (not the CUDA driver): patchelf points the
+#                                    binaries at that loader (a path relative to the repository root,
+#                                    where this script runs them) and at ../lib, so they start on a
+#                                    machine with an older C library and no gRPC; packed as
+#                                    build-gpu/carry/full.tar.xz. Needs patchelf.
+#   scripts/gpu-check.sh [--results DIR]
+#                                    on the GPU machine (nvcc, cmake, ninja and PyTorch, no network, no
+#                                    Debian libraries): runs the carried binaries, or rebuilds the kernel
+#                                    ones with that machine's nvcc when they cannot start there, then
+#                                    prints the table and writes every output (the serve CSVs, the
+#                                    gtest XML and each step's log) into DIR (default gpu-results/).
+#                                    With no GPU (nvidia-smi finds none) it says "no device" and exits 0.
 #   scripts/gpu-check.sh --help      this text.
 #
 # "Cannot start" means the dynamic loader refuses a carried binary (an older C library than this
@@ -27,11 +38,13 @@
 # it was running). The script exits with the tests' status, or 1 when no test passed or a test was
 # skipped for "no device" (the CUDA backend could not be created on the GPU machine).
 #
-# Fits one 10-minute call on an H200: the correctness run takes seconds, each benchmark well under a
-# minute. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192), GPU_CHECK_ITERS (10),
-# GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets 180), GPU_CHECK_JOBS
-# (nproc; build jobs).
-# What to carry (about 20 MiB; the object files in build-gpu/ need not travel):
+# Fits one 10-minute call on an H200: the correctness runs take seconds, each kernel benchmark well
+# under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256) at most
+# GPU_CHECK_SERVE_SECONDS per run. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
+# GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets
+# 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (40), GPU_CHECK_JOBS (nproc; build jobs).
+# What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
+# the sizes and fails above 60 MiB):
 #   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
 set -uo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -41,9 +54,13 @@ JOBS=${GPU_CHECK_JOBS:-$(nproc)}
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$self"; }
 
+RESULTS=gpu-results
 case "${1:-}" in
   -h | --help) usage; exit 0 ;;
   "" | --prepare) ;;
+  --results)
+    [ -n "${2:-}" ] || { echo "gpu-check.sh: --results needs a folder" >&2; exit 2; }
+    RESULTS=$2 ;;
   *) echo "gpu-check.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
 esac
 
@@ -71,8 +88,43 @@ if [ "${1:-}" = "--prepare" ]; then
   cp /usr/lib/x86_64-linux-gnu/libgtest*.a /usr/lib/x86_64-linux-gnu/libgmock*.a "$B/carry/gtest/lib/x86_64-linux-gnu/"
   cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest "$B/carry/gtest/lib/x86_64-linux-gnu/cmake/"
   echo "carried libraries: $(find "$B/carry/lib" -maxdepth 1 -type f -printf '%f ')"
-  du -sh "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench" "$B/carry"
-  echo "prepared $B; run scripts/gpu-check.sh on the GPU machine carrying $B"
+
+  # The full CUDA build for the device staging test and karakv-bench serve. The same flags as
+  # build/ (scripts/setup.sh), so ccache serves what that tree compiled.
+  command -v patchelf > /dev/null || { echo "gpu-check.sh --prepare needs patchelf (apt-get install patchelf)" >&2; exit 1; }
+  F=build-gpu-full
+  cmake -S . -B "$F" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_CUDA=ON > /dev/null
+  cmake --build "$F" -j "$JOBS" --target karakvd karakv-bench device_staging_test
+  C="$B/carry/full"
+  rm -rf "$C" && mkdir -p "$C/bin" "$C/server" "$C/lib"
+  # karakv-bench finds karakvd at ../server/karakvd from its own folder, as in a build tree.
+  strip --strip-debug -o "$C/server/karakvd" "$F/server/karakvd"
+  strip --strip-debug -o "$C/bin/karakv-bench" "$F/bench/karakv-bench"
+  strip --strip-debug -o "$C/bin/device_staging_test" "$F/tests/integration/device_staging_test"
+  for bin in "$C/server/karakvd" "$C/bin/karakv-bench" "$C/bin/device_staging_test"; do
+    # Every library it loads (the C library too), not the CUDA driver: that is the GPU machine's.
+    ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/.*ld-linux/ {print $1}' | grep -v '/libcuda\.so' |
+      xargs -r -I{} cp -L {} "$C/lib/"
+  done
+  loader=$(cd "$C/lib" && ls ld-linux-*.so.*)
+  for bin in "$C/server/karakvd" "$C/bin/karakv-bench" "$C/bin/device_staging_test"; do
+    patchelf --set-interpreter "$C/lib/$loader" --force-rpath --set-rpath '$ORIGIN/../lib' "$bin"
+  done
+  strip --strip-debug "$C"/lib/lib*.so*  # libkarakv_client is built with debug information
+  # They start through the carried loader and libraries here too (the run from the repository root).
+  "$C/bin/device_staging_test" --gtest_list_tests > /dev/null
+  "$C/server/karakvd" --version > /dev/null
+  echo "carried for the full build: $(find "$C/lib" -maxdepth 1 -type f | wc -l) libraries, $(du -sh "$C" | cut -f1)"
+  # Packed (about a quarter of the size); the GPU-machine half unpacks it.
+  tar -C "$B/carry" -cJf "$B/carry/full.tar.xz" full
+  rm -rf "$C"
+  du -sh "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench" "$B/carry" "$B/carry/full.tar.xz"
+  total=$(du -sck "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench" "$B/carry" | tail -1 | cut -f1)
+  if [ "$total" -gt $((60 * 1024)) ]; then
+    echo "gpu-check.sh --prepare: what to carry is $((total / 1024)) MiB, over the 60 MiB budget" >&2
+    exit 1
+  fi
+  echo "prepared $B ($((total / 1024)) MiB to carry); run scripts/gpu-check.sh on the GPU machine carrying $B"
   exit 0
 fi
 
@@ -86,6 +138,12 @@ ITERS=${GPU_CHECK_ITERS:-10}
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-300}
 CARRY_LIB="$PWD/build-gpu/carry/lib"
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+mkdir -p "$RESULTS"
+FULL="$PWD/build-gpu/carry/full"
+if [ ! -d "$FULL" ] && [ -f build-gpu/carry/full.tar.xz ]; then
+  tar -C build-gpu/carry -xJf build-gpu/carry/full.tar.xz 2> /dev/null ||
+    python3 -m tarfile -e build-gpu/carry/full.tar.xz build-gpu/carry
+fi
 
 # BIN_ENV: the prefix that runs one of $B's binaries: a carried one with the carried libraries on its
 # library path, a rebuilt one as it is. Nothing else in this script sees the carried libraries.
@@ -243,6 +301,41 @@ for model in smollm2 llama8b; do
 done
 head -1 /tmp/gpu-sdpa-llama8b.txt
 
+# 3. Device staging (CUDA IPC) between two processes: this test is the worker, the carried karakvd
+# (--backend=cuda) the daemon. A "no device" skip on the GPU machine fails the check.
+with_timeout 300 env KARAKV_TEST_KARAKVD="$FULL/server/karakvd" "$FULL/bin/device_staging_test" \
+  --gtest_output="xml:$RESULTS/device_staging_test.xml" > /tmp/gpu-ipc.txt 2>&1
+ipc_rc=$?
+read -r ipc_passed ipc_failed ipc_skipped ipc_running < <(gtest_counts /tmp/gpu-ipc.txt)
+ipc_status=$(describe_rc "$ipc_rc")
+[ "$ipc_running" = "-" ] || ipc_status="$ipc_status in $ipc_running"
+if grep -q '^no device' /tmp/gpu-ipc.txt; then
+  ipc_status="$ipc_status, but skipped for: $(grep -m1 '^no device' /tmp/gpu-ipc.txt)"
+  ipc_rc=1
+fi
+[ "$ipc_rc" -eq 0 ] || { echo "device_staging_test ($ipc_status):"; tail -30 /tmp/gpu-ipc.txt; }
+
+# 4. karakv-bench serve on the GPU: none, snapkv, kara at max batch 64 and 256, karakvd --backend=cuda.
+SERVE_STEPS=${GPU_CHECK_SERVE_STEPS:-300}
+SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-40}
+with_timeout $((SERVE_SECONDS * 6 + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+  --serve_policies=none,snapkv,kara --serve_batches=64,256 --serve_steps="$SERVE_STEPS" \
+  --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve" > /tmp/gpu-serve.txt 2>&1
+serve_rc=$?
+serve_status=$(describe_rc "$serve_rc")
+[ "$serve_rc" -eq 0 ] || { echo "karakv-bench serve failed ($serve_status):"; tail -20 /tmp/gpu-serve.txt; }
+# policy,max_batch -> "tok/s; TPOT mean ms" from serve_runs.csv
+declare -A serve
+if [ -f "$RESULTS/serve/serve_runs.csv" ]; then
+  while IFS=, read -r policy batch value; do serve[$policy.$batch]=$value; done < <(python3 - "$RESULTS/serve/serve_runs.csv" <<'PY'
+import csv, sys
+for row in csv.DictReader(open(sys.argv[1])):
+    print(f"{row['policy']},{row['max_batch']},{float(row['throughput_tok_s']):.0f}; {float(row['tpot_mean_ms']):.2f}")
+PY
+)
+fi
+cp /tmp/gpu-tests.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
+
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
 echo "| check | smollm2-135m | llama-3.1-8b |"
@@ -255,8 +348,17 @@ for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_v
   echo "| $m | ${r[smollm2.$m]:-n/a} | ${r[llama8b.$m]:-n/a} |"
 done
 echo "| paged decode time / sdpa time | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_us]:-}") |"
-echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B)"
-echo "Not run here: the two-process CUDA IPC staging test (CUDA IPC staging is not built yet)."
+echo "| device staging, two processes (device_staging_test passed / failed / skipped; exit status) | $ipc_passed / $ipc_failed / $ipc_skipped; $ipc_status | (same run) |"
+echo "| karakv-bench serve on the GPU (exit status) | $serve_status | (serve geometry: 4 layers, Hq 4, Hk 2, D 64, fp16) |"
+for policy in none snapkv kara; do
+  for batch in 64 256; do
+    echo "| serve $policy, max batch $batch: tok/s; TPOT mean ms | ${serve[$policy.$batch]:-n/a} | - |"
+  done
+done
+echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
+echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$tests_ok" -eq 1 ] || exit 1
+[ "$ipc_rc" -eq 0 ] || exit 1
+[ "$serve_rc" -eq 0 ] || exit 1
 exit 0

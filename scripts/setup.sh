@@ -19,7 +19,9 @@ packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           # scripts/test.sh's fuzzing stage, tests/fuzz: clang with libFuzzer's runtime; its
           # TSan stage for the kernels' OpenMP threads: LLVM's OpenMP runtime with Archer, which
           # tells TSan about OpenMP's barriers.
-          clang libclang-rt-14-dev libomp-14-dev)
+          clang libclang-rt-14-dev libomp-14-dev
+          # scripts/gpu-check.sh --prepare points the carried binaries at their carried loader.
+          patchelf)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
