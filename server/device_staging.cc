@@ -10,7 +10,9 @@ std::shared_ptr<DeviceStagingPool> DeviceStagingPool::create(kernels::Backend& b
 
 DeviceStagingPool::~DeviceStagingPool() {
   absl::MutexLock lock(&mu_);
-  for (const kernels::SharedDeviceMemory& m : memory_) backend_.free_shared(m);
+  for (const kernels::SharedDeviceMemory& m : memory_) {
+    if (m.ptr != nullptr) backend_.free_shared(m);  // abandoned slots have none
+  }
 }
 
 absl::StatusOr<std::shared_ptr<DeviceStaging>> DeviceStagingPool::acquire(uint64_t bytes, const std::string& tenant) {
