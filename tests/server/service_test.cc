@@ -371,6 +371,11 @@ TEST_F(ServiceTest, DeviceStagingOnTheCpuBackendIsRefusedNamingTheFix) {
   EXPECT_TRUE(reply.session_id().empty());
   EXPECT_EQ(core_->device_staging_bytes(), 0u);
 
+  req.set_fast_path(true);  // its rings live in shared memory
+  const absl::Status with_rings = service_->Handle(req, &reply);
+  EXPECT_EQ(with_rings.code(), absl::StatusCode::kInvalidArgument) << with_rings;
+  EXPECT_THAT(std::string(with_rings.message()), ::testing::HasSubstr("fast_path needs shm staging"));
+  req.set_fast_path(false);
   req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);
   EXPECT_EQ(service_->Handle(req, &reply).code(), absl::StatusCode::kUnimplemented);
   req.set_staging_kind(static_cast<v1::StagingKind>(9));
