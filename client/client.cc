@@ -219,6 +219,12 @@ struct Client::Impl {
     }
     return true;
   }
+  // For Append and ReadKV, which only a newer daemon takes on the ring.
+  bool ring_ready_data(std::initializer_list<const Buffer*> buffers) const {
+    return ring_ready(buffers) && ring->supports(ring::kOpsAppendReadKV);
+  }
+  // An optional input: in staging, or absent (an empty range, as gRPC sends an unset tensor).
+  static bool staged_or_empty(const Buffer& b) { return b.in_staging() || b.size() == 0; }
   static ring::Range range(const Buffer& b) { return {b.offset(), b.size()}; }
   // The daemon's loss, as seen from a ring wait that lasts: an empty call answered UNAVAILABLE
   // (connection refused or reset). A slow answer is not a loss: the wait goes on to its deadline.
@@ -741,7 +747,26 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
   }
   const uint64_t ids[] = {sequence_id};
   v1::AppendReply reply;
-  absl::Status s = impl_->call("Append", ids, [&] {
+  absl::Status s = impl_->call("Append", ids, [&]() -> absl::Status {
+    // Token ids live in this process's memory; an Append with them goes through gRPC.
+    if (token_ids.empty() && impl_->ring_ready_data({&k, &v}) && Impl::staged_or_empty(q)) {
+      ring::Command cmd;
+      cmd.op = uint32_t(ring::Op::kAppend);
+      cmd.count = 1;
+      ring::AppendEntry e{};
+      e.sequence_id = sequence_id;
+      e.num_tokens = static_cast<uint32_t>(num_tokens);
+      e.num_query_tokens = static_cast<uint32_t>(std::max(0, num_query_tokens));
+      e.k = Impl::range(k);
+      e.v = Impl::range(v);
+      if (num_query_tokens > 0) e.q = Impl::range(q);
+      ring::set_append_entry(cmd, 0, e);
+      if (auto r = impl_->ring_call(cmd, "Append")) {
+        if (!r->ok()) return r->status();
+        reply.set_length(static_cast<uint32_t>((*r)->decode_step));
+        return absl::OkStatus();
+      }
+    }
     req.set_session_id(impl_->session());
     grpc::ClientContext ctx;
     impl_->prepare(&ctx);
@@ -749,6 +774,65 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
   });
   if (!s.ok()) return s;
   return static_cast<int>(reply.length());
+}
+
+absl::StatusOr<std::vector<int>> Client::AppendBatch(std::span<const AppendEntry> entries) {
+  std::vector<uint64_t> ids;
+  for (const AppendEntry& e : entries) ids.push_back(e.sequence_id);
+  std::vector<int> lengths;
+  absl::Status s = impl_->call("AppendBatch", ids, [&]() -> absl::Status {
+    lengths.clear();
+    bool ring = entries.size() <= ring::Command::kMaxAppends && impl_->ring_ready_data({});
+    for (const AppendEntry& e : entries) {
+      ring = ring && e.k.in_staging() && e.v.in_staging() && Impl::staged_or_empty(e.q) &&
+             Impl::staged_or_empty(e.token_ids);
+    }
+    if (ring) {
+      ring::Command cmd;
+      cmd.op = uint32_t(ring::Op::kAppend);
+      cmd.count = static_cast<uint32_t>(entries.size());
+      for (size_t i = 0; i < entries.size(); ++i) {
+        const AppendEntry& in = entries[i];
+        ring::AppendEntry e{};
+        e.sequence_id = in.sequence_id;
+        e.num_tokens = static_cast<uint32_t>(in.num_tokens);
+        e.num_query_tokens = static_cast<uint32_t>(std::max(0, in.num_query_tokens));
+        e.k = Impl::range(in.k);
+        e.v = Impl::range(in.v);
+        if (in.num_query_tokens > 0 || in.q.size() > 0) e.q = Impl::range(in.q);
+        if (in.token_ids.size() > 0) e.token_ids = Impl::range(in.token_ids);
+        ring::set_append_entry(cmd, i, e);
+      }
+      if (auto r = impl_->ring_call(cmd, "AppendBatch")) {
+        if (!r->ok()) return r->status();
+        for (size_t i = 0; i < entries.size(); ++i) lengths.push_back(int(ring::append_length(**r, i)));
+        return absl::OkStatus();
+      }
+    }
+    v1::AppendBatchRequest req;
+    req.set_session_id(impl_->session());
+    for (const AppendEntry& in : entries) {
+      v1::AppendRequest* e = req.add_entries();
+      e->set_sequence_id(in.sequence_id);
+      e->set_num_tokens(static_cast<uint32_t>(in.num_tokens));
+      impl_->set_input(in.k, e->mutable_k());
+      impl_->set_input(in.v, e->mutable_v());
+      if (in.num_query_tokens > 0 || in.q.size() > 0) {
+        impl_->set_input(in.q, e->mutable_q());
+        e->set_num_query_tokens(static_cast<uint32_t>(std::max(0, in.num_query_tokens)));
+      }
+      const auto* tok = reinterpret_cast<const int32_t*>(in.token_ids.data());
+      e->mutable_token_ids()->Add(tok, tok + in.token_ids.size() / sizeof(int32_t));
+    }
+    v1::AppendBatchReply reply;
+    grpc::ClientContext ctx;
+    impl_->prepare(&ctx);
+    if (auto st = from_grpc(impl_->stub->AppendBatch(&ctx, req, &reply), "AppendBatch"); !st.ok()) return st;
+    lengths.assign(reply.lengths().begin(), reply.lengths().end());
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  return lengths;
 }
 
 absl::StatusOr<uint64_t> Client::Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,
@@ -865,7 +949,20 @@ absl::StatusOr<int> Client::ReadKV(uint64_t sequence_id, const Buffer& k, const 
   impl_->set_output(positions, req.mutable_positions());
   v1::ReadKVReply reply;
   const uint64_t ids[] = {sequence_id};
-  absl::Status st = impl_->call("ReadKV", ids, [&] {
+  absl::Status st = impl_->call("ReadKV", ids, [&]() -> absl::Status {
+    if (impl_->ring_ready_data({&k, &v, &positions})) {
+      ring::Command cmd;
+      cmd.op = uint32_t(ring::Op::kReadKV);
+      cmd.sequence_id = sequence_id;
+      cmd.k = Impl::range(k);
+      cmd.v = Impl::range(v);
+      cmd.out = Impl::range(positions);
+      if (auto r = impl_->ring_call(cmd, "ReadKV")) {
+        if (!r->ok()) return r->status();
+        reply.set_num_tokens(static_cast<uint32_t>((*r)->decode_step));
+        return absl::OkStatus();
+      }
+    }
     req.set_session_id(impl_->session());
     grpc::ClientContext ctx;
     impl_->prepare(&ctx);

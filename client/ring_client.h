@@ -27,6 +27,8 @@ class RingClient {
                                                        absl::Duration full_wait,
                                                        absl::FunctionRef<absl::Status()> alive);
   bool usable() const { return usable_; }
+  // Whether the daemon takes the ops of `bit` (ring::kOps*) on this ring.
+  bool supports(uint32_t bit) const { return (header_->ops & bit) == bit; }
   uint64_t calls() const { return calls_; }
   uint64_t sleeps() const { return sleeps_; }
 

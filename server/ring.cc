@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core.h"
 #include "server/request_gate.h"
+#include "server/validation.h"
 #include "spdlog/spdlog.h"
 
 namespace karakv::server {
@@ -283,7 +284,96 @@ bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Comple
     set_status(gate_->attend(call, resolution), done);
     return true;
   }
+  if (cmd.op == uint32_t(ring::Op::kAppend)) {
+    if (cmd.count > ring::Command::kMaxAppends) return false;
+    append(w, cmd, done);
+    return true;
+  }
+  if (cmd.op == uint32_t(ring::Op::kReadKV)) {
+    read_kv(w, cmd, done);
+    return true;
+  }
   return false;
+}
+
+void RingServer::append(const Worker& w, const ring::Command& cmd, ring::Completion* done) {
+  // One entry is a plain Append (the gRPC Append); more are an AppendBatch, entry by entry in the
+  // order and with the checks of service.cc's DoAppend.
+  const size_t n = cmd.count;
+  const StagingRegion& staging = *w.staging;
+  uint32_t applied = 0;
+  int32_t length = 0;
+  int32_t lengths[ring::Command::kMaxAppends];
+  const absl::Status status = gate_->run(n == 1 ? "Append" : "AppendBatch", true, [&]() -> absl::Status {
+    if (absl::Status s = check_append_batch(n); !s.ok()) return s;
+    for (size_t i = 0; i < n; ++i) {
+      const ring::AppendEntry e = ring::append_entry(cmd, i);
+      absl::Span<uint8_t> k, v, q, ids;
+      absl::Status s = resolve(staging, e.k, "k", &k);
+      if (s.ok()) s = resolve(staging, e.v, "v", &v);
+      if (s.ok() && (e.num_query_tokens > 0 || e.q.length > 0)) s = resolve(staging, e.q, "q", &q);
+      if (s.ok() && e.token_ids.length > 0) {
+        s = resolve(staging, e.token_ids, "token_ids", &ids);
+        if (s.ok() && ids.size() % sizeof(int32_t) != 0) {
+          s = absl::InvalidArgumentError(absl::StrCat("token_ids staging range has ", ids.size(),
+                                                      " bytes, expected a multiple of 4 ([T] int32)"));
+        }
+      }
+      absl::StatusOr<int32_t> r = 0;
+      if (!s.ok()) {
+        r = s;
+      } else {
+        r = core_->append(w.session_id, e.sequence_id, static_cast<int32_t>(e.num_tokens), k, v, q,
+                          static_cast<int32_t>(e.num_query_tokens),
+                          absl::MakeConstSpan(reinterpret_cast<const int32_t*>(ids.data()), ids.size() / 4));
+      }
+      if (!r.ok()) return append_entry_status(r.status(), i, n, e.sequence_id);
+      lengths[i] = length = *r;
+      ++applied;
+    }
+    return absl::OkStatus();
+  });
+  set_status(status, done);
+  done->compactions = applied;
+  done->decode_step = static_cast<uint64_t>(length);
+  if (status.ok()) {
+    for (size_t i = 0; i < n; ++i) ring::set_append_length(*done, i, static_cast<uint32_t>(lengths[i]));
+  }
+}
+
+void RingServer::read_kv(const Worker& w, const ring::Command& cmd, ring::Completion* done) {
+  // The outputs as service.cc's DoReadKV resolves staging outputs: at least the bytes T tokens need.
+  const StagingRegion& staging = *w.staging;
+  int32_t tokens = 0;
+  auto output = [&](const ring::Range& r, size_t want, const char* what) -> absl::StatusOr<MutableBytes> {
+    if (absl::Status s = check_output_range(what, r.length, want, false); !s.ok()) return s;
+    auto p = staging.resolve(r.offset, r.length, 4, what);
+    if (!p.ok()) return p.status();
+    return MutableBytes(*p, want);
+  };
+  auto targets = [&](int32_t num_tokens) -> absl::StatusOr<ReadKVTargets> {
+    ReadKVTargets t;
+    const size_t kv_bytes = core_->append_bytes(num_tokens);
+    auto k = output(cmd.k, kv_bytes, "k");
+    if (!k.ok()) return k.status();
+    auto v = output(cmd.v, kv_bytes, "v");
+    if (!v.ok()) return v.status();
+    const size_t rows = size_t(core_->geometry().num_layers) * core_->geometry().num_kv_heads;
+    auto p = output(cmd.out, rows * num_tokens * 4, "positions");
+    if (!p.ok()) return p.status();
+    t.k = *k;
+    t.v = *v;
+    t.positions = *p;
+    return t;
+  };
+  const absl::Status status = gate_->run("ReadKV", false, [&]() -> absl::Status {
+    auto r = core_->read_kv(w.session_id, cmd.sequence_id, targets);
+    if (!r.ok()) return r.status();
+    tokens = *r;
+    return absl::OkStatus();
+  });
+  set_status(status, done);
+  if (status.ok()) done->decode_step = static_cast<uint64_t>(tokens);
 }
 
 RingServer::Turn RingServer::turn(Worker* w) {
@@ -311,7 +401,8 @@ RingServer::Turn RingServer::turn(Worker* w) {
   if (!execute(*w, *w->cmd, &done)) {
     close(w, absl::StrCat("command ", sq.index() - 1, " has op ", w->cmd->op, " and count ", w->cmd->count,
                           ", expected op 1 (Step) with at most ", ring::Command::kMaxIds,
-                          " sequence ids or op 2 (Attend)"));
+                          " sequence ids, op 2 (Attend), op 3 (Append) with at most ", ring::Command::kMaxAppends,
+                          " entries or op 4 (ReadKV)"));
     return Turn::kClosed;
   }
   cq.push(done);

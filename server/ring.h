@@ -1,8 +1,8 @@
 // The daemon's end of the decode fast path: one consumer thread per session that attached with
-// fast_path. It takes Step and Attend commands from the session's command ring (karakv/v1/ring.h),
-// resolves their staging ranges and calls the request gate's Step / Attend entries that the gRPC
-// handlers call too (same validation, core calls, status codes, metrics), and posts the outcome to
-// the completion ring.
+// fast_path. It takes Step, Attend, Append (one sequence or several) and ReadKV commands from the
+// session's command ring (karakv/v1/ring.h), resolves their staging ranges and calls the request
+// gate's entries that the gRPC handlers call too (same validation, core calls, status codes,
+// metrics), and posts the outcome to the completion ring.
 //
 // Threads, not a poller pool: a decode step is a chain of dependent Steps (layer l + 1 needs layer
 // l's output), so a ring has at most a few commands in flight and its thread is either running one
@@ -16,8 +16,8 @@
 // N teams.
 // Waiting: spin for `spin` after the last command, then FUTEX_WAIT on the doorbell in slices of
 // `poll`, checking between slices that the session still exists (detach, lease expiry): the thread
-// ends within one slice of its session. A ring with impossible indices or a command that is not a
-// Step or Attend closes the session (its blocks return to the pool); the daemon carries on.
+// ends within one slice of its session. A ring with impossible indices or a command with an unknown op
+// closes the session (its blocks return to the pool); the daemon carries on.
 #pragma once
 
 #include <atomic>
@@ -118,8 +118,11 @@ class RingServer {
   Turn turn(Worker* w);
   // The end of a worker's life: tells the worker when the daemon stops, lets go of the staging.
   void finish(Worker* w);
-  // Executes one command; false when the command is garbage (not a Step/Attend, too many ids).
+  // Executes one command; false when the command is garbage (an unknown op, too many ids or entries).
   bool execute(const Worker& w, const ring::Command& cmd, ring::Completion* done);
+  // The Append command (one entry or several) and ReadKV, as service.cc's handlers run them.
+  void append(const Worker& w, const ring::Command& cmd, ring::Completion* done);
+  void read_kv(const Worker& w, const ring::Command& cmd, ring::Completion* done);
   // Garbage in the ring: tells the worker why, then ends the session.
   void close(Worker* w, const std::string& why);
   // Tells the worker (state and reason in the ring header) that this ring takes no more commands.

@@ -173,8 +173,9 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   return absl::OkStatus();
 }
 
-absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendReply* reply) {
-  auto staging = staging_for(core_, req.session_id(), req.staging_generation(), req.k(), req.v(), req.q());
+absl::Status KaraKVService::DoAppend(const std::string& session_id, const v1::AppendRequest& req,
+                                     v1::AppendReply* reply) {
+  auto staging = staging_for(core_, session_id, req.staging_generation(), req.k(), req.v(), req.q());
   if (!staging.ok()) return staging.status();
   Input k, v, q;
   if (auto s = resolve_input(req.k(), staging->get(), "k", &k); !s.ok()) return s;
@@ -182,11 +183,34 @@ absl::Status KaraKVService::DoAppend(const v1::AppendRequest& req, v1::AppendRep
   if (req.num_query_tokens() > 0 || req.q().location_case() != v1::TensorRef::LOCATION_NOT_SET) {
     if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
   }
-  auto r = core_->append(req.session_id(), req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
+  auto r = core_->append(session_id, req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
                              k.bytes, v.bytes, q.bytes, static_cast<int32_t>(req.num_query_tokens()),
                              absl::MakeConstSpan(req.token_ids().data(), req.token_ids_size()));
   if (!r.ok()) return r.status();
   reply->set_length(static_cast<uint32_t>(*r));
+  return absl::OkStatus();
+}
+
+absl::Status KaraKVService::DoAppendBatch(const v1::AppendBatchRequest& req, v1::AppendBatchReply* reply) {
+  // Each entry as its own Append, in order; the ring's Append command does the same (ring.cc).
+  const size_t n = req.entries_size();
+  if (absl::Status s = check_append_batch(n); !s.ok()) return s;
+  v1::AppendReply one;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::AppendRequest& e = req.entries(i);
+    absl::Status s;
+    if (!e.session_id().empty() && e.session_id() != req.session_id()) {
+      s = absl::InvalidArgumentError(absl::StrCat("entries[", i, "].session_id is '", e.session_id(),
+                                                  "', expected empty or the batch's session_id"));
+    } else {
+      s = DoAppend(req.session_id(), e, &one);
+    }
+    if (!s.ok()) {
+      reply->Clear();
+      return append_entry_status(s, i, n, e.sequence_id());
+    }
+    reply->add_lengths(one.length());
+  }
   return absl::OkStatus();
 }
 
@@ -475,7 +499,12 @@ absl::Status KaraKVService::Handle(const v1::ReleaseSequenceRequest& req, v1::Re
 }
 
 absl::Status KaraKVService::Handle(const v1::AppendRequest& req, v1::AppendReply* reply) {
-  return gate_.run("Append", true, [&] { return DoAppend(req, reply); });
+  return gate_.run("Append", true, [&] { return DoAppend(req.session_id(), req, reply); });
+}
+
+absl::Status KaraKVService::Handle(const v1::AppendBatchRequest& req, v1::AppendBatchReply* reply) {
+  // A batch of one is a plain Append, as on the ring.
+  return gate_.run(req.entries_size() == 1 ? "Append" : "AppendBatch", true, [&] { return DoAppendBatch(req, reply); });
 }
 
 absl::Status KaraKVService::Handle(const v1::ReadKVRequest& req, v1::ReadKVReply* reply) {
@@ -565,6 +594,7 @@ KARAKV_UNARY(CreateSequence)
 KARAKV_UNARY(ForkSequence)
 KARAKV_UNARY(ReleaseSequence)
 KARAKV_UNARY(Append)
+KARAKV_UNARY(AppendBatch)
 KARAKV_UNARY(ReadKV)
 KARAKV_UNARY(Stats)
 KARAKV_UNARY(ListSequences)

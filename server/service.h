@@ -51,6 +51,8 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext*, const v1::ForkSequenceRequest*, v1::ForkSequenceReply*) override;
   grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext*, const v1::ReleaseSequenceRequest*, v1::ReleaseSequenceReply*) override;
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext*, const v1::AppendRequest*, v1::AppendReply*) override;
+  grpc::ServerUnaryReactor* AppendBatch(grpc::CallbackServerContext*, const v1::AppendBatchRequest*,
+                                        v1::AppendBatchReply*) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext*, const v1::StepRequest*, v1::StepReply*) override;
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext*, const v1::AttendRequest*, v1::AttendReply*) override;
   grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext*, const v1::ReadKVRequest*, v1::ReadKVReply*) override;
@@ -73,6 +75,7 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
   absl::Status Handle(const v1::ForkSequenceRequest&, v1::ForkSequenceReply*);
   absl::Status Handle(const v1::ReleaseSequenceRequest&, v1::ReleaseSequenceReply*);
   absl::Status Handle(const v1::AppendRequest&, v1::AppendReply*);
+  absl::Status Handle(const v1::AppendBatchRequest&, v1::AppendBatchReply*);
   absl::Status Handle(const v1::StepRequest&, v1::StepReply*);
   absl::Status Handle(const v1::AttendRequest&, v1::AttendReply*);
   absl::Status Handle(const v1::ReadKVRequest&, v1::ReadKVReply*);
@@ -86,7 +89,9 @@ class KaraKVService final : public v1::KaraKV::CallbackService {
  private:
   absl::Status DoAttach(const v1::AttachRequest&, v1::AttachReply*);
   absl::Status DoCreateSequence(const v1::CreateSequenceRequest&, v1::CreateSequenceReply*);
-  absl::Status DoAppend(const v1::AppendRequest&, v1::AppendReply*);
+  // One Append, in `session_id` (an AppendBatch entry's own session_id is checked by the caller).
+  absl::Status DoAppend(const std::string& session_id, const v1::AppendRequest&, v1::AppendReply*);
+  absl::Status DoAppendBatch(const v1::AppendBatchRequest&, v1::AppendBatchReply*);
   absl::Status DoCompact(const v1::CompactRequest&, v1::CompactReply*);
   absl::Status DoInspect(const v1::InspectRequest&, v1::InspectReply*);
   absl::Status DoReadKV(const v1::ReadKVRequest&, v1::ReadKVReply*);

@@ -78,4 +78,18 @@ absl::Status check_batch(size_t num_sequences) {
   return absl::InvalidArgumentError("sequence_ids is empty, expected >= 1 sequence");
 }
 
+absl::Status check_append_batch(size_t num_entries) {
+  if (num_entries > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError("entries is empty, expected >= 1 Append");
+}
+
+absl::Status append_entry_status(const absl::Status& s, size_t index, size_t num_entries, uint64_t sequence_id) {
+  if (s.ok() || num_entries <= 1) return s;
+  const std::string applied = index == 0   ? std::string("no entry was applied")
+                              : index == 1 ? std::string("entry 0 was applied")
+                                           : absl::StrCat("entries 0 to ", index - 1, " were applied");
+  return absl::Status(s.code(), absl::StrCat("entry ", index, " of ", num_entries, " (sequence ", sequence_id,
+                                             "): ", s.message(), "; ", applied, ", none after it"));
+}
+
 }  // namespace karakv::server

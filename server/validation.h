@@ -52,4 +52,11 @@ absl::Status check_output_range(const char* what, uint64_t length, size_t want, 
 // A Step's batch: at least one sequence id.
 absl::Status check_batch(size_t num_sequences);
 
+// A multi-sequence Append (gRPC AppendBatch, the ring's Append command): at least one entry.
+absl::Status check_append_batch(size_t num_entries);
+// A refused entry of a multi-sequence Append: the entry's own status, its message prefixed with
+// which entry it was and that the ones before it were applied. A batch of one is a plain Append:
+// its status is returned as is.
+absl::Status append_entry_status(const absl::Status& s, size_t index, size_t num_entries, uint64_t sequence_id);
+
 }  // namespace karakv::server

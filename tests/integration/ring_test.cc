@@ -52,9 +52,10 @@ struct Trace {
   std::vector<std::string> errors;       // code and message of each refused call
 };
 
-void record_error(const absl::Status& s, Trace* t) {
-  t->errors.push_back(absl::StatusCodeToString(s.code()) + ": " + std::string(s.message()));
+void record_error(const absl::Status& s, std::vector<std::string>* errors) {
+  errors->push_back(absl::StatusCodeToString(s.code()) + ": " + std::string(s.message()));
 }
+void record_error(const absl::Status& s, Trace* t) { record_error(s, &t->errors); }
 
 // Three kara sequences with a small window (so compaction ticks happen during decode), decoded for
 // 40 steps over both layers, an Attend after every 10 steps, and a handful of refused calls.
@@ -144,6 +145,141 @@ TEST(FastPath, SameOutputsCountersAndErrorsAsGrpc) {
   EXPECT_EQ(sa->decode_steps, sb->decode_steps);
   EXPECT_EQ(sa->blocks_used, sb->blocks_used);
   EXPECT_EQ(sa->invariant_error, "");
+}
+
+struct DataTrace {
+  std::vector<int> lengths;            // every Append / AppendBatch / ReadKV result, in order
+  std::vector<uint8_t> read;           // every ReadKV's K, V and positions
+  std::vector<std::string> errors;     // code and message of each refused call
+};
+
+// Three sequences prefilled with one AppendBatch (one entry with queries, one with token ids),
+// one more Append, ReadKV of each checked against the synthetic values that went in, then refused
+// calls of each kind. `heap` puts the batch's tensors in this process (inline in the RPC).
+DataTrace data_workload(Client& c, bool heap) {
+  DataTrace t;
+  const Geometry& g = c.geometry();
+  c.reset_staging();
+  auto buffer = [&](size_t bytes) { return heap ? Client::alloc_heap(bytes) : *c.alloc(bytes); };
+  std::vector<uint64_t> seqs;
+  std::vector<AppendEntry> entries;
+  std::vector<int> tokens = {5, 9, 13};
+  for (int s = 0; s < 3; ++s) {
+    auto id = c.CreateSequence();
+    EXPECT_TRUE(id.ok()) << id.status();
+    seqs.push_back(*id);
+    AppendEntry e;
+    e.sequence_id = *id;
+    e.num_tokens = tokens[s];
+    e.k = buffer(c.append_bytes(tokens[s]));
+    e.v = buffer(c.append_bytes(tokens[s]));
+    synthetic::fill_prompt(e.k.data(), g, kSeed, Tensor::kKey, s, 0, tokens[s]);
+    synthetic::fill_prompt(e.v.data(), g, kSeed, Tensor::kValue, s, 0, tokens[s]);
+    if (s == 1) {
+      e.num_query_tokens = 2;
+      e.q = buffer(size_t(g.num_layers) * c.q_bytes(2));
+      for (size_t i = 0; i < e.q.size() / 4; ++i) e.q.as<float>()[i] = float(i % 7) * 0.25f;
+    }
+    if (s == 2) {
+      e.token_ids = buffer(4 * size_t(tokens[s]));
+      for (int i = 0; i < tokens[s]; ++i) e.token_ids.as<int32_t>()[i] = 100 + i;
+    }
+    entries.push_back(e);
+  }
+  auto batch = c.AppendBatch(entries);
+  EXPECT_TRUE(batch.ok()) << batch.status();
+  if (batch.ok()) t.lengths.insert(t.lengths.end(), batch->begin(), batch->end());
+  // Three more tokens for sequence 0, through Append.
+  Buffer k3 = *c.alloc(c.append_bytes(3)), v3 = *c.alloc(c.append_bytes(3));
+  synthetic::fill_prompt(k3.data(), g, kSeed, Tensor::kKey, 0, 5, 3);
+  synthetic::fill_prompt(v3.data(), g, kSeed, Tensor::kValue, 0, 5, 3);
+  auto len = c.Append(seqs[0], 3, k3, v3);
+  EXPECT_TRUE(len.ok()) << len.status();
+  t.lengths.push_back(len.ok() ? *len : -1);
+  tokens[0] = 8;
+  // ReadKV of each: the values that went in, positions 0..T-1 in every (layer, head) row.
+  constexpr int kMax = 16;
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  Buffer rk = *c.alloc(c.append_bytes(kMax)), rv = *c.alloc(c.append_bytes(kMax)), rp = *c.alloc(rows * kMax * 4);
+  for (int s = 0; s < 3; ++s) {
+    std::memset(rk.data(), 0xee, rk.size());
+    auto n = c.ReadKV(seqs[s], rk, rv, rp);
+    EXPECT_TRUE(n.ok()) << n.status();
+    if (!n.ok()) continue;
+    t.lengths.push_back(*n);
+    EXPECT_EQ(*n, tokens[s]);
+    const size_t bytes = c.append_bytes(tokens[s]);
+    std::vector<uint8_t> want(bytes);
+    synthetic::fill_prompt(want.data(), g, kSeed, Tensor::kKey, s, 0, tokens[s]);
+    EXPECT_EQ(0, std::memcmp(want.data(), rk.data(), bytes)) << "K of sequence " << s;
+    synthetic::fill_prompt(want.data(), g, kSeed, Tensor::kValue, s, 0, tokens[s]);
+    EXPECT_EQ(0, std::memcmp(want.data(), rv.data(), bytes)) << "V of sequence " << s;
+    for (size_t r = 0; r < rows; ++r) {
+      for (int p = 0; p < tokens[s]; ++p) EXPECT_EQ(rp.as<int32_t>()[r * tokens[s] + p], p);
+    }
+    t.read.insert(t.read.end(), rk.data(), rk.data() + bytes);
+    t.read.insert(t.read.end(), rv.data(), rv.data() + bytes);
+    t.read.insert(t.read.end(), rp.data(), rp.data() + rows * tokens[s] * 4);
+  }
+  // Refused: a batch whose second entry names an unknown sequence (the first stays applied), an
+  // empty batch, K one token short, queries announced but not sent, ReadKV into too small a
+  // buffer, ReadKV of an unknown sequence.
+  AppendEntry bad = entries[0];
+  bad.sequence_id = 999;
+  AppendEntry good = entries[0];
+  good.sequence_id = seqs[1];
+  good.q = Buffer();
+  good.num_query_tokens = 0;
+  const AppendEntry pair[2] = {good, bad};
+  record_error(c.AppendBatch(pair).status(), &t.errors);
+  record_error(c.AppendBatch({}).status(), &t.errors);
+  Buffer short_k = *c.alloc(c.append_bytes(3) - c.append_bytes(1));
+  record_error(c.Append(seqs[0], 3, short_k, v3).status(), &t.errors);
+  record_error(c.Append(seqs[0], 3, k3, v3, Buffer(), 1).status(), &t.errors);
+  Buffer tiny = *c.alloc(8);
+  record_error(c.ReadKV(seqs[1], tiny, rv, rp).status(), &t.errors);
+  record_error(c.ReadKV(12345, rk, rv, rp).status(), &t.errors);
+  auto after = c.ReadKV(seqs[1], rk, rv, rp);
+  EXPECT_TRUE(after.ok()) << after.status();
+  t.lengths.push_back(after.ok() ? *after : -1);
+  EXPECT_EQ(t.lengths.back(), 9 + 5) << "the batch's first entry stays applied";
+  return t;
+}
+
+TEST(FastPath, AppendBatchAndReadKVSameAsGrpc) {
+  Daemon a(flags()), b(flags()), inl(flags());
+  ASSERT_TRUE(a.ready() && b.ready() && inl.ready());
+  auto ring_client = attach(a, true);
+  auto grpc_client = attach(b, false);
+  auto inline_client = attach(inl, true);
+  ASSERT_TRUE(ring_client && grpc_client && inline_client);
+  const uint64_t ring_before = ring_client->ring_calls();
+  const DataTrace via_ring = data_workload(*ring_client, false);
+  const DataTrace via_grpc = data_workload(*grpc_client, false);
+  const DataTrace via_inline = data_workload(*inline_client, true);
+  // The batch, Append, 3 ReadKV, and 6 refusals and a ReadKV: only the inline batch takes gRPC.
+  EXPECT_EQ(ring_client->ring_calls() - ring_before, 12u);
+  EXPECT_EQ(grpc_client->ring_calls(), 0u);
+  EXPECT_EQ(via_ring.lengths, (std::vector<int>{5, 9, 13, 8, 8, 9, 13, 14}));
+  EXPECT_EQ(via_ring.lengths, via_grpc.lengths);
+  EXPECT_EQ(via_ring.lengths, via_inline.lengths);
+  EXPECT_TRUE(via_ring.read == via_grpc.read) << "ReadKV bytes differ between the ring and gRPC";
+  EXPECT_TRUE(via_ring.read == via_inline.read);
+  EXPECT_EQ(via_ring.errors, via_grpc.errors);
+  ASSERT_EQ(via_ring.errors.size(), 6u);
+  EXPECT_THAT(via_ring.errors[0], HasSubstr("NOT_FOUND: AppendBatch: entry 1 of 2 (sequence 999): "));
+  EXPECT_THAT(via_ring.errors[0], HasSubstr("entry 0 was applied, none after it"));
+  EXPECT_THAT(via_ring.errors[1], HasSubstr("INVALID_ARGUMENT: AppendBatch: entries is empty"));
+  EXPECT_THAT(via_ring.errors[2], HasSubstr("INVALID_ARGUMENT: Append: k has"));
+  EXPECT_THAT(via_ring.errors[4], HasSubstr("INVALID_ARGUMENT: ReadKV: k staging range has 8 bytes"));
+  EXPECT_THAT(via_ring.errors[5], HasSubstr("NOT_FOUND: ReadKV: "));
+  // The inline run refused the same things, but its batches went through gRPC.
+  EXPECT_EQ(via_inline.errors, via_ring.errors);
+  for (Client* c : {ring_client.get(), grpc_client.get(), inline_client.get()}) {
+    auto st = c->Stats(true);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->invariant_error, "");
+  }
 }
 
 // The ring area of a fast-path client's own mapping: right after its staging region.

@@ -165,6 +165,72 @@ TEST_F(RingServerTest, GarbageCommandClosesTheSessionOnly) {
   EXPECT_TRUE(core_->check_invariants().ok());
 }
 
+TEST_F(RingServerTest, AppendErrorsMatchTheRpcHandler) {
+  Session s = attach();
+  v1::CreateSequenceRequest creq;
+  creq.set_session_id(s.id);
+  v1::CreateSequenceReply crep;
+  ASSERT_TRUE(service_->Handle(creq, &crep).ok());
+  // Entry 0 appends 2 tokens (L=2, T=2, Hk=1, D=8 fp32: 128 bytes each of K and V); entry 1 names
+  // an unknown sequence; entry 2 is never reached.
+  ring::Command c{};
+  c.op = uint32_t(ring::Op::kAppend);
+  c.count = 3;
+  c.tag = 4;
+  ring::AppendEntry e{};
+  e.sequence_id = crep.sequence_id();
+  e.num_tokens = 2;
+  e.k = {0, 128};
+  e.v = {128, 128};
+  ring::set_append_entry(c, 0, e);
+  e.sequence_id = 4242;
+  ring::set_append_entry(c, 1, e);
+  e.sequence_id = crep.sequence_id();
+  ring::set_append_entry(c, 2, e);
+  submit(s, c);
+  ring::Completion done{};
+  ASSERT_TRUE(next_completion(s, &done));
+  EXPECT_EQ(done.tag, 4u);
+  EXPECT_EQ(done.compactions, 1u) << "entries applied; " << std::string(done.message, done.message_bytes);
+  EXPECT_EQ(done.decode_step, 2u) << "the last applied entry's length";
+  // The same batch through the RPC handler, in a second session with its own sequence.
+  Session g = attach();
+  creq.set_session_id(g.id);
+  ASSERT_TRUE(service_->Handle(creq, &crep).ok());
+  v1::AppendBatchRequest req;
+  req.set_session_id(g.id);
+  for (uint64_t id : {crep.sequence_id(), uint64_t{4242}, crep.sequence_id()}) {
+    v1::AppendRequest* a = req.add_entries();
+    a->set_sequence_id(id);
+    a->set_num_tokens(2);
+    a->mutable_k()->mutable_staging()->set_offset(0);
+    a->mutable_k()->mutable_staging()->set_length(128);
+    a->mutable_v()->mutable_staging()->set_offset(128);
+    a->mutable_v()->mutable_staging()->set_length(128);
+  }
+  v1::AppendBatchReply reply;
+  const absl::Status want = service_->Handle(req, &reply);
+  ASSERT_EQ(want.code(), absl::StatusCode::kNotFound) << want;
+  EXPECT_EQ(done.code, uint32_t(want.code()));
+  EXPECT_EQ(std::string(done.message, done.message_bytes), std::string(want.message()));
+  EXPECT_THAT(std::string(want.message()), HasSubstr("entry 1 of 3 (sequence 4242)"));
+  // A token_ids range that is not whole int32s is refused before anything is appended.
+  c.count = 1;
+  e.token_ids = {512, 6};
+  ring::set_append_entry(c, 0, e);
+  submit(s, c);
+  ASSERT_TRUE(next_completion(s, &done));
+  EXPECT_EQ(done.code, uint32_t(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(done.message, done.message_bytes), HasSubstr("token_ids staging range has 6 bytes"));
+  EXPECT_EQ(done.compactions, 0u);
+  // More entries than a command holds: garbage, the session closes.
+  c.count = ring::Command::kMaxAppends + 1;
+  submit(s, c);
+  EXPECT_FALSE(next_completion(s, &done));
+  EXPECT_THAT(std::string(s.h->close_message), HasSubstr("op 3 (Append) with at most 50 entries"));
+  EXPECT_TRUE(core_->check_invariants().ok());
+}
+
 TEST_F(RingServerTest, GarbageIndicesCloseTheSession) {
   Session s = attach();
   s.h->sq_tail.store(0xdeadbeefcafeull);
@@ -192,7 +258,7 @@ TEST_F(RingServerTest, FuzzedCommandsNeverHurtTheDaemon) {
       for (size_t w = 0; w < ring::Command::kHeaderBytes / 8 + 4; ++w) words[w] = rng();
       // Mostly plausible values, sometimes wild ones.
       if (rng() % 4 != 0) {
-        c.op = 1 + rng() % 2;
+        c.op = 1 + rng() % 4;  // Step, Attend, Append, ReadKV
         c.count = rng() % 3;
         c.layer = int32_t(rng() % 3);
         c.sequence_id = crep.sequence_id();

@@ -82,10 +82,11 @@ struct ClientOptions {
   // Sends Heartbeat from a background thread so the lease never runs out while attached.
   bool heartbeat = true;
   absl::Duration rpc_timeout = absl::Seconds(60);
-  // The decode fast path: Step and Attend go through a command ring in the staging region
-  // (one futex doorbell each way) instead of a gRPC round trip, when every tensor of the call is
-  // in staging; other calls, and these with heap buffers, use gRPC. Results, status codes and
-  // messages are the same on both paths. Needs staging_bytes > 0.
+  // The fast path: Step, Attend, Append (without token ids), AppendBatch and ReadKV go through a
+  // command ring in the staging region (one futex doorbell each way) instead of a gRPC round
+  // trip, when every tensor of the call is in staging; other calls, and these with heap buffers,
+  // use gRPC. Results, status codes and messages are the same on both paths. Needs
+  // staging_bytes > 0.
   bool fast_path = false;
   // Fast path: how long to busy-wait for a completion before sleeping on the futex.
   absl::Duration ring_spin = absl::Microseconds(50);
@@ -130,6 +131,16 @@ struct SequenceOptions {
   std::string prefill_policy;
   std::map<std::string, double> prefill_params;
   int priority = 0;
+};
+
+// One sequence's part of a multi-sequence Append (Client::AppendBatch).
+struct AppendEntry {
+  uint64_t sequence_id = 0;
+  int num_tokens = 0;
+  Buffer k, v;               // [L][T][Hk][D] storage dtype
+  Buffer q;                  // optional: [L][Nq][Hq][D] fp32, the queries of the last Nq tokens
+  int num_query_tokens = 0;  // Nq
+  Buffer token_ids;          // optional: [T] int32, as Append's token_ids
 };
 
 // A sequence created from the prefix cache: it already holds cached_tokens tokens (whole blocks).
@@ -284,6 +295,12 @@ class Client {
   // through the prefix cache (docs/PREFIX_CACHE.md). q may be an empty Buffer (num_query_tokens 0).
   absl::StatusOr<int> Append(uint64_t sequence_id, std::span<const int32_t> token_ids, const Buffer& k,
                              const Buffer& v, const Buffer& q = Buffer(), int num_query_tokens = 0);
+  // Several sequences' Appends in one call (a prefill batch), in order, each as its own Append;
+  // returns each entry's sequence length after it. The first refused entry stops the batch and
+  // leaves no trace; the entries before it stay applied (the error names the entry). With the
+  // fast path and every buffer in staging (at most ring::Command::kMaxAppends = 50 entries) it is
+  // one ring command, else one AppendBatch RPC.
+  absl::StatusOr<std::vector<int>> AppendBatch(std::span<const AppendEntry> entries);
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
   // Returns the daemon's decode-step counter.
   absl::StatusOr<uint64_t> Step(int layer, std::span<const uint64_t> sequence_ids, const Buffer& k,

@@ -22,7 +22,10 @@ inline constexpr uint32_t kMagic = 0x3152'4b4b;  // "KKR1"
 inline constexpr uint32_t kVersion = 1;
 inline constexpr uint32_t kSlots = 64;  // per ring, a power of two
 
-enum class Op : uint32_t { kStep = 1, kAttend = 2 };
+enum class Op : uint32_t { kStep = 1, kAttend = 2, kAppend = 3, kReadKV = 4 };
+// Header::ops, set by a daemon that takes more than Step and Attend (a daemon from before those
+// ops left it zero, and closes a ring that sends one: the SDK checks the bit first).
+inline constexpr uint32_t kOpsAppendReadKV = 1u << 0;
 enum class State : uint32_t { kOpen = 0, kClosed = 1 };
 
 struct Range {
@@ -30,22 +33,53 @@ struct Range {
   uint64_t length;
 };
 
-// One Step or Attend, as the RPC would carry it with every tensor in staging.
+// One Append of a multi-sequence Append command: the AppendRequest's fields, every tensor in
+// staging (k, v: [L][T][Hk][D] storage dtype; q: [L][Nq][Hq][D] fp32, length 0 when Nq is 0;
+// token_ids: [T] int32, length 0 for none).
+struct AppendEntry {
+  uint64_t sequence_id;
+  uint32_t num_tokens;
+  uint32_t num_query_tokens;
+  Range k, v, q, token_ids;
+};
+static_assert(sizeof(AppendEntry) == 80);
+
+// One command, as the RPC would carry it with every tensor in staging.
+//   Step:   count sequences in `ids`; k, v, q, out.
+//   Attend: sequence_id, count = num_queries; q, out.
+//   Append: count AppendEntry records (1..kMaxAppends) where `ids` is, run in order (append_entry).
+//   ReadKV: sequence_id; k, v and out = positions, as ReadKVRequest's staging outputs.
 struct Command {
   uint64_t tag;          // echoed in the completion
   uint32_t op;           // Op
   int32_t layer;
   float scale;
-  uint32_t count;        // Step: sequences in `ids`; Attend: num_queries
-  uint64_t sequence_id;  // Attend only
-  Range k, v, q, out;    // Step: k, v, q, out; Attend: q, out
+  uint32_t count;
+  uint64_t sequence_id;
+  Range k, v, q, out;
   static constexpr size_t kHeaderBytes = 96;
   static constexpr size_t kMaxIds = (4096 - kHeaderBytes) / 8;
+  static constexpr size_t kMaxAppends = (4096 - kHeaderBytes) / sizeof(AppendEntry);
   uint64_t ids[kMaxIds];
 };
 static_assert(sizeof(Command) == 4096);
 
-// The outcome: an absl::StatusCode and its message, and the Step reply's fields.
+// The i-th Append of an Append command (copied, so a misaligned or rewritten slot cannot alias).
+inline AppendEntry append_entry(const Command& c, size_t i) {
+  AppendEntry e;
+  std::memcpy(&e, reinterpret_cast<const uint8_t*>(c.ids) + i * sizeof(AppendEntry), sizeof e);
+  return e;
+}
+inline void set_append_entry(Command& c, size_t i, const AppendEntry& e) {
+  std::memcpy(reinterpret_cast<uint8_t*>(c.ids) + i * sizeof(AppendEntry), &e, sizeof e);
+}
+
+// The outcome: an absl::StatusCode and its message, and the reply's fields.
+//   Step:   decode_step, compactions.
+//   Append: compactions = entries applied (all of them when OK; a refused entry stops the command
+//           and leaves no trace, the ones before it stay); decode_step = the last applied entry's
+//           length; when OK, `message` holds each entry's length (uint32, append_length).
+//   ReadKV: decode_step = tokens copied.
 struct Completion {
   uint64_t tag;
   uint32_t code;
@@ -57,6 +91,14 @@ struct Completion {
   char message[kMessageBytes];
 };
 static_assert(sizeof(Completion) == 512);
+static_assert(Command::kMaxAppends * sizeof(uint32_t) <= Completion::kMessageBytes);
+
+inline uint32_t append_length(const Completion& c, size_t i) {
+  uint32_t n;
+  std::memcpy(&n, c.message + i * sizeof n, sizeof n);
+  return n;
+}
+inline void set_append_length(Completion& c, size_t i, uint32_t n) { std::memcpy(c.message + i * sizeof n, &n, sizeof n); }
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
               "the rings need lock-free atomics that work across processes");
@@ -70,7 +112,7 @@ struct Header {
   uint32_t slots;
   uint32_t command_bytes;
   uint32_t completion_bytes;
-  uint32_t reserved;
+  uint32_t ops;  // kOps* bits of the ops beyond Step and Attend that this daemon takes
   alignas(64) std::atomic<uint64_t> sq_tail;      // written by the worker
   alignas(64) std::atomic<uint64_t> sq_head;      // written by karakvd
   alignas(64) std::atomic<uint32_t> sq_doorbell;  // worker bumps it after each submit
@@ -102,6 +144,7 @@ inline void initialize(uint8_t* base) {
   h->slots = kSlots;
   h->command_bytes = sizeof(Command);
   h->completion_bytes = sizeof(Completion);
+  h->ops = kOpsAppendReadKV;
   h->state.store(uint32_t(State::kOpen), std::memory_order_release);
 }
 
