@@ -1,7 +1,10 @@
 // karakv-bench ring: the decode fast path. Round trip of a one-token Step through the shared-memory
 // ring vs the same Step through gRPC vs Ping; synthetic_worker decode tokens/s with and without it.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -27,9 +30,13 @@
 #include "karakv/tools/v1/output.pb.h"
 
 ABSL_FLAG(int32_t, ring_calls, 2000, "ring: timed calls each of ring Step, gRPC Step and Ping (interleaved)");
-ABSL_FLAG(std::string, ring_batches, "1,8,64", "ring: decode batch sizes of the synthetic worker");
+ABSL_FLAG(std::string, ring_batches, "1,8,64", "ring: decode batch sizes of the synthetic worker (empty: none)");
 ABSL_FLAG(int32_t, ring_rounds, 3, "ring: synthetic-worker runs per path and batch (alternating; median reported)");
 ABSL_FLAG(int32_t, ring_generate, 64, "ring: decode steps per synthetic-worker run");
+ABSL_FLAG(std::string, ring_spins_us, "",
+          "ring: latency for each DAEMON:CLIENT pair of spin times in microseconds (karakvd --ring_spin_us, "
+          "ClientOptions::ring_spin), comma-separated, e.g. 0:0,50:50,200:200; empty: the defaults only");
+ABSL_FLAG(double, ring_idle_s, 5, "ring: seconds the daemon's CPU time is measured with a fast-path session idle");
 ABSL_FLAG(std::string, synthetic_worker, "",
           "synthetic_worker binary (default: ../examples/synthetic_worker next to this binary)");
 ABSL_DECLARE_FLAG(int32_t, p3_warmup);  // p3_step.cc: the ring's warm-up calls too
@@ -68,20 +75,41 @@ absl::StatusOr<double> synthetic_tokens_per_s(const Daemon& d, int batch, bool f
   return summary.decode_tokens_per_s();
 }
 
-}  // namespace
 
-absl::StatusOr<std::vector<Row>> run_ring(const TempDir& dir) {
-  std::vector<Row> rows;
+// CPU seconds (user + system) the process has used so far, from /proc/PID/stat; -1 if unreadable.
+double cpu_seconds(pid_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // Fields after the command name (which may hold spaces) start after the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return -1;
+  std::vector<std::string> fields = absl::StrSplit(absl::string_view(p + 2), ' ');
+  uint64_t utime = 0, stime = 0;  // fields 14 and 15 of stat(5); fields[0] is field 3
+  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &utime) || !absl::SimpleAtoi(fields[12], &stime)) return -1;
+  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+}
+
+// Step round trip through the ring, through gRPC and Ping, busy and idle orders, with the daemon's
+// ring thread spinning `daemon_spin_us` and the client `client_spin_us` before they sleep. With
+// `defaults`, the rows carry the target; otherwise the rows name the spins.
+absl::Status ring_latency(const TempDir& dir, int daemon_spin_us, int client_spin_us, bool defaults,
+                          std::vector<Row>* rows) {
   {
-    auto daemon = start_karakvd(dir, "karakvd-ring",
-                                {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
-                                 "--block_size=16", "--pool_bytes=16MiB"});
+    std::vector<std::string> flags = {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
+                                      "--block_size=16", "--pool_bytes=16MiB"};
+    if (daemon_spin_us >= 0) flags.push_back(absl::StrCat("--ring_spin_us=", daemon_spin_us));
+    auto daemon = start_karakvd(dir, absl::StrCat("karakvd-ring-", daemon_spin_us, "-", client_spin_us), flags);
     if (!daemon.ok()) return daemon.status();
     karakv::ClientOptions o;
     o.target = daemon->target;
     o.staging_bytes = 1 << 16;
     o.worker_id = "karakv-bench-ring";
     o.fast_path = true;
+    if (client_spin_us >= 0) o.ring_spin = absl::Microseconds(client_spin_us);
     auto ring_client = karakv::Client::Attach(o);
     if (!ring_client.ok()) return ring_client.status();
     if (!(*ring_client)->fast_path()) return absl::FailedPreconditionError("karakvd did not enable the fast path");
@@ -163,28 +191,68 @@ absl::StatusOr<std::vector<Row>> run_ring(const TempDir& dir) {
       }
     }
     const uint64_t ring_calls = (*ring_client)->ring_calls();
-    progress(absl::StrFormat("ring: %d calls of each kind in each order after %d warm-up; %llu went through the ring",
-                             calls, warmup, (unsigned long long)ring_calls));
+    const uint64_t sleeps = (*ring_client)->ring_sleeps();
+    progress(absl::StrFormat("ring: spins daemon %d us / client %d us: %d calls of each kind in each order after %d "
+                             "warm-up; %llu went through the ring, the client slept in FUTEX_WAIT %llu times",
+                             daemon_spin_us, client_spin_us, calls, warmup, (unsigned long long)ring_calls,
+                             (unsigned long long)sleeps));
+    // The daemon's CPU with the fast-path session attached and idle: its ring thread's spin ends
+    // and it sleeps in FUTEX_WAIT slices (--ring_poll_ms is not a flag; 20 ms).
+    const double idle_s = absl::GetFlag(FLAGS_ring_idle_s);
+    if (idle_s > 0) {
+      const double before = cpu_seconds(daemon->process->pid());
+      const auto t0 = Clock::now();
+      sleep_ms(int(idle_s * 1000));
+      const double after = cpu_seconds(daemon->process->pid());
+      const double wall = seconds_since(t0);
+      if (before >= 0 && after >= 0) {
+        progress(absl::StrFormat("ring: daemon CPU while the session idles: %.3f s over %.1f s (%.2f%% of one core)",
+                                 after - before, wall, 100 * (after - before) / wall));
+        rows->push_back({"ring", defaults ? std::string("daemon CPU, fast-path session idle, default spin")
+                                  : absl::StrFormat("daemon CPU, fast-path session idle, spin %d us", daemon_spin_us),
+                         100 * (after - before) / wall, "one core", 100, "%", false, std::nullopt});
+      }
+    }
     ring_client->reset();
     grpc_client->reset();
     stop_or_warn(*daemon);
+    const std::string spins =
+        defaults ? std::string() : absl::StrFormat(", spin %d/%d us", daemon_spin_us, client_spin_us);
     for (const auto& [order, t] : {std::pair<const char*, std::vector<double>*>{"busy", busy}, {"idle", idle}}) {
-      const std::string o(order);
-      rows.push_back({"ring", "Step p50 via ring, " + o + " (1 seq, 1 layer)", percentile(t[0], 50),
+      const std::string o = std::string(order) + spins;
+      rows->push_back({"ring", "Step p50 via ring, " + o + " (1 seq, 1 layer)", percentile(t[0], 50),
                       "Ping p50 (empty gRPC)", percentile(t[2], 50), "us", false,
-                      o == "busy" ? std::optional<Target>(Target{Target::Kind::kAtMost, 0.1}) : std::nullopt});
-      rows.push_back({"ring", "Step p99 via ring, " + o, percentile(t[0], 99), "Ping p99 (empty gRPC)",
+                      defaults && std::string(order) == "busy" ? std::optional<Target>(Target{Target::Kind::kAtMost, 0.1}) : std::nullopt});
+      rows->push_back({"ring", "Step p99 via ring, " + o, percentile(t[0], 99), "Ping p99 (empty gRPC)",
                       percentile(t[2], 99), "us", false, std::nullopt});
-      rows.push_back({"ring", "Step p50 via ring, " + o, percentile(t[0], 50), "Step p50 via gRPC",
+      rows->push_back({"ring", "Step p50 via ring, " + o, percentile(t[0], 50), "Step p50 via gRPC",
                       percentile(t[1], 50), "us", false, std::nullopt});
-      rows.push_back({"ring", "Step p99 via ring, " + o, percentile(t[0], 99), "Step p99 via gRPC",
+      rows->push_back({"ring", "Step p99 via ring, " + o, percentile(t[0], 99), "Step p99 via gRPC",
                       percentile(t[1], 99), "us", false, std::nullopt});
     }
   }
 
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Row>> run_ring(const TempDir& dir) {
+  std::vector<Row> rows;
+  for (const absl::string_view pair : absl::StrSplit(absl::GetFlag(FLAGS_ring_spins_us), ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> dc = absl::StrSplit(pair, ':');
+    int d = 0, c = 0;
+    if (!absl::SimpleAtoi(dc.first, &d) || !absl::SimpleAtoi(dc.second, &c) || d < 0 || c < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--ring_spins_us: '", std::string(pair),
+                                                     "' is not DAEMON_US:CLIENT_US"));
+    }
+    if (absl::Status s = ring_latency(dir, d, c, false, &rows); !s.ok()) return s;
+  }
+  if (absl::Status s = ring_latency(dir, -1, -1, true, &rows); !s.ok()) return s;
+
   // Decode throughput of the synthetic worker (SmolLM2-135M geometry, fp16), one daemon per batch
   // size, ring and gRPC runs alternating; the run pair with the median ratio is reported.
-  for (const absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_ring_batches), ',')) {
+  for (const absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_ring_batches), ',', absl::SkipEmpty())) {
     int batch = 0;
     if (!absl::SimpleAtoi(b, &batch) || batch < 1) {
       return absl::InvalidArgumentError(absl::StrCat("--ring_batches: '", std::string(b), "' is not a batch size"));

@@ -591,6 +591,7 @@ bool Client::device_staging() const { return impl_->device.ptr != nullptr; }
 uint64_t Client::staging_generation() const { return impl_->staging_generation; }
 bool Client::fast_path() const { return impl_->ring != nullptr && impl_->ring->usable(); }
 uint64_t Client::ring_calls() const { return impl_->ring ? impl_->ring->calls() : 0; }
+uint64_t Client::ring_sleeps() const { return impl_->ring ? impl_->ring->sleeps() : 0; }
 
 absl::StatusOr<Buffer> Client::alloc(size_t bytes) {
   const size_t start = (impl_->staging_used + 63) / 64 * 64;

@@ -259,8 +259,10 @@ class Client {
   // the ring was not closed). The rings follow the staging region: they start at offset
   // staging_bytes() of the same mapping.
   bool fast_path() const;
-  // Commands this client sent through the ring so far.
+  // Commands this client sent through the ring so far, and the times it slept in FUTEX_WAIT for a
+  // completion (its spin, ClientOptions::ring_spin, ended first).
   uint64_t ring_calls() const;
+  uint64_t ring_sleeps() const;
 
   // A buffer in the staging region (64-byte aligned, bump-allocated); RESOURCE_EXHAUSTED when the
   // region is full or absent. reset_staging() makes the whole region available again.
