@@ -439,6 +439,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
+  // As karakvd's: large HTTP/2 windows and frames for inline tensors (a new stream's 64 KiB
+  // window would cost a window update per 64 KiB of a reply).
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
+  args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 8 << 20);
   auto creds = credentials(options);
   if (!creds.ok()) return creds.status();
   impl->channel = grpc::CreateCustomChannel(options.target, *creds, args);

@@ -161,6 +161,12 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(config->max_message_bytes);
   builder.SetMaxSendMessageSize(config->max_message_bytes);
+  // Inline tensors: a new HTTP/2 stream starts with a 64 KiB window and 16 KiB frames, so a 1 MiB
+  // inline Append waited for about 16 window updates. Large windows and frames let a message go
+  // in one flight (docs/BENCHMARKS.md, P1 inline); the client sets the same.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 8 << 20);
   // With an allow list the daemon accepts Unix connections itself and checks SO_PEERCRED first.
   std::unique_ptr<karakv::server::PeerGate> gate;
   if (!config->allowed_uids.empty() || !config->allowed_gids.empty()) {
