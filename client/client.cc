@@ -756,7 +756,7 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
   absl::Status s = impl_->call("Append", ids, [&]() -> absl::Status {
     // Token ids live in this process's memory; an Append with them goes through gRPC.
     if (token_ids.empty() && impl_->ring_ready_data({&k, &v}) && Impl::staged_or_empty(q)) {
-      ring::Command cmd;
+      ring::Command cmd{};  // fields this op does not use go out as zeros, not stack bytes
       cmd.op = uint32_t(ring::Op::kAppend);
       cmd.count = 1;
       ring::AppendEntry e{};
@@ -794,7 +794,7 @@ absl::StatusOr<std::vector<int>> Client::AppendBatch(std::span<const AppendEntry
              Impl::staged_or_empty(e.token_ids);
     }
     if (ring) {
-      ring::Command cmd;
+      ring::Command cmd{};  // fields this op does not use go out as zeros, not stack bytes
       cmd.op = uint32_t(ring::Op::kAppend);
       cmd.count = static_cast<uint32_t>(entries.size());
       for (size_t i = 0; i < entries.size(); ++i) {
@@ -957,7 +957,7 @@ absl::StatusOr<int> Client::ReadKV(uint64_t sequence_id, const Buffer& k, const 
   const uint64_t ids[] = {sequence_id};
   absl::Status st = impl_->call("ReadKV", ids, [&]() -> absl::Status {
     if (impl_->ring_ready_data({&k, &v, &positions})) {
-      ring::Command cmd;
+      ring::Command cmd{};  // fields this op does not use go out as zeros, not stack bytes
       cmd.op = uint32_t(ring::Op::kReadKV);
       cmd.sequence_id = sequence_id;
       cmd.k = Impl::range(k);
