@@ -26,7 +26,7 @@ ABSL_FLAG(int, prompt, 256, "Prompt tokens per sequence (appended in one Append)
 ABSL_FLAG(int, generate, 64, "Decode steps per sequence");
 ABSL_FLAG(int, check_every, 8, "Check attention outputs against the dense reference every N steps (0: never)");
 ABSL_FLAG(bool, inline_tensors, false, "Send tensors inline in the RPCs instead of through shared memory");
-ABSL_FLAG(bool, fast_path, false, "Send Step through the shared-memory command ring instead of gRPC");
+ABSL_FLAG(bool, fast_path, false, "Send Step, Append and ReadKV through the shared-memory command ring instead of gRPC");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the synthetic K/V/Q");
 ABSL_FLAG(bool, release, true, "Release the sequences at the end");
 ABSL_FLAG(bool, json, false,

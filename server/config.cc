@@ -80,7 +80,8 @@ ABSL_FLAG(double, prefix_cache_max_fraction, 1.0,
 ABSL_FLAG(bool, prefix_cache_shared_namespaces, false,
           "Let Attach name a cache namespace shared across tenants (default: each tenant's own)");
 ABSL_FLAG(bool, fast_path, true,
-          "Let workers attach with fast_path: Step/Attend through a shared-memory ring, one thread per session");
+          "Let workers attach with fast_path: Step, Attend, Append and ReadKV through a shared-memory ring, one "
+          "thread per session");
 ABSL_FLAG(int32_t, ring_idle_threads, 16,
           "Fast path: ring threads started with the daemon (sharing the kernels' one thread team) and kept "
           "waiting for sessions; more start while more sessions than this are open at once, and end with them");
