@@ -79,6 +79,7 @@ enum ServiceOp : uint8_t {
   kAttend, kReadKV, kStats, kListSequences, kCompact, kInspect, kLookup, kPing,
   kExpireLeases,   // body ignored: every lease ends (as an hour had passed)
   kWriteStaging,   // body: u16 offset, then bytes written to the session's staging there
+  kAppendBatch,
   kNumOps
 };
 inline constexpr uint8_t kKeepSessionId = 0xc0;

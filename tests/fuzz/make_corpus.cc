@@ -135,6 +135,19 @@ std::vector<std::pair<std::string, std::string>> service_seeds() {
     out.emplace_back(name, p.str());
   }
   {
+    // A prefill batch: two sequences in one AppendBatch, then a batch stopped by an unknown one.
+    Program p(0);
+    p.call(kCreateSequence, create()).call(kCreateSequence, create());
+    v1::AppendBatchRequest b;
+    *b.add_entries() = append_inline(1, 5, 4);
+    *b.add_entries() = append_inline(2, 3, 4);
+    p.call(kAppendBatch, b);
+    b.mutable_entries(1)->set_sequence_id(77);
+    p.call(kAppendBatch, b);
+    decode_and_read(p, 2, 4);
+    out.emplace_back("seed-append-batch", p.str());
+  }
+  {
     // Every tensor in staging: the writes put floats there first.
     Program p(0);
     Writer stage;

@@ -133,6 +133,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         in.daemon.check("lease expiry");
         break;
       case kWriteStaging: write_staging(in, body, session); break;
+      case kAppendBatch:
+        call<v1::AppendBatchRequest, v1::AppendBatchReply>(in, "AppendBatch", body, session);
+        break;
     }
   }
   return 0;
