@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import struct
 import time
 from typing import Any, Generator, NamedTuple, Optional, Tuple, Union
 
@@ -29,10 +30,14 @@ COMMAND_BYTES = 4096
 COMPLETION_BYTES = 512
 HEADER_BYTES_BEFORE_IDS = 96
 MAX_IDS = (COMMAND_BYTES - HEADER_BYTES_BEFORE_IDS) // 8
+APPEND_ENTRY_BYTES = 80  # ring.h's AppendEntry: sequence_id, num_tokens, num_query_tokens, k, v, q, token_ids
+MAX_APPENDS = (COMMAND_BYTES - HEADER_BYTES_BEFORE_IDS) // APPEND_ENTRY_BYTES
 COMMANDS_OFFSET = 4096
 COMPLETIONS_OFFSET = COMMANDS_OFFSET + SLOTS * COMMAND_BYTES
 RING_BYTES = COMPLETIONS_OFFSET + SLOTS * COMPLETION_BYTES
-OP_STEP, OP_ATTEND = 1, 2
+OP_STEP, OP_ATTEND, OP_APPEND, OP_READKV = 1, 2, 3, 4
+# Header.ops: a daemon that takes Append and ReadKV on the ring sets this bit (older ones leave 0).
+OPS_APPEND_READKV = 1
 STATE_OPEN = 0
 
 # How long a wait goes before the daemon's liveness is checked, and then how often; and the
@@ -50,7 +55,7 @@ def _pad(n: int):
 class _Header(ctypes.Structure):
     # ring.h's Header: each index on its own 64-byte line.
     _fields_ = [("magic", _u32), ("version", _u32), ("slots", _u32), ("command_bytes", _u32),
-                ("completion_bytes", _u32), ("reserved", _u32), ("_p0", _pad(40)),
+                ("completion_bytes", _u32), ("ops", _u32), ("_p0", _pad(40)),
                 ("sq_tail", _u64), ("_p1", _pad(56)),
                 ("sq_head", _u64), ("_p2", _pad(56)),
                 ("sq_doorbell", _u32), ("daemon_sleeping", _u32), ("_p3", _pad(56)),
@@ -104,6 +109,9 @@ class Command(NamedTuple):
     q: Tuple[int, int]
     out: Tuple[int, int]
     ids: Tuple[int, ...]
+    # Append: (sequence_id, num_tokens, num_query_tokens, k, v, q, token_ids) per entry, ranges as
+    # (offset, length) pairs.
+    entries: Tuple[Tuple[Any, ...], ...] = ()
 
 
 class Lost(Exception):
@@ -202,6 +210,12 @@ class Ring:
         self.calls = 0
         self.sleeps = 0
 
+    def takes(self, op: int) -> bool:
+        """Whether the daemon runs `op` on this ring (Append and ReadKV only from daemons that say so)."""
+        if op in (OP_STEP, OP_ATTEND):
+            return True
+        return self._h is not None and bool(self._h.ops & OPS_APPEND_READKV)
+
     def release(self) -> None:
         """Drops the views into the mapping (so it can be unmapped)."""
         self._h = None
@@ -256,6 +270,9 @@ class Ring:
         slot.out.offset, slot.out.length = cmd.out
         if cmd.ids:
             slot.ids[:len(cmd.ids)] = cmd.ids
+        for i, (seq, tokens, nq, k, v, q, ids) in enumerate(cmd.entries):
+            packed = struct.pack("<QII8Q", seq, tokens, nq, *k, *v, *q, *ids)
+            ctypes.memmove(ctypes.addressof(slot.ids) + i * APPEND_ENTRY_BYTES, packed, APPEND_ENTRY_BYTES)
         del slot
         self._sq_next += 1
         h.sq_tail = self._sq_next
@@ -308,7 +325,8 @@ class Ring:
 
 
 def command(method: str, request) -> Optional[Command]:
-    """The ring command for a Step or Attend request whose every tensor is in staging, else None."""
+    """The ring command for a Step, Attend, Append (without token ids) or ReadKV request whose every
+    tensor is in staging, else None."""
     def rng(ref):
         return (ref.staging.offset, ref.staging.length)
 
@@ -323,4 +341,19 @@ def command(method: str, request) -> Optional[Command]:
             return None
         return Command(OP_ATTEND, request.layer, request.scale, request.num_queries, request.sequence_id, (0, 0),
                        (0, 0), rng(request.q), rng(request.out), ())
+    if method == "Append":
+        # Token ids travel in the message; an Append with them stays on gRPC.
+        has_q = request.HasField("q") or request.num_query_tokens > 0
+        if any(r.WhichOneof("location") != "staging" for r in (request.k, request.v)) or request.token_ids \
+                or (has_q and request.q.WhichOneof("location") != "staging"):
+            return None
+        entry = (request.sequence_id, request.num_tokens, request.num_query_tokens, rng(request.k), rng(request.v),
+                 rng(request.q) if has_q else (0, 0), (0, 0))
+        return Command(OP_APPEND, 0, 0.0, 1, 0, (0, 0), (0, 0), (0, 0), (0, 0), (), (entry,))
+    if method == "ReadKV":
+        if not (request.k.HasField("staging") and request.v.HasField("staging")
+                and request.positions.HasField("staging")):
+            return None
+        return Command(OP_READKV, 0, 0.0, 0, request.sequence_id, rng(request.k), rng(request.v), (0, 0),
+                       rng(request.positions), ())
     return None

@@ -316,7 +316,7 @@ class Client(_Session):
     async def _invoke(self, method: str, request):
         if self._ring is not None and self._ring.usable:
             cmd = _ring.command(method, request)
-            if cmd is not None:
+            if cmd is not None and self._ring.takes(cmd.op):
                 reply = await self._ring_call(method, cmd)
                 if reply is not None:
                     return reply

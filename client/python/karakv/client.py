@@ -4,7 +4,7 @@ Attach maps the session's staging region (a POSIX shared-memory object named in 
 unlinks its name so no other process can open it. Tensors are copied into that region and travel
 by offset (StagingRange); arrays that already live in it (Client.alloc) are views of the mapping
 and travel without a copy. A session attached with staging_bytes=0 sends tensors inline in the RPC
-instead: slower, same results. With fast_path, Step and Attend go through the shared-memory
+instead: slower, same results. With fast_path, Step, Attend, Append and ReadKV go through the shared-memory
 command ring after the staging region (karakv/_ring.py) instead of a gRPC round trip. Layouts are
 those documented in proto/karakv/v1/karakv.proto.
 
@@ -553,6 +553,10 @@ class _Session:
             raise errors.from_code(done.code, done.message, method)
         if method == "Step":
             return pb.StepReply(decode_step=done.decode_step, compactions=done.compactions)
+        if method == "Append":
+            return pb.AppendReply(length=done.decode_step)
+        if method == "ReadKV":
+            return pb.ReadKVReply(num_tokens=done.decode_step)
         return pb.AttendReply()
 
     def _gone_reason(self, reply: Optional[pb.PingReply], err: Optional[grpc.RpcError]) -> Optional[str]:
@@ -1077,7 +1081,7 @@ class Client(_Session):
         """One attempt: through the ring when it can carry the call, else gRPC."""
         if self._ring is not None and self._ring.usable:
             cmd = _ring.command(method, request)
-            if cmd is not None:
+            if cmd is not None and self._ring.takes(cmd.op):
                 reply = self._ring_call(method, cmd)
                 if reply is not None:
                     return reply

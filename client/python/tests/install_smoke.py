@@ -33,7 +33,7 @@ with karakv.Client.attach(target, fast_path=True) as c:
     seq = c.create_sequence()
     assert c.append(seq, k, k) == 5
     out = c.step(0, [seq], k[0, :1], k[0, :1], np.ones((1, 4, 16), np.float32))
-    assert out.shape == (1, 4, 16) and c.ring_calls == 1
+    assert out.shape == (1, 4, 16) and c.ring_calls == 2  # the Append and the Step
 
 
 async def main():

@@ -108,11 +108,11 @@ def test_inline_equals_cpp(start_daemon, inputs, cpp_output):
 
 
 def test_fast_path_equals_cpp(start_daemon, inputs, cpp_output):
-    # Every Step and Attend through the shared-memory ring instead of gRPC: the same bytes.
+    # Every Step, Attend, Append and ReadKV through the shared-memory ring instead of gRPC: the same bytes.
     with karakv.Client.attach(start_daemon("--pool_bytes=4MiB").target, staging_bytes=16 << 20,
                               fast_path=True) as c:
         got, _ = run_workload(c, inputs)
-        assert c.fast_path and c.ring_calls == STEPS * L + 2
+        assert c.fast_path and c.ring_calls == STEPS * L + 2 + 3 + 4  # Steps, Attends, Appends, ReadKVs
     compare(got, cpp_output)
 
 
@@ -138,7 +138,7 @@ def test_asyncio_client_equals_cpp(start_daemon, inputs, cpp_output, fast_path):
         client = loop.run_until_complete(karakv.aio.Client.attach(target, staging_bytes=16 << 20, fast_path=fast_path))
         try:
             got, _ = run_workload(Blocking(loop, client), inputs)
-            assert client.ring_calls == (STEPS * L + 2 if fast_path else 0)
+            assert client.ring_calls == (STEPS * L + 2 + 3 + 4 if fast_path else 0)
         finally:
             loop.run_until_complete(client.close())
     finally:

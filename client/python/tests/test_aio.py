@@ -122,7 +122,7 @@ def test_concurrent_calls_share_one_client(daemon):
             return sorted(seqs), lengths, c.ring_calls
 
     seqs, lengths, ring_calls = asyncio.run(main())
-    assert len(set(seqs)) == 4 and lengths == [6] * 4 and ring_calls == 4
+    assert len(set(seqs)) == 4 and lengths == [6] * 4 and ring_calls == 8  # 4 Appends, 4 Attends
 
 
 def test_auto_reattach_after_a_restart(start_daemon):

@@ -1,5 +1,5 @@
-"""The decode fast path (attach(fast_path=True)): Step and Attend through the shared-memory command
-ring, as the daemon counts them, with the same errors as over gRPC, and what happens when the
+"""The fast path (attach(fast_path=True)): Step, Attend, Append and ReadKV through the shared-memory
+command ring, as the daemon counts them, with the same errors as over gRPC, and what happens when the
 ring's session ends or the daemon restarts. test_against_cpp.py checks its outputs byte for byte."""
 import math
 import re
@@ -31,7 +31,7 @@ def ring_count(port, method):
     return metric(port, f'karakv_decode_commands_total{{method="{method}",path="ring"}}')
 
 
-def test_steps_and_attends_go_through_the_ring(start_daemon):
+def test_steps_attends_appends_and_read_kv_go_through_the_ring(start_daemon):
     port = free_port()
     d = start_daemon("--pool_bytes=4MiB", f"--metrics_listen=127.0.0.1:{port}")
     with karakv.Client.attach(d.target, fast_path=True) as fast, karakv.Client.attach(d.target) as plain:
@@ -46,7 +46,13 @@ def test_steps_and_attends_go_through_the_ring(start_daemon):
         assert fast.last_decode_step > 0
         q = np.random.default_rng(5).standard_normal((3, HQ, D), dtype=np.float32)
         np.testing.assert_array_equal(fast.attend(a, 1, q), plain.attend(b, 1, q))
-        assert fast.ring_calls == L + 1 and plain.ring_calls == 0
+        for got, want in zip(fast.read_kv(a), plain.read_kv(b)):
+            np.testing.assert_array_equal(got, want)
+        ring_k, _, _ = fast.read_kv(a)
+        np.testing.assert_array_equal(ring_k[:, :9], k)  # the prompt as appended
+        # An Append with token ids carries them in the message: it goes through gRPC.
+        fast.append(a, *kv(2), token_ids=[7, 8])
+        assert fast.ring_calls == 1 + L + 1 + 2 and plain.ring_calls == 0
     assert ring_count(port, "Step") == L and ring_count(port, "Attend") == 1
     assert metric(port, 'karakv_decode_commands_total{method="Step",path="grpc"}') == L
 
@@ -63,6 +69,8 @@ def test_ring_errors_equal_grpc_errors(daemon):
             lambda c: c.step(0, [987654], *step_inputs(1)),                           # unknown sequence
             lambda c: c.attend(seqs[c], 7, np.zeros((1, HQ, D), np.float32)),         # no such layer
             lambda c: c.attend(seqs[c], 0, np.zeros((6, HQ, D), np.float32)),         # more queries than tokens
+            lambda c: c.append(987654, *kv(2)),                                       # Append: unknown sequence
+            lambda c: c.read_kv(987654),                                              # ReadKV: unknown sequence
         ]
         for i, call in enumerate(bad_calls):
             got = {}
@@ -72,7 +80,7 @@ def test_ring_errors_equal_grpc_errors(daemon):
                 message = re.sub(r"sequence \d+", "sequence N", e.value.message)
                 got[c] = (type(e.value), e.value.code, e.value.method, message)
             assert got[fast] == got[plain], f"bad call {i}"
-        assert fast.ring_calls == len(bad_calls) and fast.fast_path
+        assert fast.ring_calls == 1 + len(bad_calls) and fast.fast_path  # the Append, then each refusal
 
 
 def test_ring_of_an_expired_session_says_not_found(start_daemon):
@@ -105,7 +113,7 @@ def test_fast_path_after_a_daemon_restart(start_daemon):
         fresh = c.create_sequence()
         c.append(fresh, *kv(3))
         assert c.step(0, [fresh], *step_inputs(1)).shape == (1, HQ, D)
-        assert c.ring_calls == 1
+        assert c.ring_calls == 2  # the Append and the Step
 
 
 def test_fast_path_needs_a_staging_region(daemon):
