@@ -1,7 +1,7 @@
 // libFuzzer harness over the fast path's shared memory: the fuzzer plays a hostile worker that
 // writes raw commands (any op, count, layer, ranges, ids) and any ring indices into its session's
 // rings, and the daemon's own consumer (RingServer::poll, the loop body its thread runs) decodes
-// and runs them through the service's Step and Attend handlers. After every turn the pool
+// and runs them through the Step, Attend, Append and ReadKV entries the gRPC handlers use. After every turn the pool
 // invariant must hold, every completion must be well formed, and a ring the daemon closed must
 // have ended its session.
 #include <cstdint>

@@ -438,7 +438,7 @@ class _Session:
 
     @property
     def fast_path(self) -> bool:
-        """Whether Step and Attend currently go through the shared-memory ring (attached with
+        """Whether Step, Attend, Append and ReadKV currently go through the shared-memory ring (attached with
         fast_path=True, and the ring was not closed)."""
         return self._ring is not None and self._ring.usable
 
@@ -829,8 +829,8 @@ class Client(_Session):
         cache_namespace: the prefix cache namespace (empty: the tenant's own; a name shares cached
         prompts across tenants, if karakvd runs with --prefix_cache_shared_namespaces).
 
-        fast_path: Step and Attend go through a command ring in shared memory after the staging
-        region (one futex doorbell each way) instead of a gRPC round trip; results, status codes and
+        fast_path: Step, Attend, Append (without token_ids) and ReadKV go through a command ring in
+        shared memory after the staging region (one futex doorbell each way) instead of a gRPC round trip; results, status codes and
         messages are the same. Needs staging_bytes > 0 and Linux on x86-64. ring_spin: seconds to
         busy-wait for a completion before sleeping on the futex; ring_full_wait: seconds to wait for
         room in a full ring before using gRPC for that call.
