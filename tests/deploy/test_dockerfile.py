@@ -15,7 +15,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 TEST_ONLY_PACKAGES = {"libgtest-dev", "libgmock-dev", "libbenchmark-dev", "redis-server", "ccache",
                       "python3-venv", "prometheus", "python3", "openssl", "clang", "libclang-rt-14-dev",
-                      "libomp-14-dev"}
+                      "libomp-14-dev",
+                      "patchelf"}  # patchelf: scripts/gpu-check.sh --prepare rewrites the carried binaries
 
 
 def hadolint(path):
