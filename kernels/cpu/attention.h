@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "karakv/kernels/cpu_isa.h"
 #include "karakv/kernels/types.h"
 
 namespace karakv::kernels::cpu {
@@ -29,14 +30,38 @@ struct AttentionScratch {
   std::vector<float> sum;      // [query heads] running sum of exp(score - max)
 };
 
+// The scratch as the attention variants see it: attend_heads sizes it, the variants only use it.
+struct AttentionBuffers {
+  float* scores;   // [query heads][stride]
+  float* query;    // [query heads][head_dim]
+  float* acc;      // [query heads][head_dim]
+  float* max;      // [query heads]
+  float* sum;      // [query heads]
+  size_t stride;   // min(chunk tokens, num_tokens), at least 1
+};
+
 // softmax(q . k * scale) . v for the query heads of KV heads [kv_head_begin, kv_head_begin +
 // num_kv_heads) (each KV head's group of group_size query heads), over tokens [0, num_tokens) of
 // sequence `seq` at `layer`. Reads every K and V element once for all query heads that use it.
-// num_tokens == 0 writes zeros. Arguments are assumed validated by the caller.
+// num_tokens == 0 writes zeros. Arguments are assumed validated by the caller, `isa` included
+// (cpu_isa_missing(isa) is empty: the backend checks it once when it is made).
 //   q:   [num_kv_heads * group_size][head_dim] fp32
 //   out: [num_kv_heads * group_size][head_dim] fp32
 void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,
                   int num_tokens, const float* q, float* out, float scale,
-                  AttentionScratch& scratch);
+                  AttentionScratch& scratch, CpuIsa isa);
+
+// The variants behind attend_heads, with the scratch already sized: the build's baseline
+// (attention.cc) and, where this build has it, AVX-512 (attention_avx512.cc).
+namespace baseline {
+void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads, int num_tokens,
+                  const float* q, float* out, float scale, const AttentionBuffers& scratch);
+}  // namespace baseline
+#if KARAKV_HAVE_AVX512_ATTENTION
+namespace avx512 {
+void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads, int num_tokens,
+                  const float* q, float* out, float scale, const AttentionBuffers& scratch);
+}  // namespace avx512
+#endif
 
 }  // namespace karakv::kernels::cpu

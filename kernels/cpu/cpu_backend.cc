@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -49,13 +50,17 @@ cpu::AttentionScratch& thread_scratch() {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads) : num_threads_(num_threads > 0 ? num_threads : usable_cpus().count) {}
+  CpuBackend(int num_threads, CpuIsa isa)
+      : num_threads_(num_threads > 0 ? num_threads : usable_cpus().count), isa_(isa) {}
 
   ~CpuBackend() override {
     allocations_.release_all([](void* p) { std::free(p); });
   }
 
   std::string_view name() const override { return "cpu"; }
+  std::string description() const override {
+    return "cpu (" + std::to_string(num_threads_) + " threads, " + std::string(cpu_isa_name(isa_)) + " attention)";
+  }
 
   // The calling thread needs nothing of its own: parallel regions run on the team thread, whose
   // OpenMP team this starts if it is not running yet.
@@ -144,7 +149,7 @@ class CpuBackend final : public Backend {
         const int h = int(task % slices) * heads_per_task;
         const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
         const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
-        cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch());
+        cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch(), isa_);
       }
     });
     return KernelStatus::ok();
@@ -169,7 +174,7 @@ class CpuBackend final : public Backend {
       for (int i = 0; i < num_queries; ++i) {
         for (int h = 0; h < num_kv_heads; ++h) {
           const size_t off = size_t(i) * query_elems + size_t(h) * group_elems;
-          cpu::attend_heads(kv, seq, layer, h, 1, first_pos + i + 1, q + off, out + off, scale, thread_scratch());
+          cpu::attend_heads(kv, seq, layer, h, 1, first_pos + i + 1, q + off, out + off, scale, thread_scratch(), isa_);
         }
       }
     });
@@ -310,6 +315,7 @@ class CpuBackend final : public Backend {
   }
 
   const int num_threads_;
+  const CpuIsa isa_;
   cpu::TeamThread team_{num_threads_};
   common::Allocations allocations_;
 };
@@ -317,7 +323,21 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
-  return std::make_unique<CpuBackend>(num_threads);
+  CpuIsa isa;
+  if (KernelStatus st = cpu_isa_from_env(&isa); !st.is_ok()) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] { std::fprintf(stderr, "karakv: %s; using auto\n", st.message.c_str()); });
+    isa = best_cpu_isa();
+  }
+  return std::make_unique<CpuBackend>(num_threads, isa);
+}
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, std::string* error) {
+  if (std::string missing = cpu_isa_missing(isa); !missing.empty()) {
+    if (error != nullptr) *error = "CPU ISA " + std::string(cpu_isa_name(isa)) + " cannot run here: " + missing;
+    return nullptr;
+  }
+  return std::make_unique<CpuBackend>(num_threads, isa);
 }
 
 }  // namespace karakv::kernels

@@ -196,17 +196,28 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CpuReferenceTest,
                          ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                          [](const auto& info) { return std::string(name_of(info.param)); });
 
-// (dtype, group size, head_dim, block_size): head_dim 64 is the vector fast path, 13 and 20
-// exercise the scalar tails.
-using AttentionParam = std::tuple<DType, int, int, int>;
+// (dtype, group size, head_dim, block_size, ISA): head_dim 64 and 128 are the unrolled fast paths,
+// 40 is a multiple of the AVX2 width but not of AVX-512's (masked tail), 13 exercises the scalar and
+// masked tails; group 5 splits into chunks of 3 and 2 heads. Every case runs on the baseline (AVX2)
+// loops and on AVX-512, which is skipped, naming the missing feature, where the CPU lacks it.
+using AttentionParam = std::tuple<DType, int, int, int, CpuIsa>;
 
 class CpuAttentionTest : public ::testing::TestWithParam<AttentionParam> {
  protected:
+  void SetUp() override {
+    const CpuIsa isa = std::get<4>(GetParam());
+    if (std::string missing = cpu_isa_missing(isa); !missing.empty()) {
+      GTEST_SKIP() << cpu_isa_name(isa) << " attention not run: " << missing;
+    }
+    std::string why;
+    backend_ = make_cpu_backend(2, isa, &why);
+    ASSERT_NE(backend_, nullptr) << why;
+  }
   Geometry geometry() const {
-    const auto [dtype, group, head_dim, block_size] = GetParam();
+    const auto [dtype, group, head_dim, block_size, isa] = GetParam();
     return make_geometry(dtype, group, head_dim, block_size);
   }
-  std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
+  std::unique_ptr<Backend> backend_;
   std::mt19937 rng_{7};
 };
 
@@ -244,7 +255,9 @@ TEST_P(CpuAttentionTest, DecodeDoesNotDependOnThreadCount) {
   for (size_t s = 0; s < lens.size(); ++s) write_sequence(*backend_, cache, int(s), random_dense_kv(g, lens[s], rng_));
   const std::vector<float> q = random_values(lens.size() * g.q_token_elems(), -3.0f, 3.0f, rng_);
   std::vector<float> out1(q.size()), out2(q.size());
-  ASSERT_TRUE(make_cpu_backend(1)->decode_attention(cache.view(), 1, q.data(), out1.data(), 0.3f).is_ok());
+  ASSERT_TRUE(make_cpu_backend(1, std::get<4>(GetParam()), nullptr)
+                  ->decode_attention(cache.view(), 1, q.data(), out1.data(), 0.3f)
+                  .is_ok());
   ASSERT_TRUE(backend_->decode_attention(cache.view(), 1, q.data(), out2.data(), 0.3f).is_ok());
   EXPECT_EQ(out1, out2);
 }
@@ -272,16 +285,16 @@ TEST_P(CpuAttentionTest, CausalMatchesFloat64) {
 }
 
 std::string attention_param_name(const ::testing::TestParamInfo<AttentionParam>& info) {
-  const auto [dtype, group, head_dim, block_size] = info.param;
+  const auto [dtype, group, head_dim, block_size, isa] = info.param;
   return std::string(name_of(dtype)) + "_g" + std::to_string(group) + "_hd" + std::to_string(head_dim) +
-         "_bs" + std::to_string(block_size);
+         "_bs" + std::to_string(block_size) + "_" + std::string(cpu_isa_name(isa));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Geometries, CpuAttentionTest,
     ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                       ::testing::Values(1, 3, 4), ::testing::Values(64, 13),
-                       ::testing::Values(16, 5)),
+                       ::testing::Values(1, 3, 4, 5), ::testing::Values(64, 128, 40, 13),
+                       ::testing::Values(16, 5), ::testing::Values(CpuIsa::kBaseline, CpuIsa::kAvx512)),
     attention_param_name);
 
 // The attention scratch a thread keeps between calls is [query heads][chunk], however long the
@@ -298,7 +311,8 @@ TEST(CpuAttentionScratchTest, ScratchDoesNotGrowWithTheSequence) {
   std::vector<float> out(q.size());
   cpu::AttentionScratch scratch;
   for (size_t s = 0; s < lens.size(); ++s) {
-    cpu::attend_heads(cache.view(), int(s), 0, 0, g.num_kv_heads, lens[s], q.data(), out.data(), 0.2f, scratch);
+    cpu::attend_heads(cache.view(), int(s), 0, 0, g.num_kv_heads, lens[s], q.data(), out.data(), 0.2f, scratch,
+                      CpuIsa::kBaseline);
     EXPECT_LE(scratch.scores.capacity(), size_t(g.num_q_heads) * chunk) << "after " << lens[s] << " tokens";
   }
 }

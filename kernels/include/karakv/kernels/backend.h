@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "karakv/kernels/cpu_isa.h"
 #include "karakv/kernels/types.h"
 
 namespace karakv::kernels {
@@ -270,7 +271,13 @@ class Backend {
 // uses the CPUs this process may use (usable_cpus() in karakv/kernels/cpus.h: the affinity mask
 // capped by the cgroup CPU quota). Whichever threads call it, its kernels run on one OpenMP team
 // of num_threads threads (kernels/cpu/team_thread.h); with one thread, on the caller.
+// Attention runs with $KARAKV_CPU_ISA (auto, avx2, avx512; karakv/kernels/cpu_isa.h), unset meaning
+// the best this CPU has; a value that is invalid or cannot run here is reported on stderr and the
+// best is used (karakvd refuses to start instead).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
+// The same with the attention's ISA given; null, with the reason in *error when error is non-null,
+// when this build or CPU cannot run it (cpu_isa_missing).
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, std::string* error);
 
 // The CUDA backend on GPU `device` (kernels/cuda). Returns null, with the reason in *error when
 // error is non-null, when this build has no CUDA backend, no driver or device works, or `device`

@@ -1,0 +1,39 @@
+// Which vector instruction set the CPU backend's attention runs with: the build's baseline or
+// AVX-512, chosen at run time from what the CPU has (or forced, for tests and benchmarks).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "karakv/kernels/types.h"
+
+namespace karakv::kernels {
+
+enum class CpuIsa : uint8_t {
+  kBaseline,  // what the library is compiled for: AVX2 + FMA + F16C on x86-64 (default), else scalar
+  kAvx512,    // AVX-512 F/BW/VL loops (kernels/cpu/attention_avx512.cc)
+};
+
+// "avx2" (or "scalar" where the library is not built for AVX2) and "avx512".
+std::string_view cpu_isa_name(CpuIsa isa);
+
+// Empty when this build and CPU can run `isa`, else what is missing, e.g. "the CPU lacks avx512bw"
+// or "this build has no AVX-512 kernels (not x86-64)".
+std::string cpu_isa_missing(CpuIsa isa);
+
+// AVX-512 where it can run, else the baseline.
+CpuIsa best_cpu_isa();
+
+// "auto" (or empty): best_cpu_isa(); "avx512" or the baseline's name: that one, if it can run.
+// Anything else, or an ISA this CPU lacks, is kInvalidArgument saying what was wrong and what is
+// expected.
+KernelStatus parse_cpu_isa(std::string_view text, CpuIsa* out);
+
+// The environment variable that forces the CPU backend's ISA, parsed by parse_cpu_isa.
+inline constexpr char kCpuIsaEnv[] = "KARAKV_CPU_ISA";
+
+// parse_cpu_isa of $KARAKV_CPU_ISA; unset is "auto". Errors name the variable.
+KernelStatus cpu_isa_from_env(CpuIsa* out);
+
+}  // namespace karakv::kernels
