@@ -1,5 +1,7 @@
 #include "server/backend_select.h"
 
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_limits.h"
@@ -7,12 +9,28 @@
 namespace karakv::server {
 namespace {
 
+// The CPU backend with the attention ISA of $KARAKV_CPU_ISA (unset: the best this CPU has). A value
+// that is unknown or cannot run here refuses the start (INVALID_ARGUMENT naming the variable, the
+// value and what is expected) rather than falling back as the library does.
+absl::StatusOr<std::unique_ptr<kernels::Backend>> make_cpu(int kernel_threads) {
+  kernels::CpuIsa isa;
+  if (kernels::KernelStatus st = kernels::cpu_isa_from_env(&isa); !st.is_ok()) {
+    return absl::InvalidArgumentError(st.message);
+  }
+  std::string why;
+  auto backend = kernels::make_cpu_backend(kernel_threads, isa, &why);
+  if (backend == nullptr) return absl::InvalidArgumentError(why);
+  return backend;
+}
+
 // geometry: null when the caller did not give one (not checked).
 absl::StatusOr<SelectedBackend> select(const std::string& requested, int cuda_device, int kernel_threads,
                                        const kernels::Geometry* geometry) {
   SelectedBackend out;
   if (requested == "cpu") {
-    out.backend = kernels::make_cpu_backend(kernel_threads);
+    auto cpu = make_cpu(kernel_threads);
+    if (!cpu.ok()) return cpu.status();
+    out.backend = std::move(*cpu);
     out.reason = "requested --backend=cpu";
     return out;
   }
@@ -34,7 +52,9 @@ absl::StatusOr<SelectedBackend> select(const std::string& requested, int cuda_de
     return absl::FailedPreconditionError(absl::StrCat("--backend=cuda cannot run: ", why,
                                                       "; use --backend=cpu or --backend=auto"));
   }
-  out.backend = kernels::make_cpu_backend(kernel_threads);
+  auto cpu = make_cpu(kernel_threads);
+  if (!cpu.ok()) return cpu.status();
+  out.backend = std::move(*cpu);
   out.reason = absl::StrCat("--backend=auto: the CUDA backend is unavailable (", why, ")");
   return out;
 }

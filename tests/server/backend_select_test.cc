@@ -1,6 +1,10 @@
 // Backend choice (--backend) and the core's refusal of what the chosen backend cannot run.
 #include "server/backend_select.h"
 
+#include <stdlib.h>
+
+#include <string>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core.h"
@@ -19,6 +23,33 @@ TEST(BackendSelectTest, CpuIsAlwaysCpu) {
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->backend->name(), "cpu");
   EXPECT_THAT(b->reason, HasSubstr("--backend=cpu"));
+}
+
+// KARAKV_CPU_ISA picks the CPU attention's ISA; a value that cannot be honoured refuses the start.
+TEST(BackendSelectTest, CpuIsaFromTheEnvironment) {
+  const char* saved = getenv(kernels::kCpuIsaEnv);
+  const std::string saved_value = saved != nullptr ? saved : "";
+  const std::string baseline(kernels::cpu_isa_name(kernels::CpuIsa::kBaseline));
+  setenv(kernels::kCpuIsaEnv, baseline.c_str(), 1);
+  auto b = select_backend("cpu", 0, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_THAT(b->backend->description(), HasSubstr(baseline + " attention"));
+
+  setenv(kernels::kCpuIsaEnv, "avx1024", 1);
+  b = select_backend("cpu", 0, 1);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(b.status().message(), HasSubstr("KARAKV_CPU_ISA"));
+  EXPECT_THAT(b.status().message(), HasSubstr("'avx1024'"));
+  EXPECT_THAT(b.status().message(), HasSubstr("expected auto, " + baseline + " or avx512"));
+
+  if (const std::string missing = kernels::cpu_isa_missing(kernels::CpuIsa::kAvx512); !missing.empty()) {
+    setenv(kernels::kCpuIsaEnv, "avx512", 1);
+    b = select_backend("cpu", 0, 1);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(b.status().message(), HasSubstr(missing));
+  }
+  if (saved != nullptr) setenv(kernels::kCpuIsaEnv, saved_value.c_str(), 1);
+  else unsetenv(kernels::kCpuIsaEnv);
 }
 
 TEST(BackendSelectTest, AutoFallsBackToCpuAndSaysWhyOrRunsOnTheGpu) {
