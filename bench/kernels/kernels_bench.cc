@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <numeric>
 #include <random>
 #include <string>
@@ -38,6 +39,8 @@ struct Options {
   int seqs = 64;
   int tokens = 8192;
   int iters = 10;
+  int threads = 0;           // CPU backend: 0 = the CPUs this process may use
+  std::string isa = "auto";  // CPU backend: attention ISA (karakv/kernels/cpu_isa.h)
 };
 
 bool parse(int argc, char** argv, Options* o) {
@@ -52,10 +55,12 @@ bool parse(int argc, char** argv, Options* o) {
     else if (const char* v = value("seqs")) o->seqs = std::atoi(v);
     else if (const char* v = value("tokens")) o->tokens = std::atoi(v);
     else if (const char* v = value("iters")) o->iters = std::atoi(v);
+    else if (const char* v = value("threads")) o->threads = std::atoi(v);
+    else if (const char* v = value("isa")) o->isa = v;
     else {
       std::fprintf(stderr,
                    "unknown argument '%s'\nusage: kernels_bench [--backend=cpu|cuda] [--model=smollm2|llama8b] "
-                   "[--seqs=64] [--tokens=8192] [--iters=10]\n",
+                   "[--seqs=64] [--tokens=8192] [--iters=10] [--threads=0] [--isa=auto|avx2|avx512]\n",
                    argv[i]);
       return false;
     }
@@ -84,6 +89,12 @@ void check(const KernelStatus& st, const char* what) {
     std::fprintf(stderr, "%s failed: %s\n", what, st.message.c_str());
     std::exit(1);
   }
+}
+
+double process_cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
 }
 
 template <typename F>
@@ -117,7 +128,17 @@ int main(int argc, char** argv) {
       return 3;
     }
   } else {
-    backend = make_cpu_backend();
+    CpuIsa isa;
+    if (KernelStatus st = parse_cpu_isa(o.isa, &isa); !st.is_ok()) {
+      std::fprintf(stderr, "--isa: %s\n", st.message.c_str());
+      return 2;
+    }
+    std::string why;
+    backend = make_cpu_backend(o.threads, isa, &why);
+    if (!backend) {
+      std::fprintf(stderr, "%s\n", why.c_str());
+      return 2;
+    }
   }
   const Geometry g = geometry_of(o.model);
   const int blocks_per_seq = (o.tokens + g.block_size - 1) / g.block_size;
@@ -163,6 +184,7 @@ int main(int argc, char** argv) {
   check(backend->copy_in(q.ptr, qh.data(), q_elems * 4), "copy_in");
   const float scale = 1.0f / std::sqrt(float(g.head_dim));
   int layer = 0;
+  const double cpu_start = process_cpu_seconds();
   const double t_layer = seconds_per_call(o.iters * g.num_layers, [&] {
     check(backend->decode_attention(kv, layer, q.as<float>(), out.as<float>(), scale), "decode_attention");
     layer = (layer + 1) % g.num_layers;
@@ -171,6 +193,11 @@ int main(int argc, char** argv) {
   std::printf("decode_layer_us %.1f us\n", t_layer * 1e6);
   std::printf("decode_step_ms %.3f ms\n", t_layer * g.num_layers * 1e3);
   std::printf("decode_bandwidth %.1f GB/s\n", kv_bytes / t_layer / 1e9);
+  // Per second of this process's CPU time (warm-up included): on a shared machine this moves less
+  // than wall time when other work takes the cores (with --threads=1, no idle team counts).
+  const double cpu_seconds = process_cpu_seconds() - cpu_start;
+  std::printf("decode_bandwidth_per_cpu_second %.1f GB/s\n",
+              kv_bytes * (o.iters * g.num_layers + 1) / cpu_seconds / 1e9);
 
 #if KARAKV_HAVE_CUDA
   if (o.backend == "cuda") {
