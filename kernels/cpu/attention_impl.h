@@ -33,10 +33,12 @@ inline int min_int(int a, int b) { return a < b ? a : b; }
 constexpr int kPrefetchRegions = 1;
 
 // An asm statement on x86: GCC's IPA pass deems a function wrapping only __builtin_prefetch free of
-// side effects and deletes the calls, which silently removed every prefetch.
+// side effects and deletes the calls, which silently removed every prefetch. The hint is T2 (into
+// L2, not L1): with T0 the prefetches stalled the loop once the core's L1 miss buffers were full,
+// and T2 decodes from DRAM 1.5x faster per CPU-second on Zen 4 (docs/BENCHMARKS.md, P2).
 inline void prefetch_line(const char* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
+  asm volatile("prefetcht2 %0" : : "m"(*p));
 #elif defined(__GNUC__)
   __builtin_prefetch(p, 0, 3);
 #endif
