@@ -204,8 +204,8 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
       if (r > 0) measured.push_back({bytes / el / 1e9, stream_gbps});
       progress(absl::StrFormat("P2 direct, %s attention, %s, pass %d/%d: %.3f s = %.2f GB/s%s (streaming read just "
                                "before: %.2f GB/s)",
-                               std::string(kn::cpu_isa_name(isa)), label, r, reps, el, bytes / el / 1e9, r == 0 ? " (warm-up)" : "",
-                               stream_gbps));
+                               std::string(kn::cpu_isa_name(isa)), label, r, reps, el, bytes / el / 1e9,
+                               r == 0 ? " (warm-up)" : "", stream_gbps));
     }
     return best_of_each(measured);
   };
@@ -333,8 +333,8 @@ absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
   const std::string base = absl::StrFormat("streaming read, %d threads", threads);
   const std::string what = absl::StrFormat(", %d seqs x %d tokens", seqs, tokens);
   std::vector<Row> rows;
-  rows.push_back({"P2",
-                  absl::StrCat("decode_attention (CPU backend, ", std::string(kn::cpu_isa_name(isa)), " attention)", what),
+  const std::string isa_name(kn::cpu_isa_name(isa));
+  rows.push_back({"P2", absl::StrCat("decode_attention (CPU backend, ", isa_name, " attention)", what),
                   direct->scattered.karakv, base, direct->scattered.baseline, "GB/s", true,
                   Target{Target::Kind::kAtLeast, 0.60}});
   rows.push_back({"P2", "decode_attention, blocks in order", direct->in_order->karakv, base,

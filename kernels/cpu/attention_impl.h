@@ -147,8 +147,8 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
       for (int i = 0; i < num_kv_heads; ++i) {
         for_head_chunks(g, [&](int h0, auto heads) {
           const int qh = i * g + h0;
-          Isa::template score_run<D, decltype(heads)::value, HD>(k + i * run_elems, len, hd, query + size_t(qh) * hd,
-                                                   scores + size_t(qh) * stride + t0, stride, pf);
+          Isa::template score_run<D, decltype(heads)::value, HD>(
+              k + i * run_elems, len, hd, query + size_t(qh) * hd, scores + size_t(qh) * stride + t0, stride, pf);
         });
       }
       pf.finish();
@@ -177,8 +177,8 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
       for (int i = 0; i < num_kv_heads; ++i) {
         for_head_chunks(g, [&](int h0, auto heads) {
           const int qh = i * g + h0;
-          Isa::template accumulate_run<D, decltype(heads)::value, HD>(v + i * run_elems, len, hd, scores + size_t(qh) * stride + t0,
-                                                        stride, acc + size_t(qh) * hd, pf);
+          Isa::template accumulate_run<D, decltype(heads)::value, HD>(
+              v + i * run_elems, len, hd, scores + size_t(qh) * stride + t0, stride, acc + size_t(qh) * hd, pf);
         });
       }
       pf.finish();
