@@ -57,6 +57,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, backend, "auto",
           "Kernel backend: auto | cpu | cuda. auto runs on the GPU when this build has the CUDA backend and a "
           "GPU works, else on the CPU, and logs which it chose and why; cuda refuses to start without a GPU");
+ABSL_FLAG(std::string, staging_fd_socket, "",
+          "Unix socket that hands VMM device staging regions (staging_kind CUDA_VMM_FD) to workers as file "
+          "descriptors (SCM_RIGHTS); empty: <--socket>.fd; 'none': off");
 ABSL_FLAG(int32_t, cuda_device, 0, "GPU index for --backend=cuda or auto");
 ABSL_FLAG(int32_t, threads, 0,
           "CPU backend: kernel threads, one team whichever thread calls (0: the CPUs this process may use, its "
@@ -299,6 +302,10 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
     return absl::InvalidArgumentError(absl::StrCat("--backend=", c.backend, ", expected auto, cpu or cuda"));
   }
   c.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  c.core.cuda_device = c.cuda_device;
+  c.staging_fd_socket = absl::GetFlag(FLAGS_staging_fd_socket);
+  if (c.staging_fd_socket.empty() && !c.socket_path.empty()) c.staging_fd_socket = c.socket_path + ".fd";
+  if (c.staging_fd_socket == "none") c.staging_fd_socket.clear();
   if (c.cuda_device < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--cuda_device=", c.cuda_device, ", expected a GPU index >= 0"));
   }

@@ -17,6 +17,7 @@ struct DaemonConfig {
   std::string metrics_listen;
   std::string backend;       // auto | cpu | cuda
   int cuda_device = 0;
+  std::string staging_fd_socket;  // VMM device staging fd socket (staging_fd_server.h); empty: none
   int kernel_threads = 0;    // --threads; 0: the CPUs this process may use (kernels/cpus.h)
   std::string log_format;    // text | json
   std::string log_level;

@@ -69,7 +69,7 @@ absl::StatusOr<SequenceSpec> split_spec(const SequenceOptions& options) {
 
 absl::StatusOr<std::unique_ptr<Core>> Core::create(const CoreConfig& config, std::unique_ptr<kernels::Backend> backend) {
   std::unique_ptr<Core> core(new Core(config, std::move(backend)));
-  core->device_staging_ = DeviceStagingPool::create(*core->backend_, config.max_device_staging_bytes);
+  core->device_staging_ = DeviceStagingPool::create(*core->backend_, config.max_device_staging_bytes, config.cuda_device);
   StoreConfig sc;
   sc.geometry = config.geometry;
   sc.pool_bytes = config.pool_bytes;
@@ -159,6 +159,24 @@ absl::StatusOr<std::shared_ptr<StagingRegion>> Core::shm_staging(const std::stri
   auto staging = this->staging(session_id);
   if (!staging.ok()) return staging.status();
   return std::dynamic_pointer_cast<StagingRegion>(*staging);
+}
+
+absl::StatusOr<std::shared_ptr<DeviceStaging>> Core::vmm_staging(const std::string& session_id,
+                                                                 uint64_t generation) {
+  auto staging = this->staging(session_id);
+  if (!staging.ok()) return staging.status();
+  if (*staging == nullptr || (*staging)->kind() != StagingKind::kCudaVmmFd) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session_id, " attached with staging_kind ",
+        *staging == nullptr ? "none (no staging region)" : staging_kind_name((*staging)->kind()),
+        "; the staging fd socket serves only sessions attached with staging_kind CUDA_VMM_FD"));
+  }
+  if (generation == 0) {
+    return absl::FailedPreconditionError(
+        "staging generation 0: send AttachReply.staging_generation with the session id");
+  }
+  if (absl::Status s = check_generation(**staging, generation); !s.ok()) return s;
+  return std::static_pointer_cast<DeviceStaging>(*staging);
 }
 
 int Core::expire_leases(absl::Time now) {

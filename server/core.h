@@ -43,6 +43,8 @@ struct CoreConfig {
   // Device staging (Attach staging_kind CUDA_IPC): GPU memory all sessions' regions together may
   // hold, including regions kept for reuse and those quarantined after a lease expiry.
   uint64_t max_device_staging_bytes = 8ull << 30;
+  // The GPU VMM device staging regions (CUDA_VMM_FD) are created on: the backend's (--cuda_device).
+  int cuda_device = 0;
   // Kara: at most this many sequences compress per tick, longest tail first (0: no limit).
   int max_sequences_per_tick = 0;
   // Prefix caching (docs/PREFIX_CACHE.md): full prompt blocks appended with token ids are indexed
@@ -94,6 +96,10 @@ class Core {
   absl::StatusOr<std::shared_ptr<Staging>> staging(const std::string& session_id);
   // The same when it is shared memory (the fast path's rings follow it); null for device staging.
   absl::StatusOr<std::shared_ptr<StagingRegion>> shm_staging(const std::string& session_id);
+  // The staging fd socket's lookup: the session's VMM device staging region when `generation` is
+  // its generation. NOT_FOUND for an unknown session, FAILED_PRECONDITION for another staging kind
+  // or a stale generation, each saying so.
+  absl::StatusOr<std::shared_ptr<DeviceStaging>> vmm_staging(const std::string& session_id, uint64_t generation);
   // Bytes of GPU memory held for device staging (live, kept for reuse, quarantined).
   size_t device_staging_bytes() const { return device_staging_->bytes_held(); }
   // Whether `p` is the backend's device memory (a device staging pointer), never to be read on the host.

@@ -4,8 +4,9 @@
 
 namespace karakv::server {
 
-std::shared_ptr<DeviceStagingPool> DeviceStagingPool::create(kernels::Backend& backend, uint64_t max_bytes) {
-  return std::shared_ptr<DeviceStagingPool>(new DeviceStagingPool(backend, max_bytes));
+std::shared_ptr<DeviceStagingPool> DeviceStagingPool::create(kernels::Backend& backend, uint64_t max_bytes,
+                                                             int cuda_device) {
+  return std::shared_ptr<DeviceStagingPool>(new DeviceStagingPool(backend, max_bytes, cuda_device));
 }
 
 DeviceStagingPool::~DeviceStagingPool() {
@@ -13,56 +14,96 @@ DeviceStagingPool::~DeviceStagingPool() {
   for (const kernels::SharedDeviceMemory& m : memory_) {
     if (m.ptr != nullptr) backend_.free_shared(m);  // abandoned slots have none
   }
+  for (vmm::Mapping& m : vmm_memory_) vmm::release(&m);
 }
 
-absl::StatusOr<std::shared_ptr<DeviceStaging>> DeviceStagingPool::acquire(uint64_t bytes, const std::string& tenant) {
+absl::StatusOr<std::shared_ptr<DeviceStaging>> DeviceStagingPool::acquire(uint64_t bytes, const std::string& tenant,
+                                                                          StagingKind kind) {
   const uint64_t rounded =
       (bytes + kernels::kSharedMemoryAlignment - 1) / kernels::kSharedMemoryAlignment * kernels::kSharedMemoryAlignment;
+  const bool is_vmm = kind == StagingKind::kCudaVmmFd;
+  const char* kind_text = is_vmm ? "CUDA_VMM_FD" : "CUDA_IPC";
+  if (kind != StagingKind::kCudaIpc && !is_vmm) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device staging: staging_kind ", staging_kind_name(kind), " is not device staging"));
+  }
   if (!backend_.shares_device_memory()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "staging_kind CUDA_IPC (device staging) needs karakvd on a GPU, but this karakvd runs the ",
-        std::string(backend_.name()), " backend; start karakvd with --backend=cuda, or attach with staging_kind SHM (the default)"));
+        "staging_kind ", kind_text, " (device staging) needs karakvd on a GPU, but this karakvd runs the ",
+        std::string(backend_.name()),
+        " backend; start karakvd with --backend=cuda, or attach with staging_kind SHM (the default)"));
+  }
+  if (is_vmm && !vmm::built_with_cuda()) {
+    return absl::FailedPreconditionError(
+        "staging_kind CUDA_VMM_FD needs karakvd built with CUDA; attach with staging_kind SHM (the default)");
   }
   absl::MutexLock lock(&mu_);
-  StagingSlots::Lease lease = slots_.acquire(rounded, tenant);
+  StagingSlots& slots = is_vmm ? vmm_slots_ : slots_;
+  StagingSlots::Lease lease = slots.acquire(rounded, tenant);
   if (lease.fresh) {
-    const size_t held = slots_.bytes_held() - rounded;
+    const size_t held = slots_.bytes_held() + vmm_slots_.bytes_held() - rounded;
     if (held + rounded > max_bytes_) {
-      slots_.abandon(lease);
+      slots.abandon(lease);
       return absl::ResourceExhaustedError(absl::StrCat(
           "device staging: ", rounded, " bytes wanted (", bytes, " rounded up to 2 MiB), ", held,
-          " bytes already held of the limit ", max_bytes_, " (", slots_.bytes_in(StagingSlots::SlotState::kQuarantined),
+          " bytes already held of the limit ", max_bytes_, " (",
+          slots_.bytes_in(StagingSlots::SlotState::kQuarantined) +
+              vmm_slots_.bytes_in(StagingSlots::SlotState::kQuarantined),
           " of them quarantined after lease expiries until karakvd restarts); raise --max_device_staging_bytes, "
           "ask for less, or use staging_kind SHM"));
     }
-    kernels::SharedDeviceMemory m;
-    kernels::KernelStatus st = backend_.allocate_shared(rounded, &m);
-    if (!st.is_ok()) {
-      slots_.abandon(lease);
-      return absl::ResourceExhaustedError(absl::StrCat("device staging: ", st.message));
+    if (is_vmm) {
+      absl::StatusOr<vmm::Mapping> m = vmm::allocate(cuda_device_, rounded);
+      if (!m.ok()) {
+        slots.abandon(lease);
+        return absl::Status(m.status().code(), absl::StrCat("device staging: ", m.status().message()));
+      }
+      if (vmm_memory_.size() <= size_t(lease.slot)) vmm_memory_.resize(lease.slot + 1);
+      vmm_memory_[lease.slot] = *m;
+    } else {
+      kernels::SharedDeviceMemory m;
+      kernels::KernelStatus st = backend_.allocate_shared(rounded, &m);
+      if (!st.is_ok()) {
+        slots.abandon(lease);
+        return absl::ResourceExhaustedError(absl::StrCat("device staging: ", st.message));
+      }
+      if (memory_.size() <= size_t(lease.slot)) memory_.resize(lease.slot + 1);
+      memory_[lease.slot] = std::move(m);
     }
-    if (memory_.size() <= size_t(lease.slot)) memory_.resize(lease.slot + 1);
-    memory_[lease.slot] = std::move(m);
+  }
+  if (is_vmm) {
+    return std::shared_ptr<DeviceStaging>(
+        new DeviceStaging(shared_from_this(), lease.slot, lease.generation, vmm_memory_[lease.slot]));
   }
   return std::shared_ptr<DeviceStaging>(
       new DeviceStaging(shared_from_this(), lease.slot, lease.generation, memory_[lease.slot]));
 }
 
-void DeviceStagingPool::release(int slot, uint64_t generation, bool importer_closed) {
+void DeviceStagingPool::release(StagingKind kind, int slot, uint64_t generation, bool importer_closed) {
   absl::MutexLock lock(&mu_);
-  slots_.release(slot, generation, importer_closed);
+  (kind == StagingKind::kCudaVmmFd ? vmm_slots_ : slots_).release(slot, generation, importer_closed);
 }
 
 size_t DeviceStagingPool::bytes_held() const {
   absl::MutexLock lock(&mu_);
-  return slots_.bytes_held();
+  return slots_.bytes_held() + vmm_slots_.bytes_held();
 }
 
 size_t DeviceStagingPool::quarantined_bytes() const {
   absl::MutexLock lock(&mu_);
-  return slots_.bytes_in(StagingSlots::SlotState::kQuarantined);
+  return slots_.bytes_in(StagingSlots::SlotState::kQuarantined) +
+         vmm_slots_.bytes_in(StagingSlots::SlotState::kQuarantined);
 }
 
-DeviceStaging::~DeviceStaging() { pool_->release(slot_, generation_, importer_closed_); }
+absl::StatusOr<int> DeviceStaging::export_fd() const {
+  if (kind_ != StagingKind::kCudaVmmFd) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this session attached with staging_kind ", staging_kind_name(kind_),
+        "; the staging fd socket serves only CUDA_VMM_FD sessions (CUDA_IPC workers open AttachReply's handle)"));
+  }
+  return vmm::export_fd(vmm_);
+}
+
+DeviceStaging::~DeviceStaging() { pool_->release(kind_, slot_, generation_, importer_closed_); }
 
 }  // namespace karakv::server

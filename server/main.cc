@@ -29,6 +29,7 @@
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/peer_gate.h"
+#include "server/staging_fd_server.h"
 #include "server/core.h"
 #include "server/ring.h"
 #include "server/service.h"
@@ -206,6 +207,30 @@ int main(int argc, char** argv) {
     spdlog::info("unix socket admits uids [{}] gids [{}] (SO_PEERCRED)", absl::StrJoin(config->allowed_uids, ","),
                  absl::StrJoin(config->allowed_gids, ","));
   }
+  // VMM device staging hands regions out as file descriptors beside the gRPC socket; without it
+  // CUDA_VMM_FD sessions attach but their workers cannot import (a warning, not a failed start).
+  std::unique_ptr<karakv::server::StagingFdServer> fd_server;
+  if (!config->staging_fd_socket.empty()) {
+    karakv::server::PeerAllowList allow;
+    allow.uids.assign(config->allowed_uids.begin(), config->allowed_uids.end());
+    allow.gids.assign(config->allowed_gids.begin(), config->allowed_gids.end());
+    auto fds = karakv::server::StagingFdServer::listen(
+        config->staging_fd_socket, std::move(allow),
+        [core_ptr](const std::string& session, uint64_t generation)
+            -> absl::StatusOr<karakv::server::StagingFdGrant> {
+          auto staging = core_ptr->vmm_staging(session, generation);
+          if (!staging.ok()) return staging.status();
+          auto fd = (*staging)->export_fd();
+          if (!fd.ok()) return fd.status();
+          return karakv::server::StagingFdGrant{*fd, (*staging)->size(), (*staging)->device()};
+        });
+    if (fds.ok()) {
+      fd_server = std::move(*fds);
+      spdlog::info("staging fd socket (CUDA_VMM_FD device staging) on {}", config->staging_fd_socket);
+    } else {
+      spdlog::warn("{}; CUDA_VMM_FD workers cannot import their regions", std::string(fds.status().message()));
+    }
+  }
   server->GetHealthCheckService()->SetServingStatus(true);
   const auto& g = (*core)->geometry();
   const auto st = (*core)->stats();
@@ -241,6 +266,7 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining (new calls get UNAVAILABLE, {} in flight)", sig, service.in_flight());
   if (gate) gate->stop();  // no new connections
+  fd_server.reset();
   service.start_draining();
   server->GetHealthCheckService()->SetServingStatus(false);
   // The calls in flight finish while new ones get the service's UNAVAILABLE ("draining"); only then

@@ -43,13 +43,13 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
   }
   Admission a;
   if (staging_kind != StagingKind::kShm) {
-    if (staging_kind != StagingKind::kCudaIpc) {
-      return absl::UnimplementedError(absl::StrCat(
-          "staging_kind ", staging_kind_name(staging_kind), " is not served by this karakvd yet; use CUDA_IPC "
-          "(workers that share the daemon's PID namespace) or SHM"));
+    if (staging_kind != StagingKind::kCudaIpc && staging_kind != StagingKind::kCudaVmmFd) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "staging_kind ", staging_kind_name(staging_kind), " is not served by this karakvd; use CUDA_IPC, CUDA_VMM_FD or SHM"));
     }
     if (device_staging_ == nullptr) {
-      return absl::FailedPreconditionError("staging_kind cuda_ipc: this daemon has no device staging; use SHM");
+      return absl::FailedPreconditionError(absl::StrCat("staging_kind ", staging_kind_name(staging_kind),
+                                                        ": this daemon has no device staging; use SHM"));
     }
     if (reserved_bytes > 0) {
       return absl::InvalidArgumentError(
@@ -60,7 +60,7 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
       return absl::InvalidArgumentError(absl::StrCat("staging_kind ", staging_kind_name(staging_kind),
                                                      " needs a staging region: set staging_bytes > 0"));
     }
-    auto region = device_staging_->acquire(staging_bytes, tenant);
+    auto region = device_staging_->acquire(staging_bytes, tenant, staging_kind);
     if (!region.ok()) return region.status();
     a.result.staging_bytes = (*region)->size();
     a.result.staging_ipc_handle = (*region)->ipc_handle();

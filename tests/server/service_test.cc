@@ -376,8 +376,15 @@ TEST_F(ServiceTest, DeviceStagingOnTheCpuBackendIsRefusedNamingTheFix) {
   EXPECT_EQ(with_rings.code(), absl::StatusCode::kInvalidArgument) << with_rings;
   EXPECT_THAT(std::string(with_rings.message()), ::testing::HasSubstr("fast_path needs shm staging"));
   req.set_fast_path(false);
+  // VMM staging (file descriptors for workers in another PID namespace): refused the same way.
   req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);
-  EXPECT_EQ(service_->Handle(req, &reply).code(), absl::StatusCode::kUnimplemented);
+  const absl::Status vmm = service_->Handle(req, &reply);
+  EXPECT_EQ(vmm.code(), absl::StatusCode::kFailedPrecondition) << vmm;
+  EXPECT_THAT(std::string(vmm.message()), ::testing::HasSubstr("staging_kind CUDA_VMM_FD"));
+  EXPECT_THAT(std::string(vmm.message()), ::testing::HasSubstr("cpu backend"));
+  EXPECT_THAT(std::string(vmm.message()), ::testing::HasSubstr("--backend=cuda"));
+  EXPECT_TRUE(reply.session_id().empty());
+  EXPECT_EQ(core_->device_staging_bytes(), 0u);
   req.set_staging_kind(static_cast<v1::StagingKind>(9));
   const absl::Status unknown = service_->Handle(req, &reply);
   EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
