@@ -28,6 +28,7 @@
 #include "karakv/v1/karakv.grpc.pb.h"
 #include "karakv/v1/ring.h"
 #include "device_import.h"
+#include "util/fd_passing.h"
 #include "ring_client.h"
 
 namespace karakv {
@@ -280,6 +281,7 @@ absl::Status Client::Impl::attach_rpc(v1::AttachReply* reply) {
   req.set_cache_namespace(options.cache_namespace);
   req.set_fast_path(options.fast_path && options.staging_bytes > 0);
   if (options.staging == Staging::kDevice) req.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+  if (options.staging == Staging::kDeviceFd) req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);
   if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
   grpc::ClientContext ctx;
   prepare(&ctx);
@@ -467,7 +469,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
     im.staging = static_cast<uint8_t*>(im.device.ptr);
     im.staging_size = reply.staging_bytes();
     im.staging_generation = reply.staging_generation();
-  } else if (options.staging == Staging::kDevice) {
+  } else if (reply.staging_kind() == v1::STAGING_KIND_CUDA_VMM_FD) {
+    const std::string fd_socket = options.staging_fd_socket.empty() ? fdpass::fd_socket_for_target(options.target)
+                                                                    : options.staging_fd_socket;
+    auto imported = import_device_staging_fd(fd_socket, reply.session_id(), reply.staging_generation(),
+                                             reply.staging_bytes());
+    if (!imported.ok()) return imported.status();
+    im.device = *imported;
+    im.staging = static_cast<uint8_t*>(im.device.ptr);
+    im.staging_size = reply.staging_bytes();
+    im.staging_generation = reply.staging_generation();
+  } else if (options.staging != Staging::kShm) {
     return absl::FailedPreconditionError("Attach: asked for device staging but karakvd answered with another kind");
   } else if (!reply.staging_name().empty()) {
     int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);

@@ -1,6 +1,9 @@
 #include "device_import.h"
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
+#include "util/fd_passing.h"
 
 #if KARAKV_CLIENT_CUDA
 #include <cuda_runtime.h>
@@ -38,6 +41,11 @@ absl::StatusOr<DeviceImport> import_device_staging(const std::string& handle, in
 
 void close_device_staging(DeviceImport* import) {
   if (import->ptr == nullptr) return;
+  if (import->vmm.handle != 0) {
+    vmm::release(&import->vmm);
+    *import = DeviceImport{};
+    return;
+  }
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(import->device);
@@ -54,8 +62,42 @@ absl::StatusOr<DeviceImport> import_device_staging(const std::string&, int, uint
       "built without it; use Staging::kShm");
 }
 
-void close_device_staging(DeviceImport* import) { *import = DeviceImport{}; }
+void close_device_staging(DeviceImport* import) {
+  vmm::release(&import->vmm);
+  *import = DeviceImport{};
+}
 
 #endif
+
+absl::StatusOr<DeviceImport> import_device_staging_fd(const std::string& fd_socket, const std::string& session_id,
+                                                      uint64_t generation, uint64_t bytes) {
+  if (!vmm::built_with_cuda()) {
+    return absl::FailedPreconditionError(
+        "Attach: Staging::kDeviceFd needs the SDK built with CUDA (nvcc found at build time); this "
+        "libkarakv_client was built without it; use Staging::kShm");
+  }
+  if (fd_socket.empty()) {
+    return absl::InvalidArgumentError(
+        "Attach: Staging::kDeviceFd needs karakvd's staging fd socket: set ClientOptions::staging_fd_socket "
+        "(the target is not a unix: socket to derive it from)");
+  }
+  auto received = fdpass::request_staging_fd(fd_socket, session_id, generation);
+  if (!received.ok()) {
+    return absl::Status(received.status().code(), absl::StrCat("Attach: ", received.status().message()));
+  }
+  if (received->bytes != bytes) {
+    close(received->fd);
+    return absl::InternalError(absl::StrCat("Attach: the staging fd socket sent a region of ", received->bytes,
+                                            " bytes, the AttachReply says ", bytes, " (SDK and karakvd disagree)"));
+  }
+  auto mapped = vmm::import_fd(received->fd, received->device, received->bytes);
+  close(received->fd);  // the mapping keeps the allocation
+  if (!mapped.ok()) return mapped.status();
+  DeviceImport out;
+  out.ptr = mapped->ptr;
+  out.device = mapped->device;
+  out.vmm = *mapped;
+  return out;
+}
 
 }  // namespace karakv

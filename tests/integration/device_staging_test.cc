@@ -3,7 +3,9 @@
 // device staging and through shm staging of one daemon give the same outputs (fp32 storage, to
 // 1e-6), a stale or missing generation is refused, and a detached region comes back to the same
 // tenant only under a new generation. Without a GPU those print "no device" and skip. Everywhere:
-// the SDK's device staging on a CPU daemon is refused with a message naming the fix.
+// the SDK's device staging on a CPU daemon is refused with a message naming the fix. The VMM path
+// (Staging::kDeviceFd: a cuMemCreate allocation whose file descriptor comes over karakvd's staging
+// fd socket) runs the same script on a GPU.
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -50,6 +52,20 @@ TEST(DeviceStagingTest, TheSdkOnACpuDaemonIsRefusedNamingTheFix) {
   ASSERT_TRUE(shm.ok()) << shm.status();
   EXPECT_FALSE((*shm)->device_staging());
   EXPECT_EQ((*shm)->staging_generation(), 0u);
+}
+
+TEST(DeviceStagingTest, TheVmmPathOnACpuDaemonIsRefusedNamingTheFix) {
+  Daemon d(geometry_flags("cpu"));
+  ASSERT_TRUE(d.ready());
+  ClientOptions o;
+  o.target = d.target();
+  o.staging_bytes = 1 << 20;
+  o.staging = Staging::kDeviceFd;
+  auto c = Client::Attach(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("CUDA_VMM_FD"));
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("--backend=cuda"));
 }
 
 #if KARAKV_DEVICE_TEST_CUDA
@@ -103,12 +119,13 @@ struct Worker {
   }
 };
 
-Worker attach(const Daemon& d, bool device, const std::string& tenant = "default") {
+Worker attach_kind(const Daemon& d, Staging staging, const std::string& tenant = "default") {
+  const bool device = staging != Staging::kShm;
   ClientOptions o;
   o.target = d.target();
   o.tenant = tenant;
   o.staging_bytes = 8 << 20;
-  o.staging = device ? Staging::kDevice : Staging::kShm;
+  o.staging = staging;
   auto c = Client::Attach(o);
   EXPECT_TRUE(c.ok()) << c.status();
   Worker w;
@@ -117,6 +134,10 @@ Worker attach(const Daemon& d, bool device, const std::string& tenant = "default
   w.device = device;
   EXPECT_EQ(w.client->device_staging(), device);
   return w;
+}
+
+Worker attach(const Daemon& d, bool device, const std::string& tenant = "default") {
+  return attach_kind(d, device ? Staging::kDevice : Staging::kShm, tenant);
 }
 
 std::vector<float> random_floats(size_t n, uint32_t seed) {
@@ -280,6 +301,32 @@ TEST(DeviceStagingTest, AStaleOrMissingGenerationIsRefusedAndNeverAliased) {
   grpc::ClientContext ctx;
   ASSERT_TRUE(stub->Attach(&ctx, other, &third).ok());
   EXPECT_NE(third.staging_ipc_handle(), first.staging_ipc_handle());
+}
+
+// The VMM path: the worker imports its region from the file descriptor the staging fd socket sends
+// (as a pod in another PID namespace would) and gets the shm path's outputs.
+TEST(DeviceStagingTest, TwoProcessVmmOutputsEqualTheShmPath) {
+  SKIP_WITHOUT_DEVICE();
+  Daemon d(geometry_flags("cuda"));
+  ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
+  Worker shm = attach(d, false);
+  Worker dev = attach_kind(d, Staging::kDeviceFd);
+  ASSERT_TRUE(shm.client && dev.client);
+  EXPECT_NE(dev.client->staging_generation(), 0u);
+  const Outputs want = run_script(shm);
+  const Outputs got = run_script(dev);
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
+  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
+  expect_near(got.k, want.k, "ReadKV.k");
+  expect_near(got.v, want.v, "ReadKV.v");
+  EXPECT_EQ(got.positions, want.positions);
+  // Detach unmaps; the tenant's next VMM session reuses the region under a new generation.
+  const uint64_t old_generation = dev.client->staging_generation();
+  ASSERT_TRUE(dev.client->Detach().ok());
+  Worker again = attach_kind(d, Staging::kDeviceFd);
+  ASSERT_TRUE(again.client);
+  EXPECT_GT(again.client->staging_generation(), old_generation);
 }
 
 #endif  // KARAKV_DEVICE_TEST_CUDA

@@ -53,6 +53,10 @@ enum class Staging {
   kShm,     // POSIX shared memory, mapped into this process: Buffer::data() is host memory
   kDevice,  // the daemon's GPU memory, imported with cudaIpcOpenMemHandle: Buffer::data() is a
             // device pointer of this process (write it with CUDA, never dereference it on the host)
+  kDeviceFd,  // the daemon's GPU memory as a VMM allocation (cuMemCreate) whose file descriptor
+              // comes over karakvd's staging fd socket (SCM_RIGHTS), imported with
+              // cuMemImportFromShareableHandle: for workers in another PID namespace (pods that do
+              // not share one). Buffer::data() is a device pointer, as with kDevice
 };
 
 struct ClientOptions {
@@ -76,7 +80,11 @@ struct ClientOptions {
   // that wrote a call's inputs before making the call; when a call returns OK its outputs are
   // complete in device memory (karakvd synchronized its stream before replying). Re-attaching
   // after a daemon restart is not possible with device staging (the client gives up, saying so).
+  // kDeviceFd: as kDevice, but the worker need not see the daemon's PID; it needs the staging fd
+  // socket (karakvd --staging_fd_socket, default "<socket>.fd") and the same GPU.
   Staging staging = Staging::kShm;
+  // kDeviceFd: the daemon's staging fd socket; empty: "<path>.fd" of a "unix:<path>" target.
+  std::string staging_fd_socket;
   // When set, Attach fails unless the daemon serves exactly this geometry.
   std::optional<Geometry> geometry;
   // Sends Heartbeat from a background thread so the lease never runs out while attached.
