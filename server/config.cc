@@ -59,7 +59,7 @@ ABSL_FLAG(std::string, backend, "auto",
           "GPU works, else on the CPU, and logs which it chose and why; cuda refuses to start without a GPU");
 ABSL_FLAG(std::string, staging_fd_socket, "",
           "Unix socket that hands VMM device staging regions (staging_kind CUDA_VMM_FD) to workers as file "
-          "descriptors (SCM_RIGHTS); empty: <--socket>.fd; 'none': off");
+          "descriptors (SCM_RIGHTS), opened on the CUDA backend only; empty: <--socket>.fd; 'none': off");
 ABSL_FLAG(int32_t, cuda_device, 0, "GPU index for --backend=cuda or auto");
 ABSL_FLAG(int32_t, threads, 0,
           "CPU backend: kernel threads, one team whichever thread calls (0: the CPUs this process may use, its "

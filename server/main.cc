@@ -209,8 +209,9 @@ int main(int argc, char** argv) {
   }
   // VMM device staging hands regions out as file descriptors beside the gRPC socket; without it
   // CUDA_VMM_FD sessions attach but their workers cannot import (a warning, not a failed start).
+  // Only the CUDA backend has device staging, so only it opens the socket.
   std::unique_ptr<karakv::server::StagingFdServer> fd_server;
-  if (!config->staging_fd_socket.empty()) {
+  if (!config->staging_fd_socket.empty() && backend_name == "cuda") {
     karakv::server::PeerAllowList allow;
     allow.uids.assign(config->allowed_uids.begin(), config->allowed_uids.end());
     allow.gids.assign(config->allowed_gids.begin(), config->allowed_gids.end());
