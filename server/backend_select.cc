@@ -9,16 +9,21 @@
 namespace karakv::server {
 namespace {
 
-// The CPU backend with the attention ISA of $KARAKV_CPU_ISA (unset: the best this CPU has). A value
-// that is unknown or cannot run here refuses the start (INVALID_ARGUMENT naming the variable, the
-// value and what is expected) rather than falling back as the library does.
+// The CPU backend with the attention ISA of $KARAKV_CPU_ISA and the scorers' products of
+// $KARAKV_CPU_GEMM (unset: the best this CPU and build have). A value that is unknown or cannot run
+// here refuses the start (INVALID_ARGUMENT naming the variable, the value and what is expected)
+// rather than falling back as the library does.
 absl::StatusOr<std::unique_ptr<kernels::Backend>> make_cpu(int kernel_threads) {
   kernels::CpuIsa isa;
   if (kernels::KernelStatus st = kernels::cpu_isa_from_env(&isa); !st.is_ok()) {
     return absl::InvalidArgumentError(st.message);
   }
+  kernels::CpuGemm gemm;
+  if (kernels::KernelStatus st = kernels::cpu_gemm_from_env(&gemm); !st.is_ok()) {
+    return absl::InvalidArgumentError(st.message);
+  }
   std::string why;
-  auto backend = kernels::make_cpu_backend(kernel_threads, isa, &why);
+  auto backend = kernels::make_cpu_backend(kernel_threads, isa, gemm, &why);
   if (backend == nullptr) return absl::InvalidArgumentError(why);
   return backend;
 }

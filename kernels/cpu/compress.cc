@@ -1,8 +1,10 @@
-// CPU compression kernels (docs/COMPRESSION.md). The two scorers share one core: a query head's
-// keys are widened once into fp32 tiles of 8 keys x head_dim, score rows are computed two queries
-// at a time with the accumulators in registers, then each softmax row is added into per-key sums.
-// Work is split over query heads and the per-head sums are reduced in a fixed order, so results do
-// not depend on the thread count.
+// CPU compression kernels (docs/COMPRESSION.md). The scorers share one core: a query head's keys
+// are widened once to fp32, score rows are computed as a matrix product of the pre-scaled queries
+// and the keys, then each softmax row is added into per-key sums. The product is libxsmm's JIT
+// kernel over blocks of up to 64 queries (CpuGemm::kLibxsmm, keys stored head_dim-major) or the
+// project's register tile, two queries at a time (kTile, keys in tiles of 8 keys x head_dim; also
+// the path for one decode query, where it beats the libraries). Work is split over query heads and
+// the per-head sums are reduced in a fixed order, so results do not depend on the thread count.
 #include "compress.h"
 
 #include <algorithm>
@@ -19,8 +21,22 @@
 #include "scratch.h"
 #include "simd.h"
 
+#if KARAKV_HAVE_LIBXSMM
+#include <libxsmm.h>
+
+#include <mutex>
+#endif
+
+#include <atomic>
+
+#ifndef KARAKV_GEMM_ROWS_KB
+#define KARAKV_GEMM_ROWS_KB 128
+#endif
+
 namespace karakv::kernels::cpu {
 namespace {
+
+std::atomic<uint64_t> g_libxsmm_products{0};
 
 // Below this many bytes a gather is not worth waking the thread team for.
 constexpr size_t kParallelGatherBytes = size_t(1) << 20;
@@ -31,12 +47,51 @@ constexpr int kKeyTile = 8;
 
 int padded_keys(int num_keys) { return (num_keys + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
+// Queries scored per product with libxsmm (the rows of one JIT kernel call), and the keys per
+// call: the benchmark's shapes (docs/BENCHMARKS.md), where its kernels ran 1.6-2.1x the tile.
+constexpr int kGemmRows = 64;
+constexpr int kGemmKeys = 128;
+// The score rows of one product are kept under this many bytes (rows_per_block).
+constexpr size_t kGemmRowsBytes = size_t(KARAKV_GEMM_ROWS_KB) << 10;
+// Fewer queries than this per head use the tile even where libxsmm was asked for: for a
+// matrix-vector product the libraries' dispatch and packing cost more than they save.
+constexpr int kGemmMinRows = 4;
+
+// The row length, in floats, of the scorers' rows of num_keys floats (score rows, and key columns for
+// libxsmm): padded_keys and one cache line more, so that rows of a power-of-two length (4,096
+// keys) do not all map to the same few L1 sets; without it libxsmm's products over SnapKV's 4,096
+// keys ran no faster than the tile (docs/BENCHMARKS.md).
+size_t padded_stride(int num_keys) { return size_t(padded_keys(num_keys)) + 16; }
+
+// Where the widened keys are: dimension d of key i at
+// keys[(i / kKeyTile) * tile_stride + d * dim_stride + i % kKeyTile].
+//   tiles:   [padded_keys / kKeyTile][head_dim][kKeyTile] (tile_stride head_dim * 8, dim_stride 8)
+//   columns: [head_dim][padded_stride]                    (tile_stride 8, dim_stride padded_stride),
+//            a column-major padded_keys x head_dim matrix for libxsmm
+struct KeyLayout {
+  size_t tile_stride = 0;
+  size_t dim_stride = 0;
+  bool columns = false;
+};
+
 // Per-thread buffers reused across calls (scratch.h).
 struct ScoreScratch {
-  std::vector<float> keys;   // [padded_keys / kKeyTile][head_dim][kKeyTile]
-  std::vector<float> query;  // [2][head_dim], pre-scaled
-  std::vector<float> rows;   // [2][padded_keys]
+  std::vector<float> keys;   // padded_keys x head_dim fp32 in `layout`
+  KeyLayout layout;
+  std::vector<float> query;  // [rows per product][head_dim], pre-scaled
+  std::vector<float> rows;   // [rows per product][padded_keys]
 };
+
+// Whether a call scoring `rows_per_head` queries per head uses libxsmm (the keys then go in columns).
+bool use_gemm(CpuGemm gemm, int rows_per_head) {
+#if KARAKV_HAVE_LIBXSMM
+  return gemm == CpuGemm::kLibxsmm && rows_per_head >= kGemmMinRows;
+#else
+  (void)gemm;
+  (void)rows_per_head;
+  return false;
+#endif
+}
 
 // At the end of each thread's share of a parallel loop.
 void release_large_scratch(ScoreScratch& scratch) {
@@ -75,17 +130,21 @@ inline void transpose8(__m256 r[8]) {
 }
 #endif
 
-// The tiled keys of slots [slot_begin, slot_begin + num_keys) of (layer, head) of `seq`, widened
-// to fp32 into scratch.keys; the padding keys of the last tile are zeros. With AVX2 a tile is
-// eight keys widened eight dimensions at a time (F16C for fp16) and transposed in registers: the
-// scalar path (software half widening, one strided store per element) took most of a decode
-// step's time once Kara's decode observers score every key at every step.
+// The keys of slots [slot_begin, slot_begin + num_keys) of (layer, head) of `seq`, widened to fp32
+// into scratch.keys in tiles or in columns (KeyLayout); the padding keys up to padded_keys are
+// zeros. With AVX2 eight keys are widened eight dimensions at a time (F16C for fp16) and transposed
+// in registers: the scalar path (software half widening, one strided store per element) took most
+// of a decode step's time once Kara's decode observers score every key at every step.
 template <DType D>
-void load_key_tiles(const PagedKV& kv, int seq, int layer, int head, int slot_begin, int num_keys,
+void load_key_tiles(const PagedKV& kv, int seq, int layer, int head, int slot_begin, int num_keys, bool columns,
                     ScoreScratch& scratch) {
   const Geometry& g = kv.geometry;
   const int hd = g.head_dim;
   const int bs = g.block_size;
+  scratch.layout = columns ? KeyLayout{kKeyTile, padded_stride(num_keys), true}
+                           : KeyLayout{size_t(hd) * kKeyTile, kKeyTile, false};
+  const size_t size = columns ? size_t(hd) * scratch.layout.dim_stride : size_t(padded_keys(num_keys)) * hd;
+  const KeyLayout layout = scratch.layout;
   const auto* pool = static_cast<const storage_t<D>*>(kv.pool);
   auto key = [&](int i) {
     const int slot = slot_begin + i;
@@ -94,51 +153,52 @@ void load_key_tiles(const PagedKV& kv, int seq, int layer, int head, int slot_be
 #if KARAKV_CPU_AVX2
   static_assert(kKeyTile == 8, "one tile row is one AVX2 vector");
   if (hd % 8 == 0) {
-    scratch.keys.resize(size_t(padded_keys(num_keys)) * hd);  // every element is written below
+    scratch.keys.resize(size);  // every element but the columns' padding is written below
     float* keys = scratch.keys.data();
     for (int t0 = 0; t0 < num_keys; t0 += kKeyTile) {
       const int n = std::min(kKeyTile, num_keys - t0);
       const storage_t<D>* src[kKeyTile];
       for (int c = 0; c < n; ++c) src[c] = key(t0 + c);
-      float* tile = keys + size_t(t0 / kKeyTile) * hd * kKeyTile;
+      float* tile = keys + size_t(t0 / kKeyTile) * layout.tile_stride;
       for (int d = 0; d < hd; d += 8) {
         __m256 r[8];
         for (int c = 0; c < 8; ++c) r[c] = c < n ? load8<D>(src[c] + d) : _mm256_setzero_ps();
         transpose8(r);
-        for (int e = 0; e < 8; ++e) _mm256_storeu_ps(tile + size_t(d + e) * kKeyTile, r[e]);
+        for (int e = 0; e < 8; ++e) _mm256_storeu_ps(tile + size_t(d + e) * layout.dim_stride, r[e]);
       }
     }
     return;
   }
 #endif
-  scratch.keys.assign(size_t(padded_keys(num_keys)) * hd, 0.0f);
+  scratch.keys.assign(size, 0.0f);
   float* keys = scratch.keys.data();
   for (int i = 0; i < num_keys; ++i) {
     const storage_t<D>* k = key(i);
-    float* tile = keys + size_t(i / kKeyTile) * hd * kKeyTile + i % kKeyTile;
-    for (int d = 0; d < hd; ++d) tile[size_t(d) * kKeyTile] = load1<D>(k + d);
+    float* tile = keys + size_t(i / kKeyTile) * layout.tile_stride + i % kKeyTile;
+    for (int d = 0; d < hd; ++d) tile[size_t(d) * layout.dim_stride] = load1<D>(k + d);
   }
 }
 
 // rows[r][s] = query[r] . key[s] for R query rows and keys s in [0, padded_keys(num_keys)).
 // Four tiles (32 keys) at a time keep 4R accumulators in registers over the whole head dim, so
 // each key vector loaded serves all R rows.
-//   query: [R][head_dim] fp32; keys: tiled as above; rows: [R][row_stride]
+//   query: [R][head_dim] fp32; keys: in `layout`; rows: [R][row_stride]
 template <int R>
-void score_rows(const float* query, int head_dim, const float* keys, int num_keys, float* rows, size_t row_stride) {
+void score_rows(const float* query, int head_dim, const float* keys, KeyLayout layout, int num_keys, float* rows,
+                size_t row_stride) {
   const int tiles = padded_keys(num_keys) / kKeyTile;
-  const size_t tile_elems = size_t(head_dim) * kKeyTile;
+  const size_t ts = layout.tile_stride, ds = layout.dim_stride;
   int t = 0;
 #if KARAKV_CPU_AVX2
   static_assert(kKeyTile == 8, "one tile row is one AVX2 vector");
   for (; t + 4 <= tiles; t += 4) {
-    const float* k = keys + size_t(t) * tile_elems;
+    const float* k = keys + size_t(t) * ts;
     __m256 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int d = 0; d < head_dim; ++d) {
       __m256 kd[4];
-      for (int c = 0; c < 4; ++c) kd[c] = _mm256_loadu_ps(k + c * tile_elems + d * kKeyTile);
+      for (int c = 0; c < 4; ++c) kd[c] = _mm256_loadu_ps(k + c * ts + d * ds);
       for (int r = 0; r < R; ++r) {
         const __m256 qd = _mm256_broadcast_ss(query + r * head_dim + d);
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(kd[c], qd, acc[r][c]);
@@ -148,26 +208,83 @@ void score_rows(const float* query, int head_dim, const float* keys, int num_key
       for (int c = 0; c < 4; ++c) _mm256_storeu_ps(rows + r * row_stride + (t + c) * kKeyTile, acc[r][c]);
   }
   for (; t < tiles; ++t) {
-    const float* k = keys + size_t(t) * tile_elems;
+    const float* k = keys + size_t(t) * ts;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int d = 0; d < head_dim; ++d) {
-      const __m256 kd = _mm256_loadu_ps(k + d * kKeyTile);
+      const __m256 kd = _mm256_loadu_ps(k + d * ds);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(query + r * head_dim + d), acc[r]);
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows + r * row_stride + t * kKeyTile, acc[r]);
   }
 #else
   for (; t < tiles; ++t) {
-    const float* k = keys + size_t(t) * tile_elems;
+    const float* k = keys + size_t(t) * ts;
     for (int r = 0; r < R; ++r) {
       float acc[kKeyTile] = {};
       for (int d = 0; d < head_dim; ++d)
-        for (int j = 0; j < kKeyTile; ++j) acc[j] += k[d * kKeyTile + j] * query[r * head_dim + d];
+        for (int j = 0; j < kKeyTile; ++j) acc[j] += k[d * ds + j] * query[r * head_dim + d];
       for (int j = 0; j < kKeyTile; ++j) rows[r * row_stride + t * kKeyTile + j] = acc[j];
     }
   }
 #endif
+}
+
+#if KARAKV_HAVE_LIBXSMM
+// rows = keys . query^T with libxsmm, keys in columns: column-major, rows^T (keys x num_rows, ld
+// row_stride) = keys (keys x head_dim, ld padded_keys) . query^T (head_dim x num_rows, ld head_dim),
+// in blocks of kGemmKeys keys. False, with nothing written, where libxsmm has no kernel (its JIT
+// refused the shape or the CPU): the caller then uses the tile.
+bool gemm_rows(const float* query, int num_rows, int head_dim, const float* keys, KeyLayout layout, int num_keys,
+               float* rows, size_t row_stride) {
+  static std::once_flag init;
+  std::call_once(init, [] { libxsmm_init(); });
+  const int n = padded_keys(num_keys);
+  const libxsmm_blasint lda = libxsmm_blasint(layout.dim_stride), ldb = head_dim, ldc = libxsmm_blasint(row_stride);
+  const float alpha = 1.0f, beta = 0.0f;  // beta must be given: libxsmm's default is 1 (C += A B)
+  auto kernel = [&](int m) {
+    return libxsmm_smmdispatch(m, num_rows, head_dim, &lda, &ldb, &ldc, &alpha, &beta, nullptr, nullptr);
+  };
+  const int full = n / kGemmKeys, rest = n % kGemmKeys;
+  const libxsmm_smmfunction block = full > 0 ? kernel(kGemmKeys) : nullptr;
+  const libxsmm_smmfunction tail = rest > 0 ? kernel(rest) : nullptr;
+  if ((full > 0 && block == nullptr) || (rest > 0 && tail == nullptr)) return false;
+  for (int b = 0; b < full; ++b) block(keys + size_t(b) * kGemmKeys, query, rows + size_t(b) * kGemmKeys);
+  if (rest > 0) tail(keys + size_t(full) * kGemmKeys, query, rows + size_t(full) * kGemmKeys);
+  g_libxsmm_products.fetch_add(uint64_t(full) + (rest > 0), std::memory_order_relaxed);
+  return true;
+}
+#endif
+
+// rows[r][s] = query[r] . key[s] for r in [0, num_rows), s in [0, padded_keys(num_keys)), keys in
+// scratch.keys: libxsmm where they are in columns, else the tile two rows at a time.
+//   query: [num_rows][head_dim] fp32; rows: [num_rows][row_stride]
+void score_block(const float* query, int num_rows, int head_dim, const ScoreScratch& scratch, int num_keys,
+                 float* rows, size_t row_stride) {
+  const float* keys = scratch.keys.data();
+#if KARAKV_HAVE_LIBXSMM
+  if (scratch.layout.columns &&
+      gemm_rows(query, num_rows, head_dim, keys, scratch.layout, num_keys, rows, row_stride)) {
+    return;
+  }
+#endif
+  int r = 0;
+  for (; r + 2 <= num_rows; r += 2) {
+    score_rows<2>(query + size_t(r) * head_dim, head_dim, keys, scratch.layout, num_keys, rows + r * row_stride,
+                  row_stride);
+  }
+  if (r < num_rows) {
+    score_rows<1>(query + size_t(r) * head_dim, head_dim, keys, scratch.layout, num_keys, rows + r * row_stride,
+                  row_stride);
+  }
+}
+
+// The queries per score_block call: a tile pair, or for libxsmm up to kGemmRows, fewer where their
+// score rows (num_keys each) would not stay in the L2 cache until the softmax reads them back.
+int rows_per_block(const ScoreScratch& scratch, int num_keys) {
+  if (!scratch.layout.columns) return 2;
+  const size_t fit = kGemmRowsBytes / (sizeof(float) * padded_stride(num_keys));
+  return int(std::clamp<size_t>(fit, kGemmMinRows, kGemmRows));
 }
 
 // col_sums[s] = sum_r softmax(q_r . K^T * scale)[s] for query rows r in [0, num_rows), row r seeing
@@ -178,20 +295,19 @@ void score_rows(const float* query, int head_dim, const float* keys, int num_key
 template <typename Visible>
 void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float scale, int num_keys, int head_dim,
                          Visible visible, ScoreScratch& scratch, float* col_sums, float* lse = nullptr) {
-  const size_t stride = padded_keys(num_keys);
-  scratch.query.resize(2 * size_t(head_dim));
-  scratch.rows.resize(2 * stride);
+  const size_t stride = padded_stride(num_keys);
+  const int block = std::min(rows_per_block(scratch, num_keys), num_rows);
+  scratch.query.resize(size_t(block) * head_dim);
+  scratch.rows.resize(size_t(block) * stride);
   float* query = scratch.query.data();
   std::fill(col_sums, col_sums + num_keys, 0.0f);
-  // Rows in pairs: the pair shares every key load; the first row's extra keys are discarded.
-  for (int r0 = 0; r0 < num_rows; r0 += 2) {
-    const int pair = std::min(2, num_rows - r0);
-    for (int r = 0; r < pair; ++r)
+  // Rows in blocks: the block shares every key load; the earlier rows' extra keys are discarded.
+  for (int r0 = 0; r0 < num_rows; r0 += block) {
+    const int count = std::min(block, num_rows - r0);
+    for (int r = 0; r < count; ++r)
       for (int d = 0; d < head_dim; ++d) query[r * head_dim + d] = q[size_t(r0 + r) * q_stride + d] * scale;
-    const int len_max = visible(r0 + pair - 1);
-    if (pair == 2) score_rows<2>(query, head_dim, scratch.keys.data(), len_max, scratch.rows.data(), stride);
-    else score_rows<1>(query, head_dim, scratch.keys.data(), len_max, scratch.rows.data(), stride);
-    for (int r = 0; r < pair; ++r) {
+    score_block(query, count, head_dim, scratch, visible(r0 + count - 1), scratch.rows.data(), stride);
+    for (int r = 0; r < count; ++r) {
       float* row = scratch.rows.data() + r * stride;
       const int len = visible(r0 + r);
       const float row_max = max_of(row, len);
@@ -220,8 +336,10 @@ void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
 
 }  // namespace
 
+uint64_t libxsmm_products() { return g_libxsmm_products.load(std::memory_order_relaxed); }
+
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
-                           float scale, float* out, long long pool_blocks) {
+                           float scale, float* out, long long pool_blocks, CpuGemm gemm) {
   KARAKV_RETURN_IF_ERROR(
       common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks));
 
@@ -238,7 +356,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 #pragma omp for schedule(dynamic)
       for (int qh = 0; qh < hq; ++qh) {
         ScoreScratch& scratch = thread_scratch();
-        load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
+        load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, use_gemm(gemm, window), scratch);
         softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, window, scale, window, hd,
                             [window](int) { return window; }, scratch, partial.data() + size_t(qh) * window);
       }
@@ -259,7 +377,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 
 KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                                     const float* q, float scale, const float* lse, bool later_keys_only, float* out,
-                                    long long pool_blocks) {
+                                    long long pool_blocks, CpuGemm gemm) {
   KARAKV_RETURN_IF_ERROR(
       common::validate_window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks));
   const Geometry& geo = kv.geometry;
@@ -274,23 +392,30 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
 #pragma omp for schedule(dynamic)
       for (int qh = 0; qh < hq; ++qh) {
         ScoreScratch& scratch = thread_scratch();
-        load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, scratch);
-        const size_t stride = padded_keys(window);
-        scratch.query.resize(size_t(hd));
-        scratch.rows.resize(stride);
-        float* row = scratch.rows.data();
+        load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, use_gemm(gemm, window), scratch);
+        const size_t stride = padded_stride(window);
+        const int block = std::min(rows_per_block(scratch, window), window);
+        scratch.query.resize(size_t(block) * hd);
+        scratch.rows.resize(size_t(block) * stride);
         float* sums = partial.data() + size_t(qh) * window;
-        for (int t = 0; t < window; ++t) {
-          const float* qt = q + (size_t(t) * hq + qh) * hd;
-          for (int d = 0; d < hd; ++d) scratch.query[d] = qt[d] * scale;
-          score_rows<1>(scratch.query.data(), hd, scratch.keys.data(), window, row, stride);
-          const float norm = lse != nullptr ? lse[size_t(t) * hq + qh] : NAN;
-          const int first = later_keys_only ? t + 1 : 0;
-          if (std::isfinite(norm)) {
-            for (int i = first; i < window; ++i) sums[i] += std::exp(row[i] - norm);
-          } else {
-            const float inv = 1.0f / softmax_numerators(row, window);
-            for (int i = first; i < window; ++i) sums[i] += row[i] * inv;
+        for (int t0 = 0; t0 < window; t0 += block) {
+          const int count = std::min(block, window - t0);
+          for (int r = 0; r < count; ++r) {
+            const float* qt = q + (size_t(t0 + r) * hq + qh) * hd;
+            for (int d = 0; d < hd; ++d) scratch.query[size_t(r) * hd + d] = qt[d] * scale;
+          }
+          score_block(scratch.query.data(), count, hd, scratch, window, scratch.rows.data(), stride);
+          for (int r = 0; r < count; ++r) {
+            const int t = t0 + r;
+            float* row = scratch.rows.data() + r * stride;
+            const float norm = lse != nullptr ? lse[size_t(t) * hq + qh] : NAN;
+            const int first = later_keys_only ? t + 1 : 0;
+            if (std::isfinite(norm)) {
+              for (int i = first; i < window; ++i) sums[i] += std::exp(row[i] - norm);
+            } else {
+              const float inv = 1.0f / softmax_numerators(row, window);
+              for (int i = first; i < window; ++i) sums[i] += row[i] * inv;
+            }
           }
         }
       }
@@ -310,7 +435,7 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
 }
 
 KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
-                           int pool, float* out, long long pool_blocks) {
+                           int pool, float* out, long long pool_blocks, CpuGemm gemm) {
   KARAKV_RETURN_IF_ERROR(common::validate_snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks));
   const int n = kv.seq_len[seq];
 
@@ -327,7 +452,7 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
 #pragma omp for schedule(dynamic)
       for (int qh = 0; qh < hq; ++qh) {
         ScoreScratch& scratch = thread_scratch();
-        load_key_tiles<D>(kv, seq, layer, qh / g, 0, n, scratch);
+        load_key_tiles<D>(kv, seq, layer, qh / g, 0, n, use_gemm(gemm, num_obs), scratch);
         softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, num_obs, scale, n, hd,
                             [prefix](int i) { return prefix + i + 1; }, scratch, partial.data() + size_t(qh) * n);
       }
@@ -469,7 +594,7 @@ KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, 
           const int len = kv.seq_len[s];
           if ((acc == nullptr && seq_lse == nullptr) || len == 0) continue;
           ScoreScratch& scratch = thread_scratch();
-          load_key_tiles<D>(kv, s, layer, h, 0, len, scratch);
+          load_key_tiles<D>(kv, s, layer, h, 0, len, /*columns=*/false, scratch);
           std::vector<float> probs(len);
           for (int j = 0; j < g; ++j) {
             const float* qj = q + (size_t(s) * geo.num_q_heads + h * g + j) * hd;

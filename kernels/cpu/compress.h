@@ -1,12 +1,15 @@
 // The CPU compression kernels of docs/COMPRESSION.md: Kara's window scores and Token2Chunk
 // selection, SnapKV scores, top-k and the gather that compacts kept tokens into fresh blocks.
-// Each function has exactly the signature of the Backend method of the same name (see backend.h
-// for the full contract), validates its arguments before touching memory, and runs on the OpenMP
-// threads of the calling context.
+// Each function has the signature of the Backend method of the same name (see backend.h for the
+// full contract) plus the pool's size for its checks and, for the scorers, which matrix products
+// to use (karakv/kernels/cpu_isa.h: CpuGemm; both are checked against float64 in the tests),
+// validates its arguments before touching memory, and runs on the OpenMP threads of the calling
+// context.
 #pragma once
 
 #include <cstdint>
 
+#include "karakv/kernels/cpu_isa.h"
 #include "karakv/kernels/types.h"
 
 namespace karakv::kernels::cpu {
@@ -17,7 +20,8 @@ namespace karakv::kernels::cpu {
 //   q:   [window][num_q_heads][head_dim] fp32
 //   out: [num_kv_heads][window] fp32
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
-                           const float* q, float scale, float* out, long long pool_blocks = -1);
+                           const float* q, float scale, float* out, long long pool_blocks = -1,
+                           CpuGemm gemm = best_cpu_gemm());
 
 // window_scores with Kara version 2's options (backend.h: window_scores_observed): row t uses
 // exp(logit - lse[t][j]) where lse[t][j] is finite, else the window softmax; later_keys_only
@@ -25,7 +29,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
 //   lse: null or [window][num_q_heads] fp32
 KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                                     const float* q, float scale, const float* lse, bool later_keys_only, float* out,
-                                    long long pool_blocks = -1);
+                                    long long pool_blocks = -1, CpuGemm gemm = best_cpu_gemm());
 
 // SnapKV scores over all n = seq_len[seq] slots: the mean attention of the last num_obs slots'
 // queries (causal inside the observation window) over them and the group's query heads, then an
@@ -34,7 +38,12 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
 //   q:   [num_obs][num_q_heads][head_dim] fp32
 //   out: [num_kv_heads][n] fp32
 KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q,
-                           float scale, int pool, float* out, long long pool_blocks = -1);
+                           float scale, int pool, float* out, long long pool_blocks = -1,
+                           CpuGemm gemm = best_cpu_gemm());
+
+// How many libxsmm kernel calls the scorers have made in this process (the tests check that
+// CpuGemm::kLibxsmm takes that path rather than falling back to the tile).
+uint64_t libxsmm_products();
 
 // Indices of the k largest scores (ties: lower index first), written ascending. Scores must not
 // be NaN (there is no order to break them by); -0.0 and +0.0 tie.

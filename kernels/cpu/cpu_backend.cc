@@ -50,8 +50,8 @@ cpu::AttentionScratch& thread_scratch() {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int num_threads, CpuIsa isa)
-      : num_threads_(num_threads > 0 ? num_threads : usable_cpus().count), isa_(isa) {}
+  CpuBackend(int num_threads, CpuIsa isa, CpuGemm gemm)
+      : num_threads_(num_threads > 0 ? num_threads : usable_cpus().count), isa_(isa), gemm_(gemm) {}
 
   ~CpuBackend() override {
     allocations_.release_all([](void* p) { std::free(p); });
@@ -59,7 +59,8 @@ class CpuBackend final : public Backend {
 
   std::string_view name() const override { return "cpu"; }
   std::string description() const override {
-    return "cpu (" + std::to_string(num_threads_) + " threads, " + std::string(cpu_isa_name(isa_)) + " attention)";
+    return "cpu (" + std::to_string(num_threads_) + " threads, " + std::string(cpu_isa_name(isa_)) + " attention, " +
+           std::string(cpu_gemm_name(gemm_)) + " scorer)";
   }
 
   // The calling thread needs nothing of its own: parallel regions run on the team thread, whose
@@ -225,19 +226,21 @@ class CpuBackend final : public Backend {
   KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                              float scale, float* out) override {
     return team_.run(
-        [&] { return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv)); });
+        [&] { return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv), gemm_); });
   }
   KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                                       const float* q, float scale, const float* lse, bool later_keys_only,
                                       float* out) override {
     return team_.run([&] {
       return cpu::window_scores_observed(kv, seq, layer, slot_begin, window, q, scale, lse, later_keys_only, out,
-                                         pool_blocks(kv));
+                                         pool_blocks(kv), gemm_);
     });
   }
   KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                              int pool, float* out) override {
-    return team_.run([&] { return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv)); });
+    return team_.run([&] {
+      return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv), gemm_);
+    });
   }
   KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override { return cpu::top_k(scores, n, k, out); }
   KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
@@ -316,28 +319,44 @@ class CpuBackend final : public Backend {
 
   const int num_threads_;
   const CpuIsa isa_;
+  const CpuGemm gemm_;
   cpu::TeamThread team_{num_threads_};
   common::Allocations allocations_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
-  CpuIsa isa;
-  if (KernelStatus st = cpu_isa_from_env(&isa); !st.is_ok()) {
+// A forced choice that is invalid or cannot run here is reported once on stderr, and auto is used.
+template <typename T>
+T from_env_or_best(KernelStatus (*from_env)(T*), T best) {
+  T value;
+  if (KernelStatus st = from_env(&value); !st.is_ok()) {
     static std::once_flag warned;
     std::call_once(warned, [&] { std::fprintf(stderr, "karakv: %s; using auto\n", st.message.c_str()); });
-    isa = best_cpu_isa();
+    return best;
   }
-  return std::make_unique<CpuBackend>(num_threads, isa);
+  return value;
+}
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
+  return std::make_unique<CpuBackend>(num_threads, from_env_or_best(cpu_isa_from_env, best_cpu_isa()),
+                                      from_env_or_best(cpu_gemm_from_env, best_cpu_gemm()));
 }
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, std::string* error) {
-  if (std::string missing = cpu_isa_missing(isa); !missing.empty()) {
-    if (error != nullptr) *error = "CPU ISA " + std::string(cpu_isa_name(isa)) + " cannot run here: " + missing;
+  return make_cpu_backend(num_threads, isa, best_cpu_gemm(), error);
+}
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, CpuGemm gemm, std::string* error) {
+  std::string missing = cpu_isa_missing(isa);
+  if (!missing.empty()) missing = "CPU ISA " + std::string(cpu_isa_name(isa)) + " cannot run here: " + missing;
+  else if (std::string why = cpu_gemm_missing(gemm); !why.empty())
+    missing = "CPU GEMM " + std::string(cpu_gemm_name(gemm)) + " cannot run here: " + why;
+  if (!missing.empty()) {
+    if (error != nullptr) *error = missing;
     return nullptr;
   }
-  return std::make_unique<CpuBackend>(num_threads, isa);
+  return std::make_unique<CpuBackend>(num_threads, isa, gemm);
 }
 
 }  // namespace karakv::kernels

@@ -125,13 +125,29 @@ std::vector<float> random_scores(int n, bool ties, std::mt19937& rng) {
 
 // ---- window_scores and snapkv_scores -------------------------------------------------------------
 
-class CompressScoresTest : public ::testing::TestWithParam<std::tuple<DType, int>> {
+// Each scorer with each of its products (CpuGemm), both against float64.
+class CompressScoresTest : public ::testing::TestWithParam<std::tuple<DType, int, CpuGemm>> {
  protected:
+  void SetUp() override {
+    if (std::string missing = cpu_gemm_missing(gemm_); !missing.empty())
+      GTEST_SKIP() << cpu_gemm_name(gemm_) << " products not run: " << missing;
+    products_before_ = cpu::libxsmm_products();
+  }
+  // libxsmm ran where it was asked for and only there (a silent fallback to the tile would pass
+  // every comparison above).
+  void TearDown() override {
+    if (IsSkipped() || !expect_libxsmm_) return;
+    if (gemm_ == CpuGemm::kLibxsmm) EXPECT_GT(cpu::libxsmm_products(), products_before_) << "libxsmm never ran";
+    else EXPECT_EQ(cpu::libxsmm_products(), products_before_) << "libxsmm ran for the tile";
+  }
   std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
+  const CpuGemm gemm_ = std::get<2>(GetParam());
+  uint64_t products_before_ = 0;
+  bool expect_libxsmm_ = true;  // false where the test scores too few queries for a product
 };
 
 TEST_P(CompressScoresTest, WindowScoresMatchFloat64) {
-  const auto [dtype, group] = GetParam();
+  const auto [dtype, group, gemm] = GetParam();
   for (int seed = 0; seed < kSeeds; ++seed) {
     std::mt19937 rng(1000 + seed);
     std::uniform_int_distribution<int> pick(0, 1 << 30);
@@ -139,7 +155,8 @@ TEST_P(CompressScoresTest, WindowScoresMatchFloat64) {
     const int block_size = seed % 2 == 0 ? 16 : 5;
     const int kv_heads = 1 + pick(rng) % 3;
     const Geometry g = compress_geometry(dtype, group, head_dim, block_size, 2, kv_heads);
-    const int window = seed % 7 == 0 ? 128 : 1 + pick(rng) % 60;
+    // 128 and 129-200: whole and partial blocks of libxsmm's 64 queries and 128 keys.
+    const int window = seed % 7 == 0 ? 128 : seed % 7 == 1 ? 129 + pick(rng) % 72 : 1 + pick(rng) % 60;
     const int len = window + 1 + pick(rng) % 40;
     const int slot_begin = 1 + pick(rng) % (len - window);  // never 0, may end at seq_len
     const int layer = pick(rng) % g.num_layers;
@@ -150,7 +167,8 @@ TEST_P(CompressScoresTest, WindowScoresMatchFloat64) {
     write_sequence(*backend_, cache, 1, dense);
     const std::vector<float> q = random_values(size_t(window) * g.q_token_elems(), -1.0f, 1.0f, rng);
     std::vector<float> out(size_t(kv_heads) * window, -1.0f);
-    const KernelStatus st = cpu::window_scores(cache.view(), 1, layer, slot_begin, window, q.data(), scale, out.data());
+    const KernelStatus st = cpu::window_scores(cache.view(), 1, layer, slot_begin, window, q.data(), scale, out.data(),
+                                               -1, gemm_);
     ASSERT_TRUE(st.is_ok()) << st.message;
     expect_scores_near(out, naive_window_scores(g, dense, layer, slot_begin, window, q, scale),
                        "seed " + std::to_string(seed) + " window " + std::to_string(window) + " begin " +
@@ -168,14 +186,14 @@ TEST_P(CompressScoresTest, WindowScoresMatchFloat64) {
 // normalises a query's row by it (norm = full), NaN falls back to the window softmax, and
 // later_keys_only counts keys after the query only (observers = both).
 TEST_P(CompressScoresTest, ObservedWindowScoresMatchFloat64) {
-  const auto [dtype, group] = GetParam();
+  const auto [dtype, group, gemm] = GetParam();
   for (int seed = 0; seed < 20; ++seed) {
     std::mt19937 rng(2000 + seed);
     std::uniform_int_distribution<int> pick(0, 1 << 30);
     const int head_dim = seed % 4 == 0 ? 64 : 8 + pick(rng) % 33;
     const int kv_heads = 1 + pick(rng) % 3;
     const Geometry g = compress_geometry(dtype, group, head_dim, seed % 2 == 0 ? 16 : 5, 2, kv_heads);
-    const int window = 1 + pick(rng) % 48;
+    const int window = seed % 5 == 1 ? 100 + pick(rng) % 100 : 1 + pick(rng) % 48;
     const int len = window + 1 + pick(rng) % 40;
     const int slot_begin = 1 + pick(rng) % (len - window);
     const int layer = pick(rng) % g.num_layers;
@@ -214,7 +232,8 @@ TEST_P(CompressScoresTest, ObservedWindowScoresMatchFloat64) {
           }
       std::vector<float> out(size_t(kv_heads) * window, -1.0f);
       const KernelStatus st = cpu::window_scores_observed(cache.view(), 0, layer, slot_begin, window, q.data(), scale,
-                                                          with_lse ? lse.data() : nullptr, later, out.data());
+                                                          with_lse ? lse.data() : nullptr, later, out.data(), -1,
+                                                          gemm_);
       ASSERT_TRUE(st.is_ok()) << st.message;
       // Rows normalised by a decode-time lse are exp(logit - lse) in fp32 against double: the same
       // relative tolerance, a little looser absolute floor for the fp32 rounding of lse itself.
@@ -227,7 +246,13 @@ TEST_P(CompressScoresTest, ObservedWindowScoresMatchFloat64) {
 
 // The log-sum-exp decode_attention_observe records (cpu::accumulate_attention with lse) against
 // float64, with and without accumulation beside it.
-TEST_P(CompressScoresTest, DecodeLogSumExpMatchesFloat64) {
+// (One decode query always uses the tile: no product parameter.)
+class CompressDecodeTest : public ::testing::TestWithParam<std::tuple<DType, int>> {
+ protected:
+  std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
+};
+
+TEST_P(CompressDecodeTest, DecodeLogSumExpMatchesFloat64) {
   const auto [dtype, group] = GetParam();
   for (int seed = 0; seed < 10; ++seed) {
     std::mt19937 rng(3000 + seed);
@@ -264,7 +289,7 @@ TEST_P(CompressScoresTest, DecodeLogSumExpMatchesFloat64) {
 }
 
 TEST_P(CompressScoresTest, SnapKVScoresMatchFloat64) {
-  const auto [dtype, group] = GetParam();
+  const auto [dtype, group, gemm] = GetParam();
   for (int seed = 0; seed < kSeeds; ++seed) {
     std::mt19937 rng(2000 + seed);
     std::uniform_int_distribution<int> pick(0, 1 << 30);
@@ -272,9 +297,10 @@ TEST_P(CompressScoresTest, SnapKVScoresMatchFloat64) {
     const int block_size = seed % 2 == 0 ? 16 : 7;
     const int kv_heads = 1 + pick(rng) % 3;
     const Geometry g = compress_geometry(dtype, group, head_dim, block_size, 3, kv_heads);
-    const int n = 1 + pick(rng) % 120;
+    // Some past libxsmm's 128-key and 64-query blocks.
+    const int n = seed % 10 == 2 ? 200 + pick(rng) % 150 : 1 + pick(rng) % 120;
     // num_obs == n (no prefix) and num_obs == 1 happen; otherwise anywhere in between.
-    const int num_obs = seed % 10 == 0 ? n : seed % 10 == 1 ? 1 : 1 + pick(rng) % std::min(n, 40);
+    const int num_obs = seed % 10 == 0 ? n : seed % 10 == 1 ? 1 : 1 + pick(rng) % std::min(n, seed % 10 == 2 ? 90 : 40);
     const int pool = std::vector<int>{1, 3, 5}[seed % 3];
     const int layer = pick(rng) % g.num_layers;
     const float scale = float(1.0 / std::sqrt(double(head_dim))) * (seed % 4 == 0 ? 5.0f : 1.0f);
@@ -283,7 +309,8 @@ TEST_P(CompressScoresTest, SnapKVScoresMatchFloat64) {
     write_sequence(*backend_, cache, 0, dense);
     const std::vector<float> q = random_values(size_t(num_obs) * g.q_token_elems(), -1.0f, 1.0f, rng);
     std::vector<float> out(size_t(kv_heads) * n, -1.0f);
-    const KernelStatus st = cpu::snapkv_scores(cache.view(), 0, layer, num_obs, q.data(), scale, pool, out.data());
+    const KernelStatus st = cpu::snapkv_scores(cache.view(), 0, layer, num_obs, q.data(), scale, pool, out.data(),
+                                               -1, gemm_);
     ASSERT_TRUE(st.is_ok()) << st.message;
     expect_scores_near(out, naive_snapkv_scores(g, dense, layer, num_obs, q, scale, pool),
                        "seed " + std::to_string(seed) + " n " + std::to_string(n) + " num_obs " +
@@ -291,12 +318,22 @@ TEST_P(CompressScoresTest, SnapKVScoresMatchFloat64) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DtypesAndGroups, CompressScoresTest,
+INSTANTIATE_TEST_SUITE_P(DtypesAndGroups, CompressDecodeTest,
                          ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                                             ::testing::Values(1, 2, 3)),
                          [](const auto& info) {
                            return std::string(name_of(std::get<0>(info.param))) + "_g" +
                                   std::to_string(std::get<1>(info.param));
+                         });
+
+INSTANTIATE_TEST_SUITE_P(DtypesGroupsAndProducts, CompressScoresTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                                            ::testing::Values(1, 2, 3),
+                                            ::testing::Values(CpuGemm::kTile, CpuGemm::kLibxsmm)),
+                         [](const auto& info) {
+                           return std::string(name_of(std::get<0>(info.param))) + "_g" +
+                                  std::to_string(std::get<1>(info.param)) + "_" +
+                                  std::string(cpu_gemm_name(std::get<2>(info.param)));
                          });
 
 // Pool 1 and a window of the whole sequence have closed forms that do not need the float64 loop.

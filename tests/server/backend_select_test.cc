@@ -52,6 +52,32 @@ TEST(BackendSelectTest, CpuIsaFromTheEnvironment) {
   else unsetenv(kernels::kCpuIsaEnv);
 }
 
+// KARAKV_CPU_GEMM picks the scorers' products the same way.
+TEST(BackendSelectTest, CpuGemmFromTheEnvironment) {
+  const char* saved = getenv(kernels::kCpuGemmEnv);
+  const std::string saved_value = saved != nullptr ? saved : "";
+  setenv(kernels::kCpuGemmEnv, "tile", 1);
+  auto b = select_backend("cpu", 0, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_THAT(b->backend->description(), HasSubstr("tile scorer"));
+
+  setenv(kernels::kCpuGemmEnv, "cublas", 1);
+  b = select_backend("cpu", 0, 1);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(b.status().message(), HasSubstr("KARAKV_CPU_GEMM"));
+  EXPECT_THAT(b.status().message(), HasSubstr("'cublas'"));
+  EXPECT_THAT(b.status().message(), HasSubstr("expected auto, tile or libxsmm"));
+
+  if (const std::string missing = kernels::cpu_gemm_missing(kernels::CpuGemm::kLibxsmm); !missing.empty()) {
+    setenv(kernels::kCpuGemmEnv, "libxsmm", 1);
+    b = select_backend("cpu", 0, 1);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(b.status().message(), HasSubstr(missing));
+  }
+  if (saved != nullptr) setenv(kernels::kCpuGemmEnv, saved_value.c_str(), 1);
+  else unsetenv(kernels::kCpuGemmEnv);
+}
+
 TEST(BackendSelectTest, AutoFallsBackToCpuAndSaysWhyOrRunsOnTheGpu) {
   std::string why;
   const bool gpu = gpu_here(&why);

@@ -271,13 +271,16 @@ class Backend {
 // uses the CPUs this process may use (usable_cpus() in karakv/kernels/cpus.h: the affinity mask
 // capped by the cgroup CPU quota). Whichever threads call it, its kernels run on one OpenMP team
 // of num_threads threads (kernels/cpu/team_thread.h); with one thread, on the caller.
-// Attention runs with $KARAKV_CPU_ISA (auto, avx2, avx512; karakv/kernels/cpu_isa.h), unset meaning
-// the best this CPU has; a value that is invalid or cannot run here is reported on stderr and the
-// best is used (karakvd refuses to start instead).
+// Attention runs with $KARAKV_CPU_ISA (auto, avx2, avx512; karakv/kernels/cpu_isa.h) and the
+// scorers' products with $KARAKV_CPU_GEMM (auto, tile, libxsmm), unset meaning the best this CPU and
+// build have; a value that is invalid or cannot run here is reported on stderr and the best is used
+// (karakvd refuses to start instead).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
-// The same with the attention's ISA given; null, with the reason in *error when error is non-null,
-// when this build or CPU cannot run it (cpu_isa_missing).
+// The same with the attention's ISA (and the scorers' products: best_cpu_gemm() when not given);
+// null, with the reason in *error when error is non-null, when this build or CPU cannot run them
+// (cpu_isa_missing, cpu_gemm_missing).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, std::string* error);
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, CpuGemm gemm, std::string* error);
 
 // The CUDA backend on GPU `device` (kernels/cuda). Returns null, with the reason in *error when
 // error is non-null, when this build has no CUDA backend, no driver or device works, or `device`
