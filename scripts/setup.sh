@@ -10,8 +10,8 @@ packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libabsl-dev libspdlog-dev prometheus-cpp-dev
           libgtest-dev libgmock-dev libbenchmark-dev redis-server
-          # the CPU scorers' matrix products (static archives: nothing needed at run time; the
-          # build falls back to its own tile code without it, kernels/CMakeLists.txt)
+          # the CPU scorers' matrix products: static archives, nothing needed at run time; the
+          # build falls back to its own tile code without it, see kernels/CMakeLists.txt
           libxsmm-dev
           # tests/ops: promtool and a real Prometheus server check the metrics, the alert rules and
           # every query of the Grafana dashboard; python3 runs those script tests

@@ -7,8 +7,10 @@
 // head_dim-major layout the widening already produces; the widening itself is not timed here).
 //
 //   project    Backend::window_scores (N == M) or snapkv_scores (M obs queries, N keys) on an
-//              fp32 PagedKV: the real entry point, so widening, softmax and column sums are in it
-//   tile       a copy of compress.cc's score_rows<2> (AVX2 register tile): the product alone
+//              fp32 PagedKV: the real entry point, so widening, softmax and column sums are in it,
+//              once with each of its products (CpuGemm: the tile, the base of every ratio, and
+//              libxsmm where the build has it)
+//   tile       compress.cc's register tile (cpu::tile_product, two rows at a time): the product alone
 //   naive      i-k-j triple loop
 //   openblas, blis   cblas_sgemm, each dlopen'ed on its own (both export the cblas symbols)
 //   eigen      Map<row-major> products
@@ -19,7 +21,6 @@
 // single-threaded: how the scorers split work today); 2T-lib (serial over heads, the library's own
 // 2 threads). Each product is checked against a float64 loop (max abs error).
 #include <dlfcn.h>
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -33,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/compress.h"
 #include "karakv/kernels/backend.h"
 
 #if KARAKV_HAVE_EIGEN
@@ -104,40 +106,6 @@ double max_err(const Data& d) {
     if (!(x <= e)) e = std::isnan(x) ? INFINITY : x;  // an unwritten (NaN) element counts as infinite
   }
   return e;
-}
-
-// compress.cc's score_rows<R> (AVX2 path), copied: rows[r][s] for R query rows.
-template <int R>
-void score_rows(const float* query, int head_dim, const float* keys, int num_keys, float* rows, size_t row_stride) {
-  const int tiles = num_keys / 8;
-  const size_t tile_elems = size_t(head_dim) * 8;
-  int t = 0;
-  for (; t + 4 <= tiles; t += 4) {
-    const float* k = keys + size_t(t) * tile_elems;
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int d = 0; d < head_dim; ++d) {
-      __m256 kd[4];
-      for (int c = 0; c < 4; ++c) kd[c] = _mm256_loadu_ps(k + c * tile_elems + d * 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 qd = _mm256_broadcast_ss(query + r * head_dim + d);
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(kd[c], qd, acc[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(rows + r * row_stride + (t + c) * 8, acc[r][c]);
-  }
-  for (; t < tiles; ++t) {
-    const float* k = keys + size_t(t) * tile_elems;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int d = 0; d < head_dim; ++d) {
-      const __m256 kd = _mm256_loadu_ps(k + d * 8);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(kd, _mm256_broadcast_ss(query + r * head_dim + d), acc[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(rows + r * row_stride + t * 8, acc[r]);
-  }
 }
 
 // One product per query head: f(data, qh). `threads` 2 runs the heads on an OpenMP team.
@@ -214,16 +182,13 @@ int main() {
   };
   std::vector<Candidate> cands;
   cands.push_back({"tile", [](Data& d, int h) {
+                     // The scorers copy each query row (pre-scaled) before their product too.
                      const int g = d.s.hq / d.s.hkv;
-                     float q2[2 * 128];  // head_dim <= 128
-                     for (int m = 0; m < d.s.M; m += 2) {
-                       const int pair = std::min(2, d.s.M - m);
-                       for (int r = 0; r < pair; ++r)
-                         std::memcpy(q2 + r * d.s.hd, d.qh(h) + (m + r) * d.lda(), d.s.hd * 4);
-                       float* c = d.ch(h) + size_t(m) * d.s.N;
-                       if (pair == 2) score_rows<2>(q2, d.s.hd, d.tiles[h / g].data(), d.s.N, c, d.s.N);
-                       else score_rows<1>(q2, d.s.hd, d.tiles[h / g].data(), d.s.N, c, d.s.N);
-                     }
+                     static thread_local std::vector<float> q;
+                     q.resize(size_t(d.s.M) * d.s.hd);
+                     for (int m = 0; m < d.s.M; ++m)
+                       std::memcpy(q.data() + size_t(m) * d.s.hd, d.qh(h) + m * d.lda(), d.s.hd * sizeof(float));
+                     cpu::tile_product(q.data(), d.s.M, d.s.hd, d.tiles[h / g].data(), d.s.N, d.ch(h), d.s.N);
                    }, nullptr});
   cands.push_back({"naive", [](Data& d, int h) {
                      const int g = d.s.hq / d.s.hkv;
@@ -289,7 +254,15 @@ int main() {
                    }, [](int n) { omp_set_num_threads(n); }});
 #endif
 
-  std::unique_ptr<Backend> be1 = make_cpu_backend(1), be2 = make_cpu_backend(2);
+  // The project's scorers with each of their products: the tile (the base of every ratio) and, where
+  // the build has it, libxsmm (what they use by default then).
+  std::string why;
+  const CpuIsa isa = best_cpu_isa();
+  std::unique_ptr<Backend> tile1 = make_cpu_backend(1, isa, CpuGemm::kTile, &why),
+                           tile2 = make_cpu_backend(2, isa, CpuGemm::kTile, &why);
+  std::unique_ptr<Backend> xsmm1 = make_cpu_backend(1, isa, CpuGemm::kLibxsmm, &why),
+                           xsmm2 = make_cpu_backend(2, isa, CpuGemm::kLibxsmm, &why);
+  if (xsmm1 == nullptr) std::printf("# project (libxsmm) not run: %s\n", why.c_str());
   std::mt19937 rng(7);
   std::printf("| shape | GFLOP/layer | method | 1T GFLOP/s | x project | 2T GFLOP/s | x project | 2T-lib GFLOP/s "
               "| max abs err |\n");
@@ -320,10 +293,17 @@ int main() {
       }
     };
     const double gf = s.flops() * 1e-9;
-    const double p1 = gf / best_seconds([&] { project(*be1); });
-    const double p2 = gf / best_seconds([&] { project(*be2); });
-    std::printf("| %s | %.4f | project (%s) | %.1f | 1.00 | %.1f | 1.00 | - | (tests) |\n", s.name, gf,
-                s.M == s.N ? "window_scores" : "snapkv_scores", p1, p2);
+    const char* entry = s.M == s.N ? "window_scores" : "snapkv_scores";
+    const double p1 = gf / best_seconds([&] { project(*tile1); });
+    const double p2 = gf / best_seconds([&] { project(*tile2); });
+    std::printf("| %s | %.4f | project, tile (%s) | %.1f | 1.00 | %.1f | 1.00 | - | (tests) |\n", s.name, gf, entry,
+                p1, p2);
+    if (xsmm1 != nullptr) {
+      const double x1 = gf / best_seconds([&] { project(*xsmm1); });
+      const double x2 = gf / best_seconds([&] { project(*xsmm2); });
+      std::printf("| | | project, libxsmm (%s) | %.1f | %.2f | %.1f | %.2f | - | (tests) |\n", entry, x1, x1 / p1, x2,
+                  x2 / p2);
+    }
     for (Candidate& c : cands) {
       if (c.set_threads) c.set_threads(1);
       omp_set_num_threads(1);

@@ -242,8 +242,22 @@ bool gemm_rows(const float* query, int num_rows, int head_dim, const float* keys
   const int n = padded_keys(num_keys);
   const libxsmm_blasint lda = libxsmm_blasint(layout.dim_stride), ldb = head_dim, ldc = libxsmm_blasint(row_stride);
   const float alpha = 1.0f, beta = 0.0f;  // beta must be given: libxsmm's default is 1 (C += A B)
+  // The last few kernels this thread used, so that steady work skips libxsmm's registry (a hash
+  // and a lock per lookup, measurable next to a 128 x 64 x 64 product when both threads dispatch).
+  struct Cached {
+    int m = -1, n = -1, k = -1;
+    libxsmm_blasint lda = 0, ldc = 0;
+    libxsmm_smmfunction f = nullptr;
+  };
+  static thread_local Cached cache[8];
+  static thread_local unsigned next = 0;
   auto kernel = [&](int m) {
-    return libxsmm_smmdispatch(m, num_rows, head_dim, &lda, &ldb, &ldc, &alpha, &beta, nullptr, nullptr);
+    for (const Cached& c : cache)
+      if (c.m == m && c.n == num_rows && c.k == head_dim && c.lda == lda && c.ldc == ldc) return c.f;
+    const libxsmm_smmfunction f =
+        libxsmm_smmdispatch(m, num_rows, head_dim, &lda, &ldb, &ldc, &alpha, &beta, nullptr, nullptr);
+    if (f != nullptr) cache[next++ % 8] = Cached{m, num_rows, head_dim, lda, ldc, f};
+    return f;
   };
   const int full = n / kGemmKeys, rest = n % kGemmKeys;
   const libxsmm_smmfunction block = full > 0 ? kernel(kGemmKeys) : nullptr;
@@ -256,26 +270,20 @@ bool gemm_rows(const float* query, int num_rows, int head_dim, const float* keys
 }
 #endif
 
-// rows[r][s] = query[r] . key[s] for r in [0, num_rows), s in [0, padded_keys(num_keys)), keys in
-// scratch.keys: libxsmm where they are in columns, else the tile two rows at a time.
-//   query: [num_rows][head_dim] fp32; rows: [num_rows][row_stride]
-void score_block(const float* query, int num_rows, int head_dim, const ScoreScratch& scratch, int num_keys,
+// rows[r][s] = query[r] . key[s] for r in [0, num_rows), s in [0, padded_keys(num_keys)): libxsmm
+// where the keys are in columns, else the tile two rows at a time.
+//   query: [num_rows][head_dim] fp32; keys: in `layout`; rows: [num_rows][row_stride]
+void score_block(const float* query, int num_rows, int head_dim, const float* keys, KeyLayout layout, int num_keys,
                  float* rows, size_t row_stride) {
-  const float* keys = scratch.keys.data();
 #if KARAKV_HAVE_LIBXSMM
-  if (scratch.layout.columns &&
-      gemm_rows(query, num_rows, head_dim, keys, scratch.layout, num_keys, rows, row_stride)) {
-    return;
-  }
+  if (layout.columns && gemm_rows(query, num_rows, head_dim, keys, layout, num_keys, rows, row_stride)) return;
 #endif
   int r = 0;
   for (; r + 2 <= num_rows; r += 2) {
-    score_rows<2>(query + size_t(r) * head_dim, head_dim, keys, scratch.layout, num_keys, rows + r * row_stride,
-                  row_stride);
+    score_rows<2>(query + size_t(r) * head_dim, head_dim, keys, layout, num_keys, rows + r * row_stride, row_stride);
   }
   if (r < num_rows) {
-    score_rows<1>(query + size_t(r) * head_dim, head_dim, keys, scratch.layout, num_keys, rows + r * row_stride,
-                  row_stride);
+    score_rows<1>(query + size_t(r) * head_dim, head_dim, keys, layout, num_keys, rows + r * row_stride, row_stride);
   }
 }
 
@@ -306,7 +314,8 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
     const int count = std::min(block, num_rows - r0);
     for (int r = 0; r < count; ++r)
       for (int d = 0; d < head_dim; ++d) query[r * head_dim + d] = q[size_t(r0 + r) * q_stride + d] * scale;
-    score_block(query, count, head_dim, scratch, visible(r0 + count - 1), scratch.rows.data(), stride);
+    score_block(query, count, head_dim, scratch.keys.data(), scratch.layout, visible(r0 + count - 1),
+                scratch.rows.data(), stride);
     for (int r = 0; r < count; ++r) {
       float* row = scratch.rows.data() + r * stride;
       const int len = visible(r0 + r);
@@ -337,6 +346,12 @@ void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
 }  // namespace
 
 uint64_t libxsmm_products() { return g_libxsmm_products.load(std::memory_order_relaxed); }
+
+void tile_product(const float* query, int num_rows, int head_dim, const float* key_tiles, int num_keys, float* rows,
+                  size_t row_stride) {
+  score_block(query, num_rows, head_dim, key_tiles, KeyLayout{size_t(head_dim) * kKeyTile, kKeyTile, false},
+              num_keys, rows, row_stride);
+}
 
 KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                            float scale, float* out, long long pool_blocks, CpuGemm gemm) {
@@ -404,7 +419,8 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
             const float* qt = q + (size_t(t0 + r) * hq + qh) * hd;
             for (int d = 0; d < hd; ++d) scratch.query[size_t(r) * hd + d] = qt[d] * scale;
           }
-          score_block(scratch.query.data(), count, hd, scratch, window, scratch.rows.data(), stride);
+          score_block(scratch.query.data(), count, hd, scratch.keys.data(), scratch.layout, window,
+                      scratch.rows.data(), stride);
           for (int r = 0; r < count; ++r) {
             const int t = t0 + r;
             float* row = scratch.rows.data() + r * stride;

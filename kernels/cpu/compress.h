@@ -7,6 +7,7 @@
 // context.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "karakv/kernels/cpu_isa.h"
@@ -44,6 +45,13 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
 // How many libxsmm kernel calls the scorers have made in this process (the tests check that
 // CpuGemm::kLibxsmm takes that path rather than falling back to the tile).
 uint64_t libxsmm_products();
+
+// The tile product alone (for the benchmarks that compare it with the libraries):
+// rows[r][s] = query[r] . key[s] for r < num_rows and s < num_keys rounded up to 8, keys as the
+// scorers keep them for the tile, [ceil(num_keys / 8)][head_dim][8] fp32 with zero padding.
+//   query: [num_rows][head_dim] fp32; rows: [num_rows][row_stride]
+void tile_product(const float* query, int num_rows, int head_dim, const float* key_tiles, int num_keys, float* rows,
+                  size_t row_stride);
 
 // Indices of the k largest scores (ties: lower index first), written ascending. Scores must not
 // be NaN (there is no order to break them by); -0.0 and +0.0 tie.
