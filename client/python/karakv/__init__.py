@@ -10,8 +10,8 @@ karakv.aio.Client (also karakv.AsyncClient) is the same client on asyncio (grpc.
 Errors are KaraKVError subclasses named after the gRPC status code (NotFound, InvalidArgument,
 ResourceExhausted, ...), carrying the daemon's message; their text starts with the code's name.
 """
-from .client import (DEFAULT_TARGET, TARGET_ENV, Client, Compaction, CreatedSequence, Event, EventStream,
-                     Geometry, Inspection, default_target, health)
+from .client import (DEFAULT_TARGET, TARGET_ENV, AppendEntry, Client, Compaction, CreatedSequence, Event,
+                     EventStream, Geometry, Inspection, default_target, health)
 from .errors import (Aborted, AlreadyExists, Cancelled, DaemonRestarted, DataLoss, DeadlineExceeded,
                      FailedPrecondition, Internal, InvalidArgument, KaraKVError, NotFound,
                      OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
@@ -22,7 +22,7 @@ from .aio import Client as AsyncClient
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "AsyncClient", "aio", "Compaction", "CreatedSequence", "Event", "EventStream", "Geometry",
+    "Client", "AsyncClient", "aio", "AppendEntry", "Compaction", "CreatedSequence", "Event", "EventStream", "Geometry",
     "Inspection", "health", "default_target", "DEFAULT_TARGET", "TARGET_ENV", "KaraKVError", "Aborted",
     "AlreadyExists", "Cancelled", "DaemonRestarted", "DataLoss", "DeadlineExceeded", "FailedPrecondition",
     "Internal", "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted",

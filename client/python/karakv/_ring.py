@@ -96,6 +96,12 @@ class Completion(NamedTuple):
     message: str
     decode_step: int
     compactions: int
+    raw: bytes = b""  # OK: the message's first 4 x compactions bytes (an Append's per-entry lengths)
+
+
+def append_lengths(done: Completion) -> list:
+    """Each entry's sequence length from an OK Append completion (ring.h: append_length)."""
+    return list(struct.unpack(f"<{done.compactions}I", done.raw[:4 * done.compactions]))
 
 
 class Command(NamedTuple):
@@ -297,8 +303,13 @@ class Ring:
                 if done.tag != tag:
                     continue  # a stale completion of an abandoned command
                 n = min(done.message_bytes, len(done.message))
+                # An OK Append leaves each entry's length in the message (message_bytes stays 0).
+                raw = b""
+                if done.code == 0:  # (a c_char array's slice would stop at the first zero byte)
+                    raw = ctypes.string_at(ctypes.addressof(done) + _Completion.message.offset,
+                                           min(4 * done.compactions, COMPLETION_BYTES - 32))
                 return Completion(done.code, bytes(done.message[:n]).decode("utf-8", "replace"),
-                                  done.decode_step, done.compactions)
+                                  done.decode_step, done.compactions, raw)
             if h.state != STATE_OPEN:
                 raise self._closed()
             now = time.monotonic()
@@ -325,8 +336,8 @@ class Ring:
 
 
 def command(method: str, request) -> Optional[Command]:
-    """The ring command for a Step, Attend, Append (without token ids) or ReadKV request whose every
-    tensor is in staging, else None."""
+    """The ring command for a Step, Attend, Append or AppendBatch (up to MAX_APPENDS entries, none with
+    token ids) or ReadKV request whose every tensor is in staging, else None."""
     def rng(ref):
         return (ref.staging.offset, ref.staging.length)
 
@@ -350,6 +361,18 @@ def command(method: str, request) -> Optional[Command]:
         entry = (request.sequence_id, request.num_tokens, request.num_query_tokens, rng(request.k), rng(request.v),
                  rng(request.q) if has_q else (0, 0), (0, 0))
         return Command(OP_APPEND, 0, 0.0, 1, 0, (0, 0), (0, 0), (0, 0), (0, 0), (), (entry,))
+    if method == "AppendBatch":
+        entries = []
+        for e in request.entries:
+            has_q = e.HasField("q") or e.num_query_tokens > 0
+            if any(r.WhichOneof("location") != "staging" for r in (e.k, e.v)) or e.token_ids \
+                    or (has_q and e.q.WhichOneof("location") != "staging"):
+                return None
+            entries.append((e.sequence_id, e.num_tokens, e.num_query_tokens, rng(e.k), rng(e.v),
+                            rng(e.q) if has_q else (0, 0), (0, 0)))
+        if not entries or len(entries) > MAX_APPENDS:
+            return None
+        return Command(OP_APPEND, 0, 0.0, len(entries), 0, (0, 0), (0, 0), (0, 0), (0, 0), (), tuple(entries))
     if method == "ReadKV":
         if not (request.k.HasField("staging") and request.v.HasField("staging")
                 and request.positions.HasField("staging")):

@@ -267,6 +267,9 @@ class Client(_Session):
     async def append(self, sequence_id: int, k: Any, v: Any, q: Any = None, token_ids: Any = None) -> int:
         return await self._run(self._op_append(sequence_id, k, v, q, token_ids), staging=True)
 
+    async def append_batch(self, entries: Iterable[Any]) -> list:
+        return await self._run(self._op_append_batch(entries), staging=True)
+
     async def step(self, layer: int, sequence_ids: Iterable[int], k: Any, v: Any, q: Any, scale: float = 0.0,
                    out: Optional[np.ndarray] = None):
         return await self._run(self._op_step(layer, sequence_ids, k, v, q, scale, out), staging=True)

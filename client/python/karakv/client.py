@@ -530,6 +530,8 @@ class _Session:
         ids = list(request.sequence_ids) if "sequence_ids" in fields else []
         if "sequence_id" in fields:
             ids.append(request.sequence_id)
+        if "entries" in fields:  # AppendBatch
+            ids.extend(e.sequence_id for e in request.entries)
         for sid in ids:
             if sid in self._lost and sid not in self._live:
                 raise errors.DaemonRestarted(
@@ -555,6 +557,8 @@ class _Session:
             return pb.StepReply(decode_step=done.decode_step, compactions=done.compactions)
         if method == "Append":
             return pb.AppendReply(length=done.decode_step)
+        if method == "AppendBatch":
+            return pb.AppendBatchReply(lengths=_ring.append_lengths(done))
         if method == "ReadKV":
             return pb.ReadKVReply(num_tokens=done.decode_step)
         return pb.AttendReply()
@@ -619,29 +623,47 @@ class _Session:
         self._live.discard(sequence_id)
         return reply.blocks_freed
 
-    def _op_append(self, sequence_id: int, k: Any, v: Any, q: Any, token_ids: Any) -> Op:
+    def _append_request(self, req: pb.AppendRequest, sequence_id: int, k: Any, v: Any, q: Any, token_ids: Any,
+                        what: str) -> None:
+        """Fills `req` (an AppendRequest, alone or an AppendBatch entry) after checking the tensors;
+        errors name the argument as `what`.k, `what`.v, ... Call _begin() first."""
         g = self.geometry
-        ka = _storage_array(k, g.dtype, "Append.k")
-        va = _storage_array(v, g.dtype, "Append.v")
-        _, t, _, _ = _check_shape(ka, (g.num_layers, None, g.num_kv_heads, g.head_dim), "[L][T][Hk][D]", "Append.k")
-        _check_shape(va, ka.shape, "[L][T][Hk][D] like k", "Append.v")
-        req = pb.AppendRequest(session_id=self.session_id, sequence_id=sequence_id, num_tokens=t)
+        ka = _storage_array(k, g.dtype, f"{what}.k")
+        va = _storage_array(v, g.dtype, f"{what}.v")
+        _, t, _, _ = _check_shape(ka, (g.num_layers, None, g.num_kv_heads, g.head_dim), "[L][T][Hk][D]",
+                                  f"{what}.k")
+        _check_shape(va, ka.shape, "[L][T][Hk][D] like k", f"{what}.v")
+        req.sequence_id = sequence_id
+        req.num_tokens = t
         if token_ids is not None:
-            ids = _token_ids(token_ids, "Append.token_ids")
+            ids = _token_ids(token_ids, f"{what}.token_ids")
             if len(ids) != t:
-                raise errors.InvalidArgument(f"Append.token_ids has {len(ids)} ids, expected T = {t} (one per "
-                                             "appended token, as k and v hold)", "Append.token_ids")
+                raise errors.InvalidArgument(f"{what}.token_ids has {len(ids)} ids, expected T = {t} (one per "
+                                             "appended token, as k and v hold)", f"{what}.token_ids")
             req.token_ids.extend(ids)
-        self._begin()
-        self._input(ka, req.k, "Append.k")
-        self._input(va, req.v, "Append.v")
+        self._input(ka, req.k, f"{what}.k")
+        self._input(va, req.v, f"{what}.v")
         if q is not None:
-            qa = _fp32_array(q, "Append.q")
+            qa = _fp32_array(q, f"{what}.q")
             _, nq, _, _ = _check_shape(qa, (g.num_layers, None, g.num_q_heads, g.head_dim),
-                                       "[L][Nq][Hq][D]", "Append.q")
-            self._input(qa, req.q, "Append.q")
+                                       "[L][Nq][Hq][D]", f"{what}.q")
+            self._input(qa, req.q, f"{what}.q")
             req.num_query_tokens = nq
+
+    def _op_append(self, sequence_id: int, k: Any, v: Any, q: Any, token_ids: Any) -> Op:
+        req = pb.AppendRequest(session_id=self.session_id)
+        self._begin()
+        self._append_request(req, sequence_id, k, v, q, token_ids, "Append")
         return (yield _Rpc("Append", req)).length
+
+    def _op_append_batch(self, entries: Iterable[Any]) -> Op:
+        req = pb.AppendBatchRequest(session_id=self.session_id)
+        self._begin()
+        for i, entry in enumerate(entries):
+            what = f"AppendBatch.entries[{i}]"
+            e = _append_entry(entry, what)
+            self._append_request(req.entries.add(), e.sequence_id, e.k, e.v, e.q, e.token_ids, what)
+        return list((yield _Rpc("AppendBatch", req)).lengths)
 
     def _op_step(self, layer: int, sequence_ids: Iterable[int], k: Any, v: Any, q: Any, scale: float,
                  out: Optional[np.ndarray]) -> Op:
@@ -740,6 +762,29 @@ class _Session:
     def _op_simple(self, method: str, request, pick) -> Op:
         reply = yield _Rpc(method, request)
         return pick(reply)
+
+
+class AppendEntry(NamedTuple):
+    """One entry of Client.append_batch: the arguments of Client.append."""
+    sequence_id: int
+    k: Any
+    v: Any
+    q: Any = None
+    token_ids: Any = None
+
+
+def _append_entry(entry: Any, what: str) -> AppendEntry:
+    """An append_batch entry as an AppendEntry (from itself, a tuple or a dict)."""
+    if isinstance(entry, AppendEntry):
+        return entry
+    try:
+        if isinstance(entry, dict):
+            return AppendEntry(**entry)
+        return AppendEntry(*entry)
+    except TypeError as e:
+        raise errors.InvalidArgument(f"{what} is {type(entry).__name__}, expected an AppendEntry(sequence_id, k, v, "
+                                     f"q=None, token_ids=None) or a tuple or dict of its fields ({e})",
+                                     what) from None
 
 
 def _token_ids(ids: Any, what: str) -> list:
@@ -1016,6 +1061,15 @@ class Client(_Session):
         prompt blocks whose every token came with an id are published to the prefix cache).
         Returns the sequence length after the append."""
         return self._run(self._op_append(sequence_id, k, v, q, token_ids), staging=True)
+
+    def append_batch(self, entries: Iterable[Any]) -> list:
+        """Several Appends in one call (a prefill batch): each entry an AppendEntry(sequence_id, k, v,
+        q=None, token_ids=None), or a tuple or dict of those fields, exactly as append() takes them.
+        Entries run in order; the first refused one stops the batch and leaves no trace, the ones
+        before it stay applied (the error names the entry). Returns each entry's sequence length
+        after it. Through the ring, as one command, when attached with fast_path and no entry has
+        token_ids (up to 50 entries)."""
+        return self._run(self._op_append_batch(entries), staging=True)
 
     def step(self, layer: int, sequence_ids: Iterable[int], k: Any, v: Any, q: Any,
              scale: float = 0.0, out: Optional[np.ndarray] = None):

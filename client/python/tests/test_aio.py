@@ -142,3 +142,31 @@ def test_auto_reattach_after_a_restart(start_daemon):
             assert fresh != seq and await c.append(fresh, *kv(3)) == 3
 
     asyncio.run(main())
+
+
+def test_append_batch_through_the_ring_and_grpc(daemon):
+    """The asyncio client's append_batch: each entry's length, the ring used on the fast path, and the
+    same cache as the blocking client's separate appends."""
+    (k1, v1), (k2, v2) = kv(3, seed=1), kv(2, seed=2)
+
+    async def main():
+        async with karakv.aio.Client.attach(daemon.target, fast_path=True) as fast, \
+                karakv.aio.Client.attach(daemon.target) as plain:
+            got = []
+            for c in (fast, plain):
+                a, b = await c.create_sequence(), await c.create_sequence()
+                before = c.ring_calls
+                assert await c.append_batch([(a, k1, v1), (b, k2, v2), (a, k2, v2)]) == [3, 2, 5]
+                assert c.ring_calls - before == (1 if c is fast else 0)
+                got.append([await c.read_kv(x) for x in (a, b)])
+            return got
+
+    got = asyncio.run(main())
+    with karakv.Client.attach(daemon.target) as c:
+        a, b = c.create_sequence(), c.create_sequence()
+        c.append(a, k1, v1), c.append(b, k2, v2), c.append(a, k2, v2)
+        want = [c.read_kv(x) for x in (a, b)]
+    for caches in got:
+        for got_seq, want_seq in zip(caches, want):
+            for g, w in zip(got_seq, want_seq):
+                np.testing.assert_array_equal(g, w)

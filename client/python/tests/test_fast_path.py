@@ -119,3 +119,59 @@ def test_fast_path_after_a_daemon_restart(start_daemon):
 def test_fast_path_needs_a_staging_region(daemon):
     with pytest.raises(karakv.InvalidArgument, match=r"fast_path needs a staging region \(staging_bytes > 0\)"):
         karakv.Client.attach(daemon.target, fast_path=True, staging_bytes=0)
+
+
+def test_append_batch_through_the_ring_grpc_and_inline_is_separate_appends(daemon):
+    """append_batch: one ring command on the fast path, one AppendBatch RPC otherwise (staging or
+    inline); every path leaves the same caches as separate appends and returns each entry's length."""
+    rng = np.random.default_rng(11)
+    (k1, v1), (k2, v2), (k3, v3) = kv(3, seed=1), kv(5, seed=2), kv(2, seed=3)
+    q2 = rng.standard_normal((L, 2, HQ, D), dtype=np.float32)
+    with karakv.Client.attach(daemon.target, fast_path=True) as fast, \
+            karakv.Client.attach(daemon.target) as plain, \
+            karakv.Client.attach(daemon.target, staging_bytes=0) as inline, \
+            karakv.Client.attach(daemon.target) as one_by_one:
+        caches = {}
+        for c in (fast, plain, inline):
+            a, b, s = c.create_sequence(), c.create_sequence(), c.create_sequence()
+            c.append(s, *kv(4, seed=9))  # a sequence that is not empty before the batch
+            before = c.ring_calls
+            lengths = c.append_batch([(a, k1, v1), karakv.AppendEntry(b, k2, v2, q=q2),
+                                      {"sequence_id": s, "k": k3, "v": v3}])
+            assert lengths == [3, 5, 4 + 2]
+            assert c.ring_calls - before == (1 if c is fast else 0)
+            caches[c] = [c.read_kv(x) for x in (a, b, s)]
+        a, b, s = (one_by_one.create_sequence() for _ in range(3))
+        one_by_one.append(s, *kv(4, seed=9))
+        assert [one_by_one.append(a, k1, v1), one_by_one.append(b, k2, v2, q=q2), one_by_one.append(s, k3, v3)] \
+            == [3, 5, 6]
+        want = [one_by_one.read_kv(x) for x in (a, b, s)]
+        for c in (fast, plain, inline):
+            for got_seq, want_seq in zip(caches[c], want):
+                for got, expected in zip(got_seq, want_seq):
+                    np.testing.assert_array_equal(got, expected)
+
+        # An entry with token ids carries them in the message: the whole batch uses gRPC.
+        x = fast.create_sequence()
+        before = fast.ring_calls
+        assert fast.append_batch([(x, k1, v1, None, [1, 2, 3]), (x, k3, v3)]) == [3, 5]
+        assert fast.ring_calls == before
+
+
+def test_append_batch_refusals_name_the_entry_and_keep_the_ones_before(daemon):
+    with karakv.Client.attach(daemon.target, fast_path=True) as fast, karakv.Client.attach(daemon.target) as plain:
+        got = {}
+        for c in (fast, plain):
+            a = c.create_sequence()
+            with pytest.raises(karakv.NotFound) as e:
+                c.append_batch([(a, *kv(2)), (987654, *kv(1))])
+            got[c] = (e.value.method, e.value.message)
+            assert "entry 1 of 2 (sequence 987654)" in e.value.message
+            assert c.read_kv(a)[0].shape[1] == 2  # the entry before the refused one stays applied
+            # Checked here before anything is sent: the entry and the argument are named.
+            with pytest.raises(karakv.InvalidArgument, match=r"AppendBatch\.entries\[1\]\.v"):
+                c.append_batch([(a, *kv(1)), (a, kv(2)[0], kv(3)[1])])
+            with pytest.raises(karakv.InvalidArgument, match=r"AppendBatch\.entries\[0\] is int"):
+                c.append_batch([a])
+            assert c.read_kv(a)[0].shape[1] == 2
+        assert got[fast] == got[plain]
