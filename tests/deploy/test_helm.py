@@ -144,6 +144,18 @@ def test_sidecar_shares_socket_and_shm_with_the_worker():
     assert worker["securityContext"]["runAsUser"] == daemon["securityContext"]["runAsUser"]
 
 
+def test_sidecar_shares_the_pid_namespace_only_when_asked_and_the_fd_socket_is_in_the_shared_volume():
+    assert "shareProcessNamespace" not in pod_spec(render({}))
+    spec = pod_spec(render({"sidecar": {"shareProcessNamespace": True}}))
+    assert spec["shareProcessNamespace"] is True
+    # karakvd's staging fd socket defaults to <socket>.fd: the socket's directory, which both mount.
+    (cm,) = by_kind(render({}), "ConfigMap")
+    (config,) = cm["data"].values()
+    settings = dict(line.split("=", 1) for line in config.splitlines() if "=" in line)
+    assert "staging_fd_socket" not in settings
+    assert os.path.dirname(settings["socket"]) == mounts(daemon_container(spec))["karakv-socket"]
+
+
 def test_sidecar_as_a_plain_container():
     spec = pod_spec(render(MODES["sidecar-plain-container"]))
     assert "initContainers" not in spec
