@@ -328,6 +328,21 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
   }
 }
 
+// out[h][i] = sum over the query heads j of KV head h of partial[j][i], in order of j (so the
+// result does not depend on which thread scored which head).
+//   partial: [num_q_heads][n]; out: [num_kv_heads][n]
+void sum_over_groups(const float* partial, const Geometry& geo, int n, float* out) {
+  const int g = geo.group_size();
+  for (int h = 0; h < geo.num_kv_heads; ++h) {
+    float* o = out + size_t(h) * n;
+    std::copy_n(partial + size_t(h) * g * n, n, o);
+    for (int j = 1; j < g; ++j) {
+      const float* p = partial + size_t(h * g + j) * n;
+      for (int i = 0; i < n; ++i) o[i] += p[i];
+    }
+  }
+}
+
 // Orders indices by score descending, ties by the lower index: the selection rule of every
 // top-k in COMPRESSION.md. A strict weak order as long as no score is NaN.
 struct BetterScore {
@@ -379,14 +394,7 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
     }
   });
   if (!dispatched.is_ok()) return dispatched;
-  for (int h = 0; h < geo.num_kv_heads; ++h) {
-    float* o = out + size_t(h) * window;
-    std::copy_n(partial.data() + size_t(h) * g * window, window, o);
-    for (int j = 1; j < g; ++j) {
-      const float* p = partial.data() + size_t(h * g + j) * window;
-      for (int i = 0; i < window; ++i) o[i] += p[i];
-    }
-  }
+  sum_over_groups(partial.data(), geo, window, out);
   return KernelStatus::ok();
 }
 
@@ -439,14 +447,7 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
     }
   });
   if (!dispatched.is_ok()) return dispatched;
-  for (int h = 0; h < geo.num_kv_heads; ++h) {
-    float* o = out + size_t(h) * window;
-    std::copy_n(partial.data() + size_t(h) * g * window, window, o);
-    for (int j = 1; j < g; ++j) {
-      const float* p = partial.data() + size_t(h * g + j) * window;
-      for (int i = 0; i < window; ++i) o[i] += p[i];
-    }
-  }
+  sum_over_groups(partial.data(), geo, window, out);
   return KernelStatus::ok();
 }
 
@@ -479,13 +480,10 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
   // Every query counts in the mean, including those that cannot see a slot.
   const float inv_count = 1.0f / float(size_t(num_obs) * g);
   const int half = pool / 2;
-  std::vector<float> mean(n);
+  std::vector<float> sums(size_t(geo.num_kv_heads) * n);
+  sum_over_groups(partial.data(), geo, n, sums.data());
   for (int h = 0; h < geo.num_kv_heads; ++h) {
-    std::copy_n(partial.data() + size_t(h) * g * n, n, mean.data());
-    for (int j = 1; j < g; ++j) {
-      const float* p = partial.data() + size_t(h * g + j) * n;
-      for (int s = 0; s < n; ++s) mean[s] += p[s];
-    }
+    float* mean = sums.data() + size_t(h) * n;
     for (int s = 0; s < n; ++s) mean[s] *= inv_count;
     float* o = out + size_t(h) * n;
     for (int s = 0; s < prefix; ++s) {
@@ -493,7 +491,7 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
       for (int u = std::max(0, s - half); u <= std::min(prefix - 1, s + half); ++u) sum += mean[u];
       o[s] = sum / float(pool);
     }
-    std::copy(mean.begin() + prefix, mean.end(), o + prefix);
+    std::copy(mean + prefix, mean + n, o + prefix);
   }
   return KernelStatus::ok();
 }
