@@ -156,6 +156,14 @@ def test_append_batch_through_the_ring_grpc_and_inline_is_separate_appends(daemo
         before = fast.ring_calls
         assert fast.append_batch([(x, k1, v1, None, [1, 2, 3]), (x, k3, v3)]) == [3, 5]
         assert fast.ring_calls == before
+        # More entries than one ring command holds (50): gRPC, same result.
+        many = [fast.create_sequence() for _ in range(karakv._ring.MAX_APPENDS + 1)]
+        before = fast.ring_calls
+        assert fast.append_batch([(m, k3, v3) for m in many]) == [2] * len(many)
+        assert fast.ring_calls == before
+        assert fast.append_batch([(m, k3, v3) for m in many[:karakv._ring.MAX_APPENDS]]) \
+            == [4] * karakv._ring.MAX_APPENDS
+        assert fast.ring_calls == before + 1
 
 
 def test_append_batch_refusals_name_the_entry_and_keep_the_ones_before(daemon):
