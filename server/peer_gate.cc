@@ -85,42 +85,56 @@ void PeerGate::stop() {
   }
 }
 
-void PeerGate::run(grpc::Server* server) {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+void accept_peers(int listen_fd, int wake_fd, int accept_flags, const char* what,
+                  const std::function<void(int conn, absl::StatusOr<PeerCredentials> peer)>& on_connection) {
+  pollfd fds[2] = {{listen_fd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
   while (true) {
     if (poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
-      spdlog::error("peer gate: poll: {}", std::strerror(errno));
+      spdlog::error("{}: poll: {}", what, std::strerror(errno));
       return;
     }
     if (fds[1].revents != 0) return;
     if ((fds[0].revents & POLLIN) == 0) continue;
-    const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    const int conn = accept4(listen_fd, nullptr, nullptr, accept_flags);
     if (conn < 0) {
       if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        spdlog::warn("peer gate: accept: {}", std::strerror(errno));
+        spdlog::warn("{}: accept: {}", what, std::strerror(errno));
       }
       continue;
     }
     ucred cred{};
     socklen_t len = sizeof cred;
     if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof cred) {
-      spdlog::warn("peer gate: refused a connection: SO_PEERCRED failed: {}", std::strerror(errno));
-      refused_.fetch_add(1);
-      close(conn);
+      on_connection(conn, absl::PermissionDeniedError(
+                              absl::StrCat("SO_PEERCRED failed: ", len != sizeof cred ? "short reply" :
+                                                                                       std::strerror(errno))));
       continue;
     }
-    if (!allow_.admits(cred.uid, cred.gid)) {
-      spdlog::warn("peer gate: refused a connection from pid {} uid {} gid {}: neither is on --allowed_uids / "
-                   "--allowed_gids",
-                   cred.pid, cred.uid, cred.gid);
-      refused_.fetch_add(1);
-      close(conn);
-      continue;
-    }
-    spdlog::debug("peer gate: admitted pid {} uid {} gid {}", cred.pid, cred.uid, cred.gid);
-    grpc::AddInsecureChannelFromFd(server, conn);  // gRPC owns the descriptor from here
+    on_connection(conn, PeerCredentials{cred.pid, cred.uid, cred.gid});
   }
+}
+
+void PeerGate::run(grpc::Server* server) {
+  accept_peers(listen_fd_, wake_fd_, SOCK_CLOEXEC | SOCK_NONBLOCK, "peer gate",
+               [&](int conn, absl::StatusOr<PeerCredentials> peer) {
+                 if (!peer.ok()) {
+                   spdlog::warn("peer gate: refused a connection: {}", std::string(peer.status().message()));
+                   refused_.fetch_add(1);
+                   close(conn);
+                   return;
+                 }
+                 if (!allow_.admits(peer->uid, peer->gid)) {
+                   spdlog::warn("peer gate: refused a connection from pid {} uid {} gid {}: neither is on "
+                                "--allowed_uids / --allowed_gids",
+                                peer->pid, peer->uid, peer->gid);
+                   refused_.fetch_add(1);
+                   close(conn);
+                   return;
+                 }
+                 spdlog::debug("peer gate: admitted pid {} uid {} gid {}", peer->pid, peer->uid, peer->gid);
+                 grpc::AddInsecureChannelFromFd(server, conn);  // gRPC owns the descriptor from here
+               });
 }
 
 }  // namespace karakv::server

@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -32,6 +33,21 @@ struct PeerAllowList {
 
 // Parses "0,1000, 1001" into ids; names the bad item.
 absl::StatusOr<std::vector<uint32_t>> parse_id_list(const std::string& text, const char* flag);
+
+// What the kernel says of a connected Unix-socket peer (SO_PEERCRED, as of its connect).
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// The accept loop both karakvd sockets that check peers run (the gRPC socket's gate, the staging fd
+// socket): until `wake_fd` becomes readable (or poll fails, logged), accepts each connection with
+// `accept_flags` (SOCK_CLOEXEC and the like) and calls `on_connection` with it and the peer's
+// credentials, or the reason they are unavailable; `on_connection` owns the descriptor. `what` names
+// the socket in logs ("peer gate").
+void accept_peers(int listen_fd, int wake_fd, int accept_flags, const char* what,
+                  const std::function<void(int conn, absl::StatusOr<PeerCredentials> peer)>& on_connection);
 
 class PeerGate {
  public:

@@ -1,6 +1,5 @@
 #include "server/staging_fd_server.h"
 
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -65,47 +64,31 @@ StagingFdServer::~StagingFdServer() {
 }
 
 void StagingFdServer::run() {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-  while (true) {
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      spdlog::error("staging fd socket: poll: {}", std::strerror(errno));
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) {
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        spdlog::warn("staging fd socket: accept: {}", std::strerror(errno));
-      }
-      continue;
-    }
-    // A silent peer must not hold the socket: one short request, one reply.
-    const timeval timeout{2, 0};
-    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-    setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-    handle(conn);
-    close(conn);
-  }
+  accept_peers(listen_fd_, wake_fd_, SOCK_CLOEXEC, "staging fd socket",
+               [this](int conn, absl::StatusOr<PeerCredentials> peer) {
+                 // A silent peer must not hold the socket: one short request, one reply.
+                 const timeval timeout{2, 0};
+                 setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+                 setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+                 handle(conn, peer);
+                 close(conn);
+               });
 }
 
-void StagingFdServer::handle(int conn) {
+void StagingFdServer::handle(int conn, const absl::StatusOr<PeerCredentials>& peer) {
   auto refuse = [&](const absl::Status& s) {
     refused_.fetch_add(1);
     [[maybe_unused]] absl::Status sent = fdpass::send_message(conn, fdpass::error_line(s), -1);
   };
-  ucred cred{};
-  socklen_t len = sizeof cred;
-  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof cred) {
-    spdlog::warn("staging fd socket: refused a connection: SO_PEERCRED failed: {}", std::strerror(errno));
+  if (!peer.ok()) {
+    spdlog::warn("staging fd socket: refused a connection: {}", std::string(peer.status().message()));
     refuse(absl::PermissionDeniedError("staging fd socket: the peer's credentials (SO_PEERCRED) are unavailable"));
     return;
   }
-  if (!allow_.empty() && !allow_.admits(cred.uid, cred.gid)) {
+  if (!allow_.empty() && !allow_.admits(peer->uid, peer->gid)) {
     spdlog::warn("staging fd socket: refused pid {} uid {} gid {}: neither is on --allowed_uids / --allowed_gids",
-                 cred.pid, cred.uid, cred.gid);
-    refuse(absl::PermissionDeniedError(absl::StrCat("staging fd socket: uid ", cred.uid, " gid ", cred.gid,
+                 peer->pid, peer->uid, peer->gid);
+    refuse(absl::PermissionDeniedError(absl::StrCat("staging fd socket: uid ", peer->uid, " gid ", peer->gid,
                                                     " is not on karakvd's --allowed_uids / --allowed_gids")));
     return;
   }
@@ -124,7 +107,7 @@ void StagingFdServer::handle(int conn) {
   const std::string session(parts[0]);
   absl::StatusOr<StagingFdGrant> grant = lookup_(session, generation);
   if (!grant.ok()) {
-    spdlog::info("staging fd socket: refused session {} generation {} (pid {}): {}", session, generation, cred.pid,
+    spdlog::info("staging fd socket: refused session {} generation {} (pid {}): {}", session, generation, peer->pid,
                  std::string(grant.status().message()));
     refuse(grant.status());
     return;
@@ -138,7 +121,7 @@ void StagingFdServer::handle(int conn) {
     return;
   }
   spdlog::info("staging fd socket: sent session {}'s staging region ({} bytes) to pid {}", session, grant->bytes,
-               cred.pid);
+               peer->pid);
 }
 
 }  // namespace karakv::server

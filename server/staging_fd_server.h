@@ -49,7 +49,7 @@ class StagingFdServer {
       : path_(std::move(path)), listen_fd_(listen_fd), wake_fd_(wake_fd), allow_(std::move(allow)),
         lookup_(std::move(lookup)) {}
   void run();
-  void handle(int conn);
+  void handle(int conn, const absl::StatusOr<PeerCredentials>& peer);
 
   const std::string path_;
   const int listen_fd_;
