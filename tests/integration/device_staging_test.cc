@@ -34,38 +34,32 @@ std::vector<std::string> geometry_flags(const std::string& backend) {
           "--block_size=16", "--pool_bytes=64MiB"};
 }
 
-TEST(DeviceStagingTest, TheSdkOnACpuDaemonIsRefusedNamingTheFix) {
+// Each device staging kind, and what its refusal on a CPU daemon names besides --backend=cuda.
+struct Kind {
+  Staging staging;
+  const char* name;
+  const char* refusal_names;
+};
+class DeviceStagingKindTest : public ::testing::TestWithParam<Kind> {};
+
+TEST_P(DeviceStagingKindTest, TheSdkOnACpuDaemonIsRefusedNamingTheFix) {
   Daemon d(geometry_flags("cpu"));
   ASSERT_TRUE(d.ready());
   ClientOptions o;
   o.target = d.target();
   o.staging_bytes = 1 << 20;
-  o.staging = Staging::kDevice;
+  o.staging = GetParam().staging;
   auto c = Client::Attach(o);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("--backend=cuda"));
-  EXPECT_THAT(std::string(c.status().message()), HasSubstr("staging_kind SHM"));
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr(GetParam().refusal_names));
   // shm staging on the same daemon still works.
   o.staging = Staging::kShm;
   auto shm = Client::Attach(o);
   ASSERT_TRUE(shm.ok()) << shm.status();
   EXPECT_FALSE((*shm)->device_staging());
   EXPECT_EQ((*shm)->staging_generation(), 0u);
-}
-
-TEST(DeviceStagingTest, TheVmmPathOnACpuDaemonIsRefusedNamingTheFix) {
-  Daemon d(geometry_flags("cpu"));
-  ASSERT_TRUE(d.ready());
-  ClientOptions o;
-  o.target = d.target();
-  o.staging_bytes = 1 << 20;
-  o.staging = Staging::kDeviceFd;
-  auto c = Client::Attach(o);
-  ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition) << c.status();
-  EXPECT_THAT(std::string(c.status().message()), HasSubstr("CUDA_VMM_FD"));
-  EXPECT_THAT(std::string(c.status().message()), HasSubstr("--backend=cuda"));
 }
 
 #if KARAKV_DEVICE_TEST_CUDA
@@ -136,10 +130,6 @@ Worker attach_kind(const Daemon& d, Staging staging, const std::string& tenant =
   return w;
 }
 
-Worker attach(const Daemon& d, bool device, const std::string& tenant = "default") {
-  return attach_kind(d, device ? Staging::kDevice : Staging::kShm, tenant);
-}
-
 std::vector<float> random_floats(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.f, 1.f);
@@ -207,12 +197,15 @@ Outputs run_script(Worker& w) {
   return o;
 }
 
-TEST(DeviceStagingTest, TwoProcessOutputsEqualTheShmPath) {
+// CUDA IPC (the handle in the AttachReply) or VMM (the worker imports its region from the file
+// descriptor the staging fd socket sends, as a pod in another PID namespace would): the shm path's
+// outputs, and after Detach the tenant's next session reuses the region under a new generation.
+TEST_P(DeviceStagingKindTest, TwoProcessOutputsEqualTheShmPath) {
   SKIP_WITHOUT_DEVICE();
   Daemon d(geometry_flags("cuda"));
   ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
-  Worker shm = attach(d, false);
-  Worker dev = attach(d, true);
+  Worker shm = attach_kind(d, Staging::kShm);
+  Worker dev = attach_kind(d, GetParam().staging);
   ASSERT_TRUE(shm.client && dev.client);
   EXPECT_NE(dev.client->staging_generation(), 0u);
   const Outputs want = run_script(shm);
@@ -223,6 +216,11 @@ TEST(DeviceStagingTest, TwoProcessOutputsEqualTheShmPath) {
   expect_near(got.k, want.k, "ReadKV.k");
   expect_near(got.v, want.v, "ReadKV.v");
   EXPECT_EQ(got.positions, want.positions);
+  const uint64_t old_generation = dev.client->staging_generation();
+  ASSERT_TRUE(dev.client->Detach().ok());
+  Worker again = attach_kind(d, GetParam().staging);
+  ASSERT_TRUE(again.client);
+  EXPECT_GT(again.client->staging_generation(), old_generation);
 }
 
 TEST(DeviceStagingTest, AStaleOrMissingGenerationIsRefusedAndNeverAliased) {
@@ -303,33 +301,12 @@ TEST(DeviceStagingTest, AStaleOrMissingGenerationIsRefusedAndNeverAliased) {
   EXPECT_NE(third.staging_ipc_handle(), first.staging_ipc_handle());
 }
 
-// The VMM path: the worker imports its region from the file descriptor the staging fd socket sends
-// (as a pod in another PID namespace would) and gets the shm path's outputs.
-TEST(DeviceStagingTest, TwoProcessVmmOutputsEqualTheShmPath) {
-  SKIP_WITHOUT_DEVICE();
-  Daemon d(geometry_flags("cuda"));
-  ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
-  Worker shm = attach(d, false);
-  Worker dev = attach_kind(d, Staging::kDeviceFd);
-  ASSERT_TRUE(shm.client && dev.client);
-  EXPECT_NE(dev.client->staging_generation(), 0u);
-  const Outputs want = run_script(shm);
-  const Outputs got = run_script(dev);
-  ASSERT_EQ(got.steps.size(), want.steps.size());
-  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
-  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
-  expect_near(got.k, want.k, "ReadKV.k");
-  expect_near(got.v, want.v, "ReadKV.v");
-  EXPECT_EQ(got.positions, want.positions);
-  // Detach unmaps; the tenant's next VMM session reuses the region under a new generation.
-  const uint64_t old_generation = dev.client->staging_generation();
-  ASSERT_TRUE(dev.client->Detach().ok());
-  Worker again = attach_kind(d, Staging::kDeviceFd);
-  ASSERT_TRUE(again.client);
-  EXPECT_GT(again.client->staging_generation(), old_generation);
-}
-
 #endif  // KARAKV_DEVICE_TEST_CUDA
+
+INSTANTIATE_TEST_SUITE_P(Kinds, DeviceStagingKindTest,
+                         ::testing::Values(Kind{Staging::kDevice, "CudaIpc", "staging_kind SHM"},
+                                           Kind{Staging::kDeviceFd, "VmmFd", "CUDA_VMM_FD"}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace karakv
