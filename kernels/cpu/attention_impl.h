@@ -138,21 +138,27 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
   for (int r = 0; r < kPrefetchRegions; ++r) prefetch_stream(r).finish();
 
   int r = 0;  // the region being read
-  for (int c0 = 0; c0 < num_tokens; c0 += chunk_tokens) {
-    const int chunk_len = min_int(chunk_tokens, num_tokens - c0);
+  // One pass over a chunk's K or V regions, block by block, each prefetching ahead as it goes:
+  // run(data, qh, heads, len, t0, pf) for each chunk of query heads of each KV head, where data is
+  // that KV head's run in the block, qh the chunk's first query head, heads its size (a constant),
+  // len the block's tokens and t0 the block's first token in the chunk.
+  auto pass = [&](int chunk_len, auto&& run) {
     for (int t0 = 0; t0 < chunk_len; t0 += bs, ++r) {
       PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
       const int len = min_int(bs, chunk_len - t0);
-      const element_t<D>* k = region(r);
+      const element_t<D>* data = region(r);
       for (int i = 0; i < num_kv_heads; ++i) {
-        for_head_chunks(g, [&](int h0, auto heads) {
-          const int qh = i * g + h0;
-          Isa::template score_run<D, decltype(heads)::value, HD>(
-              k + i * run_elems, len, hd, query + size_t(qh) * hd, scores + size_t(qh) * stride + t0, stride, pf);
-        });
+        for_head_chunks(g, [&](int h0, auto heads) { run(data + i * run_elems, i * g + h0, heads, len, t0, pf); });
       }
       pf.finish();
     }
+  };
+  for (int c0 = 0; c0 < num_tokens; c0 += chunk_tokens) {
+    const int chunk_len = min_int(chunk_tokens, num_tokens - c0);
+    pass(chunk_len, [&](const element_t<D>* k, int qh, auto heads, int len, int t0, PrefetchStream& pf) {
+      Isa::template score_run<D, decltype(heads)::value, HD>(k, len, hd, query + size_t(qh) * hd,
+                                                             scores + size_t(qh) * stride + t0, stride, pf);
+    });
 
     // Fold the chunk in: a larger max rescales what was accumulated under the old one. The first
     // chunk (sum still 0) takes its own max, so a single chunk is the plain two-pass softmax.
@@ -170,19 +176,10 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
       sum[h] += Isa::exp_shifted_sum(row, chunk_len, max[h]);
     }
 
-    for (int t0 = 0; t0 < chunk_len; t0 += bs, ++r) {
-      PrefetchStream pf = prefetch_stream(r + kPrefetchRegions);
-      const int len = min_int(bs, chunk_len - t0);
-      const element_t<D>* v = region(r);
-      for (int i = 0; i < num_kv_heads; ++i) {
-        for_head_chunks(g, [&](int h0, auto heads) {
-          const int qh = i * g + h0;
-          Isa::template accumulate_run<D, decltype(heads)::value, HD>(
-              v + i * run_elems, len, hd, scores + size_t(qh) * stride + t0, stride, acc + size_t(qh) * hd, pf);
-        });
-      }
-      pf.finish();
-    }
+    pass(chunk_len, [&](const element_t<D>* v, int qh, auto heads, int len, int t0, PrefetchStream& pf) {
+      Isa::template accumulate_run<D, decltype(heads)::value, HD>(v, len, hd, scores + size_t(qh) * stride + t0,
+                                                                  stride, acc + size_t(qh) * hd, pf);
+    });
   }
 
   for (int h = 0; h < num_q_heads; ++h) {
