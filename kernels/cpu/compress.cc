@@ -29,10 +29,6 @@
 
 #include <atomic>
 
-#ifndef KARAKV_GEMM_ROWS_KB
-#define KARAKV_GEMM_ROWS_KB 128
-#endif
-
 namespace karakv::kernels::cpu {
 namespace {
 
@@ -52,7 +48,7 @@ int padded_keys(int num_keys) { return (num_keys + kKeyTile - 1) / kKeyTile * kK
 constexpr int kGemmRows = 64;
 constexpr int kGemmKeys = 128;
 // The score rows of one product are kept under this many bytes (rows_per_block).
-constexpr size_t kGemmRowsBytes = size_t(KARAKV_GEMM_ROWS_KB) << 10;
+constexpr size_t kGemmRowsBytes = size_t(128) << 10;
 // Fewer queries than this per head use the tile even where libxsmm was asked for: for a
 // matrix-vector product the libraries' dispatch and packing cost more than they save.
 constexpr int kGemmMinRows = 4;
@@ -295,6 +291,15 @@ int rows_per_block(const ScoreScratch& scratch, int num_keys) {
   return int(std::clamp<size_t>(fit, kGemmMinRows, kGemmRows));
 }
 
+// out[r][d] = q[(first + r) * q_stride + d] * scale for r < count: a block of queries, pre-scaled
+// (scaling a query once is cheaper than scaling its scores), contiguous for the product.
+void scale_rows(const float* q, size_t q_stride, int first, int count, int head_dim, float scale, float* out) {
+  for (int r = 0; r < count; ++r) {
+    const float* row = q + size_t(first + r) * q_stride;
+    for (int d = 0; d < head_dim; ++d) out[size_t(r) * head_dim + d] = row[d] * scale;
+  }
+}
+
 // col_sums[s] = sum_r softmax(q_r . K^T * scale)[s] for query rows r in [0, num_rows), row r seeing
 // keys [0, visible(r)) (1 <= visible(r) <= num_keys, non-decreasing in r), keys in scratch.keys.
 //   q:        rows of head_dim fp32, row r at q + r * q_stride
@@ -312,8 +317,7 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
   // Rows in blocks: the block shares every key load; the earlier rows' extra keys are discarded.
   for (int r0 = 0; r0 < num_rows; r0 += block) {
     const int count = std::min(block, num_rows - r0);
-    for (int r = 0; r < count; ++r)
-      for (int d = 0; d < head_dim; ++d) query[r * head_dim + d] = q[size_t(r0 + r) * q_stride + d] * scale;
+    scale_rows(q, q_stride, r0, count, head_dim, scale, query);
     score_block(query, count, head_dim, scratch.keys.data(), scratch.layout, visible(r0 + count - 1),
                 scratch.rows.data(), stride);
     for (int r = 0; r < count; ++r) {
@@ -423,10 +427,7 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
         float* sums = partial.data() + size_t(qh) * window;
         for (int t0 = 0; t0 < window; t0 += block) {
           const int count = std::min(block, window - t0);
-          for (int r = 0; r < count; ++r) {
-            const float* qt = q + (size_t(t0 + r) * hq + qh) * hd;
-            for (int d = 0; d < hd; ++d) scratch.query[size_t(r) * hd + d] = qt[d] * scale;
-          }
+          scale_rows(q + size_t(qh) * hd, size_t(hq) * hd, t0, count, hd, scale, scratch.query.data());
           score_block(scratch.query.data(), count, hd, scratch.keys.data(), scratch.layout, window,
                       scratch.rows.data(), stride);
           for (int r = 0; r < count; ++r) {
