@@ -335,11 +335,25 @@ class Ring:
             h.worker_sleeping = 0
 
 
+def _range(ref) -> Tuple[int, int]:
+    return (ref.staging.offset, ref.staging.length)
+
+
+def _append_entry(e) -> Optional[Tuple[Any, ...]]:
+    """An AppendRequest as a ring AppendEntry, or None when it cannot go on the ring: a tensor not in
+    staging, or token ids (they travel in the message)."""
+    has_q = e.HasField("q") or e.num_query_tokens > 0
+    if any(r.WhichOneof("location") != "staging" for r in (e.k, e.v)) or e.token_ids \
+            or (has_q and e.q.WhichOneof("location") != "staging"):
+        return None
+    return (e.sequence_id, e.num_tokens, e.num_query_tokens, _range(e.k), _range(e.v),
+            _range(e.q) if has_q else (0, 0), (0, 0))
+
+
 def command(method: str, request) -> Optional[Command]:
     """The ring command for a Step, Attend, Append or AppendBatch (up to MAX_APPENDS entries, none with
     token ids) or ReadKV request whose every tensor is in staging, else None."""
-    def rng(ref):
-        return (ref.staging.offset, ref.staging.length)
+    rng = _range
 
     if method == "Step":
         if any(r.WhichOneof("location") != "staging" for r in (request.k, request.v, request.q)) \
@@ -352,25 +366,9 @@ def command(method: str, request) -> Optional[Command]:
             return None
         return Command(OP_ATTEND, request.layer, request.scale, request.num_queries, request.sequence_id, (0, 0),
                        (0, 0), rng(request.q), rng(request.out), ())
-    if method == "Append":
-        # Token ids travel in the message; an Append with them stays on gRPC.
-        has_q = request.HasField("q") or request.num_query_tokens > 0
-        if any(r.WhichOneof("location") != "staging" for r in (request.k, request.v)) or request.token_ids \
-                or (has_q and request.q.WhichOneof("location") != "staging"):
-            return None
-        entry = (request.sequence_id, request.num_tokens, request.num_query_tokens, rng(request.k), rng(request.v),
-                 rng(request.q) if has_q else (0, 0), (0, 0))
-        return Command(OP_APPEND, 0, 0.0, 1, 0, (0, 0), (0, 0), (0, 0), (0, 0), (), (entry,))
-    if method == "AppendBatch":
-        entries = []
-        for e in request.entries:
-            has_q = e.HasField("q") or e.num_query_tokens > 0
-            if any(r.WhichOneof("location") != "staging" for r in (e.k, e.v)) or e.token_ids \
-                    or (has_q and e.q.WhichOneof("location") != "staging"):
-                return None
-            entries.append((e.sequence_id, e.num_tokens, e.num_query_tokens, rng(e.k), rng(e.v),
-                            rng(e.q) if has_q else (0, 0), (0, 0)))
-        if not entries or len(entries) > MAX_APPENDS:
+    if method in ("Append", "AppendBatch"):
+        entries = [_append_entry(e) for e in (request.entries if method == "AppendBatch" else (request,))]
+        if not entries or len(entries) > MAX_APPENDS or None in entries:
             return None
         return Command(OP_APPEND, 0, 0.0, len(entries), 0, (0, 0), (0, 0), (0, 0), (0, 0), (), tuple(entries))
     if method == "ReadKV":
