@@ -56,18 +56,20 @@ TEST(CpuIsaTest, Avx512IsAcceptedExactlyWhereItRuns) {
   }
 }
 
-// Restores the variable whatever the test does.
-class CpuIsaEnvTest : public ::testing::Test {
+// Restores the environment variable kVar whatever the test does.
+template <const char* kVar>
+class EnvVarTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (const char* v = getenv(kCpuIsaEnv)) saved_ = v;
+    if (const char* v = getenv(kVar)) saved_ = v;
   }
   void TearDown() override {
-    if (saved_) setenv(kCpuIsaEnv, saved_->c_str(), 1);
-    else unsetenv(kCpuIsaEnv);
+    if (saved_) setenv(kVar, saved_->c_str(), 1);
+    else unsetenv(kVar);
   }
   std::optional<std::string> saved_;
 };
+using CpuIsaEnvTest = EnvVarTest<kCpuIsaEnv>;
 
 TEST_F(CpuIsaEnvTest, ForcesTheBackendsIsa) {
   unsetenv(kCpuIsaEnv);
@@ -136,17 +138,7 @@ TEST(CpuGemmTest, LibxsmmIsAcceptedExactlyWhereItRuns) {
   EXPECT_NE(tile->description().find("tile scorer"), std::string::npos) << tile->description();
 }
 
-class CpuGemmEnvTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (const char* v = getenv(kCpuGemmEnv)) saved_ = v;
-  }
-  void TearDown() override {
-    if (saved_) setenv(kCpuGemmEnv, saved_->c_str(), 1);
-    else unsetenv(kCpuGemmEnv);
-  }
-  std::optional<std::string> saved_;
-};
+using CpuGemmEnvTest = EnvVarTest<kCpuGemmEnv>;
 
 TEST_F(CpuGemmEnvTest, ForcesTheBackendsProducts) {
   unsetenv(kCpuGemmEnv);

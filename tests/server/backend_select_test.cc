@@ -3,6 +3,7 @@
 
 #include <stdlib.h>
 
+#include <optional>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -14,6 +15,22 @@ namespace karakv::server {
 namespace {
 
 using ::testing::HasSubstr;
+
+// Puts an environment variable back as it was when the scope ends.
+class RestoreEnv {
+ public:
+  explicit RestoreEnv(const char* name) : name_(name) {
+    if (const char* v = getenv(name)) saved_ = v;
+  }
+  ~RestoreEnv() {
+    if (saved_) setenv(name_, saved_->c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> saved_;
+};
 
 // Whether a CUDA backend can be made here, and if not, why.
 bool gpu_here(std::string* why) { return kernels::make_cuda_backend(0, why) != nullptr; }
@@ -27,8 +44,7 @@ TEST(BackendSelectTest, CpuIsAlwaysCpu) {
 
 // KARAKV_CPU_ISA picks the CPU attention's ISA; a value that cannot be honoured refuses the start.
 TEST(BackendSelectTest, CpuIsaFromTheEnvironment) {
-  const char* saved = getenv(kernels::kCpuIsaEnv);
-  const std::string saved_value = saved != nullptr ? saved : "";
+  const RestoreEnv restore(kernels::kCpuIsaEnv);
   const std::string baseline(kernels::cpu_isa_name(kernels::CpuIsa::kBaseline));
   setenv(kernels::kCpuIsaEnv, baseline.c_str(), 1);
   auto b = select_backend("cpu", 0, 1);
@@ -48,14 +64,11 @@ TEST(BackendSelectTest, CpuIsaFromTheEnvironment) {
     EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(b.status().message(), HasSubstr(missing));
   }
-  if (saved != nullptr) setenv(kernels::kCpuIsaEnv, saved_value.c_str(), 1);
-  else unsetenv(kernels::kCpuIsaEnv);
 }
 
 // KARAKV_CPU_GEMM picks the scorers' products the same way.
 TEST(BackendSelectTest, CpuGemmFromTheEnvironment) {
-  const char* saved = getenv(kernels::kCpuGemmEnv);
-  const std::string saved_value = saved != nullptr ? saved : "";
+  const RestoreEnv restore(kernels::kCpuGemmEnv);
   setenv(kernels::kCpuGemmEnv, "tile", 1);
   auto b = select_backend("cpu", 0, 1);
   ASSERT_TRUE(b.ok()) << b.status();
@@ -74,8 +87,6 @@ TEST(BackendSelectTest, CpuGemmFromTheEnvironment) {
     EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(b.status().message(), HasSubstr(missing));
   }
-  if (saved != nullptr) setenv(kernels::kCpuGemmEnv, saved_value.c_str(), 1);
-  else unsetenv(kernels::kCpuGemmEnv);
 }
 
 TEST(BackendSelectTest, AutoFallsBackToCpuAndSaysWhyOrRunsOnTheGpu) {
