@@ -367,10 +367,11 @@ def command(method: str, request) -> Optional[Command]:
         return Command(OP_ATTEND, request.layer, request.scale, request.num_queries, request.sequence_id, (0, 0),
                        (0, 0), rng(request.q), rng(request.out), ())
     if method in ("Append", "AppendBatch"):
-        entries = [_append_entry(e) for e in (request.entries if method == "AppendBatch" else (request,))]
-        if not entries or len(entries) > MAX_APPENDS or None in entries:
+        requests = request.entries if method == "AppendBatch" else (request,)
+        entries = tuple(e for e in map(_append_entry, requests) if e is not None)
+        if not entries or len(entries) != len(requests) or len(entries) > MAX_APPENDS:
             return None
-        return Command(OP_APPEND, 0, 0.0, len(entries), 0, (0, 0), (0, 0), (0, 0), (0, 0), (), tuple(entries))
+        return Command(OP_APPEND, 0, 0.0, len(entries), 0, (0, 0), (0, 0), (0, 0), (0, 0), (), entries)
     if method == "ReadKV":
         if not (request.k.HasField("staging") and request.v.HasField("staging")
                 and request.positions.HasField("staging")):
