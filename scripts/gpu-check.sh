@@ -38,11 +38,14 @@
 # it was running). The script exits with the tests' status, or 1 when no test passed or a test was
 # skipped for "no device" (the CUDA backend could not be created on the GPU machine).
 #
-# Fits one 10-minute call on an H200: the correctness runs take seconds, each kernel benchmark well
+# Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun): the
+# correctness runs (every op at five geometries and three dtypes) take about a minute, one dtype's
+# ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, each kernel benchmark well
 # under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256) at most
 # GPU_CHECK_SERVE_SECONDS per run. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets
-# 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (40), GPU_CHECK_JOBS (nproc; build jobs).
+# 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (25), GPU_CHECK_MEMCHECK_TIMEOUT (150),
+# GPU_CHECK_JOBS (nproc; build jobs).
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB):
 #   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
@@ -257,7 +260,8 @@ fi
 # backend's geometry limits (cuda_limits_test). Not --gtest_brief: it prints no line for a passed or
 # skipped test, and no failed count.
 with_timeout "$TEST_TIMEOUT" "${BIN_ENV[@]}" "$B/tests/kernels/kernels_test" \
-  --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*:CudaLimitsTest.*' > /tmp/gpu-tests.txt 2>&1
+  --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*' \
+  > /tmp/gpu-tests.txt 2>&1
 tests_rc=$?
 read -r passed failed skipped running < <(gtest_counts /tmp/gpu-tests.txt)
 grep -E "Failure|FAILED|Expected|Which is|error" /tmp/gpu-tests.txt | head -60
@@ -278,6 +282,26 @@ elif [ "$passed" -eq 0 ]; then
   tests_ok=0
 else
   tests_ok=1
+fi
+
+# 1b. One dtype's ops under compute-sanitizer's memcheck (out-of-bounds and misaligned device
+# accesses, errors of CUDA calls): the default geometry and the generic head_dim layout, fp16.
+MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTest.*/cuda_fp16_hd96_g1'
+sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" \
+  /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
+if [ -n "$sanitizer" ]; then
+  with_timeout "${GPU_CHECK_MEMCHECK_TIMEOUT:-150}" "${BIN_ENV[@]}" "$sanitizer" --tool memcheck --leak-check no \
+    --error-exitcode 86 --print-limit 20 "$B/tests/kernels/kernels_test" --gtest_filter="$MEMCHECK_FILTER" \
+    > /tmp/gpu-memcheck.txt 2>&1
+  memcheck_rc=$?
+  read -r mc_passed mc_failed mc_skipped mc_running < <(gtest_counts /tmp/gpu-memcheck.txt)
+  mc_errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+' /tmp/gpu-memcheck.txt | grep -oE '[0-9]+$')
+  memcheck_status="$(describe_rc "$memcheck_rc"); ${mc_errors:-no} memcheck errors; tests $mc_passed / $mc_failed / $mc_skipped"
+  [ "$mc_running" = "-" ] || memcheck_status="$memcheck_status, ended in $mc_running"
+  [ "$memcheck_rc" -eq 0 ] || { echo "memcheck ($memcheck_status):"; grep -m40 -E '^=========' /tmp/gpu-memcheck.txt; }
+else
+  memcheck_rc=0
+  memcheck_status="not run: compute-sanitizer not found next to nvcc"
 fi
 
 # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem.
@@ -317,7 +341,7 @@ fi
 
 # 4. karakv-bench serve on the GPU: none, snapkv, kara at max batch 64 and 256, karakvd --backend=cuda.
 SERVE_STEPS=${GPU_CHECK_SERVE_STEPS:-300}
-SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-40}
+SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-25}
 with_timeout $((SERVE_SECONDS * 6 + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
   --serve_policies=none,snapkv,kara --serve_batches=64,256 --serve_steps="$SERVE_STEPS" \
   --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve" > /tmp/gpu-serve.txt 2>&1
@@ -334,13 +358,14 @@ for row in csv.DictReader(open(sys.argv[1])):
 PY
 )
 fi
-cp /tmp/gpu-tests.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
+cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
 echo "| check | smollm2-135m | llama-3.1-8b |"
 echo "| --- | --- | --- |"
 echo "| cuda ops vs CPU reference (tests passed / failed / skipped; exit status) | $passed / $failed / $skipped; $tests_status | (same run) |"
+echo "| cuda ops under compute-sanitizer memcheck (fp16, $MEMCHECK_FILTER) | $memcheck_status | (same run) |"
 echo "| kernels_bench exit status | ${status[smollm2.kernels_bench]} | ${status[llama8b.kernels_bench]} |"
 echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8b.sdpa_bench]} |"
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \
@@ -359,6 +384,7 @@ echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, 
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$tests_ok" -eq 1 ] || exit 1
+[ "$memcheck_rc" -eq 0 ] || exit 1
 [ "$ipc_rc" -eq 0 ] || exit 1
 [ "$serve_rc" -eq 0 ] || exit 1
 exit 0

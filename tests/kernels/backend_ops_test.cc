@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <string_view>
 #include <tuple>
 
 #include "kernel_test_util.h"
@@ -60,7 +61,28 @@ void write_structured_sequence(Backend& backend, PagedCache& cache, int seq, int
   write_sequence(backend, cache, seq, dense_kv(g, len, k, v));
 }
 
-using OpsParam = std::tuple<std::string, DType>;
+// The geometries the suite runs on. The first is every backend's; the others reach the kernels'
+// other code paths (a GPU kernel picks its lane layout by head_dim and its head chunks by group
+// size): head_dim 128 with group 4 (Llama-8B's shape) and one sequence of 20k tokens (many splits),
+// head_dim 96 (neither 64 nor 128: the generic layout) with group 1, head_dim 64 with group 8 (two
+// head chunks), and the largest head_dim the CUDA kernels take with group 2. Blocks stay 16 tokens:
+// the quantized tests' sequences must hold whole quantized blocks.
+struct GeometryCase {
+  const char* name;
+  int num_layers, num_q_heads, num_kv_heads, head_dim, block_size;
+  int long_len;  // > 0: a sixth sequence of this many tokens
+};
+constexpr GeometryCase kDefaultGeometry = {"hd64_g3", 3, 9, 3, 64, 16, 0};
+constexpr GeometryCase kOtherGeometries[] = {
+    {"hd128_g4_20k", 3, 12, 3, 128, 16, 20000},
+    {"hd96_g1", 3, 3, 3, 96, 16, 0},
+    {"hd64_g8", 3, 16, 2, 64, 16, 0},
+    {"hd256_g2", 3, 6, 3, 256, 16, 0},
+};
+
+void PrintTo(const GeometryCase& c, std::ostream* os) { *os << c.name; }
+
+using OpsParam = std::tuple<std::string, DType, GeometryCase>;
 
 class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
  protected:
@@ -68,12 +90,14 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
     std::string why;
     backend_ = create_backend(std::get<0>(GetParam()), &why);
     if (backend_ == nullptr) GTEST_SKIP() << "no device: backend " << std::get<0>(GetParam()) << ": " << why;
-    geo_.num_layers = 3;
-    geo_.num_q_heads = 9;
-    geo_.num_kv_heads = 3;
-    geo_.head_dim = 64;
-    geo_.block_size = 16;
+    const GeometryCase& c = std::get<2>(GetParam());
+    geo_.num_layers = c.num_layers;
+    geo_.num_q_heads = c.num_q_heads;
+    geo_.num_kv_heads = c.num_kv_heads;
+    geo_.head_dim = c.head_dim;
+    geo_.block_size = c.block_size;
     geo_.dtype = std::get<1>(GetParam());
+    if (c.long_len > 0) lens_.push_back(c.long_len);
   }
   bool supported(Op op) const { return backend_->supports(op, geo_.dtype); }
 
@@ -102,11 +126,16 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
     return p;
   }
 
+  // The quantization formats the reference lays out at this geometry (TurboQuant's rotation needs
+  // a power-of-two head_dim; at the default geometry every format), each with the backend agreeing
+  // on tokens_per_block, also on the 0 of a format it cannot lay out.
+  std::vector<QuantFormat> formats_here() const;
+
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Backend> reference_ = make_cpu_backend();
   Geometry geo_;
   std::mt19937 rng_{5};
-  const std::vector<int> lens_ = {0, 1, 16, 33, 300};
+  std::vector<int> lens_ = {0, 1, 16, 33, 300};  // and the geometry's long sequence
 };
 
 // Every backend runs every op for every storage dtype: the daemon refuses nothing on either.
@@ -439,6 +468,20 @@ const char* format_name(QuantFormat f) {
 }
 constexpr uint64_t kQuantSeed = 0x5eed1234abcdull;
 
+std::vector<QuantFormat> BackendOpsTest::formats_here() const {
+  std::vector<QuantFormat> out;
+  for (QuantFormat f : kQuantFormats) {
+    const int tpb = reference_->quantized_tokens_per_block(geo_, f);
+    EXPECT_EQ(backend_->quantized_tokens_per_block(geo_, f), tpb) << format_name(f);
+    if (tpb > 0) out.push_back(f);
+  }
+  if (std::string_view(std::get<2>(GetParam()).name) == kDefaultGeometry.name) {
+    EXPECT_EQ(out.size(), std::size(kQuantFormats));
+  }
+  EXPECT_FALSE(out.empty());
+  return out;
+}
+
 // Each sequence's quantized prefix (its first blocks' tokens quantized into spare blocks) and the
 // unquantized rest, as the daemon keeps them: QuantizedKV tables plus a PagedKV of the remainder.
 struct QuantizedLayout {
@@ -515,7 +558,7 @@ TEST_P(BackendOpsTest, QuantizeIsBitExact) {
   const Pair caches = quant_caches();
   ASSERT_EQ(caches.test->block_table(), caches.ref->block_table());
   const std::vector<int32_t> spare = spare_blocks(*caches.test);
-  for (QuantFormat f : kQuantFormats) {
+  for (QuantFormat f : formats_here()) {
     SCOPED_TRACE(format_name(f));
     const int tpb = reference_->quantized_tokens_per_block(geo_, f);
     ASSERT_GT(tpb, 0);
@@ -536,7 +579,7 @@ TEST_P(BackendOpsTest, DequantizeIsBitExact) {
   if (!supported(Op::kWriteKV) || !supported(Op::kDequantize)) GTEST_SKIP() << "not supported";
   const Pair caches = quant_caches();
   const std::vector<int32_t> spare = spare_blocks(*caches.ref);
-  for (QuantFormat f : kQuantFormats) {
+  for (QuantFormat f : formats_here()) {
     SCOPED_TRACE(format_name(f));
     const int tpb = reference_->quantized_tokens_per_block(geo_, f);
     const QuantizedLayout q = quantized_layout(*caches.ref, tpb, spare);
@@ -566,7 +609,7 @@ TEST_P(BackendOpsTest, QuantizedAttention) {
   const std::vector<int32_t> spare = spare_blocks(*caches.ref);
   const int hk = geo_.num_kv_heads, num_seqs = int(quant_lens().size());
   const size_t n = size_t(num_seqs) * geo_.q_token_elems();
-  for (QuantFormat f : kQuantFormats) {
+  for (QuantFormat f : formats_here()) {
     SCOPED_TRACE(format_name(f));
     const int tpb = reference_->quantized_tokens_per_block(geo_, f);
     const QuantizedLayout q = quantized_layout(*caches.ref, tpb, spare);
@@ -640,8 +683,8 @@ TEST_P(BackendOpsTest, QuantizeRefusesWhatTheReferenceRefuses) {
   auto at = [&](int layer, int token, int head, int c) {
     return ((size_t(layer) * lens[0] + token) * geo_.num_kv_heads + head) * geo_.head_dim + c;
   };
-  k[at(1, 5, 2, 7)] = 1e6f;   // keys of layer 1, head 2
-  v[at(2, 40, 0, 3)] = -7e4f;  // values of layer 2, head 0
+  k[at(1, 5, geo_.num_kv_heads - 1, 7)] = 1e6f;  // keys of layer 1, the last head
+  v[at(2, 40, 0, 3)] = -7e4f;                    // values of layer 2, head 0
   const DenseKV dense = dense_kv(geo_, lens[0], k, v);
   write_sequence(*backend_, *caches.test, 0, dense);
   write_sequence(*reference_, *caches.ref, 0, dense);
@@ -712,8 +755,27 @@ TEST_P(BackendOpsTest, InvalidArgumentsAreRefusedLikeTheReference) {
 INSTANTIATE_TEST_SUITE_P(
     AllBackends, BackendOpsTest,
     ::testing::Combine(::testing::ValuesIn(registered_backends()),
-                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16)),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                       ::testing::Values(kDefaultGeometry)),
     [](const auto& info) { return std::get<0>(info.param) + "_" + name_of(std::get<1>(info.param)); });
+
+// The other geometries on every backend but the CPU one: the reference is the CPU backend, so
+// there they would compare it with itself.
+std::vector<std::string> backends_under_test() {
+  std::vector<std::string> b;
+  for (const std::string& name : registered_backends())
+    if (name != "cpu") b.push_back(name);
+  return b;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Geometries, BackendOpsTest,
+    ::testing::Combine(::testing::ValuesIn(backends_under_test()),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                       ::testing::ValuesIn(kOtherGeometries)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + name_of(std::get<1>(info.param)) + "_" + std::get<2>(info.param).name;
+    });
 
 }  // namespace
 }  // namespace karakv::kernels::test
