@@ -46,6 +46,20 @@ namespace {
 using cuda::Arena;
 using cuda::DeviceKV;
 
+// The scratch arena's chunks: cudaMalloc on the current device (the backend's: every call sets it).
+class CudaScratchMemory final : public cuda::ArenaMemory {
+ public:
+  KernelStatus allocate(size_t bytes, void** out) override {
+    const cudaError_t err = cudaMalloc(out, bytes);
+    if (err == cudaSuccess) return KernelStatus::ok();
+    cudaGetLastError();  // clear the error state of a failed allocation
+    *out = nullptr;
+    return {KernelStatus::Code::kInternal,
+            "cudaMalloc of " + std::to_string(bytes) + " bytes failed: " + cudaGetErrorString(err)};
+  }
+  void free(void* p) override { cudaFree(p); }
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, int num_sms, std::string device_name)
@@ -808,7 +822,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
   common::Allocations allocations_;
-  Arena arena_;
+  CudaScratchMemory scratch_memory_;
+  Arena arena_{scratch_memory_};
 };
 
 }  // namespace
