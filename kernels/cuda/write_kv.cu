@@ -1,39 +1,38 @@
 #include "write_kv.cuh"
 
+#include "copy_rows.cuh"
+
 namespace karakv::kernels::cuda {
 namespace {
 
-// One thread per element of K (and the same element of V), grid-stride; dense source order, so
-// reads are coalesced and each head_dim row lands contiguously in its block.
-template <typename E>
-__global__ void write_kv_kernel(DeviceKV kv, int seq, int start_pos, int num_tokens, int layer_begin,
-                                long long total, const E* __restrict__ k, const E* __restrict__ v) {
-  E* pool = static_cast<E*>(kv.pool);
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-    const DenseTokenIndex x = split_dense_index(i, num_tokens, kv.num_kv_heads, kv.head_dim);
-    const int pos = start_pos + x.token, layer = layer_begin + x.layer;
-    pool[kv.token_offset(seq, pos, layer, 0, x.head) + x.dim] = k[i];
-    pool[kv.token_offset(seq, pos, layer, 1, x.head) + x.dim] = v[i];
+// Row r of the dense input ([layer][token][head]) to its slot in the sequence's blocks, K and V.
+struct WriteRows {
+  static constexpr int kPairs = 2;
+  DeviceKV kv;
+  int seq, start_pos, num_tokens, layer_begin;
+  size_t row_bytes, elem_size;
+  const char* k;
+  const char* v;
+  __device__ void addresses(int r, const char* (&src)[2], char* (&dst)[2]) const {
+    const int head = r % kv.num_kv_heads, rest = r / kv.num_kv_heads;
+    const int token = rest % num_tokens, layer = layer_begin + rest / num_tokens;
+    char* pool = static_cast<char*>(kv.pool);
+    src[0] = k + size_t(r) * row_bytes;
+    src[1] = v + size_t(r) * row_bytes;
+    dst[0] = pool + kv.token_offset(seq, start_pos + token, layer, 0, head) * elem_size;
+    dst[1] = pool + kv.token_offset(seq, start_pos + token, layer, 1, head) * elem_size;
   }
-}
-
-template <typename E>
-KernelStatus launch(const DeviceKV& kv, int seq, int start_pos, int num_tokens, int layer_begin, int num_layers,
-                    const void* k, const void* v, cudaStream_t stream) {
-  const long long total = (long long)num_layers * num_tokens * kv.num_kv_heads * kv.head_dim;
-  if (total == 0) return KernelStatus::ok();
-  write_kv_kernel<E><<<copy_grid(total), kCopyThreads, 0, stream>>>(kv, seq, start_pos, num_tokens, layer_begin, total,
-                                                      static_cast<const E*>(k), static_cast<const E*>(v));
-  KARAKV_CUDA_CHECK_LAUNCH("write_kv");
-  return KernelStatus::ok();
-}
+};
 
 }  // namespace
 
 KernelStatus launch_write_kv(const DeviceKV& kv, size_t elem_size, int seq, int start_pos, int num_tokens,
                              int layer_begin, int num_layers, const void* k, const void* v, cudaStream_t stream) {
-  if (elem_size == 4) return launch<uint32_t>(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, stream);
-  return launch<uint16_t>(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v, stream);
+  const size_t row_bytes = size_t(kv.head_dim) * elem_size;
+  const WriteRows rows{kv, seq, start_pos, num_tokens, layer_begin, row_bytes, elem_size,
+                       static_cast<const char*>(k), static_cast<const char*>(v)};
+  return launch_copy_rows(rows, (long long)num_layers * num_tokens * kv.num_kv_heads, row_bytes, {kv.pool, k, v},
+                          stream, "write_kv");
 }
 
 }  // namespace karakv::kernels::cuda
