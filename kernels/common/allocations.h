@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -35,6 +36,14 @@ class Allocations {
     auto it = map_.find(kv.pool);
     if (it == map_.end()) return -1;
     return static_cast<long long>(it->second / block_bytes);
+  }
+  // Whether p lies inside one of these allocations.
+  bool contains(const void* p) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.upper_bound(p);
+    if (it == map_.begin()) return false;
+    --it;
+    return std::less<const void*>()(p, static_cast<const char*>(it->first) + it->second);
   }
   // Calls f(pointer) for every live allocation and forgets them (a backend's destructor).
   template <typename F>

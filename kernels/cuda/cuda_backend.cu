@@ -9,6 +9,9 @@
 // (common/validate.h) before anything is launched, so an invalid call changes nothing, then
 // uploaded for the call.
 //
+// Host tensors and tables travel through pinned buffers, packed: one host-to-device copy before a
+// call's first kernel and one device-to-host copy at its end, however many tensors the call has.
+//
 // Calls are serialised by a mutex (one stream, one scratch arena) and each returns after its
 // stream has synchronized: when it returns OK its outputs are complete, and a kernel fault
 // surfaces as kInternal naming the op and the CUDA error ("decode_attention: cudaStreamSynchronize
@@ -75,6 +78,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     allocations_.release_all([](void* p) { cudaFree(p); });
+    for (PinnedStaging* pinned : {&pinned_up_, &pinned_down_})
+      if (pinned->host != nullptr) cudaFreeHost(pinned->host);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -163,6 +168,7 @@ class CudaBackend final : public Backend {
       cudaFree(p);
       return cuda::cuda_status(e, std::string("allocate_shared: ") + what);
     }
+    shared_allocations_.add(p, rounded);
     out->ptr = p;
     out->bytes = rounded;
     out->device = device_;
@@ -172,12 +178,17 @@ class CudaBackend final : public Backend {
 
   void free_shared(const SharedDeviceMemory& memory) override {
     if (memory.ptr == nullptr) return;
+    shared_allocations_.remove(memory.ptr);
     std::lock_guard<std::mutex> lock(mu_);
     cudaSetDevice(device_);
     cudaFree(memory.ptr);
   }
 
-  bool is_device_memory(const void* p) const override { return Call::is_device(p); }
+  // The backend's own allocations (the pool, device staging, buffers) without asking the driver;
+  // anything else as the driver says.
+  bool is_device_memory(const void* p) const override {
+    return allocations_.contains(p) || shared_allocations_.contains(p) || Call::is_device(p);
+  }
 
   // On the backend's stream and complete on return (a plain cudaMemcpy from pageable memory may
   // return before the device copy lands, and the legacy stream does not order with stream_).
@@ -202,7 +213,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.input(v, bytes, &dv));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_write_kv(dkv, dtype_size(geo.dtype), seq, start_pos, num_tokens,
-                                                            layer_begin, num_layers, dk, dv, stream_)));
+                                                            layer_begin, num_layers, dk, dv, call.stream())));
     return call.finish();
   }
 
@@ -246,7 +257,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_paged_attention(dkv, kv.geometry.dtype, layer, rows, dq, dout, scale,
-                                                                   nullptr, num_sms_, arena_, stream_)));
+                                                                   nullptr, num_sms_, arena_, call.stream())));
     return call.finish();
   }
 
@@ -262,7 +273,7 @@ class CudaBackend final : public Backend {
     void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, stream_)));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, call.stream())));
     return call.finish();
   }
 
@@ -291,7 +302,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, size_t(window) * kv.geometry.q_token_elems() * sizeof(float), &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window,
-                                                                 dq, scale, dout, arena_, stream_)));
+                                                                 dq, scale, dout, arena_, call.stream())));
     return call.finish();
   }
 
@@ -312,7 +323,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores_observed(dkv, kv.geometry.dtype, seq, layer,
                                                                           slot_begin, window, dq, scale, dlse,
-                                                                          later_keys_only, dout, arena_, stream_)));
+                                                                          later_keys_only, dout, arena_, call.stream())));
     return call.finish();
   }
 
@@ -330,7 +341,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, size_t(num_obs) * kv.geometry.q_token_elems() * sizeof(float), &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * n * sizeof(float), &dout));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_snapkv_scores(dkv, kv.geometry.dtype, seq, layer, n, num_obs, dq,
-                                                                 scale, pool, dout, arena_, stream_)));
+                                                                 scale, pool, dout, arena_, call.stream())));
     return call.finish();
   }
 
@@ -342,7 +353,7 @@ class CudaBackend final : public Backend {
     int32_t* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(k) * sizeof(int32_t), &dout));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_top_k(ds, n, k, dout, arena_, stream_)));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_top_k(ds, n, k, dout, arena_, call.stream())));
     return call.finish();
   }
 
@@ -356,7 +367,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(budget) * sizeof(int32_t), &dout));
     KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, stream_)));
+        call.named(cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, call.stream())));
     return call.finish();
   }
 
@@ -374,7 +385,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
     KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
     KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, stream_)));
+        call.named(cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, call.stream())));
     return call.finish();
   }
 
@@ -395,7 +406,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(rows) * n * sizeof(float), &dscores));
     KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_cam_merge(dkv, g.dtype, seq, begin, end, dkept, num_kept, dscores,
-                                                             merge_tokens, ddst, arena_, stream_)));
+                                                             merge_tokens, ddst, arena_, call.stream())));
     return call.finish();
   }
 
@@ -435,7 +446,7 @@ class CudaBackend final : public Backend {
     int32_t* dbad = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(first_bad.data(), first_bad.size() * sizeof(int32_t), &dbad));
     KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_quantize_tokens(dkv, g.dtype, dq, seq, slot_begin, dst, dbad, arena_, stream_)));
+        call.named(cuda::launch_quantize_tokens(dkv, g.dtype, dq, seq, slot_begin, dst, dbad, arena_, call.stream())));
     KARAKV_RETURN_IF_ERROR(call.finish());
     const bool kivi = q.format == QuantFormat::kKivi2 || q.format == QuantFormat::kKivi4;
     for (size_t r = 0; r < first_bad.size(); ++r) {
@@ -474,7 +485,7 @@ class CudaBackend final : public Backend {
     void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_dequantize_block(dkv, g.dtype, dq, block, dk, dv, stream_)));
+    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_dequantize_block(dkv, g.dtype, dq, block, dk, dv, call.stream())));
     return call.finish();
   }
 
@@ -594,7 +605,7 @@ class CudaBackend final : public Backend {
     }
     KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized,
                                                                        row_fp, dq_in, dout, scale, dprobs, arena_,
-                                                                       stream_)));
+                                                                       call.stream())));
     KARAKV_RETURN_IF_ERROR(call.finish());
     if (score_acc == nullptr) return KernelStatus::ok();
     size_t offset = 0;
@@ -622,23 +633,62 @@ class CudaBackend final : public Backend {
     return KernelStatus::ok();
   }
 
+  // Pinned host memory through which a call's host tensors travel: inputs packed into one
+  // host-to-device copy, outputs into one device-to-host copy (copies from pageable memory go
+  // through the driver's own staging one by one). `wanted` is what the last calls needed; the
+  // buffer grows to it at the start of the next call, up to kMaxPinnedStaging (larger tensors
+  // are copied one by one, as they would be anyway).
+  struct PinnedStaging {
+    char* host = nullptr;
+    size_t size = 0;
+    size_t wanted = size_t(256) << 10;
+  };
+  static constexpr size_t kMaxPinnedStaging = size_t(16) << 20;
+
+  // Grows `pinned` to what calls asked for. A failed cudaHostAlloc leaves it smaller: calls then
+  // copy one tensor at a time.
+  static void grow(PinnedStaging& pinned) {
+    const size_t want = std::min(pinned.wanted, kMaxPinnedStaging);
+    if (want <= pinned.size) return;
+    size_t size = size_t(64) << 10;
+    while (size < want) size *= 2;
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, size, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      pinned.wanted = pinned.size;
+      return;
+    }
+    if (pinned.host != nullptr) cudaFreeHost(pinned.host);
+    pinned.host = static_cast<char*>(p);
+    pinned.size = size;
+  }
+
   // One op's device session: holds the lock, rewinds the scratch arena, stages inputs and
   // outputs, and on finish() copies host outputs back and synchronizes the stream. `op` names the
   // op in every error the session returns or passes on (named()), so a fault that surfaces at the
   // synchronize says which op was running.
+  //
+  // Host inputs are packed into the pinned upload buffer as they are staged and reach the device
+  // in one copy that stream() issues: launchers are passed call.stream(), so the copy is queued
+  // before their first kernel. Host outputs are packed likewise and come back in one copy at
+  // finish(). The pinned buffers are reused by the next call only after this one synchronized.
   class Call {
    public:
     Call(CudaBackend& b, std::string_view op) : b_(b), op_(op), lock_(b.mu_) {
       cudaSetDevice(b_.device_);
       b_.arena_.reset();
+      grow(b_.pinned_up_);
+      grow(b_.pinned_down_);
     }
     ~Call() {
       // An early return after launches must not leave work running into the next call's scratch.
       if (!finished_) cudaStreamSynchronize(b_.stream_);
     }
 
-    // st, with the op's name in front when it failed (a launcher's or the arena's error).
+    // st, with the op's name in front when it failed (a launcher's or the arena's error); a failed
+    // upload that stream() could not report comes first.
     KernelStatus named(KernelStatus st) const {
+      if (!flush_error_.is_ok()) return flush_error_;
       if (!st.is_ok()) st.message = std::string(op_) + ": " + st.message;
       return st;
     }
@@ -648,15 +698,34 @@ class CudaBackend final : public Backend {
       return cuda::cuda_status(err, std::string(op_) + ": " + std::string(what));
     }
 
+    // The backend's stream, with every input staged so far queued for upload on it.
+    cudaStream_t stream() {
+      if (up_.used > up_.flushed && flush_error_.is_ok()) {
+        flush_error_ = check(cudaMemcpyAsync(up_.device + up_.flushed, b_.pinned_up_.host + up_.flushed,
+                                             up_.used - up_.flushed, cudaMemcpyHostToDevice, b_.stream_),
+                             "cudaMemcpyAsync of the inputs to the device");
+        up_.flushed = up_.used;
+      }
+      return b_.stream_;
+    }
+
     template <typename T>
     KernelStatus upload(const std::vector<T>& host, const T** out) {
       return input(host.data(), host.size() * sizeof(T), out);
     }
-    // A device view of `bytes` at p: p itself when it is device memory, else a scratch copy.
+    // A device view of `bytes` at p: p itself when it is device memory, else a scratch copy
+    // (packed, or alone when the pinned buffer has no room).
     template <typename T>
     KernelStatus input(const T* p, size_t bytes, const T** out) {
-      if (bytes == 0 || is_device(p)) {
+      if (bytes == 0 || b_.is_device_memory(p)) {
         *out = p;
+        return KernelStatus::ok();
+      }
+      size_t offset = 0;
+      KARAKV_RETURN_IF_ERROR(pack(b_.pinned_up_, up_, bytes, &offset));
+      if (offset != kNoRoom) {
+        std::memcpy(b_.pinned_up_.host + offset, p, bytes);
+        *out = reinterpret_cast<const T*>(up_.device + offset);
         return KernelStatus::ok();
       }
       void* d = nullptr;
@@ -668,13 +737,20 @@ class CudaBackend final : public Backend {
     }
     template <typename T>
     KernelStatus output(T* p, size_t bytes, T** out) {
-      if (bytes == 0 || is_device(p)) {
+      if (bytes == 0 || b_.is_device_memory(p)) {
         *out = p;
+        return KernelStatus::ok();
+      }
+      size_t offset = 0;
+      KARAKV_RETURN_IF_ERROR(pack(b_.pinned_down_, down_, bytes, &offset));
+      if (offset != kNoRoom) {
+        copies_.push_back({p, down_.device + offset, bytes, offset});
+        *out = reinterpret_cast<T*>(down_.device + offset);
         return KernelStatus::ok();
       }
       void* d = nullptr;
       KARAKV_RETURN_IF_ERROR(named(b_.arena_.take(bytes, &d)));
-      copies_.push_back({p, d, bytes});
+      copies_.push_back({p, d, bytes, kNoRoom});
       *out = static_cast<T*>(d);
       return KernelStatus::ok();
     }
@@ -704,11 +780,19 @@ class CudaBackend final : public Backend {
     // A kernel fault of this op (or, the context being broken for good after one, of an earlier op)
     // surfaces here, at the copies back or the synchronize.
     KernelStatus finish() {
+      KARAKV_RETURN_IF_ERROR(named(KernelStatus::ok()));
+      if (down_.used > 0)
+        KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(b_.pinned_down_.host, down_.device, down_.used,
+                                                     cudaMemcpyDeviceToHost, b_.stream_),
+                                     "cudaMemcpyAsync of the outputs to the host"));
       for (const Copy& c : copies_)
-        KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, b_.stream_),
-                                     "cudaMemcpyAsync of an output to the host"));
+        if (c.pinned_offset == kNoRoom)
+          KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, b_.stream_),
+                                       "cudaMemcpyAsync of an output to the host"));
       finished_ = true;
       KARAKV_RETURN_IF_ERROR(check(cudaStreamSynchronize(b_.stream_), "cudaStreamSynchronize after its kernels"));
+      for (const Copy& c : copies_)
+        if (c.pinned_offset != kNoRoom) std::memcpy(c.host, b_.pinned_down_.host + c.pinned_offset, c.bytes);
       return KernelStatus::ok();
     }
 
@@ -722,14 +806,46 @@ class CudaBackend final : public Backend {
     }
 
    private:
+    static constexpr size_t kNoRoom = SIZE_MAX;
+    // This call's packed region of one direction: `capacity` bytes of scratch mirroring the pinned
+    // buffer, `used` of them packed, the first `flushed` already queued for upload.
+    struct Packed {
+      char* device = nullptr;
+      size_t capacity = 0, used = 0, flushed = 0;
+      bool taken = false;
+    };
+    // An offset for `bytes` in the packed region (taken from the arena at the first use), or
+    // kNoRoom; what the call wanted is remembered so the next call's pinned buffer fits it.
+    KernelStatus pack(PinnedStaging& pinned, Packed& packed, size_t bytes, size_t* offset) {
+      *offset = kNoRoom;
+      const size_t need = (bytes + 255) / 256 * 256;
+      pinned.wanted = std::max(pinned.wanted, packed.used + need);
+      if (!packed.taken) {
+        packed.taken = true;
+        if (pinned.size > 0) {
+          void* d = nullptr;
+          KARAKV_RETURN_IF_ERROR(named(b_.arena_.take(pinned.size, &d)));
+          packed.device = static_cast<char*>(d);
+          packed.capacity = pinned.size;
+        }
+      }
+      if (packed.used + need > packed.capacity) return KernelStatus::ok();
+      *offset = packed.used;
+      packed.used += need;
+      return KernelStatus::ok();
+    }
+
     struct Copy {
       void* host;
       const void* device;
       size_t bytes;
+      size_t pinned_offset;  // where it lands in the pinned download buffer, or kNoRoom (copied alone)
     };
     CudaBackend& b_;
     const std::string_view op_;
     std::lock_guard<std::mutex> lock_;
+    Packed up_, down_;
+    KernelStatus flush_error_ = KernelStatus::ok();
     std::vector<Copy> copies_;
     bool finished_ = false;
   };
@@ -777,7 +893,7 @@ class CudaBackend final : public Backend {
     }
     KARAKV_RETURN_IF_ERROR(
         call.named(cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_,
-                                                stream_)));
+                                                call.stream())));
     if (score_acc == nullptr && lse_out == nullptr) return call.finish();
 
     // Per-(sequence, KV head) probabilities on the device, added into the host accumulators.
@@ -796,7 +912,7 @@ class CudaBackend final : public Backend {
       KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
       KARAKV_RETURN_IF_ERROR(
           call.named(cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs,
-                                                          stream_)));
+                                                          call.stream())));
     }
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int s = 0; s < kv.num_seqs; ++s) {
@@ -822,8 +938,10 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
   common::Allocations allocations_;
+  common::Allocations shared_allocations_;  // allocate_shared's device staging
   CudaScratchMemory scratch_memory_;
   Arena arena_{scratch_memory_};
+  PinnedStaging pinned_up_, pinned_down_;
 };
 
 }  // namespace
