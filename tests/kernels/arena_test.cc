@@ -1,6 +1,9 @@
 // The CUDA backend's scratch arena (kernels/cuda/arena.h) on host memory: alignment, reuse after a
-// rewind, coalescing after growth, shrinking after a large call, and a failed allocation.
+// rewind, coalescing after growth, shrinking after a large call, and a failed allocation; and the
+// allocation records it asks before the driver (kernels/common/allocations.h).
 #include "cuda/arena.h"
+
+#include "common/allocations.h"
 
 #include <gtest/gtest.h>
 
@@ -134,6 +137,26 @@ TEST(ArenaTest, FailedAllocations) {
   EXPECT_FALSE(st.is_ok());
   EXPECT_EQ(p, nullptr);
   EXPECT_NE(st.message.find("scratch memory"), std::string::npos) << st.message;
+}
+
+// The CUDA backend asks its records whether a tensor is its own device memory before asking the
+// driver: every byte inside an allocation is, the byte after it and memory before the first one
+// are not, and a removed allocation is no longer.
+TEST(AllocationsTest, ContainsEveryByteOfALiveAllocation) {
+  common::Allocations a;
+  static char memory[4096];
+  EXPECT_FALSE(a.contains(memory));
+  a.add(memory + 1024, 1000);
+  a.add(memory + 2048, 16);
+  EXPECT_FALSE(a.contains(memory + 1023));
+  EXPECT_TRUE(a.contains(memory + 1024));
+  EXPECT_TRUE(a.contains(memory + 2023));
+  EXPECT_FALSE(a.contains(memory + 2024));
+  EXPECT_TRUE(a.contains(memory + 2063));
+  EXPECT_FALSE(a.contains(memory + 2064));
+  a.remove(memory + 1024);
+  EXPECT_FALSE(a.contains(memory + 1500));
+  EXPECT_TRUE(a.contains(memory + 2050));
 }
 
 }  // namespace
