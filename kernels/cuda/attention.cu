@@ -8,11 +8,22 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-// Query heads per CTA: a whole group of up to 4 (or one), larger groups in chunks of 4.
+
+// The lanes of the token group of TPT lanes that `lane` belongs to: the shuffles of a group name
+// only its own lanes, so a group with no token left may skip a step while the other works.
+template <int TPT>
+__device__ __forceinline__ unsigned group_mask(int lane) {
+  if constexpr (TPT == 32)
+    return 0xffffffffu;
+  else
+    return ((1u << TPT) - 1u) << (lane / TPT * TPT);
+}
+// Query heads per CTA: a whole group of up to 4, larger groups in chunks of 4.
 constexpr int kMaxG = 4;
 // Shortest span of tokens worth a split of its own.
 constexpr int kMinTokensPerSplit = 128;
+// Waves of CTAs the split aims for: enough that the last, partial wave is a small part of the time.
+constexpr int kTargetWaves = 4;
 
 // Lane li of a token group of TPT lanes owns elements d = (i * TPT + li) * VEC + v, i < NI.
 template <int VEC, int TPT, int NI>
@@ -20,18 +31,33 @@ __device__ __forceinline__ int elem_index(int li, int e) {
   return ((e / VEC) * TPT + li) * VEC + e % VEC;
 }
 
+// A lane's share of one K or V row as stored: one 16-byte vector when a row is a power-of-two
+// number of them (kept raw, converted element by element as it is used), else E elements.
+template <typename T, int VEC, int NI>
+inline constexpr bool kVectorRow = NI == 1 && VEC * sizeof(T) == 16;
+template <typename T, int E, bool kVector>
+struct RawRow;
+template <typename T, int E>
+struct RawRow<T, E, true> {
+  uint4 x;
+  __device__ __forceinline__ float at(int e) const { return to_float(reinterpret_cast<const T*>(&x)[e]); }
+};
+template <typename T, int E>
+struct RawRow<T, E, false> {
+  T x[E];
+  __device__ __forceinline__ float at(int e) const { return to_float(x[e]); }
+};
+
 template <typename T, int VEC, int TPT, int NI>
-__device__ __forceinline__ void load_row(const T* __restrict__ row, int li, int hd, float (&out)[VEC * NI]) {
-  if constexpr (NI == 1 && VEC * sizeof(T) == 16) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + li * VEC);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) out[v] = to_float(e[v]);
+__device__ __forceinline__ void load_row(const T* __restrict__ row, int li, int hd,
+                                         RawRow<T, VEC * NI, kVectorRow<T, VEC, NI>>& out) {
+  if constexpr (kVectorRow<T, VEC, NI>) {
+    out.x = *reinterpret_cast<const uint4*>(row + li * VEC);
   } else {
 #pragma unroll
     for (int e = 0; e < VEC * NI; ++e) {
       const int d = elem_index<VEC, TPT, NI>(li, e);
-      out[e] = d < hd ? to_float(row[d]) : 0.0f;
+      out.x[e] = d < hd ? row[d] : from_float<T>(0.0f);
     }
   }
 }
@@ -46,11 +72,13 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int TG = 32 / TPT;           // token groups per warp
   constexpr int E = VEC * NI;            // elements per lane
   constexpr int kGroups = kWarps * TG;   // token groups per CTA
+  constexpr int kStep = kGroups * 2;     // tokens per CTA step: two per token group
+  using Row = RawRow<T, E, kVectorRow<T, VEC, NI>>;
   __shared__ float s_m[kGroups][G];
   __shared__ float s_l[kGroups][G];
   extern __shared__ float s_acc[];       // [kGroups][G][head_dim]
 
-  // Rows on grid.x (up to 2^31 - 1), splits on grid.z (<= 65535 of >= 128 tokens each).
+  // Rows on grid.x (up to 2^31 - 1), splits on grid.z (<= 65535).
   const int r = blockIdx.x;
   const int hk = blockIdx.y / head_chunks;
   const int chunk = blockIdx.y % head_chunks;
@@ -82,35 +110,58 @@ __global__ void __launch_bounds__(kThreads)
     l[j] = 0.0f;
   }
 
+  // The sequence's table and this (layer, KV head)'s run inside a block, once: a token's row is
+  // then one table load away.
   const T* pool = static_cast<const T*>(kv.pool);
-  // The loop bound is uniform across the warp so every lane reaches the shuffles.
-  for (int base = t_begin + warp * TG; base < t_end; base += kWarps * TG) {
-    const int t = base + gi;
-    const bool valid = t < t_end;
-    float kf[E], vf[E];
-    if (valid) {
-      load_row<T, VEC, TPT, NI>(pool + kv.token_offset(seq, t, layer, 0, hk), li, hd, kf);
-      load_row<T, VEC, TPT, NI>(pool + kv.token_offset(seq, t, layer, 1, hk), li, hd, vf);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) kf[e] = vf[e] = 0.0f;
+  const int32_t* __restrict__ table = kv.block_table + (t_begin < t_end ? kv.table_offset[seq] : 0);
+  const int bs = kv.block_size;
+  const size_t block_elems = kv.block_elems();
+  const size_t k_run = kv.run_offset(0, layer, 0, hk), v_run = kv.run_offset(0, layer, 1, hk);
+  auto row_of = [&](int t, size_t run) {
+    const int b = t / bs;
+    return pool + size_t(table[b]) * block_elems + run + size_t(t - b * bs) * hd;
+  };
+
+  // Token group `group` takes tokens base + group and base + kGroups + group of each step; the loop
+  // bound is uniform across the warp so every lane reaches the shuffles.
+  for (int base = t_begin; base < t_end; base += kStep) {
+    const int t0 = base + group, t1 = base + kGroups + group;
+    const bool valid0 = t0 < t_end, valid1 = t1 < t_end;
+    Row k0, v0, k1, v1;
+    if (valid0) {
+      load_row<T, VEC, TPT, NI>(row_of(t0, k_run), li, hd, k0);
+      load_row<T, VEC, TPT, NI>(row_of(t0, v_run), li, hd, v0);
     }
+    if (valid1) {
+      load_row<T, VEC, TPT, NI>(row_of(t1, k_run), li, hd, k1);
+      load_row<T, VEC, TPT, NI>(row_of(t1, v_run), li, hd, v1);
+    }
+    if (!valid0) continue;  // uniform in the token group; t1 > t0, so nothing valid either
 #pragma unroll
     for (int j = 0; j < G; ++j) {
-      float s = 0.0f;
+      float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) s = fmaf(qr[j][e], kf[e], s);
-#pragma unroll
-      for (int off = TPT / 2; off > 0; off /= 2) s += __shfl_xor_sync(kFullMask, s, off);
-      if (valid) {
-        const float m_new = fmaxf(m[j], s);
-        const float c = expf(m[j] - m_new);
-        const float p = expf(s - m_new);
-        l[j] = l[j] * c + p;
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[j][e] = fmaf(p, vf[e], acc[j][e] * c);
-        m[j] = m_new;
+      for (int e = 0; e < E; ++e) {
+        s0 = fmaf(qr[j][e], k0.at(e), s0);
+        if (valid1) s1 = fmaf(qr[j][e], k1.at(e), s1);
       }
+#pragma unroll
+      for (int off = TPT / 2; off > 0; off /= 2) {
+        s0 += __shfl_xor_sync(group_mask<TPT>(lane), s0, off, TPT);
+        s1 += __shfl_xor_sync(group_mask<TPT>(lane), s1, off, TPT);
+      }
+      const float m_new = fmaxf(m[j], valid1 ? fmaxf(s0, s1) : s0);
+      const float c = expf(m[j] - m_new);
+      const float p0 = expf(s0 - m_new);
+      const float p1 = valid1 ? expf(s1 - m_new) : 0.0f;
+      l[j] = l[j] * c + p0 + p1;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        float a = fmaf(p0, v0.at(e), acc[j][e] * c);
+        if (valid1) a = fmaf(p1, v1.at(e), a);
+        acc[j][e] = a;
+      }
+      m[j] = m_new;
     }
   }
 
@@ -176,15 +227,45 @@ __global__ void combine_kernel(int hq, int hd, int num_splits, const float* __re
   if (lse != nullptr && threadIdx.x == 0) lse[size_t(r) * hq + h] = mx == -INFINITY ? -INFINITY : mx + logf(lsum);
 }
 
+// How the rows are split along the sequence, and the scratch the splits write.
+struct SplitPlan {
+  int num_splits = 1, tokens_per_split = 1;
+  float* part_ml = nullptr;
+  float* part_acc = nullptr;
+};
+
+// Splits of equal length spreading the rows' total length (times the CTAs per token: KV heads and
+// head chunks) over kTargetWaves waves of what the SMs hold at once (ctas_per_sm from the
+// occupancy calculator), none shorter than kMinTokensPerSplit; a short row leaves its later splits
+// empty (those CTAs exit at once), a long one gets as many as its length needs.
+KernelStatus plan_splits(const DeviceKV& kv, const AttentionRows& rows, int head_chunks, int num_sms, int ctas_per_sm,
+                         Arena& arena, SplitPlan* plan) {
+  const long long work = std::max<long long>(rows.total_len, 1) * kv.num_kv_heads * head_chunks;
+  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
+  const int max_len = std::max(rows.max_len, 1);
+  long long tokens = (work + slots * kTargetWaves - 1) / (slots * kTargetWaves);
+  tokens = std::max<long long>({tokens, kMinTokensPerSplit, (max_len + 65534) / 65535});
+  plan->tokens_per_split = int(std::min<long long>(tokens, max_len));
+  plan->num_splits = ceil_div(max_len, plan->tokens_per_split);
+  const size_t slots_out = size_t(rows.num_rows) * kv.num_q_heads * plan->num_splits;
+  if (auto st = arena.take(slots_out * 2, &plan->part_ml); !st.is_ok()) return st;
+  return arena.take(slots_out * kv.head_dim, &plan->part_acc);
+}
+
 template <typename T, int VEC, int TPT, int NI, int G>
 KernelStatus launch_partial(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
-                            int head_chunks, int tokens_per_split, int num_splits, float* part_ml, float* part_acc,
-                            cudaStream_t stream) {
+                            int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
   constexpr int kGroups = kWarps * (32 / TPT);
+  const int head_chunks = ceil_div(kv.group_size(), G);
   const size_t smem = size_t(kGroups) * G * kv.head_dim * sizeof(float);
-  const dim3 grid(rows.num_rows, kv.num_kv_heads * head_chunks, num_splits);
-  partial_kernel<T, VEC, TPT, NI, G><<<grid, kThreads, smem, stream>>>(
-      kv, layer, rows.row_seq, rows.row_len, q, scale, head_chunks, tokens_per_split, num_splits, part_ml, part_acc);
+  auto kernel = partial_kernel<T, VEC, TPT, NI, G>;
+  int ctas_per_sm = 0;
+  KARAKV_CUDA_RETURN_IF_ERROR_IN("paged_attention", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+                                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, smem));
+  if (auto st = plan_splits(kv, rows, head_chunks, num_sms, ctas_per_sm, arena, plan); !st.is_ok()) return st;
+  const dim3 grid(rows.num_rows, kv.num_kv_heads * head_chunks, plan->num_splits);
+  kernel<<<grid, kThreads, smem, stream>>>(kv, layer, rows.row_seq, rows.row_len, q, scale, head_chunks,
+                                           plan->tokens_per_split, plan->num_splits, plan->part_ml, plan->part_acc);
   KARAKV_CUDA_CHECK_LAUNCH("paged_attention partial");
   return KernelStatus::ok();
 }
@@ -193,18 +274,28 @@ KernelStatus launch_partial(const DeviceKV& kv, int layer, const AttentionRows& 
 // them (head_dim 64 and 128), else one element per lane over a whole warp (head_dim <= 256).
 template <typename T, int G>
 KernelStatus launch_for_head_dim(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q,
-                                 float scale, int head_chunks, int tokens_per_split, int num_splits, float* part_ml,
-                                 float* part_acc, cudaStream_t stream) {
+                                 float scale, int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
   constexpr int VEC = 16 / sizeof(T);
   return common::dispatch_head_dim(kv.head_dim, [&](auto head_dim) {
     constexpr int HD = decltype(head_dim)::value;  // 64, 128, or 0 for any other
     if constexpr (HD == 0)
-      return launch_partial<T, 1, 32, kMaxHeadDim / 32, G>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
-                                                           num_splits, part_ml, part_acc, stream);
+      return launch_partial<T, 1, 32, kMaxHeadDim / 32, G>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
     else
-      return launch_partial<T, VEC, HD / VEC, 1, G>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
-                                                    num_splits, part_ml, part_acc, stream);
+      return launch_partial<T, VEC, HD / VEC, 1, G>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
   });
+}
+
+// The query heads per CTA as a compile-time constant: the whole group when it has up to kMaxG
+// heads (a group of 3 pays for 3, not 4), else chunks of kMaxG.
+template <typename T>
+KernelStatus launch_for_group(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
+                              int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
+  switch (std::min(kv.group_size(), kMaxG)) {
+    case 1: return launch_for_head_dim<T, 1>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+    case 2: return launch_for_head_dim<T, 2>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+    case 3: return launch_for_head_dim<T, 3>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+    default: return launch_for_head_dim<T, kMaxG>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+  }
 }
 
 // Probabilities for H2O: one CTA per (sequence, KV head), one thread per token; the group's
@@ -238,33 +329,15 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
   if (kv.head_dim > kMaxHeadDim)
     return KernelStatus::invalid("cuda attention: head_dim " + std::to_string(kv.head_dim) + " exceeds " +
                                  std::to_string(kMaxHeadDim));
-  const int g = kv.group_size();
-  const int G = g == 1 ? 1 : kMaxG;
-  const int head_chunks = ceil_div(g, G);
-  // Enough CTAs for a few waves over the SMs, but no split shorter than kMinTokensPerSplit.
-  const long long base_ctas = (long long)rows.num_rows * kv.num_kv_heads * head_chunks;
-  const int max_splits = std::max(1, ceil_div(std::max(rows.max_len, 1), kMinTokensPerSplit));
-  const int want = int(std::max<long long>(1, (4LL * num_sms + base_ctas - 1) / base_ctas));
-  const int num_splits = std::min({max_splits, want, 65535});
-  const int tokens_per_split = std::max(1, ceil_div(std::max(rows.max_len, 1), num_splits));
-
-  const size_t slots = size_t(rows.num_rows) * kv.num_q_heads * num_splits;
-  float *part_ml = nullptr, *part_acc = nullptr;
-  if (auto st = arena.take(slots * 2, &part_ml); !st.is_ok()) return st;
-  if (auto st = arena.take(slots * kv.head_dim, &part_acc); !st.is_ok()) return st;
-
+  SplitPlan plan;
   KernelStatus st = common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
-    using T = storage_t<D>;
-    return G == 1 ? launch_for_head_dim<T, 1>(kv, layer, rows, q, scale, head_chunks, tokens_per_split, num_splits,
-                                              part_ml, part_acc, stream)
-                  : launch_for_head_dim<T, kMaxG>(kv, layer, rows, q, scale, head_chunks, tokens_per_split,
-                                                  num_splits, part_ml, part_acc, stream);
+    return launch_for_group<storage_t<D>>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan);
   });
   if (!st.is_ok()) return st;
   const dim3 grid(rows.num_rows, kv.num_q_heads);
-  combine_kernel<<<grid, std::min(kv.head_dim, 256), 0, stream>>>(kv.num_q_heads, kv.head_dim, num_splits, part_ml,
-                                                                   part_acc, out, lse);
+  combine_kernel<<<grid, std::min(kv.head_dim, 256), 0, stream>>>(kv.num_q_heads, kv.head_dim, plan.num_splits,
+                                                                   plan.part_ml, plan.part_acc, out, lse);
   KARAKV_CUDA_CHECK_LAUNCH("paged_attention combine");
   return KernelStatus::ok();
 }

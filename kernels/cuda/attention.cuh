@@ -2,10 +2,13 @@
 // (several query rows of one sequence): row r attends to tokens [0, row_len[r]) of sequence
 // row_seq[r] at `layer`, fp32 accumulation, softmax(q . k * scale).
 //
-// Split along the sequence (flash-decoding): a CTA takes one (row, KV head, split) and all query
-// heads of the KV head's group, so each K/V element is read once per group; token groups of TPT
-// lanes stream 16-byte vectors of a row, keep an online softmax each, and merge in shared memory.
-// A second kernel merges the splits. Long contexts with few sequences still fill the GPU.
+// Split along the sequence (flash-decoding): a CTA takes one (row, KV head, split) and the query
+// heads of the KV head's group (all of a group of up to 4, else chunks of 4), so each K/V element
+// is read once per group; token groups of TPT lanes stream 16-byte vectors of a row, two tokens per
+// step with both tokens' K and V loads in flight, keep an online softmax each (rescaled once per
+// step), and merge in shared memory. A second kernel merges the splits. The split length spreads
+// the rows' total length over about four waves of the CTAs the SMs hold at once, so one long
+// sequence among short ones, or long contexts with few sequences, still fill the GPU.
 #pragma once
 
 #include "arena.h"
@@ -18,7 +21,8 @@ struct AttentionRows {
   const int32_t* row_seq = nullptr;  // device, [num_rows]
   const int32_t* row_len = nullptr;  // device, [num_rows]
   int num_rows = 0;
-  int max_len = 0;  // the largest row_len (host-known; sizes the split)
+  int max_len = 0;         // the largest row_len (host-known; bounds the split)
+  long long total_len = 0;  // the sum of row_len (host-known; the work the split spreads over the SMs)
 };
 
 // q, out: device [num_rows][num_q_heads][head_dim] fp32. lse: null, or device [num_rows][num_q_heads]

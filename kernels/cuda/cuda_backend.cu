@@ -251,6 +251,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.upload(row_len, &rows.row_len));
     rows.num_rows = num_queries;
     rows.max_len = len;
+    for (int32_t l : row_len) rows.total_len += l;
     const size_t bytes = size_t(num_queries) * kv.geometry.q_token_elems() * sizeof(float);
     const float* dq = nullptr;
     float* dout = nullptr;
@@ -878,6 +879,7 @@ class CudaBackend final : public Backend {
     rows.row_len = dkv.seq_len;
     rows.num_rows = kv.num_seqs;
     rows.max_len = max_len;
+    for (int s = 0; s < kv.num_seqs; ++s) rows.total_len += kv.seq_len[s];
     const size_t bytes = size_t(kv.num_seqs) * geo.q_token_elems() * sizeof(float);
     const float* dq = nullptr;
     float* dout = nullptr;
