@@ -168,9 +168,10 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
 }
 
 absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
-                                                       const std::string& worker) {
+                                                       const std::string& worker, karakv::Staging staging) {
   karakv::ClientOptions o;
   o.target = d.target;
+  o.staging = staging;
   o.staging_bytes = staging_bytes;
   o.worker_id = worker;
   return karakv::Client::Attach(o);

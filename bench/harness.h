@@ -210,6 +210,7 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
                                      const std::vector<std::string>& geometry_flags);
 
 absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
-                                                       const std::string& worker);
+                                                       const std::string& worker,
+                                                       karakv::Staging staging = karakv::Staging::kShm);
 
 }  // namespace karakv::bench

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <initializer_list>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -31,6 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "common/synthetic.h"
 #include "karakv/kernels/half.h"
+#include "staging_io.h"
 
 ABSL_FLAG(bool, quick, false,
           "serve: a small sweep (every policy at max batch 8 and 32, 150 steps or 4 s each, short outputs, 8 MiB pool) "
@@ -56,6 +58,9 @@ ABSL_FLAG(int32_t, serve_sample_every, 50,
           "serve: engine steps between the workers' ListSequences samples (compression ratio by context)");
 ABSL_FLAG(uint64_t, serve_seed, 1, "serve: seed of the request lengths (every run sees the same requests)");
 // The worker role's own settings, passed by the scheduler on its command line.
+ABSL_FLAG(std::string, serve_staging, "shm",
+          "serve: the workers' staging: shm, device (CUDA IPC; karakvd --backend=cuda) or device_fd (VMM over the "
+          "staging fd socket)");
 ABSL_FLAG(std::string, serve_worker_target, "", "serve-worker (internal): karakvd address");
 ABSL_FLAG(std::string, serve_worker_policy, "", "serve-worker (internal): policy of every sequence");
 ABSL_FLAG(int32_t, serve_worker_max_batch, 0, "serve-worker (internal): most sequences it may hold");
@@ -198,7 +203,8 @@ struct WorkerSequence {
 class Worker {
  public:
   Worker(std::unique_ptr<karakv::Client> client, std::string policy)
-      : c_(std::move(client)), g_(c_->geometry()), table_(g_), policy_(std::move(policy)) {}
+      : c_(std::move(client)), g_(c_->geometry()), table_(g_), policy_(std::move(policy)),
+        device_(c_->device_staging()) {}
 
   // Executes one command message; returns the reply.
   std::string execute(const std::string& message, bool* quit) {
@@ -246,6 +252,15 @@ class Worker {
   }
 
  private:
+  // Device staging: the host copies into the buffers, complete before the call that reads them.
+  absl::Status flush_all(std::initializer_list<StagedWrite*> writes) {
+    if (!device_) return absl::OkStatus();
+    for (StagedWrite* w : writes) {
+      if (absl::Status st = w->flush(); !st.ok()) return st;
+    }
+    return sync_device_writes();
+  }
+
   absl::Status release(uint64_t req) {
     auto it = std::find_if(seqs_.begin(), seqs_.end(), [&](const WorkerSequence& s) { return s.request == req; });
     if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("release of request ", req, ", which this worker does not hold"));
@@ -272,12 +287,17 @@ class Worker {
         return k.ok() ? v.status() : k.status();
       }
       const size_t kv = table_.kv_bytes();
+      StagedWrite kw(*k, device_), vw(*v, device_);
       for (int l = 0; l < g_.num_layers; ++l) {
         for (int t = 0; t < n; ++t) {
           const size_t at = (size_t(l) * n + t) * kv;
-          std::memcpy(k->data() + at, table_.k(req, l, done + t), kv);
-          std::memcpy(v->data() + at, table_.v(req, l, done + t), kv);
+          std::memcpy(kw.where() + at, table_.k(req, l, done + t), kv);
+          std::memcpy(vw.where() + at, table_.v(req, l, done + t), kv);
         }
+      }
+      if (absl::Status st = flush_all({&kw, &vw}); !st.ok()) {
+        (void)c_->Release(*id);
+        return st;
       }
       if (auto r = c_->Append(*id, n, *k, *v); !r.ok()) {
         (void)c_->Release(*id);  // a refused Append leaves no trace; the sequence itself goes too
@@ -303,14 +323,17 @@ class Worker {
     const double layer_us = model_step_us(total_batch) / g_.num_layers;
     const size_t kv = table_.kv_bytes(), qe = g_.q_token_elems();
     double in_step = 0;
+    StagedWrite kw(*k, device_), vw(*v, device_), qw(*q, device_);
     for (int l = 0; l < g_.num_layers; ++l) {
       sleep_us(layer_us);
       for (int i = 0; i < n; ++i) {
         const WorkerSequence& s = seqs_[i];
-        std::memcpy(k->data() + i * kv, table_.k(s.request, l, s.position), kv);
-        std::memcpy(v->data() + i * kv, table_.v(s.request, l, s.position), kv);
-        std::memcpy(q->as<float>().data() + i * qe, table_.q(s.request, l, s.position), qe * sizeof(float));
+        std::memcpy(kw.where() + i * kv, table_.k(s.request, l, s.position), kv);
+        std::memcpy(vw.where() + i * kv, table_.v(s.request, l, s.position), kv);
+        std::memcpy(qw.as<float>() + i * qe, table_.q(s.request, l, s.position), qe * sizeof(float));
       }
+      if (absl::Status st = flush_all({&kw, &vw, &qw}); !st.ok())
+        return absl::StrCat("error staging layer ", l, ": ", st.message(), "\n");
       const auto start = Clock::now();
       auto r = c_->Step(l, ids, *k, *v, *q, *out);
       in_step += seconds_since(start);
@@ -356,6 +379,7 @@ class Worker {
   kn::Geometry g_;
   TokenTable table_;
   std::string policy_;
+  bool device_;  // device staging: buffers are device pointers, written through StagedWrite
   std::vector<WorkerSequence> seqs_;
 };
 
@@ -487,6 +511,7 @@ class Scheduler {
       std::vector<std::string> argv = {
           self_exe(), "serve-worker", "--serve_worker_target=" + daemon_->target,
           "--serve_worker_policy=" + policy_, absl::StrCat("--serve_worker_max_batch=", max_batch_),
+          "--serve_staging=" + absl::GetFlag(FLAGS_serve_staging),
           absl::StrCat("--serve_model_base_us=", absl::GetFlag(FLAGS_serve_model_base_us)),
           absl::StrCat("--serve_model_per_seq_us=", absl::GetFlag(FLAGS_serve_model_per_seq_us)),
           absl::StrCat("--serve_prefill_us_per_token=", absl::GetFlag(FLAGS_serve_prefill_us_per_token))};
@@ -816,6 +841,8 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   if (!output.ok()) return output.status();
   auto pool = parse_bytes_flag(quick ? std::string("8MiB") : absl::GetFlag(FLAGS_serve_pool_bytes));
   if (!pool.ok()) return pool.status();
+  auto staging = parse_staging("serve_staging", absl::GetFlag(FLAGS_serve_staging));
+  if (!staging.ok()) return staging.status();
 
   std::vector<RunResult> runs;
   const auto start = Clock::now();
@@ -860,10 +887,11 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   result.how = absl::StrFormat(
       "serve %s; pool %s; prompts %d-%d, outputs %d-%d tokens (uniform); %d engine steps per run (at most %.0f s); "
       "model %.0f + %.0f x batch "
-      "us per step, prefill %.0f us/token (slept); %d worker processes%s",
+      "us per step, prefill %.0f us/token (slept); %d worker processes, %s staging%s",
       geometry, quick ? "8MiB" : absl::GetFlag(FLAGS_serve_pool_bytes), prompt->lo, prompt->hi, output->lo,
       output->hi, steps, seconds, absl::GetFlag(FLAGS_serve_model_base_us), absl::GetFlag(FLAGS_serve_model_per_seq_us),
-      absl::GetFlag(FLAGS_serve_prefill_us_per_token), absl::GetFlag(FLAGS_serve_workers), quick ? " (--quick)" : "");
+      absl::GetFlag(FLAGS_serve_prefill_us_per_token), absl::GetFlag(FLAGS_serve_workers), staging_name(*staging),
+      quick ? " (--quick)" : "");
   result.report = absl::StrCat("serve: one run per (policy, max batch); tok/s = output tokens / run seconds; ",
                                "TPOT per request (first to last token of the run, preemption stalls included); ",
                                "TTFT = admission to first token; ratio = fp16 bytes of logical tokens / bytes held, ",
@@ -917,6 +945,12 @@ int serve_worker_main() {
     return 1;
   }
   const int max_batch = std::max(1, absl::GetFlag(FLAGS_serve_worker_max_batch));
+  auto staging = parse_staging("serve_staging", absl::GetFlag(FLAGS_serve_staging));
+  if (!staging.ok()) {
+    std::fprintf(stderr, "serve-worker: %s\n", staging.status().ToString().c_str());
+    return 1;
+  }
+  o.staging = *staging;
   o.staging_bytes = 2 * (*probe)->append_bytes(256) + 2 * (*probe)->step_kv_bytes(max_batch) +
                     2 * (*probe)->q_bytes(max_batch) + (1 << 16);
   probe->reset();

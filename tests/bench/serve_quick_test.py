@@ -104,7 +104,23 @@ def main():
             with open(png, "rb") as f:
                 if f.read(8) != b"\x89PNG\r\n\x1a\n":
                     fail("serve.png is not a PNG")
-    print(f"OK: {len(runs)} serve runs parsed, {len(series)} series points, {len(summary)} P4 rows")
+    check_staging_flag(bench, karakvd)
+    print(f"OK: {len(runs)} serve runs parsed, {len(series)} series points, {len(summary)} P4 rows; "
+          "--serve_staging refusals named")
+
+
+def check_staging_flag(bench, karakvd):
+    """--serve_staging: an unknown kind is refused naming the flag and the choices; device staging on
+    the CPU backend is refused by the workers' Attach naming --backend=cuda (a GPU run is scripts/gpu-check.sh)."""
+    with tempfile.TemporaryDirectory(prefix="karakv-serve-staging.") as out:
+        base = [bench, "serve", "--quick", "--serve_policies=none", "--serve_batches=8", f"--karakvd={karakvd}",
+                f"--out_dir={out}"]
+        bad = subprocess.run(base + ["--serve_staging=gpu"], capture_output=True, text=True, timeout=60)
+        if bad.returncode == 0 or "--serve_staging=gpu: expected shm, device" not in bad.stderr:
+            fail(f"--serve_staging=gpu: exit {bad.returncode}, stderr {bad.stderr[-1000:]!r}")
+        dev = subprocess.run(base + ["--serve_staging=device"], capture_output=True, text=True, timeout=120)
+        if dev.returncode == 0 or "--backend=cuda" not in dev.stderr:
+            fail(f"--serve_staging=device on the CPU backend: exit {dev.returncode}, stderr {dev.stderr[-1500:]!r}")
 
 
 if __name__ == "__main__":

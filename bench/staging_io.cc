@@ -1,0 +1,56 @@
+#include "staging_io.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+#if KARAKV_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace karakv::bench {
+
+absl::StatusOr<karakv::Staging> parse_staging(std::string_view flag, std::string_view value) {
+  if (value == "shm") return karakv::Staging::kShm;
+  if (value == "device") return karakv::Staging::kDevice;
+  if (value == "device_fd") return karakv::Staging::kDeviceFd;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", std::string(flag), "=", std::string(value), ": expected shm, device (CUDA IPC) or device_fd (VMM over the fd socket)"));
+}
+
+std::string_view staging_name(karakv::Staging s) {
+  switch (s) {
+    case karakv::Staging::kShm: return "shm";
+    case karakv::Staging::kDevice: return "device";
+    case karakv::Staging::kDeviceFd: return "device_fd";
+  }
+  return "unknown";
+}
+
+StagedWrite::StagedWrite(karakv::Buffer& buffer, bool device) : buffer_(buffer), device_(device) {
+  if (device_) host_.resize(buffer_.size());
+}
+
+absl::Status StagedWrite::flush() {
+  if (!device_) return absl::OkStatus();
+#if KARAKV_HAVE_CUDA
+  if (const cudaError_t err = cudaMemcpy(buffer_.data(), host_.data(), host_.size(), cudaMemcpyHostToDevice);
+      err != cudaSuccess)
+    return absl::InternalError(absl::StrCat("cudaMemcpy of ", host_.size(), " bytes into device staging: ",
+                                            cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+  return absl::OkStatus();
+#else
+  return absl::FailedPreconditionError("device staging needs a build with CUDA (nvcc was not found at configure time)");
+#endif
+}
+
+absl::Status sync_device_writes() {
+#if KARAKV_HAVE_CUDA
+  if (const cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess)
+    return absl::InternalError(absl::StrCat("cudaDeviceSynchronize after the writes into device staging: ",
+                                            cudaGetErrorName(err)));
+#endif
+  return absl::OkStatus();
+}
+
+}  // namespace karakv::bench

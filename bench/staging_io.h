@@ -1,0 +1,47 @@
+// Bench workers on either kind of staging (--serve_staging, --p3_staging): shm, where a buffer is
+// host memory written in place, or device staging (CUDA IPC or the VMM fd path), where a buffer is
+// a device pointer written from host memory with cudaMemcpy and the copies are complete before the
+// call that reads them (the worker's half of the ordering contract, docs/ARCHITECTURE.md "Device
+// staging").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "karakv/client.h"
+
+namespace karakv::bench {
+
+// "shm", "device" (Staging::kDevice) or "device_fd" (Staging::kDeviceFd); anything else is
+// INVALID_ARGUMENT naming the flag and the choices.
+absl::StatusOr<karakv::Staging> parse_staging(std::string_view flag, std::string_view value);
+std::string_view staging_name(karakv::Staging s);
+
+// Host bytes on their way into staging buffers. For shm staging, where() is the buffer itself and
+// flush() does nothing; for device staging, where() is host memory of the buffer's size and flush()
+// starts its copy into the buffer: call sync_device_writes() once before the call that reads it.
+class StagedWrite {
+ public:
+  StagedWrite(karakv::Buffer& buffer, bool device);
+  uint8_t* where() { return device_ ? host_.data() : buffer_.data(); }
+  template <typename T>
+  T* as() {
+    return reinterpret_cast<T*>(where());
+  }
+  absl::Status flush();
+
+ private:
+  karakv::Buffer& buffer_;
+  bool device_;
+  std::vector<uint8_t> host_;
+};
+
+// Waits for every copy into device staging (cudaDeviceSynchronize); call it only with device
+// staging. OK in a build without CUDA (there is no device staging to wait for).
+absl::Status sync_device_writes();
+
+}  // namespace karakv::bench
