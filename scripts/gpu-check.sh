@@ -41,10 +41,11 @@
 # Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun): the
 # correctness runs (every op at five geometries and three dtypes) take about a minute, one dtype's
 # ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, each kernel benchmark well
-# under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256) at most
-# GPU_CHECK_SERVE_SECONDS per run. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
+# under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256, then kara at 256
+# with workers on device staging) at most GPU_CHECK_SERVE_SECONDS per run, and karakv-bench p3
+# (a Step through device staging, then shm staging, against an empty Ping) seconds. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets
-# 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (25), GPU_CHECK_MEMCHECK_TIMEOUT (150),
+# 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (20), GPU_CHECK_MEMCHECK_TIMEOUT (120),
 # GPU_CHECK_JOBS (nproc; build jobs).
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB):
@@ -290,7 +291,7 @@ MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTes
 sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" \
   /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
 if [ -n "$sanitizer" ]; then
-  with_timeout "${GPU_CHECK_MEMCHECK_TIMEOUT:-150}" "${BIN_ENV[@]}" "$sanitizer" --tool memcheck --leak-check no \
+  with_timeout "${GPU_CHECK_MEMCHECK_TIMEOUT:-120}" "${BIN_ENV[@]}" "$sanitizer" --tool memcheck --leak-check no \
     --error-exitcode 86 --print-limit 20 "$B/tests/kernels/kernels_test" --gtest_filter="$MEMCHECK_FILTER" \
     > /tmp/gpu-memcheck.txt 2>&1
   memcheck_rc=$?
@@ -341,7 +342,7 @@ fi
 
 # 4. karakv-bench serve on the GPU: none, snapkv, kara at max batch 64 and 256, karakvd --backend=cuda.
 SERVE_STEPS=${GPU_CHECK_SERVE_STEPS:-300}
-SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-25}
+SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-20}
 with_timeout $((SERVE_SECONDS * 6 + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
   --serve_policies=none,snapkv,kara --serve_batches=64,256 --serve_steps="$SERVE_STEPS" \
   --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve" > /tmp/gpu-serve.txt 2>&1
@@ -358,7 +359,44 @@ for row in csv.DictReader(open(sys.argv[1])):
 PY
 )
 fi
-cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
+# 5. A one-token Step through device staging (CUDA IPC) against an empty gRPC Ping on the same
+# karakvd --backend=cuda (target p50 <= 1x), shm staging on the same daemon for comparison; and one
+# serve run whose workers use device staging.
+declare -A p3
+for st in device shm; do
+  with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging=$st --csv \
+    > /tmp/gpu-p3-$st.txt 2> /tmp/gpu-p3-$st.log
+  rc=$?
+  p3[$st]="$(describe_rc "$rc")"
+  if [ "$rc" -eq 0 ]; then
+    p3[$st]=$(python3 - /tmp/gpu-p3-$st.txt <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) >= 7 and r[0] == "P3"]
+p50 = rows[0]
+print(f"Step p50 {float(p50[2]):.0f} us, Ping p50 {float(p50[4]):.0f} us, {float(p50[6]):.2f}x ({p50[8]})")
+PY
+)
+  else
+    echo "karakv-bench p3 --p3_staging=$st failed (${p3[$st]}):"; tail -5 /tmp/gpu-p3-$st.log
+    p3_failed=1
+  fi
+done
+with_timeout $((SERVE_SECONDS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+  --serve_staging=device --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
+  --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve-device" > /tmp/gpu-serve-device.txt 2>&1
+serve_device_rc=$?
+serve_device="$(describe_rc "$serve_device_rc")"
+if [ -f "$RESULTS/serve-device/serve_runs.csv" ]; then
+  serve_device="$serve_device; $(python3 - "$RESULTS/serve-device/serve_runs.csv" <<'PY'
+import csv, sys
+for row in csv.DictReader(open(sys.argv[1])):
+    print(f"{float(row['throughput_tok_s']):.0f} tok/s; TPOT {float(row['tpot_mean_ms']):.2f} ms")
+PY
+)"
+fi
+[ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging failed:"; tail -20 /tmp/gpu-serve-device.txt; }
+
+cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
@@ -380,6 +418,9 @@ for policy in none snapkv kara; do
     echo "| serve $policy, max batch $batch: tok/s; TPOT mean ms | ${serve[$policy.$batch]:-n/a} | - |"
   done
 done
+echo "| Step via device staging vs Ping, same karakvd (target <= 1x) | ${p3[device]:-n/a} | - |"
+echo "| Step via shm staging vs Ping, same karakvd (for comparison) | ${p3[shm]:-n/a} | - |"
+echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
@@ -387,4 +428,6 @@ if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$memcheck_rc" -eq 0 ] || exit 1
 [ "$ipc_rc" -eq 0 ] || exit 1
 [ "$serve_rc" -eq 0 ] || exit 1
+[ -z "${p3_failed:-}" ] || exit 1
+[ "$serve_device_rc" -eq 0 ] || exit 1
 exit 0
