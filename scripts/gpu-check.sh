@@ -40,7 +40,8 @@
 #
 # Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun): the
 # correctness runs (every op at five geometries and three dtypes) take about a minute, one dtype's
-# ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, each kernel benchmark well
+# ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, the attention tests under
+# synccheck and racecheck at most 60 and 90 seconds, each kernel benchmark well
 # under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256, then kara at 256
 # with workers on device staging) at most GPU_CHECK_SERVE_SECONDS per run, and karakv-bench p3
 # (a Step through device staging, then shm staging, against an empty Ping) seconds. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
@@ -285,25 +286,38 @@ else
   tests_ok=1
 fi
 
-# 1b. One dtype's ops under compute-sanitizer's memcheck (out-of-bounds and misaligned device
-# accesses, errors of CUDA calls): the default geometry and the generic head_dim layout, fp16.
+# 1b. One dtype's ops under compute-sanitizer: memcheck (out-of-bounds and misaligned device
+# accesses, errors of CUDA calls) over the default geometry and the generic head_dim layout, fp16;
+# synccheck (warp masks, barriers) and racecheck (shared memory) over the attention kernels.
 MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTest.*/cuda_fp16_hd96_g1'
+ATTENTION_FILTER='AllBackends/BackendOpsTest.DecodeAttention/cuda_fp16:AllBackends/BackendOpsTest.CausalAttention/cuda_fp16'
 sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" \
   /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
-if [ -n "$sanitizer" ]; then
-  with_timeout "${GPU_CHECK_MEMCHECK_TIMEOUT:-120}" "${BIN_ENV[@]}" "$sanitizer" --tool memcheck --leak-check no \
-    --error-exitcode 86 --print-limit 20 "$B/tests/kernels/kernels_test" --gtest_filter="$MEMCHECK_FILTER" \
-    > /tmp/gpu-memcheck.txt 2>&1
-  memcheck_rc=$?
-  read -r mc_passed mc_failed mc_skipped mc_running < <(gtest_counts /tmp/gpu-memcheck.txt)
-  mc_errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+' /tmp/gpu-memcheck.txt | grep -oE '[0-9]+$')
-  memcheck_status="$(describe_rc "$memcheck_rc"); ${mc_errors:-no} memcheck errors; tests $mc_passed / $mc_failed / $mc_skipped"
-  [ "$mc_running" = "-" ] || memcheck_status="$memcheck_status, ended in $mc_running"
-  [ "$memcheck_rc" -eq 0 ] || { echo "memcheck ($memcheck_status):"; grep -m40 -E '^=========' /tmp/gpu-memcheck.txt; }
-else
-  memcheck_rc=0
-  memcheck_status="not run: compute-sanitizer not found next to nvcc"
-fi
+sanitizer_rc=0
+declare -A sanitized
+# sanitize TOOL FILTER SECONDS: sanitized[TOOL] says how it went; sanitizer_rc is 1 after any failure.
+sanitize() {
+  local tool=$1 filter=$2 seconds=$3 rc passed failed skipped running errors
+  if [ -z "$sanitizer" ]; then
+    sanitized[$tool]="not run: compute-sanitizer not found next to nvcc"
+    return
+  fi
+  with_timeout "$seconds" "${BIN_ENV[@]}" "$sanitizer" --tool "$tool" --error-exitcode 86 --print-limit 20 \
+    "$B/tests/kernels/kernels_test" --gtest_filter="$filter" > "/tmp/gpu-$tool.txt" 2>&1
+  rc=$?
+  read -r passed failed skipped running < <(gtest_counts "/tmp/gpu-$tool.txt")
+  errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+' "/tmp/gpu-$tool.txt" | grep -oE '[0-9]+$')
+  sanitized[$tool]="$(describe_rc "$rc"); ${errors:-no} $tool errors; tests $passed / $failed / $skipped"
+  [ "$running" = "-" ] || sanitized[$tool]="${sanitized[$tool]}, ended in $running"
+  if [ "$rc" -ne 0 ]; then
+    sanitizer_rc=1
+    echo "$tool (${sanitized[$tool]}):"
+    grep -m40 -E '^=========' "/tmp/gpu-$tool.txt"
+  fi
+}
+sanitize memcheck "$MEMCHECK_FILTER" "${GPU_CHECK_MEMCHECK_TIMEOUT:-120}"
+sanitize synccheck "$ATTENTION_FILTER" 60
+sanitize racecheck "$ATTENTION_FILTER" 90
 
 # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem.
 declare -A r status
@@ -396,14 +410,15 @@ PY
 fi
 [ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging failed:"; tail -20 /tmp/gpu-serve-device.txt; }
 
-cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
+cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
 echo "| check | smollm2-135m | llama-3.1-8b |"
 echo "| --- | --- | --- |"
 echo "| cuda ops vs CPU reference (tests passed / failed / skipped; exit status) | $passed / $failed / $skipped; $tests_status | (same run) |"
-echo "| cuda ops under compute-sanitizer memcheck (fp16, $MEMCHECK_FILTER) | $memcheck_status | (same run) |"
+echo "| cuda ops under compute-sanitizer memcheck (fp16, $MEMCHECK_FILTER) | ${sanitized[memcheck]} | (same run) |"
+echo "| attention under synccheck / racecheck (fp16, decode and causal) | ${sanitized[synccheck]} / ${sanitized[racecheck]} | (same run) |"
 echo "| kernels_bench exit status | ${status[smollm2.kernels_bench]} | ${status[llama8b.kernels_bench]} |"
 echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8b.sdpa_bench]} |"
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \
@@ -425,7 +440,7 @@ echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, 
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$tests_ok" -eq 1 ] || exit 1
-[ "$memcheck_rc" -eq 0 ] || exit 1
+[ "$sanitizer_rc" -eq 0 ] || exit 1
 [ "$ipc_rc" -eq 0 ] || exit 1
 [ "$serve_rc" -eq 0 ] || exit 1
 [ -z "${p3_failed:-}" ] || exit 1

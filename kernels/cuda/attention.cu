@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace karakv::kernels::cuda {
 namespace {
@@ -94,6 +97,9 @@ __global__ void __launch_bounds__(kThreads)
   const int t_begin = split * tokens_per_split;
   const int t_end = min(len, t_begin + tokens_per_split);
   const int head0 = chunk * G;  // first query head of the chunk inside the group
+  // A split past the row's end writes nothing: combine_kernel reads a row's splits only up to its
+  // length (split 0 always, so an empty row still gets its -inf partial). Uniform in the CTA.
+  if (split > 0 && t_begin >= len) return;
 
   float qr[G][E], acc[G][E], m[G], l[G];
 #pragma unroll
@@ -203,10 +209,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Merges the splits of one (row, query head): out = sum acc_i e^(m_i - M) / sum l_i e^(m_i - M).
-__global__ void combine_kernel(int hq, int hd, int num_splits, const float* __restrict__ part_ml,
-                               const float* __restrict__ part_acc, float* __restrict__ out, float* __restrict__ lse) {
+// Only the row's own splits (those starting before its length; split 0 for an empty row) were
+// written.
+__global__ void combine_kernel(int hq, int hd, int num_splits, int tokens_per_split, const int32_t* __restrict__ row_len,
+                               const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                               float* __restrict__ out, float* __restrict__ lse) {
   const int r = blockIdx.x, h = blockIdx.y;
   const size_t base = (size_t(r) * hq + h) * num_splits;
+  const int len = row_len[r];
+  num_splits = len <= 0 ? 1 : min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
   float mx = -INFINITY;
   for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
   float lsum = 0.0f;
@@ -227,6 +238,29 @@ __global__ void combine_kernel(int hq, int hd, int num_splits, const float* __re
   if (lse != nullptr && threadIdx.x == 0) lse[size_t(r) * hq + h] = mx == -INFINITY ? -INFINITY : mx + logf(lsum);
 }
 
+// CTAs of `kernel` one SM holds at once with `threads` threads and `smem` bytes of dynamic shared
+// memory (opted in above 48 KiB), asked of the runtime once per device, kernel and size: every
+// layer of every step launches the same few.
+KernelStatus ctas_per_sm(const void* kernel, int threads, size_t smem, int* out) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, size_t>, int> cache;
+  int device = 0;
+  KARAKV_CUDA_RETURN_IF_ERROR_IN("attention", "cudaGetDevice", cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(device, kernel, smem);
+  if (auto it = cache.find(key); it != cache.end()) {
+    *out = it->second;
+    return KernelStatus::ok();
+  }
+  if (smem > 48 * 1024)  // Hopper and Ampere give up to 227 / 163 KiB per CTA when asked
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("attention", "cudaFuncSetAttribute of the dynamic shared memory",
+                                   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  KARAKV_CUDA_RETURN_IF_ERROR_IN("attention", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+                                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem));
+  cache[key] = *out;
+  return KernelStatus::ok();
+}
+
 // How the rows are split along the sequence, and the scratch the splits write.
 struct SplitPlan {
   int num_splits = 1, tokens_per_split = 1;
@@ -234,22 +268,39 @@ struct SplitPlan {
   float* part_acc = nullptr;
 };
 
-// Splits of equal length spreading the rows' total length (times the CTAs per token: KV heads and
-// head chunks) over kTargetWaves waves of what the SMs hold at once (ctas_per_sm from the
-// occupancy calculator), none shorter than kMinTokensPerSplit; a short row leaves its later splits
-// empty (those CTAs exit at once), a long one gets as many as its length needs.
-KernelStatus plan_splits(const DeviceKV& kv, const AttentionRows& rows, int head_chunks, int num_sms, int ctas_per_sm,
-                         Arena& arena, SplitPlan* plan) {
-  const long long work = std::max<long long>(rows.total_len, 1) * kv.num_kv_heads * head_chunks;
-  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
+// Partials the splits may write at most: past it the splits grow longer (and fewer).
+constexpr size_t kMaxSplitScratch = size_t(256) << 20;
+
+// Completes a plan whose splits want `tokens` keys each: at least kMinTokensPerSplit, a multiple
+// of `multiple`, at most 65535 splits, partials (all rows x query heads x splits) within
+// kMaxSplitScratch; then takes the partials' scratch.
+KernelStatus finish_plan(const DeviceKV& kv, const AttentionRows& rows, long long tokens, int multiple, Arena& arena,
+                         SplitPlan* plan) {
   const int max_len = std::max(rows.max_len, 1);
-  long long tokens = (work + slots * kTargetWaves - 1) / (slots * kTargetWaves);
+  const size_t per_split = size_t(rows.num_rows) * kv.num_q_heads * (size_t(kv.head_dim) + 2) * sizeof(float);
   tokens = std::max<long long>({tokens, kMinTokensPerSplit, (max_len + 65534) / 65535});
-  plan->tokens_per_split = int(std::min<long long>(tokens, max_len));
+  while (true) {
+    tokens = (tokens + multiple - 1) / multiple * multiple;
+    const long long splits = (max_len + tokens - 1) / tokens;
+    if (splits <= 1 || size_t(splits) * per_split <= kMaxSplitScratch) break;
+    tokens *= 2;
+  }
+  plan->tokens_per_split = int(std::min<long long>(tokens, (max_len + multiple - 1) / multiple * multiple));
   plan->num_splits = ceil_div(max_len, plan->tokens_per_split);
   const size_t slots_out = size_t(rows.num_rows) * kv.num_q_heads * plan->num_splits;
   if (auto st = arena.take(slots_out * 2, &plan->part_ml); !st.is_ok()) return st;
   return arena.take(slots_out * kv.head_dim, &plan->part_acc);
+}
+
+// Splits of equal length spreading the rows' total length (times the CTAs per token: KV heads and
+// head chunks) over kTargetWaves waves of what the SMs hold at once (ctas_per_sm from the
+// occupancy calculator); a short row's later splits exit at once (combine_kernel reads a row's
+// splits only up to its length), a long row gets as many as its length needs.
+KernelStatus plan_splits(const DeviceKV& kv, const AttentionRows& rows, int head_chunks, int num_sms, int ctas_per_sm,
+                         Arena& arena, SplitPlan* plan) {
+  const long long work = std::max<long long>(rows.total_len, 1) * kv.num_kv_heads * head_chunks;
+  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
+  return finish_plan(kv, rows, (work + slots * kTargetWaves - 1) / (slots * kTargetWaves), 1, arena, plan);
 }
 
 template <typename T, int VEC, int TPT, int NI, int G>
@@ -259,10 +310,9 @@ KernelStatus launch_partial(const DeviceKV& kv, int layer, const AttentionRows& 
   const int head_chunks = ceil_div(kv.group_size(), G);
   const size_t smem = size_t(kGroups) * G * kv.head_dim * sizeof(float);
   auto kernel = partial_kernel<T, VEC, TPT, NI, G>;
-  int ctas_per_sm = 0;
-  KARAKV_CUDA_RETURN_IF_ERROR_IN("paged_attention", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-                                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, smem));
-  if (auto st = plan_splits(kv, rows, head_chunks, num_sms, ctas_per_sm, arena, plan); !st.is_ok()) return st;
+  int ctas = 0;
+  if (auto st = ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem, &ctas); !st.is_ok()) return st;
+  if (auto st = plan_splits(kv, rows, head_chunks, num_sms, ctas, arena, plan); !st.is_ok()) return st;
   const dim3 grid(rows.num_rows, kv.num_kv_heads * head_chunks, plan->num_splits);
   kernel<<<grid, kThreads, smem, stream>>>(kv, layer, rows.row_seq, rows.row_len, q, scale, head_chunks,
                                            plan->tokens_per_split, plan->num_splits, plan->part_ml, plan->part_acc);
@@ -298,6 +348,202 @@ KernelStatus launch_for_group(const DeviceKV& kv, int layer, const AttentionRows
   }
 }
 
+// ---- Causal attention over many query rows of one sequence (prefill through Attend): tiles of
+// tile_rows(G) rows (32 query vectors: rows times the chunk's query heads) share each K/V tile,
+// read once into shared memory, instead of every row streaming its whole prefix
+// (FlashAttention-style). A CTA takes one tile of rows, one (KV head, head chunk)
+// and one split of the keys, and writes the same partials as partial_kernel, so combine_kernel
+// merges the splits.
+// Query rows per CTA for G query heads per chunk: 32 query vectors (30 for G = 3), four per warp.
+constexpr int tile_rows(int G) { return G >= 4 ? 8 : G == 3 ? 10 : 32 / G; }
+// Rows from which causal attention takes the tiled kernel.
+constexpr int kMinTiledRows = 16;
+constexpr int kTileKeys = 32;    // keys per K/V tile: one per lane when scoring
+constexpr int kTileWarps = 8;
+constexpr int kTileThreads = kTileWarps * 32;
+
+// Shared memory of tiled_causal_kernel: the tile's scaled queries [tile_rows(G) * G][hd], the keys
+// [kTileKeys][hd + 1] (padded: lane = key reads a column without bank conflicts) and the values
+// [kTileKeys][hd], all fp32.
+inline size_t tiled_smem_bytes(int G, int hd) {
+  return (size_t(tile_rows(G)) * G * hd + size_t(kTileKeys) * (hd + 1) + size_t(kTileKeys) * hd) * sizeof(float);
+}
+
+// Vector v = i * G + j of the tile is row tile * tile_rows(G) + i, query head j of the chunk; warp w
+// owns vectors w, w + kTileWarps, ... (VPW of them); lane owns dims lane + 32 x, x < DPL.
+template <typename T, int G, int DPL>
+__global__ void __launch_bounds__(kTileThreads)
+    tiled_causal_kernel(DeviceKV kv, int layer, const int32_t* __restrict__ row_seq,
+                        const int32_t* __restrict__ row_len, int num_rows, const float* __restrict__ q, float scale,
+                        int head_chunks, int tokens_per_split, int num_splits, float* __restrict__ part_ml,
+                        float* __restrict__ part_acc) {
+  constexpr int QT = tile_rows(G);
+  constexpr int NV = QT * G;
+  constexpr int VPW = (NV + kTileWarps - 1) / kTileWarps;
+  extern __shared__ float smem[];
+  const int hd = kv.head_dim, hq = kv.num_q_heads, g = kv.group_size();
+  float* q_s = smem;                                   // [NV][hd]
+  float* k_s = q_s + size_t(NV) * hd;                  // [kTileKeys][hd + 1]
+  float* v_s = k_s + size_t(kTileKeys) * (hd + 1);     // [kTileKeys][hd]
+
+  const int tile = blockIdx.x;
+  const int hk = blockIdx.y / head_chunks, chunk = blockIdx.y % head_chunks;
+  const int split = blockIdx.z;
+  const int head0 = chunk * G;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int r0 = tile * QT;
+  const int seq = row_seq[r0];  // every row of a tiled call is of one sequence
+
+  // The tile's longest row bounds the keys any of its rows sees.
+  int tile_len = 0;
+  for (int i = 0; i < QT && r0 + i < num_rows; ++i) tile_len = max(tile_len, row_len[r0 + i]);
+  const int k_begin = split * tokens_per_split;
+  const int k_end = min(tile_len, k_begin + tokens_per_split);
+  // A split past the tile's rows has nothing to write: combine_kernel reads a row's splits only up
+  // to its length (split 0 always, so an empty row still gets its -inf partial).
+  if (split > 0 && k_begin >= tile_len) return;
+
+  for (int idx = threadIdx.x; idx < NV * hd; idx += kTileThreads) {
+    const int v = idx / hd, d = idx % hd;
+    const int r = r0 + v / G, j = v % G;
+    q_s[idx] = r < num_rows && head0 + j < g ? q[(size_t(r) * hq + hk * g + head0 + j) * hd + d] * scale : 0.0f;
+  }
+
+  float acc[VPW][DPL], m[VPW], l[VPW];
+  int limit[VPW];  // keys [0, limit) are visible to the vector's row (0: not a row of this call)
+#pragma unroll
+  for (int x = 0; x < VPW; ++x) {
+    const int v = warp + x * kTileWarps;
+    const int r = r0 + v / G;
+    limit[x] = v < NV && r < num_rows && head0 + v % G < g ? row_len[r] : 0;
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) acc[x][e] = 0.0f;
+  }
+
+  const T* pool = static_cast<const T*>(kv.pool);
+  const int32_t* __restrict__ table = kv.block_table + (k_begin < k_end ? kv.table_offset[seq] : 0);
+  const int bs = kv.block_size;
+  const size_t block_elems = kv.block_elems();
+  const size_t k_run = kv.run_offset(0, layer, 0, hk), v_run = kv.run_offset(0, layer, 1, hk);
+  for (int kt = k_begin; kt < k_end; kt += kTileKeys) {
+    __syncthreads();  // the previous tile is no longer read (and, the first time, q_s is written)
+    // Warp w loads keys w, w + 8, ...: one row per warp at a time, lanes along head_dim.
+    for (int i = warp; i < kTileKeys; i += kTileWarps) {
+      const int t = kt + i;
+      if (t < k_end) {
+        const int b = t / bs;
+        const size_t base = size_t(table[b]) * block_elems + size_t(t - b * bs) * hd;
+        for (int d = lane; d < hd; d += 32) {
+          k_s[i * (hd + 1) + d] = to_float(pool[base + k_run + d]);
+          v_s[i * hd + d] = to_float(pool[base + v_run + d]);
+        }
+      } else {
+        for (int d = lane; d < hd; d += 32) {
+          k_s[i * (hd + 1) + d] = 0.0f;
+          v_s[i * hd + d] = 0.0f;
+        }
+      }
+    }
+    __syncthreads();
+    const int key = kt + lane;
+#pragma unroll
+    for (int x = 0; x < VPW; ++x) {
+      if (kt >= limit[x]) continue;  // uniform in the warp: the row sees none of this tile
+      const int v = warp + x * kTileWarps;
+      const float* qv = q_s + size_t(v) * hd;
+      const float* kr = k_s + lane * (hd + 1);
+      float s = 0.0f;
+      for (int d = 0; d < hd; ++d) s = fmaf(qv[d], kr[d], s);
+      if (key >= limit[x] || key >= k_end) s = -INFINITY;
+      float mt = s;
+      for (int off = 16; off > 0; off /= 2) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+      const float m_new = fmaxf(m[x], mt);  // finite: key kt is visible to this row
+      const float p = expf(s - m_new);
+      float ps = p;
+      for (int off = 16; off > 0; off /= 2) ps += __shfl_xor_sync(0xffffffffu, ps, off);
+      const float c = expf(m[x] - m_new);
+      l[x] = l[x] * c + ps;
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) acc[x][e] *= c;
+      for (int k = 0; k < kTileKeys; ++k) {
+        const float pk = __shfl_sync(0xffffffffu, p, k);
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) {
+          const int d = lane + 32 * e;
+          if (d < hd) acc[x][e] = fmaf(pk, v_s[k * hd + d], acc[x][e]);
+        }
+      }
+      m[x] = m_new;
+    }
+  }
+
+#pragma unroll
+  for (int x = 0; x < VPW; ++x) {
+    const int v = warp + x * kTileWarps;
+    const int r = r0 + v / G, j = v % G;
+    if (v >= NV || r >= num_rows || head0 + j >= g) continue;
+    const size_t slot = (size_t(r) * hq + hk * g + head0 + j) * num_splits + split;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) {
+      const int d = lane + 32 * e;
+      if (d < hd) part_acc[slot * hd + d] = acc[x][e];
+    }
+    if (lane == 0) {
+      part_ml[slot * 2] = m[x];
+      part_ml[slot * 2 + 1] = l[x];
+    }
+  }
+}
+
+// Splits for the tiled kernel as plan_splits does for rows: the tiles' work (their rows' total
+// length over the rows per tile, times KV heads and head chunks) over kTargetWaves waves, in whole K/V
+// tiles.
+KernelStatus plan_tiled_splits(const DeviceKV& kv, const AttentionRows& rows, int tile, int head_chunks,
+                               int num_sms, int ctas_per_sm, Arena& arena, SplitPlan* plan) {
+  const long long work = (std::max<long long>(rows.total_len, 1) + tile - 1) / tile * kv.num_kv_heads * head_chunks;
+  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
+  return finish_plan(kv, rows, (work + slots * kTargetWaves - 1) / (slots * kTargetWaves), kTileKeys, arena, plan);
+}
+
+template <typename T, int G, int DPL>
+KernelStatus launch_tiled_as(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
+                             int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
+  const int head_chunks = ceil_div(kv.group_size(), G);
+  const size_t smem = tiled_smem_bytes(G, kv.head_dim);
+  auto kernel = tiled_causal_kernel<T, G, DPL>;
+  int ctas = 0;
+  if (auto st = ctas_per_sm(reinterpret_cast<const void*>(kernel), kTileThreads, smem, &ctas); !st.is_ok()) return st;
+  if (auto st = plan_tiled_splits(kv, rows, tile_rows(G), head_chunks, num_sms, ctas, arena, plan); !st.is_ok())
+    return st;
+  const dim3 grid(ceil_div(rows.num_rows, tile_rows(G)), kv.num_kv_heads * head_chunks, plan->num_splits);
+  kernel<<<grid, kTileThreads, smem, stream>>>(kv, layer, rows.row_seq, rows.row_len, rows.num_rows, q, scale,
+                                               head_chunks, plan->tokens_per_split, plan->num_splits, plan->part_ml,
+                                               plan->part_acc);
+  KARAKV_CUDA_CHECK_LAUNCH("causal attention tiled");
+  return KernelStatus::ok();
+}
+
+template <typename T, int G>
+KernelStatus launch_tiled_for_head_dim(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q,
+                                       float scale, int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
+  if (kv.head_dim <= 64) return launch_tiled_as<T, G, 2>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+  if (kv.head_dim <= 128) return launch_tiled_as<T, G, 4>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+  return launch_tiled_as<T, G, kMaxHeadDim / 32>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+}
+
+template <typename T>
+KernelStatus launch_tiled(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
+                          int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
+  switch (std::min(kv.group_size(), kMaxG)) {
+    case 1: return launch_tiled_for_head_dim<T, 1>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+    case 2: return launch_tiled_for_head_dim<T, 2>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+    case 3: return launch_tiled_for_head_dim<T, 3>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+    default: return launch_tiled_for_head_dim<T, kMaxG>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+  }
+}
+
 // Probabilities for H2O: one CTA per (sequence, KV head), one thread per token; the group's
 // queries sit in shared memory.
 template <typename T>
@@ -330,14 +576,18 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
     return KernelStatus::invalid("cuda attention: head_dim " + std::to_string(kv.head_dim) + " exceeds " +
                                  std::to_string(kMaxHeadDim));
   SplitPlan plan;
+  // Many rows of one sequence (causal attention, prefill): tiles of rows share their K/V reads.
+  const bool tiled = rows.one_sequence && rows.num_rows >= kMinTiledRows;
   KernelStatus st = common::dispatch_dtype(dtype, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
-    return launch_for_group<storage_t<D>>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan);
+    return tiled ? launch_tiled<storage_t<D>>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan)
+                 : launch_for_group<storage_t<D>>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan);
   });
   if (!st.is_ok()) return st;
   const dim3 grid(rows.num_rows, kv.num_q_heads);
   combine_kernel<<<grid, std::min(kv.head_dim, 256), 0, stream>>>(kv.num_q_heads, kv.head_dim, plan.num_splits,
-                                                                   plan.part_ml, plan.part_acc, out, lse);
+                                                                   plan.tokens_per_split, rows.row_len, plan.part_ml,
+                                                                   plan.part_acc, out, lse);
   KARAKV_CUDA_CHECK_LAUNCH("paged_attention combine");
   return KernelStatus::ok();
 }

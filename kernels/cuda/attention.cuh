@@ -23,6 +23,9 @@ struct AttentionRows {
   int num_rows = 0;
   int max_len = 0;         // the largest row_len (host-known; bounds the split)
   long long total_len = 0;  // the sum of row_len (host-known; the work the split spreads over the SMs)
+  // Every row is of one sequence (causal attention): from 16 rows on, tiles of rows share
+  // their K/V reads through shared memory (a tiled, FlashAttention-style kernel).
+  bool one_sequence = false;
 };
 
 // q, out: device [num_rows][num_q_heads][head_dim] fp32. lse: null, or device [num_rows][num_q_heads]

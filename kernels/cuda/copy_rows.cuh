@@ -1,8 +1,9 @@
 // Row copies for the data-movement ops (write_kv, read_kv, gather_tokens): a row is one head_dim
 // vector of one token, contiguous on both sides, and a copy moves whole rows in the widest unit
 // (16, 8, 4 or 2 bytes) that the row size and every base pointer allow. Threads of a CTA split into
-// row teams of `units_per_row` lanes, each lane one unit; teams stride over the rows, so the only
-// index arithmetic is the op's once per row (32-bit), not 64-bit divisions per element.
+// row teams of one lane per unit (at most 256; lanes then take several units); teams stride over
+// the rows, so the only index arithmetic is the op's once per row (32-bit), not 64-bit divisions
+// per element.
 //
 // Rows: a functor with `static constexpr int kPairs` (copies per row: K and V) and
 // `__device__ void addresses(int row, const char* (&src)[kPairs], char* (&dst)[kPairs]) const`.
@@ -18,20 +19,25 @@
 
 namespace karakv::kernels::cuda {
 
+// A team of team_size lanes per row (team_size <= units_per_row; lanes loop when a row has more
+// units than that).
 template <typename U, typename Rows>
-__global__ void copy_rows_kernel(Rows rows, int num_rows, int units_per_row, int rows_per_block) {
-  const int team = threadIdx.x / units_per_row, u = threadIdx.x % units_per_row;
+__global__ void copy_rows_kernel(Rows rows, int num_rows, int units_per_row, int team_size, int rows_per_block) {
+  const int team = threadIdx.x / team_size, lane = threadIdx.x % team_size;
   if (team >= rows_per_block) return;
   constexpr int P = Rows::kPairs;
-  for (int r = blockIdx.x * rows_per_block + team; r < num_rows; r += gridDim.x * rows_per_block) {
+  for (long long r = (long long)blockIdx.x * rows_per_block + team; r < num_rows;
+       r += (long long)gridDim.x * rows_per_block) {
     const char* src[P];
     char* dst[P];
-    rows.addresses(r, src, dst);
-    U x[P];
+    rows.addresses(int(r), src, dst);
+    for (int u = lane; u < units_per_row; u += team_size) {
+      U x[P];
 #pragma unroll
-    for (int p = 0; p < P; ++p) x[p] = reinterpret_cast<const U*>(src[p])[u];  // both loads in flight
+      for (int p = 0; p < P; ++p) x[p] = reinterpret_cast<const U*>(src[p])[u];  // both loads in flight
 #pragma unroll
-    for (int p = 0; p < P; ++p) reinterpret_cast<U*>(dst[p])[u] = x[p];
+      for (int p = 0; p < P; ++p) reinterpret_cast<U*>(dst[p])[u] = x[p];
+    }
   }
 }
 
@@ -48,12 +54,12 @@ inline int copy_unit(size_t row_bytes, std::initializer_list<const void*> bases)
 template <typename U, typename Rows>
 KernelStatus launch_copy_rows_as(const Rows& rows, int num_rows, size_t row_bytes, cudaStream_t stream,
                                  const char* name) {
+  constexpr int kThreads = 256;
   const int units = int(row_bytes / sizeof(U));
-  // A CTA of at least 256 threads holding whole teams (a row of up to 1 KiB in 2-byte units: 512).
-  const int threads = std::max(256, (units + 31) / 32 * 32);
-  const int rows_per_block = threads / units;
+  const int team = std::min(units, kThreads);
+  const int rows_per_block = kThreads / team;
   const int blocks = int(std::min<long long>((num_rows + rows_per_block - 1) / rows_per_block, 1 << 16));
-  copy_rows_kernel<U, Rows><<<blocks, threads, 0, stream>>>(rows, num_rows, units, rows_per_block);
+  copy_rows_kernel<U, Rows><<<blocks, kThreads, 0, stream>>>(rows, num_rows, units, team, rows_per_block);
   KARAKV_CUDA_CHECK_LAUNCH(name);
   return KernelStatus::ok();
 }

@@ -212,8 +212,10 @@ class CudaBackend final : public Backend {
     const void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.input(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_write_kv(dkv, dtype_size(geo.dtype), seq, start_pos, num_tokens,
-                                                            layer_begin, num_layers, dk, dv, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_write_kv(dkv, dtype_size(geo.dtype), seq, start_pos, num_tokens, layer_begin, num_layers, dk,
+                                   dv, stream);
+    }));
     return call.finish();
   }
 
@@ -251,14 +253,17 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.upload(row_len, &rows.row_len));
     rows.num_rows = num_queries;
     rows.max_len = len;
+    rows.one_sequence = true;
     for (int32_t l : row_len) rows.total_len += l;
     const size_t bytes = size_t(num_queries) * kv.geometry.q_token_elems() * sizeof(float);
     const float* dq = nullptr;
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_paged_attention(dkv, kv.geometry.dtype, layer, rows, dq, dout, scale,
-                                                                   nullptr, num_sms_, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_paged_attention(dkv, kv.geometry.dtype, layer, rows, dq, dout, scale, nullptr, num_sms_,
+                                          arena_, stream);
+    }));
     return call.finish();
   }
 
@@ -274,7 +279,9 @@ class CudaBackend final : public Backend {
     void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_read_kv(dkv, dtype_size(geo.dtype), seq, len, dk, dv, stream);
+    }));
     return call.finish();
   }
 
@@ -302,8 +309,10 @@ class CudaBackend final : public Backend {
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, size_t(window) * kv.geometry.q_token_elems() * sizeof(float), &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window,
-                                                                 dq, scale, dout, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_window_scores(dkv, kv.geometry.dtype, seq, layer, slot_begin, window, dq, scale, dout, arena_,
+                                        stream);
+    }));
     return call.finish();
   }
 
@@ -322,9 +331,10 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, rows * kv.geometry.head_dim * sizeof(float), &dq));
     if (lse != nullptr) KARAKV_RETURN_IF_ERROR(call.input(lse, rows * sizeof(float), &dlse));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * window * sizeof(float), &dout));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_window_scores_observed(dkv, kv.geometry.dtype, seq, layer,
-                                                                          slot_begin, window, dq, scale, dlse,
-                                                                          later_keys_only, dout, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_window_scores_observed(dkv, kv.geometry.dtype, seq, layer, slot_begin, window, dq, scale,
+                                                 dlse, later_keys_only, dout, arena_, stream);
+    }));
     return call.finish();
   }
 
@@ -341,8 +351,10 @@ class CudaBackend final : public Backend {
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, size_t(num_obs) * kv.geometry.q_token_elems() * sizeof(float), &dq));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(kv.geometry.num_kv_heads) * n * sizeof(float), &dout));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_snapkv_scores(dkv, kv.geometry.dtype, seq, layer, n, num_obs, dq,
-                                                                 scale, pool, dout, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_snapkv_scores(dkv, kv.geometry.dtype, seq, layer, n, num_obs, dq, scale, pool, dout, arena_,
+                                        stream);
+    }));
     return call.finish();
   }
 
@@ -354,7 +366,9 @@ class CudaBackend final : public Backend {
     int32_t* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(k) * sizeof(int32_t), &dout));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_top_k(ds, n, k, dout, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_top_k(ds, n, k, dout, arena_, stream);
+    }));
     return call.finish();
   }
 
@@ -367,8 +381,9 @@ class CudaBackend final : public Backend {
     int32_t* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
     KARAKV_RETURN_IF_ERROR(call.output(out, size_t(budget) * sizeof(int32_t), &dout));
-    KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, stream);
+    }));
     return call.finish();
   }
 
@@ -385,8 +400,9 @@ class CudaBackend final : public Backend {
     const int32_t *dkept = nullptr, *ddst = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
     KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
-    KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_gather_tokens(dkv, dtype_size(geo.dtype), seq, dkept, num_kept, ddst, stream);
+    }));
     return call.finish();
   }
 
@@ -406,8 +422,10 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(kept, size_t(rows) * num_kept * sizeof(int32_t), &dkept));
     KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(rows) * n * sizeof(float), &dscores));
     KARAKV_RETURN_IF_ERROR(call.input(dst_blocks, size_t(num_dst) * sizeof(int32_t), &ddst));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_cam_merge(dkv, g.dtype, seq, begin, end, dkept, num_kept, dscores,
-                                                             merge_tokens, ddst, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_cam_merge(dkv, g.dtype, seq, begin, end, dkept, num_kept, dscores, merge_tokens, ddst, arena_,
+                                    stream);
+    }));
     return call.finish();
   }
 
@@ -446,8 +464,9 @@ class CudaBackend final : public Backend {
     std::vector<int32_t> first_bad(size_t(g.num_layers) * 2 * g.num_kv_heads);
     int32_t* dbad = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(first_bad.data(), first_bad.size() * sizeof(int32_t), &dbad));
-    KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_quantize_tokens(dkv, g.dtype, dq, seq, slot_begin, dst, dbad, arena_, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_quantize_tokens(dkv, g.dtype, dq, seq, slot_begin, dst, dbad, arena_, stream);
+    }));
     KARAKV_RETURN_IF_ERROR(call.finish());
     const bool kivi = q.format == QuantFormat::kKivi2 || q.format == QuantFormat::kKivi4;
     for (size_t r = 0; r < first_bad.size(); ++r) {
@@ -486,7 +505,9 @@ class CudaBackend final : public Backend {
     void *dk = nullptr, *dv = nullptr;
     KARAKV_RETURN_IF_ERROR(call.output(k, bytes, &dk));
     KARAKV_RETURN_IF_ERROR(call.output(v, bytes, &dv));
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_dequantize_block(dkv, g.dtype, dq, block, dk, dv, call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_dequantize_block(dkv, g.dtype, dq, block, dk, dv, stream);
+    }));
     return call.finish();
   }
 
@@ -604,9 +625,10 @@ class CudaBackend final : public Backend {
       probs.resize(std::max<size_t>(total, 1));
       KARAKV_RETURN_IF_ERROR(call.output(probs.data(), total * sizeof(float), &dprobs));
     }
-    KARAKV_RETURN_IF_ERROR(call.named(cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized,
-                                                                       row_fp, dq_in, dout, scale, dprobs, arena_,
-                                                                       call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized, row_fp, dq_in, dout,
+                                              scale, dprobs, arena_, stream);
+    }));
     KARAKV_RETURN_IF_ERROR(call.finish());
     if (score_acc == nullptr) return KernelStatus::ok();
     size_t offset = 0;
@@ -643,20 +665,22 @@ class CudaBackend final : public Backend {
     char* host = nullptr;
     size_t size = 0;
     size_t wanted = size_t(256) << 10;
+    size_t refused = SIZE_MAX;  // the smallest size cudaHostAlloc refused: not asked for again
   };
   static constexpr size_t kMaxPinnedStaging = size_t(16) << 20;
 
-  // Grows `pinned` to what calls asked for. A failed cudaHostAlloc leaves it smaller: calls then
-  // copy one tensor at a time.
+  // Grows `pinned` to what calls asked for. A failed cudaHostAlloc leaves it smaller (calls then
+  // copy what does not fit one tensor at a time) and that size is not asked for again.
   static void grow(PinnedStaging& pinned) {
     const size_t want = std::min(pinned.wanted, kMaxPinnedStaging);
     if (want <= pinned.size) return;
     size_t size = size_t(64) << 10;
     while (size < want) size *= 2;
+    if (size >= pinned.refused) return;
     void* p = nullptr;
     if (cudaHostAlloc(&p, size, cudaHostAllocDefault) != cudaSuccess) {
       cudaGetLastError();
-      pinned.wanted = pinned.size;
+      pinned.refused = size;
       return;
     }
     if (pinned.host != nullptr) cudaFreeHost(pinned.host);
@@ -670,8 +694,7 @@ class CudaBackend final : public Backend {
   // synchronize says which op was running.
   //
   // Host inputs are packed into the pinned upload buffer as they are staged and reach the device
-  // in one copy that stream() issues: launchers are passed call.stream(), so the copy is queued
-  // before their first kernel. Host outputs are packed likewise and come back in one copy at
+  // in one copy that launch() queues before it runs a launcher. Host outputs are packed likewise and come back in one copy at
   // finish(). The pinned buffers are reused by the next call only after this one synchronized.
   class Call {
    public:
@@ -686,10 +709,8 @@ class CudaBackend final : public Backend {
       if (!finished_) cudaStreamSynchronize(b_.stream_);
     }
 
-    // st, with the op's name in front when it failed (a launcher's or the arena's error); a failed
-    // upload that stream() could not report comes first.
+    // st, with the op's name in front when it failed (a launcher's or the arena's error).
     KernelStatus named(KernelStatus st) const {
-      if (!flush_error_.is_ok()) return flush_error_;
       if (!st.is_ok()) st.message = std::string(op_) + ": " + st.message;
       return st;
     }
@@ -699,15 +720,18 @@ class CudaBackend final : public Backend {
       return cuda::cuda_status(err, std::string(op_) + ": " + std::string(what));
     }
 
-    // The backend's stream, with every input staged so far queued for upload on it.
-    cudaStream_t stream() {
-      if (up_.used > up_.flushed && flush_error_.is_ok()) {
-        flush_error_ = check(cudaMemcpyAsync(up_.device + up_.flushed, b_.pinned_up_.host + up_.flushed,
-                                             up_.used - up_.flushed, cudaMemcpyHostToDevice, b_.stream_),
-                             "cudaMemcpyAsync of the inputs to the device");
+    // Runs `launcher(stream)` (a kernel launcher of kernels/cuda/) on the backend's stream once
+    // every input staged so far is queued for upload on it, and names its error; a failed upload
+    // launches nothing.
+    template <typename Launcher>
+    KernelStatus launch(Launcher&& launcher) {
+      if (up_.used > up_.flushed) {
+        KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(up_.device + up_.flushed, b_.pinned_up_.host + up_.flushed,
+                                                     up_.used - up_.flushed, cudaMemcpyHostToDevice, b_.stream_),
+                                     "cudaMemcpyAsync of the inputs to the device"));
         up_.flushed = up_.used;
       }
-      return b_.stream_;
+      return named(launcher(b_.stream_));
     }
 
     template <typename T>
@@ -781,7 +805,6 @@ class CudaBackend final : public Backend {
     // A kernel fault of this op (or, the context being broken for good after one, of an earlier op)
     // surfaces here, at the copies back or the synchronize.
     KernelStatus finish() {
-      KARAKV_RETURN_IF_ERROR(named(KernelStatus::ok()));
       if (down_.used > 0)
         KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(b_.pinned_down_.host, down_.device, down_.used,
                                                      cudaMemcpyDeviceToHost, b_.stream_),
@@ -846,7 +869,6 @@ class CudaBackend final : public Backend {
     const std::string_view op_;
     std::lock_guard<std::mutex> lock_;
     Packed up_, down_;
-    KernelStatus flush_error_ = KernelStatus::ok();
     std::vector<Copy> copies_;
     bool finished_ = false;
   };
@@ -893,9 +915,9 @@ class CudaBackend final : public Backend {
     } else if (score_acc != nullptr) {
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
     }
-    KARAKV_RETURN_IF_ERROR(
-        call.named(cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_,
-                                                call.stream())));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_, stream);
+    }));
     if (score_acc == nullptr && lse_out == nullptr) return call.finish();
 
     // Per-(sequence, KV head) probabilities on the device, added into the host accumulators.
@@ -912,9 +934,9 @@ class CudaBackend final : public Backend {
       probs.resize(size_t(std::max<int64_t>(total, 1)));
       float* dprobs = nullptr;
       KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
-      KARAKV_RETURN_IF_ERROR(
-          call.named(cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs,
-                                                          call.stream())));
+      KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+        return cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs, stream);
+      }));
     }
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int s = 0; s < kv.num_seqs; ++s) {

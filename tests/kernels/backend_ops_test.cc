@@ -197,11 +197,15 @@ TEST_P(BackendOpsTest, DecodeAttention) {
   }
 }
 
+// Causal attention: a few rows (one row kernel), and from 16 rows on tiles of rows sharing their K/V
+// (a tile cut short at the end, a whole 300-token sequence, and with the geometry's 20k-token
+// sequence 48 rows after a long prefix, split along the keys).
 TEST_P(BackendOpsTest, CausalAttention) {
   if (!supported(Op::kWriteKV) || !supported(Op::kCausalAttention)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
-  const int seq = 3;
-  for (int nq : {1, 5, lens_[seq]}) {
+  std::vector<std::pair<int, int>> cases = {{3, 1}, {3, 5}, {3, lens_[3]}, {4, 17}, {4, lens_[4]}};
+  if (lens_.size() > 5) cases.push_back({5, 48});
+  for (auto [seq, nq] : cases) {
     const size_t n = size_t(nq) * geo_.q_token_elems();
     const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
     BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
@@ -210,7 +214,7 @@ TEST_P(BackendOpsTest, CausalAttention) {
     ASSERT_TRUE(backend_->causal_attention(caches.test->view(), seq, 2, nq, qb.get<float>(), ob.get<float>(), 0.125f).is_ok());
     ASSERT_TRUE(reference_->causal_attention(caches.ref->view(), seq, 2, nq, rqb.get<float>(), rob.get<float>(), 0.125f).is_ok());
     EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kCausalAttention))
-        << "num_queries " << nq;
+        << "seq " << seq << ", num_queries " << nq;
   }
 }
 
