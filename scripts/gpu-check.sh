@@ -422,10 +422,11 @@ echo "| attention under synccheck / racecheck (fp16, decode and causal) | ${sani
 echo "| kernels_bench exit status | ${status[smollm2.kernels_bench]} | ${status[llama8b.kernels_bench]} |"
 echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8b.sdpa_bench]} |"
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \
-         kara_tick_ms kara_tick_vs_decode_step; do
+         sdpa_layer_sync_us kara_tick_ms kara_tick_vs_decode_step; do
   echo "| $m | ${r[smollm2.$m]:-n/a} | ${r[llama8b.$m]:-n/a} |"
 done
 echo "| paged decode time / sdpa time | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_us]:-}") |"
+echo "| paged decode time / sdpa time, both synchronized per call | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_sync_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_sync_us]:-}") |"
 echo "| device staging, two processes (device_staging_test passed / failed / skipped; exit status) | $ipc_passed / $ipc_failed / $ipc_skipped; $ipc_status | (same run) |"
 echo "| karakv-bench serve on the GPU (exit status) | $serve_status | (serve geometry: 4 layers, Hq 4, Hk 2, D 64, fp16) |"
 for policy in none snapkv kara; do
