@@ -6,30 +6,6 @@
 namespace karakv::kernels::cuda {
 namespace {
 
-// mean[h][s]: one thread per key s, summing over the group's heads and the observation rows that
-// see it (row t sees slots 0..prefix + t), divided by num_obs * group as every query counts.
-template <typename T>
-__global__ void snapkv_mean_kernel(DeviceKV kv, int seq, int layer, int n, int num_obs, const float* __restrict__ q,
-                                   float scale, const float* __restrict__ lse, float* __restrict__ mean) {
-  const int h = blockIdx.y;
-  const int s = blockIdx.x * blockDim.x + threadIdx.x;
-  if (s >= n) return;
-  const int g = kv.group_size(), hd = kv.head_dim, hq = kv.num_q_heads;
-  const int prefix = n - num_obs;
-  const T* k = static_cast<const T*>(kv.pool) + kv.token_offset(seq, s, layer, 0, h);
-  float sum = 0.0f;
-  for (int j = 0; j < g; ++j) {
-    const int qh = h * g + j;
-    for (int t = max(0, s - prefix); t < num_obs; ++t) {
-      const float* qrow = q + (size_t(t) * hq + qh) * hd;
-      float dot = 0.0f;
-      for (int d = 0; d < hd; ++d) dot = fmaf(qrow[d] * scale, to_float(k[d]), dot);
-      sum += expf(dot - lse[size_t(qh) * num_obs + t]);
-    }
-  }
-  mean[size_t(h) * n + s] = sum * (1.0f / float(size_t(num_obs) * g));
-}
-
 __global__ void snapkv_pool_kernel(int n, int num_obs, int pool, const float* __restrict__ mean, float* __restrict__ out) {
   const int h = blockIdx.y;
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
@@ -62,9 +38,14 @@ KernelStatus launch_snapkv_scores(const DeviceKV& kv, DType dtype, int seq, int 
     row_lse_kernel<T><<<dim3(ceil_div(num_obs, kScoreWarps), kv.num_q_heads), kScoreWarps * 32, 0, stream>>>(
         kv, seq, layer, q, scale, num_obs, 0, n - num_obs, true, lse);
     KARAKV_CUDA_CHECK_LAUNCH("snapkv_scores rows");
-    snapkv_mean_kernel<T><<<dim3(ceil_div(n, 128), kv.num_kv_heads), 128, 0, stream>>>(kv, seq, layer, n, num_obs, q,
-                                                                                        scale, lse, mean);
-    KARAKV_CUDA_CHECK_LAUNCH("snapkv_scores mean");
+    // mean[h][s]: over the group's heads and the observation rows that see s (row t sees slots
+    // 0..prefix + t), divided by num_obs * group as every query counts.
+    if (auto st = launch_score_columns<T>(kv, seq, layer, 0, n, q, scale, num_obs, lse, nullptr,
+                                          ColumnRows::kCausalPrefix, n - num_obs,
+                                          1.0f / float(size_t(num_obs) * kv.group_size()), mean, stream,
+                                          "snapkv_scores mean");
+        !st.is_ok())
+      return st;
     snapkv_pool_kernel<<<dim3(ceil_div(n, 128), kv.num_kv_heads), 128, 0, stream>>>(n, num_obs, pool, mean, out);
     KARAKV_CUDA_CHECK_LAUNCH("snapkv_scores pool");
     return KernelStatus::ok();
