@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 namespace karakv::kernels::cuda {
 namespace {
@@ -335,16 +336,16 @@ KernelStatus launch_for_head_dim(const DeviceKV& kv, int layer, const AttentionR
   });
 }
 
-// The query heads per CTA as a compile-time constant: the whole group when it has up to kMaxG
-// heads (a group of 3 pays for 3, not 4), else chunks of kMaxG.
-template <typename T>
-KernelStatus launch_for_group(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
-                              int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
-  switch (std::min(kv.group_size(), kMaxG)) {
-    case 1: return launch_for_head_dim<T, 1>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-    case 2: return launch_for_head_dim<T, 2>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-    case 3: return launch_for_head_dim<T, 3>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-    default: return launch_for_head_dim<T, kMaxG>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
+// Calls f(std::integral_constant<int, G>{}) with the query heads per CTA as a compile-time
+// constant: the whole group when it has up to kMaxG heads (a group of 3 pays for 3, not 4), else
+// chunks of kMaxG.
+template <typename F>
+KernelStatus dispatch_group(int group_size, F&& f) {
+  switch (std::min(group_size, kMaxG)) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, kMaxG>{});
   }
 }
 
@@ -533,17 +534,6 @@ KernelStatus launch_tiled_for_head_dim(const DeviceKV& kv, int layer, const Atte
   return launch_tiled_as<T, G, kMaxHeadDim / 32>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
 }
 
-template <typename T>
-KernelStatus launch_tiled(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
-                          int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
-  switch (std::min(kv.group_size(), kMaxG)) {
-    case 1: return launch_tiled_for_head_dim<T, 1>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-    case 2: return launch_tiled_for_head_dim<T, 2>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-    case 3: return launch_tiled_for_head_dim<T, 3>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-    default: return launch_tiled_for_head_dim<T, kMaxG>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
-  }
-}
-
 // Probabilities for H2O: one CTA per (sequence, KV head), one thread per token; the group's
 // queries sit in shared memory.
 template <typename T>
@@ -579,9 +569,12 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
   // Many rows of one sequence (causal attention, prefill): tiles of rows share their K/V reads.
   const bool tiled = rows.one_sequence && rows.num_rows >= kMinTiledRows;
   KernelStatus st = common::dispatch_dtype(dtype, [&](auto tag) {
-    constexpr DType D = decltype(tag)::value;
-    return tiled ? launch_tiled<storage_t<D>>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan)
-                 : launch_for_group<storage_t<D>>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan);
+    using T = storage_t<decltype(tag)::value>;
+    return dispatch_group(kv.group_size(), [&](auto group) {
+      constexpr int G = decltype(group)::value;
+      return tiled ? launch_tiled_for_head_dim<T, G>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan)
+                   : launch_for_head_dim<T, G>(kv, layer, rows, q, scale, num_sms, arena, stream, &plan);
+    });
   });
   if (!st.is_ok()) return st;
   const dim3 grid(rows.num_rows, kv.num_q_heads);
