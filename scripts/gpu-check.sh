@@ -291,6 +291,8 @@ fi
 # synccheck (warp masks, barriers) and racecheck (shared memory) over the attention kernels.
 MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTest.*/cuda_fp16_hd96_g1'
 ATTENTION_FILTER='AllBackends/BackendOpsTest.DecodeAttention/cuda_fp16:AllBackends/BackendOpsTest.CausalAttention/cuda_fp16'
+ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd256_g2"
+ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd64_g8"
 sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" \
   /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
 sanitizer_rc=0
@@ -418,7 +420,7 @@ echo "| check | smollm2-135m | llama-3.1-8b |"
 echo "| --- | --- | --- |"
 echo "| cuda ops vs CPU reference (tests passed / failed / skipped; exit status) | $passed / $failed / $skipped; $tests_status | (same run) |"
 echo "| cuda ops under compute-sanitizer memcheck (fp16, $MEMCHECK_FILTER) | ${sanitized[memcheck]} | (same run) |"
-echo "| attention under synccheck / racecheck (fp16, decode and causal) | ${sanitized[synccheck]} / ${sanitized[racecheck]} | (same run) |"
+echo "| attention under synccheck / racecheck (fp16; head_dim 64 g3, 256 g2, 64 g8) | ${sanitized[synccheck]} / ${sanitized[racecheck]} | (same run) |"
 echo "| kernels_bench exit status | ${status[smollm2.kernels_bench]} | ${status[llama8b.kernels_bench]} |"
 echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8b.sdpa_bench]} |"
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \

@@ -245,6 +245,10 @@ __global__ void combine_kernel(int hq, int hd, int num_splits, int tokens_per_sp
 KernelStatus ctas_per_sm(const void* kernel, int threads, size_t smem, int* out) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, size_t>, int> cache;
+  // The dynamic shared memory each (device, kernel) is opted in to. Only ever raised: a cached
+  // size's launches rely on the opt-in made when that size was first seen, and the attribute sets
+  // the limit to exactly the size asked (a smaller size after a larger one would lower it).
+  static std::map<std::pair<int, const void*>, size_t> opted_in;
   int device = 0;
   KARAKV_CUDA_RETURN_IF_ERROR_IN("attention", "cudaGetDevice", cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mu);
@@ -253,9 +257,12 @@ KernelStatus ctas_per_sm(const void* kernel, int threads, size_t smem, int* out)
     *out = it->second;
     return KernelStatus::ok();
   }
-  if (smem > 48 * 1024)  // Hopper and Ampere give up to 227 / 163 KiB per CTA when asked
+  // Hopper and Ampere give up to 227 / 163 KiB per CTA when asked.
+  if (size_t& opted = opted_in[{device, kernel}]; smem > 48 * 1024 && smem > opted) {
     KARAKV_CUDA_RETURN_IF_ERROR_IN("attention", "cudaFuncSetAttribute of the dynamic shared memory",
                                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    opted = smem;
+  }
   KARAKV_CUDA_RETURN_IF_ERROR_IN("attention", "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
                                  cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem));
   cache[key] = *out;
