@@ -387,6 +387,7 @@ __global__ void __launch_bounds__(kTileThreads)
                         float* __restrict__ part_acc) {
   constexpr int QT = tile_rows(G);
   constexpr int NV = QT * G;
+  constexpr int VEC = 16 / int(sizeof(T));  // elements per 16-byte load of the K/V tile
   constexpr int VPW = (NV + kTileWarps - 1) / kTileWarps;
   extern __shared__ float smem[];
   const int hd = kv.head_dim, hq = kv.num_q_heads, g = kv.group_size();
@@ -437,20 +438,36 @@ __global__ void __launch_bounds__(kTileThreads)
   const size_t k_run = kv.run_offset(0, layer, 0, hk), v_run = kv.run_offset(0, layer, 1, hk);
   for (int kt = k_begin; kt < k_end; kt += kTileKeys) {
     __syncthreads();  // the previous tile is no longer read (and, the first time, q_s is written)
-    // Warp w loads keys w, w + 8, ...: one row per warp at a time, lanes along head_dim.
-    for (int i = warp; i < kTileKeys; i += kTileWarps) {
-      const int t = kt + i;
-      if (t < k_end) {
-        const int b = t / bs;
-        const size_t base = size_t(table[b]) * block_elems + size_t(t - b * bs) * hd;
-        for (int d = lane; d < hd; d += 32) {
-          k_s[i * (hd + 1) + d] = to_float(pool[base + k_run + d]);
-          v_s[i * hd + d] = to_float(pool[base + v_run + d]);
+    if (hd % VEC == 0) {
+      // 16-byte chunks: chunk c is part c % cpr of key c / cpr (rows start at multiples of head_dim
+      // elements, so every chunk is aligned); keys past k_end are zeros.
+      const int cpr = hd / VEC;
+      for (int c = threadIdx.x; c < kTileKeys * cpr; c += kTileThreads) {
+        const int i = c / cpr, d0 = (c - i * cpr) * VEC;
+        const int t = kt + i;
+        uint4 kr = {0u, 0u, 0u, 0u}, vr = {0u, 0u, 0u, 0u};
+        if (t < k_end) {
+          const int b = t / bs;
+          const size_t base = size_t(table[b]) * block_elems + size_t(t - b * bs) * hd + d0;
+          kr = *reinterpret_cast<const uint4*>(pool + base + k_run);
+          vr = *reinterpret_cast<const uint4*>(pool + base + v_run);
         }
-      } else {
+        const T* ke = reinterpret_cast<const T*>(&kr);
+        const T* ve = reinterpret_cast<const T*>(&vr);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          k_s[i * (hd + 1) + d0 + e] = t < k_end ? to_float(ke[e]) : 0.0f;
+          v_s[i * hd + d0 + e] = t < k_end ? to_float(ve[e]) : 0.0f;
+        }
+      }
+    } else {
+      // Warp w loads keys w, w + 8, ...: one row per warp at a time, lanes along head_dim.
+      for (int i = warp; i < kTileKeys; i += kTileWarps) {
+        const int t = kt + i;
+        const size_t base = t < k_end ? size_t(table[t / bs]) * block_elems + size_t(t % bs) * hd : 0;
         for (int d = lane; d < hd; d += 32) {
-          k_s[i * (hd + 1) + d] = 0.0f;
-          v_s[i * hd + d] = 0.0f;
+          k_s[i * (hd + 1) + d] = t < k_end ? to_float(pool[base + k_run + d]) : 0.0f;
+          v_s[i * hd + d] = t < k_end ? to_float(pool[base + v_run + d]) : 0.0f;
         }
       }
     }
@@ -462,8 +479,15 @@ __global__ void __launch_bounds__(kTileThreads)
       const int v = warp + x * kTileWarps;
       const float* qv = q_s + size_t(v) * hd;
       const float* kr = k_s + lane * (hd + 1);
-      float s = 0.0f;
-      for (int d = 0; d < hd; ++d) s = fmaf(qv[d], kr[d], s);
+      // Four independent sums: a chain of head_dim dependent FMAs would leave the pipes idle.
+      float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      int d = 0;
+      for (; d + 4 <= hd; d += 4) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) s4[u] = fmaf(qv[d + u], kr[d + u], s4[u]);
+      }
+      for (; d < hd; ++d) s4[0] = fmaf(qv[d], kr[d], s4[0]);
+      float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
       if (key >= limit[x] || key >= k_end) s = -INFINITY;
       float mt = s;
       for (int off = 16; off > 0; off /= 2) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
