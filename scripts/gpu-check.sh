@@ -47,7 +47,8 @@
 # (a Step through device staging, then shm staging, against an empty Ping) seconds. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets
 # 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (20), GPU_CHECK_MEMCHECK_TIMEOUT (120),
-# GPU_CHECK_JOBS (nproc; build jobs).
+# GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging: a
+# rerun after a fix can take only the steps that failed; the others print "skipped").
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB):
 #   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
@@ -144,6 +145,10 @@ TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-300}
 CARRY_LIB="$PWD/build-gpu/carry/lib"
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 mkdir -p "$RESULTS"
+# The steps to run (a rerun after a fix can take only what failed): tests, sanitize, bench, ipc,
+# serve, staging (P3 and the serve run with device staging workers).
+STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging}
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
 FULL="$PWD/build-gpu/carry/full"
 if [ ! -d "$FULL" ] && [ -f build-gpu/carry/full.tar.xz ]; then
   tar -C build-gpu/carry -xJf build-gpu/carry/full.tar.xz 2> /dev/null ||
@@ -258,159 +263,187 @@ if why=$(cannot_start); then
   set_bin_env
 fi
 
-# 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test), and the
-# backend's geometry limits (cuda_limits_test). Not --gtest_brief: it prints no line for a passed or
-# skipped test, and no failed count.
-with_timeout "$TEST_TIMEOUT" "${BIN_ENV[@]}" "$B/tests/kernels/kernels_test" \
-  --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*' \
-  > /tmp/gpu-tests.txt 2>&1
-tests_rc=$?
-read -r passed failed skipped running < <(gtest_counts /tmp/gpu-tests.txt)
-grep -E "Failure|FAILED|Expected|Which is|error" /tmp/gpu-tests.txt | head -60
-tests_status=$(describe_rc "$tests_rc")
-if [ "$running" != "-" ]; then
-  tests_status="$tests_status in $running"
-  echo "kernels_test ended in $running ($tests_status); its last lines:"
-  tail -20 /tmp/gpu-tests.txt
-fi
-# On the GPU machine a test skipped for "no device" is a failure of the check: the backend could not
-# be created.
-no_device=$(grep -m1 '^no device' /tmp/gpu-tests.txt)
-if [ -n "$no_device" ]; then
-  tests_status="$tests_status, but the cuda backend could not be created ($no_device)"
-  tests_ok=0
-elif [ "$passed" -eq 0 ]; then
-  tests_status="$tests_status, but no test passed"
-  tests_ok=0
+if want tests; then
+  # 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test), and the
+  # backend's geometry limits (cuda_limits_test). Not --gtest_brief: it prints no line for a passed or
+  # skipped test, and no failed count.
+  with_timeout "$TEST_TIMEOUT" "${BIN_ENV[@]}" "$B/tests/kernels/kernels_test" \
+    --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*' \
+    > /tmp/gpu-tests.txt 2>&1
+  tests_rc=$?
+  read -r passed failed skipped running < <(gtest_counts /tmp/gpu-tests.txt)
+  grep -E "Failure|FAILED|Expected|Which is|error" /tmp/gpu-tests.txt | head -60
+  tests_status=$(describe_rc "$tests_rc")
+  if [ "$running" != "-" ]; then
+    tests_status="$tests_status in $running"
+    echo "kernels_test ended in $running ($tests_status); its last lines:"
+    tail -20 /tmp/gpu-tests.txt
+  fi
+  # On the GPU machine a test skipped for "no device" is a failure of the check: the backend could not
+  # be created.
+  no_device=$(grep -m1 '^no device' /tmp/gpu-tests.txt)
+  if [ -n "$no_device" ]; then
+    tests_status="$tests_status, but the cuda backend could not be created ($no_device)"
+    tests_ok=0
+  elif [ "$passed" -eq 0 ]; then
+    tests_status="$tests_status, but no test passed"
+    tests_ok=0
+  else
+    tests_ok=1
+  fi
 else
-  tests_ok=1
+  tests_rc=0 tests_ok=1 passed=- failed=- skipped=- tests_status="skipped (GPU_CHECK_STEPS)"
 fi
 
-# 1b. One dtype's ops under compute-sanitizer: memcheck (out-of-bounds and misaligned device
-# accesses, errors of CUDA calls) over the default geometry and the generic head_dim layout, fp16;
-# synccheck (warp masks, barriers) and racecheck (shared memory) over the attention kernels.
 MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTest.*/cuda_fp16_hd96_g1'
 ATTENTION_FILTER='AllBackends/BackendOpsTest.DecodeAttention/cuda_fp16:AllBackends/BackendOpsTest.CausalAttention/cuda_fp16'
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd256_g2"
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd64_g8"
-sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" \
-  /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
-sanitizer_rc=0
-declare -A sanitized
-# sanitize TOOL FILTER SECONDS: sanitized[TOOL] says how it went; sanitizer_rc is 1 after any failure.
-sanitize() {
-  local tool=$1 filter=$2 seconds=$3 rc passed failed skipped running errors
-  if [ -z "$sanitizer" ]; then
-    sanitized[$tool]="not run: compute-sanitizer not found next to nvcc"
-    return
-  fi
-  with_timeout "$seconds" "${BIN_ENV[@]}" "$sanitizer" --tool "$tool" --error-exitcode 86 --print-limit 20 \
-    "$B/tests/kernels/kernels_test" --gtest_filter="$filter" > "/tmp/gpu-$tool.txt" 2>&1
-  rc=$?
-  read -r passed failed skipped running < <(gtest_counts "/tmp/gpu-$tool.txt")
-  errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+' "/tmp/gpu-$tool.txt" | grep -oE '[0-9]+$')
-  sanitized[$tool]="$(describe_rc "$rc"); ${errors:-no} $tool errors; tests $passed / $failed / $skipped"
-  [ "$running" = "-" ] || sanitized[$tool]="${sanitized[$tool]}, ended in $running"
-  if [ "$rc" -ne 0 ]; then
-    sanitizer_rc=1
-    echo "$tool (${sanitized[$tool]}):"
-    grep -m40 -E '^=========' "/tmp/gpu-$tool.txt"
-  fi
-}
-sanitize memcheck "$MEMCHECK_FILTER" "${GPU_CHECK_MEMCHECK_TIMEOUT:-120}"
-sanitize synccheck "$ATTENTION_FILTER" 60
-sanitize racecheck "$ATTENTION_FILTER" 90
-
-# 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem.
-declare -A r status
-for model in smollm2 llama8b; do
-  with_timeout 180 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" \
-    --tokens="$TOKENS" --iters="$ITERS" > /tmp/gpu-bench-$model.txt 2>&1
-  rc=$?
-  status[$model.kernels_bench]=$(describe_rc "$rc")
-  [ "$rc" -eq 0 ] || { echo "kernels_bench $model failed (${status[$model.kernels_bench]}):"; tail -5 /tmp/gpu-bench-$model.txt; }
-  with_timeout 180 python3 bench/kernels/sdpa_bench.py --model=$model --seqs="$SEQS" --tokens="$TOKENS" \
-    > /tmp/gpu-sdpa-$model.txt 2>&1
-  rc=$?
-  status[$model.sdpa_bench]=$(describe_rc "$rc")
-  [ "$rc" -eq 0 ] || { echo "sdpa_bench $model failed (${status[$model.sdpa_bench]}):"; tail -5 /tmp/gpu-sdpa-$model.txt; }
-  while read -r name value _; do
-    case "$name" in \#* | "") continue ;; esac
-    r[$model.$name]=$value
-  done < <(cat /tmp/gpu-bench-$model.txt /tmp/gpu-sdpa-$model.txt)
-  head -1 /tmp/gpu-bench-$model.txt
-done
-head -1 /tmp/gpu-sdpa-llama8b.txt
-
-# 3. Device staging (CUDA IPC) between two processes: this test is the worker, the carried karakvd
-# (--backend=cuda) the daemon. A "no device" skip on the GPU machine fails the check.
-with_timeout 300 env KARAKV_TEST_KARAKVD="$FULL/server/karakvd" "$FULL/bin/device_staging_test" \
-  --gtest_output="xml:$RESULTS/device_staging_test.xml" > /tmp/gpu-ipc.txt 2>&1
-ipc_rc=$?
-read -r ipc_passed ipc_failed ipc_skipped ipc_running < <(gtest_counts /tmp/gpu-ipc.txt)
-ipc_status=$(describe_rc "$ipc_rc")
-[ "$ipc_running" = "-" ] || ipc_status="$ipc_status in $ipc_running"
-if grep -q '^no device' /tmp/gpu-ipc.txt; then
-  ipc_status="$ipc_status, but skipped for: $(grep -m1 '^no device' /tmp/gpu-ipc.txt)"
-  ipc_rc=1
+if want sanitize; then
+  # 1b. One dtype's ops under compute-sanitizer: memcheck (out-of-bounds and misaligned device
+  # accesses, errors of CUDA calls) over the default geometry and the generic head_dim layout, fp16;
+  # synccheck (warp masks, barriers) and racecheck (shared memory) over the attention kernels.
+  sanitizer=$(command -v compute-sanitizer || ls "$(dirname "$(command -v nvcc)")/compute-sanitizer" \
+    /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
+  sanitizer_rc=0
+  declare -A sanitized
+  # sanitize TOOL FILTER SECONDS: sanitized[TOOL] says how it went; sanitizer_rc is 1 after any failure.
+  sanitize() {
+    local tool=$1 filter=$2 seconds=$3 rc passed failed skipped running errors
+    if [ -z "$sanitizer" ]; then
+      sanitized[$tool]="not run: compute-sanitizer not found next to nvcc"
+      return
+    fi
+    with_timeout "$seconds" "${BIN_ENV[@]}" "$sanitizer" --tool "$tool" --error-exitcode 86 --print-limit 20 \
+      "$B/tests/kernels/kernels_test" --gtest_filter="$filter" > "/tmp/gpu-$tool.txt" 2>&1
+    rc=$?
+    read -r passed failed skipped running < <(gtest_counts "/tmp/gpu-$tool.txt")
+    errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+' "/tmp/gpu-$tool.txt" | grep -oE '[0-9]+$')
+    sanitized[$tool]="$(describe_rc "$rc"); ${errors:-no} $tool errors; tests $passed / $failed / $skipped"
+    [ "$running" = "-" ] || sanitized[$tool]="${sanitized[$tool]}, ended in $running"
+    if [ "$rc" -ne 0 ]; then
+      sanitizer_rc=1
+      echo "$tool (${sanitized[$tool]}):"
+      grep -m40 -E '^=========' "/tmp/gpu-$tool.txt"
+    fi
+  }
+  sanitize memcheck "$MEMCHECK_FILTER" "${GPU_CHECK_MEMCHECK_TIMEOUT:-120}"
+  sanitize synccheck "$ATTENTION_FILTER" 60
+  sanitize racecheck "$ATTENTION_FILTER" 90
+else
+  sanitizer_rc=0
+  declare -A sanitized=([memcheck]="skipped (GPU_CHECK_STEPS)" [synccheck]=skipped [racecheck]=skipped)
 fi
-[ "$ipc_rc" -eq 0 ] || { echo "device_staging_test ($ipc_status):"; tail -30 /tmp/gpu-ipc.txt; }
 
-# 4. karakv-bench serve on the GPU: none, snapkv, kara at max batch 64 and 256, karakvd --backend=cuda.
+if want bench; then
+  # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem.
+  declare -A r status
+  for model in smollm2 llama8b; do
+    with_timeout 180 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" \
+      --tokens="$TOKENS" --iters="$ITERS" > /tmp/gpu-bench-$model.txt 2>&1
+    rc=$?
+    status[$model.kernels_bench]=$(describe_rc "$rc")
+    [ "$rc" -eq 0 ] || { echo "kernels_bench $model failed (${status[$model.kernels_bench]}):"; tail -5 /tmp/gpu-bench-$model.txt; }
+    with_timeout 180 python3 bench/kernels/sdpa_bench.py --model=$model --seqs="$SEQS" --tokens="$TOKENS" \
+      > /tmp/gpu-sdpa-$model.txt 2>&1
+    rc=$?
+    status[$model.sdpa_bench]=$(describe_rc "$rc")
+    [ "$rc" -eq 0 ] || { echo "sdpa_bench $model failed (${status[$model.sdpa_bench]}):"; tail -5 /tmp/gpu-sdpa-$model.txt; }
+    while read -r name value _; do
+      case "$name" in \#* | "") continue ;; esac
+      r[$model.$name]=$value
+    done < <(cat /tmp/gpu-bench-$model.txt /tmp/gpu-sdpa-$model.txt)
+    head -1 /tmp/gpu-bench-$model.txt
+  done
+  head -1 /tmp/gpu-sdpa-llama8b.txt
+else
+  declare -A r status=([smollm2.kernels_bench]=skipped [llama8b.kernels_bench]=skipped [smollm2.sdpa_bench]=skipped
+    [llama8b.sdpa_bench]=skipped)
+fi
+
+if want ipc; then
+  # 3. Device staging (CUDA IPC) between two processes: this test is the worker, the carried karakvd
+  # (--backend=cuda) the daemon. A "no device" skip on the GPU machine fails the check.
+  with_timeout 300 env KARAKV_TEST_KARAKVD="$FULL/server/karakvd" "$FULL/bin/device_staging_test" \
+    --gtest_output="xml:$RESULTS/device_staging_test.xml" > /tmp/gpu-ipc.txt 2>&1
+  ipc_rc=$?
+  read -r ipc_passed ipc_failed ipc_skipped ipc_running < <(gtest_counts /tmp/gpu-ipc.txt)
+  ipc_status=$(describe_rc "$ipc_rc")
+  [ "$ipc_running" = "-" ] || ipc_status="$ipc_status in $ipc_running"
+  if grep -q '^no device' /tmp/gpu-ipc.txt; then
+    ipc_status="$ipc_status, but skipped for: $(grep -m1 '^no device' /tmp/gpu-ipc.txt)"
+    ipc_rc=1
+  fi
+  [ "$ipc_rc" -eq 0 ] || { echo "device_staging_test ($ipc_status):"; tail -30 /tmp/gpu-ipc.txt; }
+else
+  ipc_rc=0 ipc_passed=- ipc_failed=- ipc_skipped=- ipc_status="skipped (GPU_CHECK_STEPS)"
+fi
+
 SERVE_STEPS=${GPU_CHECK_SERVE_STEPS:-300}
 SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-20}
-with_timeout $((SERVE_SECONDS * 6 + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
-  --serve_policies=none,snapkv,kara --serve_batches=64,256 --serve_steps="$SERVE_STEPS" \
-  --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve" > /tmp/gpu-serve.txt 2>&1
-serve_rc=$?
-serve_status=$(describe_rc "$serve_rc")
-[ "$serve_rc" -eq 0 ] || { echo "karakv-bench serve failed ($serve_status):"; tail -20 /tmp/gpu-serve.txt; }
-# policy,max_batch -> "tok/s; TPOT mean ms" from serve_runs.csv
 declare -A serve
-if [ -f "$RESULTS/serve/serve_runs.csv" ]; then
-  while IFS=, read -r policy batch value; do serve[$policy.$batch]=$value; done < <(python3 - "$RESULTS/serve/serve_runs.csv" <<'PY'
+if want serve; then
+  # 4. karakv-bench serve on the GPU: none, snapkv, kara at max batch 64 and 256, karakvd --backend=cuda.
+  with_timeout $((SERVE_SECONDS * 6 + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+    --serve_policies=none,snapkv,kara --serve_batches=64,256 --serve_steps="$SERVE_STEPS" \
+    --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve" > /tmp/gpu-serve.txt 2>&1
+  serve_rc=$?
+  serve_status=$(describe_rc "$serve_rc")
+  [ "$serve_rc" -eq 0 ] || { echo "karakv-bench serve failed ($serve_status):"; tail -20 /tmp/gpu-serve.txt; }
+  # policy,max_batch -> "tok/s; TPOT mean ms" from serve_runs.csv
+  if [ -f "$RESULTS/serve/serve_runs.csv" ]; then
+    while IFS=, read -r policy batch value; do serve[$policy.$batch]=$value; done < <(python3 - "$RESULTS/serve/serve_runs.csv" <<'PY'
 import csv, sys
 for row in csv.DictReader(open(sys.argv[1])):
     print(f"{row['policy']},{row['max_batch']},{float(row['throughput_tok_s']):.0f}; {float(row['tpot_mean_ms']):.2f}")
 PY
-)
+  )
+  fi
+else
+  serve_rc=0 serve_status="skipped (GPU_CHECK_STEPS)"
 fi
-# 5. A one-token Step through device staging (CUDA IPC) against an empty gRPC Ping on the same
-# karakvd --backend=cuda (target p50 <= 1x), shm staging on the same daemon for comparison; and one
-# serve run whose workers use device staging.
+
 declare -A p3
-for st in device shm; do
-  with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging=$st --csv \
-    > /tmp/gpu-p3-$st.txt 2> /tmp/gpu-p3-$st.log
-  rc=$?
-  p3[$st]="$(describe_rc "$rc")"
-  if [ "$rc" -eq 0 ]; then
-    p3[$st]=$(python3 - /tmp/gpu-p3-$st.txt <<'PY'
+if want staging; then
+  # 5. A one-token Step through device staging (CUDA IPC) against an empty gRPC Ping on the same
+  # karakvd --backend=cuda (target p50 <= 1x), shm staging on the same daemon for comparison; and one
+  # serve run whose workers use device staging.
+  for st in device shm; do
+    with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging=$st --csv \
+      > /tmp/gpu-p3-$st.txt 2> /tmp/gpu-p3-$st.log
+    rc=$?
+    p3[$st]="$(describe_rc "$rc")"
+    if [ "$rc" -eq 0 ]; then
+      p3[$st]=$(python3 - /tmp/gpu-p3-$st.txt <<'PY'
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) >= 7 and r[0] == "P3"]
 p50 = rows[0]
 print(f"Step p50 {float(p50[2]):.0f} us, Ping p50 {float(p50[4]):.0f} us, {float(p50[6]):.2f}x ({p50[8]})")
 PY
-)
-  else
-    echo "karakv-bench p3 --p3_staging=$st failed (${p3[$st]}):"; tail -5 /tmp/gpu-p3-$st.log
-    p3_failed=1
-  fi
-done
-with_timeout $((SERVE_SECONDS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
-  --serve_staging=device --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
-  --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve-device" > /tmp/gpu-serve-device.txt 2>&1
-serve_device_rc=$?
-serve_device="$(describe_rc "$serve_device_rc")"
-if [ -f "$RESULTS/serve-device/serve_runs.csv" ]; then
-  serve_device="$serve_device; $(python3 - "$RESULTS/serve-device/serve_runs.csv" <<'PY'
+  )
+    else
+      echo "karakv-bench p3 --p3_staging=$st failed (${p3[$st]}):"; tail -5 /tmp/gpu-p3-$st.log
+      p3_failed=1
+    fi
+  done
+  with_timeout $((SERVE_SECONDS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+    --serve_staging=device --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
+    --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve-device" > /tmp/gpu-serve-device.txt 2>&1
+  serve_device_rc=$?
+  serve_device="$(describe_rc "$serve_device_rc")"
+  if [ -f "$RESULTS/serve-device/serve_runs.csv" ]; then
+    serve_device="$serve_device; $(python3 - "$RESULTS/serve-device/serve_runs.csv" <<'PY'
 import csv, sys
 for row in csv.DictReader(open(sys.argv[1])):
     print(f"{float(row['throughput_tok_s']):.0f} tok/s; TPOT {float(row['tpot_mean_ms']):.2f} ms")
 PY
-)"
+  )"
+  fi
+  [ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging failed:"; tail -20 /tmp/gpu-serve-device.txt; }
+else
+  p3=([device]="skipped (GPU_CHECK_STEPS)" [shm]=skipped)
+  serve_device_rc=0 serve_device="skipped (GPU_CHECK_STEPS)"
 fi
-[ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging failed:"; tail -20 /tmp/gpu-serve-device.txt; }
 
 cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
 
