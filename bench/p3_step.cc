@@ -72,12 +72,7 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
     karakv::synthetic::fill_token(kw.where(), g, 1, Tensor::kKey, seq, 0, length);
     karakv::synthetic::fill_token(vw.where(), g, 1, Tensor::kValue, seq, 0, length);
     karakv::synthetic::fill_query(qw.as<float>(), g, 1, seq, 0, length);
-    for (StagedWrite* w : {&kw, &vw, &qw}) {
-      if (absl::Status s = w->flush(); !s.ok()) return s;
-    }
-    if (device) {
-      if (absl::Status s = sync_device_writes(); !s.ok()) return s;
-    }
+    if (absl::Status s = flush_writes({&kw, &vw, &qw}); !s.ok()) return s;
     const uint64_t ids[1] = {seq};
     double step_t = 0, ping_t = 0;
     // Alternate which call goes first so neither always follows the other.

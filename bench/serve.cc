@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
-#include <initializer_list>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -252,15 +251,6 @@ class Worker {
   }
 
  private:
-  // Device staging: the host copies into the buffers, complete before the call that reads them.
-  absl::Status flush_all(std::initializer_list<StagedWrite*> writes) {
-    if (!device_) return absl::OkStatus();
-    for (StagedWrite* w : writes) {
-      if (absl::Status st = w->flush(); !st.ok()) return st;
-    }
-    return sync_device_writes();
-  }
-
   absl::Status release(uint64_t req) {
     auto it = std::find_if(seqs_.begin(), seqs_.end(), [&](const WorkerSequence& s) { return s.request == req; });
     if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("release of request ", req, ", which this worker does not hold"));
@@ -295,7 +285,7 @@ class Worker {
           std::memcpy(vw.where() + at, table_.v(req, l, done + t), kv);
         }
       }
-      if (absl::Status st = flush_all({&kw, &vw}); !st.ok()) {
+      if (absl::Status st = flush_writes({&kw, &vw}); !st.ok()) {
         (void)c_->Release(*id);
         return st;
       }
@@ -332,7 +322,7 @@ class Worker {
         std::memcpy(vw.where() + i * kv, table_.v(s.request, l, s.position), kv);
         std::memcpy(qw.as<float>() + i * qe, table_.q(s.request, l, s.position), qe * sizeof(float));
       }
-      if (absl::Status st = flush_all({&kw, &vw, &qw}); !st.ok())
+      if (absl::Status st = flush_writes({&kw, &vw, &qw}); !st.ok())
         return absl::StrCat("error staging layer ", l, ": ", st.message(), "\n");
       const auto start = Clock::now();
       auto r = c_->Step(l, ids, *k, *v, *q, *out);

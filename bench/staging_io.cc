@@ -44,7 +44,13 @@ absl::Status StagedWrite::flush() {
 #endif
 }
 
-absl::Status sync_device_writes() {
+absl::Status flush_writes(std::initializer_list<StagedWrite*> writes) {
+  bool device = false;
+  for (StagedWrite* w : writes) {
+    if (absl::Status s = w->flush(); !s.ok()) return s;
+    device = device || w->device();
+  }
+  if (!device) return absl::OkStatus();
 #if KARAKV_HAVE_CUDA
   if (const cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess)
     return absl::InternalError(absl::StrCat("cudaDeviceSynchronize after the writes into device staging: ",

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,7 +24,7 @@ std::string_view staging_name(karakv::Staging s);
 
 // Host bytes on their way into staging buffers. For shm staging, where() is the buffer itself and
 // flush() does nothing; for device staging, where() is host memory of the buffer's size and flush()
-// starts its copy into the buffer: call sync_device_writes() once before the call that reads it.
+// starts its copy into the buffer (flush_writes() also waits for it).
 class StagedWrite {
  public:
   StagedWrite(karakv::Buffer& buffer, bool device);
@@ -33,6 +34,7 @@ class StagedWrite {
     return reinterpret_cast<T*>(where());
   }
   absl::Status flush();
+  bool device() const { return device_; }
 
  private:
   karakv::Buffer& buffer_;
@@ -40,8 +42,8 @@ class StagedWrite {
   std::vector<uint8_t> host_;
 };
 
-// Waits for every copy into device staging (cudaDeviceSynchronize); call it only with device
-// staging. OK in a build without CUDA (there is no device staging to wait for).
-absl::Status sync_device_writes();
+// Flushes each write and, when any went to device staging, waits for the copies
+// (cudaDeviceSynchronize): the buffers are then complete for the call that reads them.
+absl::Status flush_writes(std::initializer_list<StagedWrite*> writes);
 
 }  // namespace karakv::bench
