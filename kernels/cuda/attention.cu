@@ -70,7 +70,7 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, int li, int 
 // the split's running max m, sum l and unnormalised accumulator acc[head_dim].
 template <typename T, int VEC, int TPT, int NI, int G>
 __global__ void __launch_bounds__(kThreads)
-    partial_kernel(DeviceKV kv, int layer, const int32_t* __restrict__ row_seq, const int32_t* __restrict__ row_len,
+    partial_kernel(DeviceKV kv, int layer, int rows_seq, const int32_t* __restrict__ row_len,
                    const float* __restrict__ q, float scale, int head_chunks, int tokens_per_split, int num_splits,
                    float* __restrict__ part_ml, float* __restrict__ part_acc) {
   constexpr int TG = 32 / TPT;           // token groups per warp
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   const int hk = blockIdx.y / head_chunks;
   const int chunk = blockIdx.y % head_chunks;
   const int split = blockIdx.z;
-  const int seq = row_seq[r];
+  const int seq = rows_seq < 0 ? r : rows_seq;
   const int len = row_len[r];
   const int g = kv.group_size();
   const int hd = kv.head_dim;
@@ -121,13 +121,8 @@ __global__ void __launch_bounds__(kThreads)
   // then one table load away.
   const T* pool = static_cast<const T*>(kv.pool);
   const int32_t* __restrict__ table = kv.block_table + (t_begin < t_end ? kv.table_offset[seq] : 0);
-  const int bs = kv.block_size;
-  const size_t block_elems = kv.block_elems();
   const size_t k_run = kv.run_offset(0, layer, 0, hk), v_run = kv.run_offset(0, layer, 1, hk);
-  auto row_of = [&](int t, size_t run) {
-    const int b = t / bs;
-    return pool + size_t(table[b]) * block_elems + run + size_t(t - b * bs) * hd;
-  };
+  auto row_of = [&](int t, size_t run) { return pool + kv.row_offset(table, t, run); };
 
   // Token group `group` takes tokens base + group and base + kGroups + group of each step; the loop
   // bound is uniform across the warp so every lane reaches the shuffles.
@@ -279,13 +274,21 @@ struct SplitPlan {
 // Partials the splits may write at most: past it the splits grow longer (and fewer).
 constexpr size_t kMaxSplitScratch = size_t(256) << 20;
 
-// Completes a plan whose splits want `tokens` keys each: at least kMinTokensPerSplit, a multiple
-// of `multiple`, at most 65535 splits, partials (all rows x query heads x splits) within
-// kMaxSplitScratch; then takes the partials' scratch.
-KernelStatus finish_plan(const DeviceKV& kv, const AttentionRows& rows, long long tokens, int multiple, Arena& arena,
-                         SplitPlan* plan) {
+// Splits of equal length spreading the work (the rows' total length over rows_per_cta, 1 for the
+// row kernel and a tile for the tiled one, times KV heads and head chunks) over kTargetWaves waves
+// of what the SMs hold at once (ctas_per_sm from the occupancy calculator): at least
+// kMinTokensPerSplit keys and a multiple of `multiple`, at most 65535 splits, partials (all rows x
+// query heads x splits) within kMaxSplitScratch; then the partials' scratch. A short row's later
+// splits exit at once (combine_kernel reads a row's splits only up to its length), a long row gets
+// as many as its length needs.
+KernelStatus plan_splits(const DeviceKV& kv, const AttentionRows& rows, int rows_per_cta, int head_chunks,
+                         int num_sms, int ctas_per_sm, int multiple, Arena& arena, SplitPlan* plan) {
+  const long long work =
+      (std::max<long long>(rows.total_len, 1) + rows_per_cta - 1) / rows_per_cta * kv.num_kv_heads * head_chunks;
+  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
   const int max_len = std::max(rows.max_len, 1);
   const size_t per_split = size_t(rows.num_rows) * kv.num_q_heads * (size_t(kv.head_dim) + 2) * sizeof(float);
+  long long tokens = (work + slots * kTargetWaves - 1) / (slots * kTargetWaves);
   tokens = std::max<long long>({tokens, kMinTokensPerSplit, (max_len + 65534) / 65535});
   while (true) {
     tokens = (tokens + multiple - 1) / multiple * multiple;
@@ -300,17 +303,6 @@ KernelStatus finish_plan(const DeviceKV& kv, const AttentionRows& rows, long lon
   return arena.take(slots_out * kv.head_dim, &plan->part_acc);
 }
 
-// Splits of equal length spreading the rows' total length (times the CTAs per token: KV heads and
-// head chunks) over kTargetWaves waves of what the SMs hold at once (ctas_per_sm from the
-// occupancy calculator); a short row's later splits exit at once (combine_kernel reads a row's
-// splits only up to its length), a long row gets as many as its length needs.
-KernelStatus plan_splits(const DeviceKV& kv, const AttentionRows& rows, int head_chunks, int num_sms, int ctas_per_sm,
-                         Arena& arena, SplitPlan* plan) {
-  const long long work = std::max<long long>(rows.total_len, 1) * kv.num_kv_heads * head_chunks;
-  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
-  return finish_plan(kv, rows, (work + slots * kTargetWaves - 1) / (slots * kTargetWaves), 1, arena, plan);
-}
-
 template <typename T, int VEC, int TPT, int NI, int G>
 KernelStatus launch_partial(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
                             int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
@@ -320,9 +312,9 @@ KernelStatus launch_partial(const DeviceKV& kv, int layer, const AttentionRows& 
   auto kernel = partial_kernel<T, VEC, TPT, NI, G>;
   int ctas = 0;
   if (auto st = ctas_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem, &ctas); !st.is_ok()) return st;
-  if (auto st = plan_splits(kv, rows, head_chunks, num_sms, ctas, arena, plan); !st.is_ok()) return st;
+  if (auto st = plan_splits(kv, rows, 1, head_chunks, num_sms, ctas, 1, arena, plan); !st.is_ok()) return st;
   const dim3 grid(rows.num_rows, kv.num_kv_heads * head_chunks, plan->num_splits);
-  kernel<<<grid, kThreads, smem, stream>>>(kv, layer, rows.row_seq, rows.row_len, q, scale, head_chunks,
+  kernel<<<grid, kThreads, smem, stream>>>(kv, layer, rows.seq, rows.row_len, q, scale, head_chunks,
                                            plan->tokens_per_split, plan->num_splits, plan->part_ml, plan->part_acc);
   KARAKV_CUDA_CHECK_LAUNCH("paged_attention partial");
   return KernelStatus::ok();
@@ -381,10 +373,9 @@ inline size_t tiled_smem_bytes(int G, int hd) {
 // owns vectors w, w + kTileWarps, ... (VPW of them); lane owns dims lane + 32 x, x < DPL.
 template <typename T, int G, int DPL>
 __global__ void __launch_bounds__(kTileThreads)
-    tiled_causal_kernel(DeviceKV kv, int layer, const int32_t* __restrict__ row_seq,
-                        const int32_t* __restrict__ row_len, int num_rows, const float* __restrict__ q, float scale,
-                        int head_chunks, int tokens_per_split, int num_splits, float* __restrict__ part_ml,
-                        float* __restrict__ part_acc) {
+    tiled_causal_kernel(DeviceKV kv, int layer, int seq, const int32_t* __restrict__ row_len, int num_rows,
+                        const float* __restrict__ q, float scale, int head_chunks, int tokens_per_split,
+                        int num_splits, float* __restrict__ part_ml, float* __restrict__ part_acc) {
   constexpr int QT = tile_rows(G);
   constexpr int NV = QT * G;
   constexpr int VEC = 16 / int(sizeof(T));  // elements per 16-byte load of the K/V tile
@@ -401,7 +392,6 @@ __global__ void __launch_bounds__(kTileThreads)
   const int head0 = chunk * G;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int r0 = tile * QT;
-  const int seq = row_seq[r0];  // every row of a tiled call is of one sequence
 
   // The tile's longest row bounds the keys any of its rows sees.
   int tile_len = 0;
@@ -433,8 +423,6 @@ __global__ void __launch_bounds__(kTileThreads)
 
   const T* pool = static_cast<const T*>(kv.pool);
   const int32_t* __restrict__ table = kv.block_table + (k_begin < k_end ? kv.table_offset[seq] : 0);
-  const int bs = kv.block_size;
-  const size_t block_elems = kv.block_elems();
   const size_t k_run = kv.run_offset(0, layer, 0, hk), v_run = kv.run_offset(0, layer, 1, hk);
   for (int kt = k_begin; kt < k_end; kt += kTileKeys) {
     __syncthreads();  // the previous tile is no longer read (and, the first time, q_s is written)
@@ -447,10 +435,8 @@ __global__ void __launch_bounds__(kTileThreads)
         const int t = kt + i;
         uint4 kr = {0u, 0u, 0u, 0u}, vr = {0u, 0u, 0u, 0u};
         if (t < k_end) {
-          const int b = t / bs;
-          const size_t base = size_t(table[b]) * block_elems + size_t(t - b * bs) * hd + d0;
-          kr = *reinterpret_cast<const uint4*>(pool + base + k_run);
-          vr = *reinterpret_cast<const uint4*>(pool + base + v_run);
+          kr = *reinterpret_cast<const uint4*>(pool + kv.row_offset(table, t, k_run) + d0);
+          vr = *reinterpret_cast<const uint4*>(pool + kv.row_offset(table, t, v_run) + d0);
         }
         const T* ke = reinterpret_cast<const T*>(&kr);
         const T* ve = reinterpret_cast<const T*>(&vr);
@@ -464,10 +450,11 @@ __global__ void __launch_bounds__(kTileThreads)
       // Warp w loads keys w, w + 8, ...: one row per warp at a time, lanes along head_dim.
       for (int i = warp; i < kTileKeys; i += kTileWarps) {
         const int t = kt + i;
-        const size_t base = t < k_end ? size_t(table[t / bs]) * block_elems + size_t(t % bs) * hd : 0;
+        const T* kr = t < k_end ? pool + kv.row_offset(table, t, k_run) : nullptr;
+        const T* vr = t < k_end ? pool + kv.row_offset(table, t, v_run) : nullptr;
         for (int d = lane; d < hd; d += 32) {
-          k_s[i * (hd + 1) + d] = t < k_end ? to_float(pool[base + k_run + d]) : 0.0f;
-          v_s[i * hd + d] = t < k_end ? to_float(pool[base + v_run + d]) : 0.0f;
+          k_s[i * (hd + 1) + d] = kr != nullptr ? to_float(kr[d]) : 0.0f;
+          v_s[i * hd + d] = vr != nullptr ? to_float(vr[d]) : 0.0f;
         }
       }
     }
@@ -529,16 +516,6 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// Splits for the tiled kernel as plan_splits does for rows: the tiles' work (their rows' total
-// length over the rows per tile, times KV heads and head chunks) over kTargetWaves waves, in whole K/V
-// tiles.
-KernelStatus plan_tiled_splits(const DeviceKV& kv, const AttentionRows& rows, int tile, int head_chunks,
-                               int num_sms, int ctas_per_sm, Arena& arena, SplitPlan* plan) {
-  const long long work = (std::max<long long>(rows.total_len, 1) + tile - 1) / tile * kv.num_kv_heads * head_chunks;
-  const long long slots = (long long)std::max(num_sms, 1) * std::max(ctas_per_sm, 1);
-  return finish_plan(kv, rows, (work + slots * kTargetWaves - 1) / (slots * kTargetWaves), kTileKeys, arena, plan);
-}
-
 template <typename T, int G, int DPL>
 KernelStatus launch_tiled_as(const DeviceKV& kv, int layer, const AttentionRows& rows, const float* q, float scale,
                              int num_sms, Arena& arena, cudaStream_t stream, SplitPlan* plan) {
@@ -547,10 +524,12 @@ KernelStatus launch_tiled_as(const DeviceKV& kv, int layer, const AttentionRows&
   auto kernel = tiled_causal_kernel<T, G, DPL>;
   int ctas = 0;
   if (auto st = ctas_per_sm(reinterpret_cast<const void*>(kernel), kTileThreads, smem, &ctas); !st.is_ok()) return st;
-  if (auto st = plan_tiled_splits(kv, rows, tile_rows(G), head_chunks, num_sms, ctas, arena, plan); !st.is_ok())
+  // Split lengths in whole K/V tiles.
+  if (auto st = plan_splits(kv, rows, tile_rows(G), head_chunks, num_sms, ctas, kTileKeys, arena, plan);
+      !st.is_ok())
     return st;
   const dim3 grid(ceil_div(rows.num_rows, tile_rows(G)), kv.num_kv_heads * head_chunks, plan->num_splits);
-  kernel<<<grid, kTileThreads, smem, stream>>>(kv, layer, rows.row_seq, rows.row_len, rows.num_rows, q, scale,
+  kernel<<<grid, kTileThreads, smem, stream>>>(kv, layer, rows.seq, rows.row_len, rows.num_rows, q, scale,
                                                head_chunks, plan->tokens_per_split, plan->num_splits, plan->part_ml,
                                                plan->part_acc);
   KARAKV_CUDA_CHECK_LAUNCH("causal attention tiled");
@@ -598,7 +577,7 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
                                  std::to_string(kMaxHeadDim));
   SplitPlan plan;
   // Many rows of one sequence (causal attention, prefill): tiles of rows share their K/V reads.
-  const bool tiled = rows.one_sequence && rows.num_rows >= kMinTiledRows;
+  const bool tiled = rows.seq >= 0 && rows.num_rows >= kMinTiledRows;
   KernelStatus st = common::dispatch_dtype(dtype, [&](auto tag) {
     using T = storage_t<decltype(tag)::value>;
     return dispatch_group(kv.group_size(), [&](auto group) {

@@ -1,6 +1,6 @@
 // Paged GQA attention on the GPU, for decode (one query row per sequence) and causal attention
 // (several query rows of one sequence): row r attends to tokens [0, row_len[r]) of sequence
-// row_seq[r] at `layer`, fp32 accumulation, softmax(q . k * scale).
+// `seq` (AttentionRows) at `layer`, fp32 accumulation, softmax(q . k * scale).
 //
 // Split along the sequence (flash-decoding): a CTA takes one (row, KV head, split) and the query
 // heads of the KV head's group (all of a group of up to 4, else chunks of 4), so each K/V element
@@ -18,14 +18,14 @@
 namespace karakv::kernels::cuda {
 
 struct AttentionRows {
-  const int32_t* row_seq = nullptr;  // device, [num_rows]
+  // -1: row r is sequence r (decode). Else every row is of this sequence (causal attention): from
+  // 16 rows on, tiles of rows share their K/V reads through shared memory (a tiled,
+  // FlashAttention-style kernel).
+  int seq = -1;
   const int32_t* row_len = nullptr;  // device, [num_rows]
   int num_rows = 0;
   int max_len = 0;         // the largest row_len (host-known; bounds the split)
   long long total_len = 0;  // the sum of row_len (host-known; the work the split spreads over the SMs)
-  // Every row is of one sequence (causal attention): from 16 rows on, tiles of rows share
-  // their K/V reads through shared memory (a tiled, FlashAttention-style kernel).
-  bool one_sequence = false;
 };
 
 // q, out: device [num_rows][num_q_heads][head_dim] fp32. lse: null, or device [num_rows][num_q_heads]

@@ -73,10 +73,16 @@ struct DeviceKV {
   __host__ __device__ size_t run_offset(int32_t block, int layer, int kv, int head) const {
     return size_t(block) * block_elems() + ((size_t(layer) * 2 + kv) * num_kv_heads + head) * size_t(block_size) * head_dim;
   }
+  // Element offset of token `slot`'s row (head_dim elements) for a sequence whose slice of the
+  // block table is `table` (block_table + table_offset[seq]), in run `run` (run_offset(0, layer,
+  // kv, head)). A kernel that computes the slice and the run once finds a token one table load away.
+  __device__ size_t row_offset(const int32_t* table, int slot, size_t run) const {
+    const int b = slot / block_size;
+    return size_t(table[b]) * block_elems() + run + size_t(slot - b * block_size) * head_dim;
+  }
   // Element offset of token `slot` of sequence `seq` (row of head_dim elements).
   __device__ size_t token_offset(int seq, int slot, int layer, int kv, int head) const {
-    const int32_t block = block_table[table_offset[seq] + slot / block_size];
-    return run_offset(block, layer, kv, head) + size_t(slot % block_size) * head_dim;
+    return row_offset(block_table + table_offset[seq], slot, run_offset(0, layer, kv, head));
   }
 };
 

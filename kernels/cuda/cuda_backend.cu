@@ -246,14 +246,13 @@ class CudaBackend final : public Backend {
     Call call(*this, "causal_attention");
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
-    std::vector<int32_t> row_seq(num_queries, seq), row_len(num_queries);
+    std::vector<int32_t> row_len(num_queries);
     for (int i = 0; i < num_queries; ++i) row_len[i] = len - num_queries + i + 1;
     cuda::AttentionRows rows;
-    KARAKV_RETURN_IF_ERROR(call.upload(row_seq, &rows.row_seq));
+    rows.seq = seq;
     KARAKV_RETURN_IF_ERROR(call.upload(row_len, &rows.row_len));
     rows.num_rows = num_queries;
     rows.max_len = len;
-    rows.one_sequence = true;
     for (int32_t l : row_len) rows.total_len += l;
     const size_t bytes = size_t(num_queries) * kv.geometry.q_token_elems() * sizeof(float);
     const float* dq = nullptr;
@@ -888,20 +887,17 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
-    int max_len = 0;
-    for (int s = 0; s < kv.num_seqs; ++s) max_len = std::max(max_len, kv.seq_len[s]);
     const Geometry& geo = kv.geometry;
     Call call(*this, op);
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
-    std::vector<int32_t> row_seq(kv.num_seqs);
-    for (int s = 0; s < kv.num_seqs; ++s) row_seq[s] = s;
-    cuda::AttentionRows rows;
-    KARAKV_RETURN_IF_ERROR(call.upload(row_seq, &rows.row_seq));
+    cuda::AttentionRows rows;  // row s is sequence s
     rows.row_len = dkv.seq_len;
     rows.num_rows = kv.num_seqs;
-    rows.max_len = max_len;
-    for (int s = 0; s < kv.num_seqs; ++s) rows.total_len += kv.seq_len[s];
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      rows.max_len = std::max(rows.max_len, kv.seq_len[s]);
+      rows.total_len += kv.seq_len[s];
+    }
     const size_t bytes = size_t(kv.num_seqs) * geo.q_token_elems() * sizeof(float);
     const float* dq = nullptr;
     float* dout = nullptr;
