@@ -179,8 +179,12 @@ Observers Compactor::observers(absl::Span<Sequence* const> seqs, int layer) cons
     for (int h = 0; h < hk; ++h) {
       float* acc = b.policy->accumulator(b.state.get(), layer, h);
       if (acc == nullptr) continue;
-      if (out.accumulators.empty()) out.accumulators.assign(seqs.size() * hk, nullptr);
+      if (out.accumulators.empty()) {
+        out.accumulators.assign(seqs.size() * hk, nullptr);
+        out.first_slot.assign(seqs.size(), 0);
+      }
       out.accumulators[i * hk + h] = acc;
+      out.first_slot[i] = b.policy->first_accumulated_slot(b.state.get());
     }
     if (float* lse = b.policy->lse_output(b.state.get(), layer); lse != nullptr) {
       if (out.lse.empty()) out.lse.assign(seqs.size(), nullptr);

@@ -145,6 +145,9 @@ class Policy {
   // Where a decode step adds each resident slot's attention for (layer, KV head), or null: the
   // daemon then runs the plain decode kernel. [>= resident + 1] fp32.
   virtual float* accumulator(State* state, int layer, int kv_head) const { return nullptr; }
+  // The first slot whose accumulator the decode step must add to: older slots' scores are never
+  // read again (Kara: the tail's start), so their keys are not scored at all. Default: every slot.
+  virtual int32_t first_accumulated_slot(const State* state) const { return 0; }
   // Where a decode step writes, for its new token at `layer`, each query head's log-sum-exp over
   // the keys it attended (Backend::decode_attention_observe), or null. [num_q_heads] fp32.
   virtual float* lse_output(State* state, int layer) const { return nullptr; }

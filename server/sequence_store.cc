@@ -361,13 +361,17 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
     const float* gqp = whole ? q : gq.data();
     float* goutp = whole ? out : gout.data();
     std::vector<float*> acc, lse;
+    std::vector<int32_t> first_slot;
     bool any_lse = false;
     if (accumulate) {
       acc.assign(group.size() * g.num_kv_heads, nullptr);
+      first_slot.assign(group.size(), 0);
       lse.assign(group.size(), nullptr);
       for (size_t j = 0; j < group.size(); ++j) {
         if (!accumulators.empty()) {
           for (int h = 0; h < g.num_kv_heads; ++h) acc[j * g.num_kv_heads + h] = accumulators[group[j] * g.num_kv_heads + h];
+          // A policy's first slot may lie past the cache (Kara's block-aligned tail start).
+          first_slot[j] = std::min(observers.first_slot[group[j]], lengths[j]);
         }
         if (!observers.lse.empty()) lse[j] = observers.lse[group[j]];
         any_lse |= lse[j] != nullptr;
@@ -378,9 +382,9 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
     if (pv.quantized) {
       ks = backend_.decode_attention_quantized(pv.kv, pv.qkv, layer, gqp, goutp, scale, accumulate ? acc.data() : nullptr);
     } else if (any_lse) {
-      ks = backend_.decode_attention_observe(pv.kv, layer, gqp, goutp, scale, acc.data(), lse.data());
+      ks = backend_.decode_attention_observe(pv.kv, layer, gqp, goutp, scale, acc.data(), first_slot.data(), lse.data());
     } else if (accumulate) {
-      ks = backend_.decode_attention_accumulate(pv.kv, layer, gqp, goutp, scale, acc.data());
+      ks = backend_.decode_attention_accumulate(pv.kv, layer, gqp, goutp, scale, acc.data(), first_slot.data());
     } else {
       ks = backend_.decode_attention(pv.kv, layer, gqp, goutp, scale);
     }

@@ -39,10 +39,12 @@ struct StoreConfig {
 };
 
 // What a Step's decode attention records for the policies: per (sequence, KV head) where each
-// slot's attention probability adds up ([B * Hk], null entries: none), and per sequence where each
-// query head's log-sum-exp goes ([B], null: none). Either may be empty.
+// slot's attention probability adds up ([B * Hk], null entries: none) and per sequence the first
+// slot that adds ([B], with the accumulators), and per sequence where each query head's
+// log-sum-exp goes ([B], null: none). Either may be empty.
 struct Observers {
   std::vector<float*> accumulators;
+  std::vector<int32_t> first_slot;
   std::vector<float*> lse;
 };
 

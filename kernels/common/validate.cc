@@ -102,6 +102,18 @@ KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, 
   return KernelStatus::ok();
 }
 
+KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float* const* score_acc,
+                                   const int32_t* acc_begin) {
+  if (score_acc == nullptr) return invalid(op, "score_acc must be non-null");
+  if (acc_begin == nullptr) return KernelStatus::ok();
+  for (int s = 0; s < kv.num_seqs; ++s) {
+    if (acc_begin[s] < 0 || acc_begin[s] > kv.seq_len[s])
+      return invalid(op, "acc_begin[" + std::to_string(s) + "] " + std::to_string(acc_begin[s]) +
+                             " outside [0, seq_len " + std::to_string(kv.seq_len[s]) + "]");
+  }
+  return KernelStatus::ok();
+}
+
 KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_queries, const float* q,
                              const float* out, long long pool_blocks) {
   constexpr std::string_view op = "causal_attention";

@@ -17,6 +17,10 @@ KernelStatus validate_write_kv(const PagedKV& kv, int seq, int start_pos, int nu
 // decode_attention and decode_attention_accumulate (`op` names which).
 KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, const float* q, const float* out,
                              long long pool_blocks);
+// The accumulators of decode_attention_accumulate / _observe: score_acc non-null, and acc_begin
+// null or each acc_begin[s] in [0, seq_len[s]]. After validate_decode.
+KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float* const* score_acc,
+                                   const int32_t* acc_begin);
 KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_queries, const float* q,
                              const float* out, long long pool_blocks);
 // The rows of causal_attention_quantized (both backends): tables, sequence, layer, 1 <= num_queries

@@ -166,7 +166,7 @@ void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int 
 }  // namespace baseline
 
 void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads, int num_tokens,
-                  const float* q, float* out, float scale, AttentionScratch& scratch, CpuIsa isa) {
+                  const float* q, float* out, float scale, AttentionScratch& scratch, CpuIsa isa, float* lse) {
   const Geometry& geo = kv.geometry;
   const size_t q_elems = size_t(num_kv_heads) * geo.group_size() * geo.head_dim;
   const size_t num_q_heads = size_t(num_kv_heads) * geo.group_size();
@@ -181,10 +181,15 @@ void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int 
 #if KARAKV_HAVE_AVX512_ATTENTION
   if (isa == CpuIsa::kAvx512) {
     avx512::attend_heads(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, buffers);
-    return;
-  }
+  } else
 #endif
-  baseline::attend_heads(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, buffers);
+  {
+    baseline::attend_heads(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, buffers);
+  }
+  // The online softmax leaves each head's max (of the pre-scaled logits) and sum in the scratch.
+  if (lse != nullptr && num_tokens > 0) {
+    for (size_t h = 0; h < num_q_heads; ++h) lse[h] = buffers.max[h] + std::log(buffers.sum[h]);
+  }
 }
 
 }  // namespace karakv::kernels::cpu

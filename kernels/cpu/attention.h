@@ -45,11 +45,14 @@ struct AttentionBuffers {
 // sequence `seq` at `layer`. Reads every K and V element once for all query heads that use it.
 // num_tokens == 0 writes zeros. Arguments are assumed validated by the caller, `isa` included
 // (cpu_isa_missing(isa) is empty: the backend checks it once when it is made).
+// With lse non-null and num_tokens > 0, lse[j] = query head j's log-sum-exp of its scaled logits
+// (the softmax's normaliser, from the online softmax's own max and sum).
 //   q:   [num_kv_heads * group_size][head_dim] fp32
 //   out: [num_kv_heads * group_size][head_dim] fp32
+//   lse: null or [num_kv_heads * group_size] fp32
 void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,
                   int num_tokens, const float* q, float* out, float scale,
-                  AttentionScratch& scratch, CpuIsa isa);
+                  AttentionScratch& scratch, CpuIsa isa, float* lse = nullptr);
 
 // The variants behind attend_heads, with the scratch already sized: the build's baseline
 // (attention.cc) and, where this build has it, AVX-512 (attention_avx512.cc).

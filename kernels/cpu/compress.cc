@@ -304,10 +304,9 @@ void scale_rows(const float* q, size_t q_stride, int first, int count, int head_
 // keys [0, visible(r)) (1 <= visible(r) <= num_keys, non-decreasing in r), keys in scratch.keys.
 //   q:        rows of head_dim fp32, row r at q + r * q_stride
 //   col_sums: [num_keys] fp32
-// With `lse` non-null, lse[r] = the log-sum-exp of row r's scaled logits over its visible keys.
 template <typename Visible>
 void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float scale, int num_keys, int head_dim,
-                         Visible visible, ScoreScratch& scratch, float* col_sums, float* lse = nullptr) {
+                         Visible visible, ScoreScratch& scratch, float* col_sums) {
   const size_t stride = padded_stride(num_keys);
   const int block = std::min(rows_per_block(scratch, num_keys), num_rows);
   scratch.query.resize(size_t(block) * head_dim);
@@ -325,7 +324,6 @@ void softmax_column_sums(const float* q, size_t q_stride, int num_rows, float sc
       const int len = visible(r0 + r);
       const float row_max = max_of(row, len);
       const float sum = exp_shifted_sum(row, len, row_max);
-      if (lse != nullptr) lse[r0 + r] = row_max + std::log(sum);
       const float inv = 1.0f / sum;
       for (int s = 0; s < len; ++s) col_sums[s] += row[s] * inv;
     }
@@ -589,11 +587,12 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
 namespace karakv::kernels::cpu {
 
 KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
-                                  float* const* score_acc, float* const* lse) {
+                                  float* const* score_acc, const int32_t* acc_begin, const float* lse) {
   constexpr std::string_view op = "decode_attention_accumulate";
-  if (score_acc == nullptr) return KernelStatus::invalid(std::string(op) + ": score_acc must be non-null");
   // The same checks as the attention it follows (it writes no output of its own, hence q twice).
   KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, q, -1));
+  KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin));
+  if (lse == nullptr) return KernelStatus::invalid(std::string(op) + ": lse must be non-null");
   const Geometry& geo = kv.geometry;
   const int g = geo.group_size();
   const int hd = geo.head_dim;
@@ -605,19 +604,23 @@ KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, 
       for (int s = 0; s < kv.num_seqs; ++s) {
         for (int h = 0; h < geo.num_kv_heads; ++h) {
           float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
-          float* seq_lse = lse != nullptr ? lse[s] : nullptr;
-          const int len = kv.seq_len[s];
-          if ((acc == nullptr && seq_lse == nullptr) || len == 0) continue;
+          const int begin = acc_begin != nullptr ? acc_begin[s] : 0;
+          const int n = kv.seq_len[s] - begin;
+          if (acc == nullptr || n <= 0) continue;
           ScoreScratch& scratch = thread_scratch();
-          load_key_tiles<D>(kv, s, layer, h, 0, len, /*columns=*/false, scratch);
-          std::vector<float> probs(len);
+          load_key_tiles<D>(kv, s, layer, h, begin, n, /*columns=*/false, scratch);
+          // The group's rows share every key load.
+          const size_t stride = padded_stride(n);
+          scratch.query.resize(size_t(g) * hd);
+          scratch.rows.resize(size_t(g) * stride);
+          const size_t first_head = size_t(s) * geo.num_q_heads + size_t(h) * g;
+          scale_rows(q + first_head * hd, hd, 0, g, hd, scale, scratch.query.data());
+          score_block(scratch.query.data(), g, hd, scratch.keys.data(), scratch.layout, n, scratch.rows.data(), stride);
           for (int j = 0; j < g; ++j) {
-            const float* qj = q + (size_t(s) * geo.num_q_heads + h * g + j) * hd;
-            float* lse_j = seq_lse != nullptr ? seq_lse + h * g + j : nullptr;
-            softmax_column_sums(qj, hd, 1, scale, len, hd, [len](int) { return len; }, scratch, probs.data(), lse_j);
-            if (acc != nullptr) {
-              for (int i = 0; i < len; ++i) acc[i] += probs[i];
-            }
+            // A logit recomputed here may pass lse by a rounding error; exp stays accurate there.
+            float* row = scratch.rows.data() + size_t(j) * stride;
+            exp_shifted_sum(row, n, lse[first_head + j]);
+            for (int i = 0; i < n; ++i) acc[begin + i] += row[i];
           }
         }
       }

@@ -132,8 +132,14 @@ class CpuBackend final : public Backend {
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,
                                 float scale) override {
     KARAKV_RETURN_IF_ERROR(common::validate_decode("decode_attention", kv, layer, q, out, pool_blocks(kv)));
-    if (kv.num_seqs == 0) return KernelStatus::ok();
+    decode(kv, layer, q, out, scale, nullptr);
+    return KernelStatus::ok();
+  }
 
+  // decode_attention's work (validated), and with lse non-null each sequence's query heads'
+  // log-sum-exp ([num_seqs][num_q_heads]; an empty sequence's entries are not written).
+  void decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* lse) {
+    if (kv.num_seqs == 0) return;
     const Geometry& geo = kv.geometry;
     // A task is a sequence and a slice of its KV heads. Whole sequences read each block's K (then
     // V) for all heads as one contiguous region, which streams faster than per-head runs; with too
@@ -150,10 +156,11 @@ class CpuBackend final : public Backend {
         const int h = int(task % slices) * heads_per_task;
         const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
         const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
-        cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch(), isa_);
+        float* task_lse = lse != nullptr ? lse + size_t(s) * geo.num_q_heads + size_t(h) * geo.group_size() : nullptr;
+        cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch(), isa_,
+                          task_lse);
       }
     });
-    return KernelStatus::ok();
   }
 
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries,
@@ -277,22 +284,37 @@ class CpuBackend final : public Backend {
     return team_.run([&] { return cpu::causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale); });
   }
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
-                                           float* const* score_acc) override {
-    return parallel_if(attention_is_large(kv), [&] {  // one hand-over for both kernels
-      KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
-      return cpu::accumulate_attention(kv, layer, q, scale, score_acc);
-    });
+                                           float* const* score_acc, const int32_t* acc_begin) override {
+    return observe("decode_attention_accumulate", kv, layer, q, out, scale, score_acc, acc_begin, nullptr);
   }
   KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
-                                        float* const* score_acc, float* const* lse) override {
-    return parallel_if(attention_is_large(kv), [&] {
-      KARAKV_RETURN_IF_ERROR(decode_attention(kv, layer, q, out, scale));
-      return cpu::accumulate_attention(kv, layer, q, scale, score_acc, lse);
-    });
+                                        float* const* score_acc, const int32_t* acc_begin,
+                                        float* const* lse) override {
+    return observe("decode_attention_observe", kv, layer, q, out, scale, score_acc, acc_begin, lse);
   }
 
  private:
   long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
+
+  // The decode attention, which leaves each query head's log-sum-exp, then the accumulation that
+  // divides by it (reading only the accumulated slots' keys); lse_out gets the normalisers too.
+  KernelStatus observe(std::string_view op, const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                       float* const* score_acc, const int32_t* acc_begin, float* const* lse_out) {
+    KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
+    KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin));
+    const Geometry& geo = kv.geometry;
+    std::vector<float> lse(size_t(kv.num_seqs) * geo.num_q_heads);
+    KARAKV_RETURN_IF_ERROR(parallel_if(attention_is_large(kv), [&] {  // one hand-over for both kernels
+      decode(kv, layer, q, out, scale, lse.data());
+      return cpu::accumulate_attention(kv, layer, q, scale, score_acc, acc_begin, lse.data());
+    }));
+    for (int s = 0; s < kv.num_seqs && lse_out != nullptr; ++s) {
+      // An empty sequence's normaliser is left as it was.
+      if (lse_out[s] != nullptr && kv.seq_len[s] > 0)
+        std::copy_n(lse.data() + size_t(s) * geo.num_q_heads, geo.num_q_heads, lse_out[s]);
+    }
+    return KernelStatus::ok();
+  }
 
   // Runs f on the team thread when `parallel`, else on the calling thread without a team: its
   // regions' if clauses are false there, and those that name no width take this thread's default,

@@ -544,25 +544,27 @@ KernelStatus launch_tiled_for_head_dim(const DeviceKV& kv, int layer, const Atte
   return launch_tiled_as<T, G, kMaxHeadDim / 32>(kv, layer, rows, q, scale, num_sms, arena, stream, plan);
 }
 
-// Probabilities for H2O: one CTA per (sequence, KV head), one thread per token; the group's
-// queries sit in shared memory.
+// Probabilities for H2O and Kara's decode observers: one CTA per (sequence, KV head), one thread
+// per accumulated slot; the group's queries sit in shared memory.
 template <typename T>
 __global__ void probabilities_kernel(DeviceKV kv, int layer, const float* __restrict__ q, float scale,
-                                     const float* __restrict__ lse, const int64_t* __restrict__ prob_offset,
-                                     float* __restrict__ probs) {
+                                     const float* __restrict__ lse, const int32_t* __restrict__ first,
+                                     const int64_t* __restrict__ prob_offset, float* __restrict__ probs) {
   extern __shared__ float s_q[];  // [group][head_dim], scaled
   const int s = blockIdx.x, hk = blockIdx.y;
   const int g = kv.group_size(), hd = kv.head_dim, hq = kv.num_q_heads;
-  const int len = kv.seq_len[s];
+  const int begin = first[s];
+  const int n = kv.seq_len[s] - begin;
+  if (n <= 0) return;  // the whole CTA: nothing of this sequence goes back
   for (int i = threadIdx.x; i < g * hd; i += blockDim.x)
     s_q[i] = q[(size_t(s) * hq + hk * g) * hd + i] * scale;
   __syncthreads();
   const T* pool = static_cast<const T*>(kv.pool);
-  for (int t = threadIdx.x; t < len; t += blockDim.x) {
-    const T* k = pool + kv.token_offset(s, t, layer, 0, hk);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const T* k = pool + kv.token_offset(s, begin + i, layer, 0, hk);
     float p = 0.0f;
     for (int j = 0; j < g; ++j) p += expf(dot_row(s_q + j * hd, k, hd) - lse[size_t(s) * hq + hk * g + j]);
-    probs[prob_offset[s] + size_t(hk) * len + t] = p;
+    probs[prob_offset[s] + size_t(hk) * n + i] = p;
   }
 }
 
@@ -596,8 +598,8 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
 }
 
 KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int layer, const float* q, float scale,
-                                            const float* lse, const int64_t* prob_offset, float* probs,
-                                            cudaStream_t stream) {
+                                            const float* lse, const int32_t* first, const int64_t* prob_offset,
+                                            float* probs, cudaStream_t stream) {
   if (kv.num_seqs == 0) return KernelStatus::ok();
   const dim3 grid(kv.num_seqs, kv.num_kv_heads);
   const size_t smem = size_t(kv.group_size()) * kv.head_dim * sizeof(float);
@@ -606,7 +608,8 @@ KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int
     if (smem > 48 * 1024)  // a large group's queries: opt in to more shared memory (Hopper: up to 227 KB)
       KARAKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(probabilities_kernel<storage_t<D>>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    probabilities_kernel<storage_t<D>><<<grid, 256, smem, stream>>>(kv, layer, q, scale, lse, prob_offset, probs);
+    probabilities_kernel<storage_t<D>><<<grid, 256, smem, stream>>>(kv, layer, q, scale, lse, first, prob_offset,
+                                                                        probs);
     KARAKV_CUDA_CHECK_LAUNCH("attention probabilities");
     return KernelStatus::ok();
   });

@@ -35,11 +35,12 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
                                     const float* q, float* out, float scale, float* lse, int num_sms, Arena& arena,
                                     cudaStream_t stream);
 
-// H2O's accumulation: for sequence s (decode rows, row s = sequence s) and KV head h,
-// probs[prob_offset[s] + h * seq_len[s] + t] = sum over the group's query heads j of
-// exp(q_j . k_t * scale - lse[s][j]), t < seq_len[s]. prob_offset: device [num_seqs].
+// H2O's and Kara's accumulation: for sequence s (decode rows, row s = sequence s), KV head h and
+// slots t in [first[s], seq_len[s]) (n = seq_len[s] - first[s] of them; none when n <= 0),
+// probs[prob_offset[s] + h * n + t - first[s]] = sum over the group's query heads j of
+// exp(q_j . k_t * scale - lse[s][j]). first, prob_offset: device [num_seqs].
 KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int layer, const float* q, float scale,
-                                            const float* lse, const int64_t* prob_offset, float* probs,
-                                            cudaStream_t stream);
+                                            const float* lse, const int32_t* first, const int64_t* prob_offset,
+                                            float* probs, cudaStream_t stream);
 
 }  // namespace karakv::kernels::cuda

@@ -220,21 +220,18 @@ class CudaBackend final : public Backend {
   }
 
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
-    return decode(kv, layer, q, out, scale, nullptr, nullptr, "decode_attention");
+    return decode(kv, layer, q, out, scale, nullptr, nullptr, nullptr, "decode_attention");
   }
 
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
-                                           float* const* score_acc) override {
-    if (score_acc == nullptr)
-      return KernelStatus::invalid("decode_attention_accumulate: score_acc must be non-null");
-    return decode(kv, layer, q, out, scale, score_acc, nullptr, "decode_attention_accumulate");
+                                           float* const* score_acc, const int32_t* acc_begin) override {
+    return decode(kv, layer, q, out, scale, score_acc, acc_begin, nullptr, "decode_attention_accumulate");
   }
 
   KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
-                                        float* const* score_acc, float* const* lse) override {
-    if (score_acc == nullptr)
-      return KernelStatus::invalid("decode_attention_accumulate: score_acc must be non-null");
-    return decode(kv, layer, q, out, scale, score_acc, lse, "decode_attention_observe");
+                                        float* const* score_acc, const int32_t* acc_begin,
+                                        float* const* lse) override {
+    return decode(kv, layer, q, out, scale, score_acc, acc_begin, lse, "decode_attention_observe");
   }
 
   KernelStatus causal_attention(const PagedKV& kv, int seq, int layer, int num_queries, const float* q, float* out,
@@ -880,14 +877,29 @@ class CudaBackend final : public Backend {
     return st;
   }
 
-  // Decode attention; with score_acc, H2O's and Kara's accumulated probabilities (added into the
-  // host accumulators); with lse_out, each sequence's per-query-head log-sum-exp (Kara's norm = full).
+  // Decode attention; with score_acc (from slot acc_begin[s] on), H2O's and Kara's accumulated
+  // probabilities, added into the host accumulators; with lse_out, each sequence's per-query-head
+  // log-sum-exp (Kara's norm = full). op "decode_attention" passes neither.
   KernelStatus decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* const* score_acc,
-                      float* const* lse_out, std::string_view op) {
+                      const int32_t* acc_begin, float* const* lse_out, std::string_view op) {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
+    const bool observing = op != "decode_attention";
+    if (observing) KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin));
     KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
+    // Per sequence, the slots whose probabilities go back: [first[s], seq_len[s]) when any of its
+    // KV heads accumulates, else none.
+    std::vector<int32_t> first(kv.num_seqs);
+    std::vector<int64_t> offset(kv.num_seqs);
+    int64_t total = 0;
+    for (int s = 0; observing && s < kv.num_seqs; ++s) {
+      bool any = false;
+      for (int h = 0; h < geo.num_kv_heads; ++h) any |= score_acc[size_t(s) * geo.num_kv_heads + h] != nullptr;
+      first[s] = !any ? kv.seq_len[s] : acc_begin != nullptr ? acc_begin[s] : 0;
+      offset[s] = total;
+      total += int64_t(kv.seq_len[s] - first[s]) * geo.num_kv_heads;
+    }
     Call call(*this, op);
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
@@ -908,30 +920,28 @@ class CudaBackend final : public Backend {
     if (lse_out != nullptr) {
       lse_host.resize(size_t(kv.num_seqs) * geo.num_q_heads);
       KARAKV_RETURN_IF_ERROR(call.output(lse_host.data(), lse_host.size() * sizeof(float), &lse));
-    } else if (score_acc != nullptr) {
+    } else if (total > 0) {
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
     }
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
       return cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_, stream);
     }));
-    if (score_acc == nullptr && lse_out == nullptr) return call.finish();
+    if (!observing) return call.finish();
 
-    // Per-(sequence, KV head) probabilities on the device, added into the host accumulators.
-    std::vector<int64_t> offset(kv.num_seqs);
-    int64_t total = 0;
-    for (int s = 0; s < kv.num_seqs; ++s) {
-      offset[s] = total;
-      total += int64_t(kv.seq_len[s]) * geo.num_kv_heads;
-    }
+    // Per-(sequence, KV head) probabilities of the accumulated slots on the device, added into the
+    // host accumulators.
     std::vector<float> probs;
-    if (score_acc != nullptr) {
+    if (total > 0) {
       const int64_t* doffset = nullptr;
+      const int32_t* dfirst = nullptr;
       KARAKV_RETURN_IF_ERROR(call.upload(offset, &doffset));
-      probs.resize(size_t(std::max<int64_t>(total, 1)));
+      KARAKV_RETURN_IF_ERROR(call.upload(first, &dfirst));
+      probs.resize(size_t(total));
       float* dprobs = nullptr;
       KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
       KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
-        return cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, doffset, dprobs, stream);
+        return cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, dfirst, doffset, dprobs,
+                                                    stream);
       }));
     }
     KARAKV_RETURN_IF_ERROR(call.finish());
@@ -939,12 +949,12 @@ class CudaBackend final : public Backend {
       // As the CPU backend: an empty sequence's normaliser is left as it was.
       if (lse_out != nullptr && lse_out[s] != nullptr && kv.seq_len[s] > 0)
         std::copy_n(lse_host.data() + size_t(s) * geo.num_q_heads, geo.num_q_heads, lse_out[s]);
-      if (score_acc == nullptr) continue;
-      for (int h = 0; h < geo.num_kv_heads; ++h) {
+      const int32_t n = kv.seq_len[s] - first[s];
+      for (int h = 0; h < geo.num_kv_heads && n > 0; ++h) {
         float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
         if (acc == nullptr) continue;
-        const float* p = probs.data() + offset[s] + size_t(h) * kv.seq_len[s];
-        for (int t = 0; t < kv.seq_len[s]; ++t) acc[t] += p[t];
+        const float* p = probs.data() + offset[s] + size_t(h) * n;
+        for (int32_t i = 0; i < n; ++i) acc[first[s] + i] += p[i];
       }
     }
     return KernelStatus::ok();

@@ -134,6 +134,11 @@ class KaraPolicy final : public Policy {
     auto& s = *static_cast<KaraState*>(state);
     return s.received.empty() ? nullptr : s.received[size_t(layer) * kv_heads_ + kv_head].data();
   }
+  // Only the tail is ever scored again: the prompt (unless windowed, and then the tail starts at
+  // its first window) and the compressed windows keep what they have.
+  int32_t first_accumulated_slot(const State* state) const override {
+    return static_cast<const KaraState*>(state)->tail_start;
+  }
   float* lse_output(State* state, int layer) const override {
     auto& s = *static_cast<KaraState*>(state);
     if (!records_lse() || s.lse.empty()) return nullptr;
@@ -143,7 +148,7 @@ class KaraPolicy final : public Policy {
   void on_step(State* state, const SequenceView& seq) const override {
     auto& s = *static_cast<KaraState*>(state);
     ++s.steps;
-    for (int32_t i = 0; i < std::min<int32_t>(seq.resident, int32_t(s.seen.size())); ++i) s.seen[i] += 1.0f;
+    for (int32_t i = s.tail_start; i < std::min<int32_t>(seq.resident, int32_t(s.seen.size())); ++i) s.seen[i] += 1.0f;
   }
   // The sequence's own steps n with n mod P == its creation index mod P.
   bool turn(const SequenceView& seq) const override {

@@ -245,16 +245,17 @@ TEST_P(BackendOpsTest, DecodeAttentionAccumulate) {
     refp.push_back(i == 4 ? nullptr : ref[i].data());
   }
   ASSERT_TRUE(backend_->decode_attention_accumulate(caches.test->view(), 1, qb.get<float>(), ob.get<float>(), 0.125f,
-                                                    accp.data()).is_ok());
+                                                    accp.data(), nullptr).is_ok());
   ASSERT_TRUE(reference_->decode_attention_accumulate(caches.ref->view(), 1, rqb.get<float>(), rob.get<float>(),
-                                                      0.125f, refp.data()).is_ok());
+                                                      0.125f, refp.data(), nullptr).is_ok());
   EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kDecodeAttention));
   for (size_t i = 0; i < acc.size(); ++i)
     EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kDecodeAttentionAccumulate)) << "row " << i;
 }
 
-// Kara's decode observers: the accumulated probabilities and each query head's log-sum-exp; a
-// sequence without an lse pointer (and the empty one) keeps what its buffer held.
+// Kara's decode observers: the accumulated probabilities from each sequence's first slot on (the
+// slots before it keep their values exactly) and each query head's log-sum-exp; a sequence
+// without an lse pointer (and the empty one) keeps what its buffer held.
 TEST_P(BackendOpsTest, DecodeAttentionObserve) {
   if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionObserve)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
@@ -272,6 +273,11 @@ TEST_P(BackendOpsTest, DecodeAttentionObserve) {
     accp.push_back(i == 7 ? nullptr : acc[i].data());
     refp.push_back(i == 7 ? nullptr : ref[i].data());
   }
+  const std::vector<std::vector<float>> before = acc;
+  // First slots: 0, a third in, two thirds in, ... and the last sequence's whole length.
+  std::vector<int32_t> first(lens_.size());
+  for (size_t s = 0; s < lens_.size(); ++s)
+    first[s] = s + 1 == lens_.size() ? lens_[s] : int32_t(int64_t(lens_[s]) * (s % 3) / 3);
   std::vector<std::vector<float>> lse(lens_.size(), std::vector<float>(hq, -7.0f)), rlse = lse;
   std::vector<float*> lsep, rlsep;
   for (size_t s = 0; s < lens_.size(); ++s) {
@@ -279,12 +285,14 @@ TEST_P(BackendOpsTest, DecodeAttentionObserve) {
     rlsep.push_back(s == 2 ? nullptr : rlse[s].data());
   }
   ASSERT_TRUE(backend_->decode_attention_observe(caches.test->view(), 1, qb.get<float>(), ob.get<float>(), 0.125f,
-                                                 accp.data(), lsep.data()).is_ok());
+                                                 accp.data(), first.data(), lsep.data()).is_ok());
   ASSERT_TRUE(reference_->decode_attention_observe(caches.ref->view(), 1, rqb.get<float>(), rob.get<float>(), 0.125f,
-                                                   refp.data(), rlsep.data()).is_ok());
+                                                   refp.data(), first.data(), rlsep.data()).is_ok());
   EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kDecodeAttention));
-  for (size_t i = 0; i < acc.size(); ++i)
+  for (size_t i = 0; i < acc.size(); ++i) {
     EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kDecodeAttentionObserve)) << "row " << i;
+    for (int32_t t = 0; t < first[i / hk]; ++t) ASSERT_EQ(acc[i][t], before[i][t]) << "row " << i << " slot " << t;
+  }
   for (size_t s = 0; s < lens_.size(); ++s) {
     EXPECT_LE(max_abs_diff(lse[s], rlse[s]), tolerance(Op::kDecodeAttentionObserve)) << "seq " << s;
     if (s == 2 || lens_[s] == 0) {

@@ -244,48 +244,125 @@ TEST_P(CompressScoresTest, ObservedWindowScoresMatchFloat64) {
   }
 }
 
-// The log-sum-exp decode_attention_observe records (cpu::accumulate_attention with lse) against
-// float64, with and without accumulation beside it.
+// decode_attention_observe (the decode attention's own log-sum-exp, then cpu::accumulate_attention
+// dividing by it) against float64, per slot: outputs, normalisers, and each accumulated slot's
+// probability summed over the group; slots before acc_begin, null rows and null normalisers are
+// left as they were. Several sequences (one may be empty), each with its own first slot.
 // (One decode query always uses the tile: no product parameter.)
 class CompressDecodeTest : public ::testing::TestWithParam<std::tuple<DType, int>> {
  protected:
   std::unique_ptr<Backend> backend_ = make_cpu_backend(2);
 };
 
-TEST_P(CompressDecodeTest, DecodeLogSumExpMatchesFloat64) {
+TEST_P(CompressDecodeTest, DecodeObserversMatchFloat64) {
   const auto [dtype, group] = GetParam();
+  constexpr float kUntouched = 0.5f;
   for (int seed = 0; seed < 10; ++seed) {
     std::mt19937 rng(3000 + seed);
     std::uniform_int_distribution<int> pick(0, 1 << 30);
     const int head_dim = 8 + pick(rng) % 57;
     const Geometry g = compress_geometry(dtype, group, head_dim, 16, 2, 2);
-    const int len = 1 + pick(rng) % 200;
-    PagedCache cache(*backend_, g, {len}, rng);
-    const DenseKV dense = random_dense_kv(g, len, rng);
-    write_sequence(*backend_, cache, 0, dense);
-    const std::vector<float> q = random_values(g.q_token_elems(), -2.0f, 2.0f, rng);
+    const int num_seqs = 3;
+    std::vector<int> lens(num_seqs);
+    for (int s = 0; s < num_seqs; ++s) lens[s] = seed == 3 && s == 1 ? 0 : 1 + pick(rng) % 200;
+    PagedCache cache(*backend_, g, lens, rng);
+    std::vector<DenseKV> dense;
+    for (int s = 0; s < num_seqs; ++s) {
+      dense.push_back(random_dense_kv(g, lens[s], rng));
+      write_sequence(*backend_, cache, s, dense[s]);
+    }
+    // Even seeds: every slot (acc_begin null); odd: a first slot per sequence (0, inside, or the end).
+    std::vector<int32_t> begin(num_seqs, 0);
+    const bool with_begin = seed % 2 == 1;
+    for (int s = 0; s < num_seqs && with_begin; ++s) begin[s] = s == 2 ? lens[s] : pick(rng) % (lens[s] + 1);
+    const std::vector<float> q = random_values(size_t(num_seqs) * g.q_token_elems(), -2.0f, 2.0f, rng);
     const float scale = 0.3f;
-    std::vector<float> lse(g.num_q_heads, NAN), acc(size_t(g.num_kv_heads) * len, 0.0f);
-    float* lse_rows[1] = {lse.data()};
-    std::vector<float*> accs(g.num_kv_heads, nullptr);
-    if (seed % 2 == 0) {
-      for (int h = 0; h < g.num_kv_heads; ++h) accs[h] = acc.data() + size_t(h) * len;
-    }
-    ASSERT_TRUE(cpu::accumulate_attention(cache.view(), 1, q.data(), scale, accs.data(), lse_rows).is_ok());
-    for (int j = 0; j < g.num_q_heads; ++j) {
-      double mx = -INFINITY, sum = 0;
-      for (int i = 0; i < len; ++i) mx = std::max(mx, logit(g, dense, 1, q.data() + size_t(j) * head_dim, j, i, scale));
-      for (int i = 0; i < len; ++i) sum += std::exp(logit(g, dense, 1, q.data() + size_t(j) * head_dim, j, i, scale) - mx);
-      ASSERT_NEAR(double(lse[j]), mx + std::log(sum), 1e-5 * (1 + std::fabs(mx))) << "seed " << seed << " head " << j;
-    }
-    if (seed % 2 == 0) {
+    std::vector<float> out(q.size(), NAN), lse(size_t(num_seqs) * g.num_q_heads, NAN);
+    std::vector<std::vector<float>> acc(size_t(num_seqs) * g.num_kv_heads);
+    std::vector<float*> accs(acc.size(), nullptr), lse_rows(num_seqs, nullptr);
+    for (int s = 0; s < num_seqs; ++s) {
+      if ((s + seed) % 3 != 0) lse_rows[s] = lse.data() + size_t(s) * g.num_q_heads;
       for (int h = 0; h < g.num_kv_heads; ++h) {
-        double total = 0;
-        for (int i = 0; i < len; ++i) total += acc[size_t(h) * len + i];
-        EXPECT_NEAR(total, group, 1e-4 * group) << "each query head's probabilities sum to 1";
+        acc[size_t(s) * g.num_kv_heads + h].assign(lens[s], kUntouched);
+        if ((s + h + seed) % 4 != 0) accs[size_t(s) * g.num_kv_heads + h] = acc[size_t(s) * g.num_kv_heads + h].data();
+      }
+    }
+    const KernelStatus st = backend_->decode_attention_observe(cache.view(), 1, q.data(), out.data(), scale,
+                                                               accs.data(), with_begin ? begin.data() : nullptr,
+                                                               lse_rows.data());
+    ASSERT_TRUE(st.is_ok()) << st.message;
+    for (int s = 0; s < num_seqs; ++s) {
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        std::vector<double> want(lens[s], 0.0);
+        for (int j = h * group; j < (h + 1) * group; ++j) {
+          const float* q_row = q.data() + (size_t(s) * g.num_q_heads + j) * head_dim;
+          std::vector<double> logits(lens[s]);
+          for (int i = 0; i < lens[s]; ++i) logits[i] = logit(g, dense[s], 1, q_row, j, i, scale);
+          double mx = -INFINITY, sum = 0;
+          for (double x : logits) mx = std::max(mx, x);
+          for (double x : logits) sum += std::exp(x - mx);
+          const std::vector<double> p = softmax(logits);
+          for (int i = 0; i < lens[s]; ++i) want[i] += p[i];
+          const float got_lse = lse[size_t(s) * g.num_q_heads + j];
+          if (lse_rows[s] == nullptr || lens[s] == 0) {
+            EXPECT_TRUE(std::isnan(got_lse)) << "seed " << seed << " seq " << s << ": normaliser written";
+          } else {
+            ASSERT_NEAR(double(got_lse), mx + std::log(sum), 1e-5 * (1 + std::fabs(mx))) << "seed " << seed << " seq " << s;
+          }
+          for (int d = 0; d < head_dim && lens[s] > 0; ++d) {
+            double o = 0;
+            for (int i = 0; i < lens[s]; ++i) o += p[i] * dense[s].v[dense[s].index(g, 1, i, h, d)];
+            ASSERT_NEAR(out[(size_t(s) * g.num_q_heads + j) * head_dim + d], o, 1e-5)
+                << "seed " << seed << " seq " << s;
+          }
+        }
+        const std::vector<float>& a = acc[size_t(s) * g.num_kv_heads + h];
+        const bool accumulated = accs[size_t(s) * g.num_kv_heads + h] != nullptr;
+        for (int i = 0; i < lens[s]; ++i) {
+          if (!accumulated || i < begin[s]) {
+            ASSERT_EQ(a[i], kUntouched) << "seed " << seed << " seq " << s << " head " << h << " slot " << i;
+          } else {
+            ASSERT_NEAR(double(a[i]) - kUntouched, want[i], 1e-6 + 2e-5 * want[i])
+                << "seed " << seed << " seq " << s << " head " << h << " slot " << i;
+          }
+        }
       }
     }
   }
+}
+
+// The accumulators' arguments are refused before anything is touched, naming what was wrong.
+TEST(CompressDecodeArgumentsTest, RefusesMissingAccumulatorsAndFirstSlotsOutsideTheCache) {
+  std::unique_ptr<Backend> backend = make_cpu_backend(1);
+  std::mt19937 rng(5);
+  const Geometry g = compress_geometry(DType::kFloat32, 2, 8, 4, 1, 1);
+  PagedCache cache(*backend, g, {6, 9}, rng);
+  write_sequence(*backend, cache, 0, random_dense_kv(g, 6, rng));
+  write_sequence(*backend, cache, 1, random_dense_kv(g, 9, rng));
+  const std::vector<float> q = random_values(2 * g.q_token_elems(), -1.0f, 1.0f, rng);
+  std::vector<float> out(q.size(), -7.0f);
+  std::vector<float> a0(6, 0.0f), a1(9, 0.0f);
+  float* accs[2] = {a0.data(), a1.data()};
+  KernelStatus st = backend->decode_attention_accumulate(cache.view(), 0, q.data(), out.data(), 1.0f, nullptr, nullptr);
+  EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
+  EXPECT_EQ(st.message, "decode_attention_accumulate: score_acc must be non-null");
+  for (const auto& [b0, b1] : {std::pair{7, 0}, std::pair{0, -1}}) {
+    const int32_t begin[2] = {b0, b1};
+    st = backend->decode_attention_observe(cache.view(), 0, q.data(), out.data(), 1.0f, accs, begin, nullptr);
+    EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
+    const std::string want = b0 == 7 ? "decode_attention_observe: acc_begin[0] 7 outside [0, seq_len 6]"
+                                     : "decode_attention_observe: acc_begin[1] -1 outside [0, seq_len 9]";
+    EXPECT_EQ(st.message, want);
+  }
+  for (float x : out) EXPECT_EQ(x, -7.0f) << "a refused call wrote its output";
+  for (float x : a0) EXPECT_EQ(x, 0.0f);
+  // The ends are allowed: [0, seq_len] (nothing accumulated at seq_len).
+  const int32_t ends[2] = {6, 0};
+  ASSERT_TRUE(backend->decode_attention_accumulate(cache.view(), 0, q.data(), out.data(), 1.0f, accs, ends).is_ok());
+  for (float x : a0) EXPECT_EQ(x, 0.0f);
+  double total = 0;
+  for (float x : a1) total += x;
+  EXPECT_NEAR(total, g.group_size(), 1e-5);
 }
 
 TEST_P(CompressScoresTest, SnapKVScoresMatchFloat64) {

@@ -560,7 +560,7 @@ TEST(CpuTeamThreadTest, OneThreadRunsOnTheCallerWithoutATeam) {
     backend->prepare_thread();
     ASSERT_TRUE(backend->decode_attention(cache.view(), 0, q.data(), out.data(), 0.25f).is_ok());
     ASSERT_TRUE(
-        backend->decode_attention_accumulate(cache.view(), 0, q.data(), out.data(), 0.25f, accp.data()).is_ok());
+        backend->decode_attention_accumulate(cache.view(), 0, q.data(), out.data(), 0.25f, accp.data(), nullptr).is_ok());
     after = process_threads();
   });
   caller.join();

@@ -57,14 +57,15 @@ class DelegatingBackend : public kernels::Backend {
     return inner_->causal_attention(kv, seq, layer, num_queries, q, out, scale);
   }
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
-                                           float* const* score_acc) override {
+                                           float* const* score_acc, const int32_t* acc_begin) override {
     Guard in_call(*this);
-    return inner_->decode_attention_accumulate(kv, layer, q, out, scale, score_acc);
+    return inner_->decode_attention_accumulate(kv, layer, q, out, scale, score_acc, acc_begin);
   }
   KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
-                                        float* const* score_acc, float* const* lse) override {
+                                        float* const* score_acc, const int32_t* acc_begin,
+                                        float* const* lse) override {
     Guard in_call(*this);
-    return inner_->decode_attention_observe(kv, layer, q, out, scale, score_acc, lse);
+    return inner_->decode_attention_observe(kv, layer, q, out, scale, score_acc, acc_begin, lse);
   }
   KernelStatus read_kv(const PagedKV& kv, int seq, void* k, void* v) override { Guard in_call(*this);
     return inner_->read_kv(kv, seq, k, v); }

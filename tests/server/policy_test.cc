@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core.h"
+#include "tests/server/delegating_backend.h"
 #include "tests/server/test_geometry.h"
 #include "karakv/kernels/half.h"
 #include "tests/kernels/token2chunk_reference.h"
@@ -24,11 +25,12 @@ kernels::Geometry geometry() { return testing::small_test_geometry(kernels::DTyp
 // Drives one registry with deterministic random K/V/Q.
 class Driver {
  public:
-  explicit Driver(uint64_t seed, int blocks = 4096) : seed_(seed) {
+  explicit Driver(uint64_t seed, int blocks = 4096, std::unique_ptr<kernels::Backend> backend = nullptr)
+      : seed_(seed) {
     CoreConfig c;
     c.geometry = geometry();
     c.pool_bytes = int64_t(blocks) * c.geometry.block_bytes();
-    auto r = Core::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, backend != nullptr ? std::move(backend) : kernels::make_cpu_backend(1));
     EXPECT_TRUE(r.ok()) << r.status();
     reg = std::move(*r);
     session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
@@ -376,6 +378,87 @@ TEST(KaraPolicyTest, EachSequenceCompressesOnItsOwnTurns) {
   for (int step = 1; step <= 16; ++step) {
     ASSERT_TRUE(d.step({lone}, lone_logical).ok());
     EXPECT_EQ(d.info(lone).compactions, 0u) << "step " << step;
+  }
+}
+
+// A backend that records the first accumulated slot of every decode observation (-1: none given)
+// and, with `whole`, accumulates every slot instead.
+class FirstSlotBackend : public karakv::testing::DelegatingBackend {
+ public:
+  FirstSlotBackend(bool whole, std::vector<std::pair<int32_t, int32_t>>* seen)
+      : DelegatingBackend(kernels::make_cpu_backend(1)), whole_(whole), seen_(seen) {}
+  KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                                           float* const* score_acc, const int32_t* acc_begin) override {
+    record(kv, acc_begin);
+    return DelegatingBackend::decode_attention_accumulate(kv, layer, q, out, scale, score_acc,
+                                                          whole_ ? nullptr : acc_begin);
+  }
+  KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out, float scale,
+                                        float* const* score_acc, const int32_t* acc_begin,
+                                        float* const* lse) override {
+    record(kv, acc_begin);
+    return DelegatingBackend::decode_attention_observe(kv, layer, q, out, scale, score_acc,
+                                                       whole_ ? nullptr : acc_begin, lse);
+  }
+
+ private:
+  // (first slot, sequence length) per sequence.
+  void record(const PagedKV& kv, const int32_t* acc_begin) {
+    for (int s = 0; s < kv.num_seqs; ++s) seen_->push_back({acc_begin != nullptr ? acc_begin[s] : -1, kv.seq_len[s]});
+  }
+  const bool whole_;
+  std::vector<std::pair<int32_t, int32_t>>* seen_;
+};
+
+// Kara's decode observers add probabilities only from the tail's start on (the block-aligned start
+// may lie past a short cache: then nothing), since nothing before it is scored again: every window
+// keeps the same tokens as when every slot accumulates, for each observer and aggregation. H2O reads
+// every slot, so its first slot stays 0.
+TEST(KaraPolicyTest, AccumulatingOnlyTheTailKeepsTheSameTokens) {
+  struct Variant {
+    std::string policy;
+    int observers, norm, agg;
+  };
+  for (const Variant& v : {Variant{"kara", 1, 0, 0}, Variant{"kara", 1, 0, 1}, Variant{"kara", 2, 1, 0},
+                           Variant{"h2o", 0, 0, 0}}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      std::vector<std::vector<std::vector<std::vector<int32_t>>>> kept(2);
+      std::vector<std::vector<std::pair<int32_t, int32_t>>> seen(2);
+      for (const bool whole : {false, true}) {
+        Driver d(seed, 4096, std::make_unique<FirstSlotBackend>(whole, &seen[whole]));
+        SequenceOptions o;
+        o.policy = v.policy;
+        if (v.policy == "kara") {
+          o.params = {{"window", 16}, {"rho", 0.25}, {"period", 2}, {"recent", 8},
+                      {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}};
+        } else {
+          o.params = {{"c_max", 48}, {"c_target", 32}};
+        }
+        const uint64_t a = *d.create(o), b = *d.create(o);
+        ASSERT_TRUE(d.append(a, 0, 13).ok());  // a's tail starts at 16, past its first steps' caches
+        ASSERT_TRUE(d.append(b, 0, 21).ok());
+        std::vector<int64_t> logical{13, 21};
+        for (int step = 0; step < 90; ++step) ASSERT_TRUE(d.step({a, b}, logical).ok());
+        ASSERT_GE(d.info(a).compactions, 3u);
+        kept[whole] = {d.positions(a), d.positions(b)};
+      }
+      const std::string what = v.policy + " observers " + std::to_string(v.observers) + " norm " +
+                               std::to_string(v.norm) + " agg " + std::to_string(v.agg) + " seed " +
+                               std::to_string(seed);
+      EXPECT_EQ(kept[0], kept[1]) << what;
+      ASSERT_FALSE(seen[0].empty()) << what;
+      int32_t largest = 0;
+      for (const auto& [first, len] : seen[0]) {
+        ASSERT_GE(first, 0) << what;
+        ASSERT_LE(first, len) << what;
+        largest = std::max(largest, first);
+      }
+      if (v.policy == "kara") {
+        EXPECT_GE(largest, 16 + 3 * 4) << what << ": the first slot follows the tail past three windows";
+      } else {
+        EXPECT_EQ(largest, 0) << what;
+      }
+    }
   }
 }
 

@@ -113,21 +113,27 @@ class Backend {
                                         const float* q, float* out, float scale) = 0;
 
   // decode_attention that also adds each key's attention probability, summed over the group's
-  // query heads, into per-slot accumulators (H2O's heavy-hitter scores). For sequence s and KV
-  // head h, score_acc[s * num_kv_heads + h] is null (no accumulation) or points to seq_len[s]
-  // floats.
+  // query heads, into per-slot accumulators (H2O's heavy-hitter scores, Kara's decode observers).
+  // For sequence s and KV head h, score_acc[s * num_kv_heads + h] is null (no accumulation) or
+  // points to seq_len[s] floats, of which slots [acc_begin[s], seq_len[s]) get their probability
+  // added (slot t into acc[t]); the probabilities are the softmax over all seq_len[s] keys
+  // whatever acc_begin says. acc_begin null: from slot 0. Older slots that a policy never reads
+  // again (Kara's compressed prompt and windows) then cost neither the scoring pass nor, on a
+  // device, the copy back.
+  //   acc_begin: null or [num_seqs] int32, 0 <= acc_begin[s] <= seq_len[s]
   virtual KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out,
-                                                   float scale, float* const* score_acc) {
+                                                   float scale, float* const* score_acc, const int32_t* acc_begin) {
     return KernelStatus::unsupported("decode_attention_accumulate");
   }
 
   // decode_attention_accumulate for Kara's decode-time observers (docs/COMPRESSION.md section 1):
-  // score_acc as above (any entry may be null), and for sequence s with lse[s] non-null, each
-  // query head's log-sum-exp of its scaled logits over the seq_len[s] keys it attends (the
-  // softmax's normaliser: p_i = exp(q . k_i * scale - lse)).
+  // score_acc and acc_begin as above (any score_acc entry may be null), and for sequence s with
+  // lse[s] non-null, each query head's log-sum-exp of its scaled logits over the seq_len[s] keys
+  // it attends (the softmax's normaliser: p_i = exp(q . k_i * scale - lse)).
   //   lse: [num_seqs] pointers, each null or to [num_q_heads] fp32
   virtual KernelStatus decode_attention_observe(const PagedKV& kv, int layer, const float* q, float* out,
-                                                float scale, float* const* score_acc, float* const* lse) {
+                                                float scale, float* const* score_acc, const int32_t* acc_begin,
+                                                float* const* lse) {
     return KernelStatus::unsupported("decode_attention_observe");
   }
 
@@ -242,7 +248,7 @@ class Backend {
   // decode_attention (and, with score_acc non-null, its accumulation) over each sequence's
   // quantized tokens followed by its kv.seq_len[s] unquantized ones, straight from the codes.
   //   q, out: [num_seqs][num_q_heads][head_dim] fp32; score_acc as decode_attention_accumulate,
-  //   each row covering quantized + unquantized slots
+  //   each row covering quantized + unquantized slots, every slot accumulated (no acc_begin)
   virtual KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer,
                                                   const float* q, float* out, float scale,
                                                   float* const* score_acc) {
