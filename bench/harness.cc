@@ -168,9 +168,11 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
 }
 
 absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
-                                                       const std::string& worker, karakv::Staging staging) {
+                                                       const std::string& worker, karakv::Staging staging,
+                                                       bool fast_path) {
   karakv::ClientOptions o;
   o.target = d.target;
+  o.fast_path = fast_path;
   o.staging = staging;
   o.staging_bytes = staging_bytes;
   o.worker_id = worker;

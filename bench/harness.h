@@ -211,6 +211,7 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
 
 absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
                                                        const std::string& worker,
-                                                       karakv::Staging staging = karakv::Staging::kShm);
+                                                       karakv::Staging staging = karakv::Staging::kShm,
+                                                       bool fast_path = false);
 
 }  // namespace karakv::bench

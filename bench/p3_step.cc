@@ -1,6 +1,7 @@
 // karakv-bench p3: round trip of a one-token Step (1 sequence, 1 layer, shared-memory staging, or
-// device staging with --p3_staging) vs an empty unary gRPC call (Ping) on the same karakvd,
-// interleaved (target p50 <= 2x; with device staging on a GPU, <= 1x).
+// device staging with --p3_staging; by gRPC, or through the fast path's ring with --p3_fast_path)
+// vs an empty unary gRPC call (Ping) on the same karakvd, interleaved (target p50 <= 2x; with
+// device staging on a GPU, <= 1x).
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -9,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench_common.h"
 #include "common/synthetic.h"
@@ -22,6 +24,9 @@ ABSL_FLAG(std::string, p3_staging, "shm",
           "P3: the Step's staging: shm, device (CUDA IPC) or device_fd (VMM); device staging needs "
           "--karakvd_flags=--backend=cuda");
 
+ABSL_FLAG(bool, p3_fast_path, false,
+          "P3: attach with fast_path, so the Step goes through the command ring (with device staging too)");
+
 namespace karakv::bench {
 
 absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
@@ -31,8 +36,12 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   if (!daemon.ok()) return daemon.status();
   auto staging = parse_staging("p3_staging", absl::GetFlag(FLAGS_p3_staging));
   if (!staging.ok()) return staging.status();
-  auto client = attach(*daemon, 1 << 16, "karakv-bench-p3", *staging);
+  const bool fast_path = absl::GetFlag(FLAGS_p3_fast_path);
+  auto client = attach(*daemon, 1 << 16, "karakv-bench-p3", *staging, fast_path);
   if (!client.ok()) return client.status();
+  if (fast_path && !(*client)->fast_path()) {
+    return absl::FailedPreconditionError("P3 --p3_fast_path: karakvd attached the session without its ring");
+  }
   const bool device = (*client)->device_staging();
   karakv::Client& c = **client;
   const kn::Geometry g = c.geometry();
@@ -96,12 +105,18 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
     }
   }
   progress(absl::StrFormat("P3 %d Step + %d Ping calls after %d warm-up", calls, calls, warmup));
+  if (fast_path && c.ring_calls() < uint64_t(warmup + calls)) {
+    return absl::InternalError(absl::StrCat("P3 --p3_fast_path: only ", c.ring_calls(), " of ", warmup + calls,
+                                            " Steps went through the ring"));
+  }
   if (auto r = c.Release(seq); !r.ok()) return r.status();
   client->reset();
   stop_or_warn(*daemon);
 
   std::vector<Row> rows;
-  rows.push_back({"P3", absl::StrFormat("Step round trip p50 (1 seq, 1 layer, %s staging)", staging_name(*staging)),
+  rows.push_back({"P3",
+                  absl::StrFormat("Step round trip p50 (1 seq, 1 layer, %s staging%s)", staging_name(*staging),
+                                  fast_path ? ", fast path" : ""),
                   percentile(step_us, 50), "Ping p50 (empty gRPC)",
                   percentile(ping_us, 50), "us", false, Target{Target::Kind::kAtMost, device ? 1.0 : 2.0}});
   rows.push_back({"P3", "Step round trip p99", percentile(step_us, 99), "Ping p99 (empty gRPC)",

@@ -67,6 +67,10 @@ struct Client::Impl {
   uint64_t staging_generation = 0;
   std::unique_ptr<RingClient> ring;
   std::mutex ring_mu;  // the ring has one producer
+  // Device staging's fast path: the rings' own shared-memory mapping (shm staging's rings are in
+  // the staging mapping).
+  uint8_t* ring_map = nullptr;
+  size_t ring_map_size = 0;
   bool attached = false;
   absl::Notification stop_heartbeat;
   std::thread heartbeat;
@@ -212,6 +216,37 @@ struct Client::Impl {
       ref->mutable_staging()->set_offset(b.offset());
       ref->mutable_staging()->set_length(b.size());
     }
+  }
+  // Device staging's fast path (reply.ring_bytes > 0): maps the rings' shared-memory object, which
+  // holds nothing else (ring_offset 0), and removes its name.
+  absl::Status map_device_rings(const v1::AttachReply& reply) {
+    if (reply.ring_bytes() == 0) return absl::OkStatus();
+    if (reply.staging_name().empty() || reply.ring_offset() != 0 || reply.ring_bytes() < ring::kRingBytes) {
+      return absl::InternalError(absl::StrCat("Attach: device staging's rings at offset ", reply.ring_offset(), ", ",
+                                              reply.ring_bytes(), " bytes in '", reply.staging_name(),
+                                              "' (SDK and karakvd disagree on the layout)"));
+    }
+    int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot open the fast path's rings ", reply.staging_name(), ": ", std::strerror(errno),
+          " (is the worker on the same host, as the same user, sharing /dev/shm with karakvd?)"));
+    }
+    void* p = mmap(nullptr, reply.ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot map the fast path's rings: ", std::strerror(errno)));
+    }
+    shm_unlink(reply.staging_name().c_str());
+    ring_map = static_cast<uint8_t*>(p);
+    ring_map_size = reply.ring_bytes();
+    if (!ring::layout_matches(ring_map)) {
+      return absl::FailedPreconditionError(
+          "Attach: the fast-path ring's layout differs from this SDK's (karakv/v1/ring.h version); "
+          "attach without fast_path or use a matching SDK");
+    }
+    ring = std::make_unique<RingClient>(ring_map, options.ring_spin);
+    return absl::OkStatus();
   }
   bool ring_ready(std::initializer_list<const Buffer*> buffers) const {
     if (ring == nullptr || !ring->usable() || !attached) return false;
@@ -469,6 +504,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
     im.staging = static_cast<uint8_t*>(im.device.ptr);
     im.staging_size = reply.staging_bytes();
     im.staging_generation = reply.staging_generation();
+    if (auto s = im.map_device_rings(reply); !s.ok()) return s;
   } else if (reply.staging_kind() == v1::STAGING_KIND_CUDA_VMM_FD) {
     const std::string fd_socket = options.staging_fd_socket.empty() ? fdpass::fd_socket_for_target(options.target)
                                                                     : options.staging_fd_socket;
@@ -479,6 +515,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
     im.staging = static_cast<uint8_t*>(im.device.ptr);
     im.staging_size = reply.staging_bytes();
     im.staging_generation = reply.staging_generation();
+    if (auto s = im.map_device_rings(reply); !s.ok()) return s;
   } else if (options.staging != Staging::kShm) {
     return absl::FailedPreconditionError("Attach: asked for device staging but karakvd answered with another kind");
   } else if (!reply.staging_name().empty()) {
@@ -568,6 +605,7 @@ Client::~Client() {
   } else if (impl_->staging) {
     munmap(impl_->staging, impl_->mapped_size);
   }
+  if (impl_->ring_map != nullptr) munmap(impl_->ring_map, impl_->ring_map_size);
 }
 
 absl::Status Client::Detach() {

@@ -161,6 +161,16 @@ absl::StatusOr<std::shared_ptr<StagingRegion>> Core::shm_staging(const std::stri
   return std::dynamic_pointer_cast<StagingRegion>(*staging);
 }
 
+absl::StatusOr<Core::RingRegions> Core::ring_regions(const std::string& session_id) {
+  absl::MutexLock lock(&mu_);
+  auto session = sessions_->find(session_id);
+  if (!session.ok()) return session.status();
+  RingRegions r;
+  r.data = (*session)->staging;
+  r.rings = (*session)->rings != nullptr ? (*session)->rings : std::dynamic_pointer_cast<StagingRegion>(r.data);
+  return r;
+}
+
 absl::StatusOr<std::shared_ptr<DeviceStaging>> Core::vmm_staging(const std::string& session_id,
                                                                  uint64_t generation) {
   auto staging = this->staging(session_id);

@@ -96,6 +96,13 @@ class Core {
   absl::StatusOr<std::shared_ptr<Staging>> staging(const std::string& session_id);
   // The same when it is shared memory (the fast path's rings follow it); null for device staging.
   absl::StatusOr<std::shared_ptr<StagingRegion>> shm_staging(const std::string& session_id);
+  // The fast path's regions: the staging its commands' tensors are in, and the shared memory whose
+  // reserved tail holds the rings (the same shm region, or device staging's rings-only region).
+  struct RingRegions {
+    std::shared_ptr<Staging> data;
+    std::shared_ptr<StagingRegion> rings;
+  };
+  absl::StatusOr<RingRegions> ring_regions(const std::string& session_id);
   // The staging fd socket's lookup: the session's VMM device staging region when `generation` is
   // its generation. NOT_FOUND for an unknown session, FAILED_PRECONDITION for another staging kind
   // or a stale generation, each saying so.

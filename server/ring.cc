@@ -20,7 +20,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // A command's tensor in the session's staging region, checked as the RPC's staging ranges are.
-absl::Status resolve(const StagingRegion& staging, const ring::Range& r, const char* what, absl::Span<uint8_t>* out) {
+absl::Status resolve(const Staging& staging, const ring::Range& r, const char* what, absl::Span<uint8_t>* out) {
   auto p = staging.resolve(r.offset, r.length, 4, what);
   if (!p.ok()) return p.status();
   *out = absl::Span<uint8_t>(*p, r.length);
@@ -107,19 +107,23 @@ void RingServer::count(const char* method, const char* path) {
   c->Increment();
 }
 
-absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<StagingRegion> staging) {
-  if (staging == nullptr || staging->reserved_size() < ring::kRingBytes) {
+absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<Staging> data,
+                               std::shared_ptr<StagingRegion> rings) {
+  if (data == nullptr || rings == nullptr || rings->reserved_size() < ring::kRingBytes) {
     return absl::InternalError("fast path: the session's staging region has no room reserved for the rings");
   }
   reap();
-  ring::initialize(staging->reserved());
+  uint8_t* base = rings->reserved();
+  ring::initialize(base);
   auto w = std::make_unique<Worker>();
   w->session_id = session_id;
-  uint8_t* base = staging->reserved();
+  w->data_ops = data->kind() == StagingKind::kShm;
+  if (!w->data_ops) ring::header(base)->ops = 0;  // Step and Attend only
   w->header = ring::header(base);
   w->sq.emplace(ring::commands(base), &w->header->sq_head, &w->header->sq_tail);
   w->cq.emplace(ring::completions(base), &w->header->cq_tail, &w->header->cq_head);
-  w->staging = std::move(staging);
+  w->staging = std::move(data);
+  w->rings = std::move(rings);
   Worker* raw = w.get();
   active_->Increment();
   absl::MutexLock lock(&mu_);
@@ -238,7 +242,7 @@ void RingServer::close(Worker* w, const std::string& why) {
 
 bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Completion* done) {
   done->tag = cmd.tag;
-  const StagingRegion& staging = *w.staging;
+  const Staging& staging = *w.staging;
   if (cmd.op == uint32_t(ring::Op::kStep)) {
     if (cmd.count > ring::Command::kMaxIds) return false;
     count("Step", "ring");
@@ -284,6 +288,8 @@ bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Comple
     set_status(gate_->attend(call, resolution), done);
     return true;
   }
+  // The ops beyond Step and Attend, where this ring takes them (an SDK checks Header::ops first).
+  if (!w.data_ops) return false;
   if (cmd.op == uint32_t(ring::Op::kAppend)) {
     if (cmd.count > ring::Command::kMaxAppends) return false;
     append(w, cmd, done);
@@ -300,7 +306,7 @@ void RingServer::append(const Worker& w, const ring::Command& cmd, ring::Complet
   // One entry is a plain Append (the gRPC Append); more are an AppendBatch, entry by entry in the
   // order and with the checks of service.cc's DoAppend.
   const size_t n = cmd.count;
-  const StagingRegion& staging = *w.staging;
+  const Staging& staging = *w.staging;
   uint32_t applied = 0;
   int32_t length = 0;
   int32_t lengths[ring::Command::kMaxAppends];
@@ -343,7 +349,7 @@ void RingServer::append(const Worker& w, const ring::Command& cmd, ring::Complet
 
 void RingServer::read_kv(const Worker& w, const ring::Command& cmd, ring::Completion* done) {
   // The outputs as service.cc's DoReadKV resolves staging outputs: at least the bytes T tokens need.
-  const StagingRegion& staging = *w.staging;
+  const Staging& staging = *w.staging;
   int32_t tokens = 0;
   auto output = [&](const ring::Range& r, size_t want, const char* what) -> absl::StatusOr<MutableBytes> {
     if (absl::Status s = check_output_range(what, r.length, want, false); !s.ok()) return s;
@@ -418,7 +424,8 @@ RingServer::Turn RingServer::turn(Worker* w) {
 
 void RingServer::finish(Worker* w) {
   if (w->stop.load()) mark_closed(w, absl::UnavailableError("karakvd is shutting down"));
-  w->staging.reset();  // the region unmaps once the core let go of it too
+  w->staging.reset();  // the regions unmap once the core let go of them too
+  w->rings.reset();
   active_->Decrement();
   w->done.store(true);
 }

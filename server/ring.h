@@ -69,8 +69,12 @@ class RingServer {
   RingServer(const RingServer&) = delete;
   RingServer& operator=(const RingServer&) = delete;
 
-  // Lays out the rings in `staging`'s reserved tail and starts the session's consumer thread.
-  absl::Status start(const std::string& session_id, std::shared_ptr<StagingRegion> staging);
+  // Lays out the rings in `rings`' reserved tail and starts the session's consumer thread; the
+  // commands' tensors are in `data` (the same region for shm staging). With device staging the
+  // ring takes Step and Attend only (Header::ops 0): Append's token ids and ReadKV's positions are
+  // host-side data, so those calls go through gRPC.
+  absl::Status start(const std::string& session_id, std::shared_ptr<Staging> data,
+                     std::shared_ptr<StagingRegion> rings);
   // Forgets the rings whose sessions ended and joins the threads that ended.
   void reap();
   // Without threads (RingConfig::threads == false): runs the session's ring until it has no
@@ -91,7 +95,12 @@ class RingServer {
  private:
   struct Worker {
     std::string session_id;
-    std::shared_ptr<StagingRegion> staging;  // dropped by the thread when it ends
+    // Dropped by the thread when it ends: where the tensors are, and where the rings are.
+    std::shared_ptr<Staging> staging;
+    std::shared_ptr<StagingRegion> rings;
+    // Whether Append and ReadKV are taken (shm staging). Kept here: the header's copy is the
+    // worker's to read and could be overwritten by it.
+    bool data_ops = false;
     ring::Header* header = nullptr;
     // The daemon's ends of the two rings (their indices are private to this side).
     std::optional<ring::Consumer<ring::Command>> sq;

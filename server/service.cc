@@ -142,18 +142,18 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
                              req.fast_path() ? ring::kRingBytes : 0, kind);
   if (!r.ok()) return r.status();
   if (req.fast_path()) {
-    // Fast-path sessions always have shm staging (SessionTable::prepare refuses device staging with rings).
-    auto staging = core_->shm_staging(r->session_id);
-    std::shared_ptr<StagingRegion> shm = staging.ok() ? *staging : nullptr;
-    absl::Status s = !staging.ok() ? staging.status()
-                     : shm == nullptr ? absl::InternalError("fast path: the session's staging is not shared memory")
-                                      : rings_->start(r->session_id, shm);
+    // The rings follow shm staging in its region; device staging's have a region of their own.
+    auto regions = core_->ring_regions(r->session_id);
+    absl::Status s = !regions.ok() ? regions.status()
+                     : regions->rings == nullptr
+                         ? absl::InternalError("fast path: the session has no shared memory for its rings")
+                         : rings_->start(r->session_id, regions->data, regions->rings);
     if (!s.ok()) {
       core_->detach(r->session_id).IgnoreError();
       return s;
     }
-    reply->set_ring_offset(r->staging_bytes);
-    reply->set_ring_bytes(shm->reserved_size());
+    reply->set_ring_offset(regions->rings->size());
+    reply->set_ring_bytes(regions->rings->reserved_size());
   }
   reply->set_session_id(r->session_id);
   reply->set_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(core_->config().lease)));

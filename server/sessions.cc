@@ -51,11 +51,6 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
       return absl::FailedPreconditionError(absl::StrCat("staging_kind ", staging_kind_name(staging_kind),
                                                         ": this daemon has no device staging; use SHM"));
     }
-    if (reserved_bytes > 0) {
-      return absl::InvalidArgumentError(
-          "fast_path needs shm staging (its rings live in shared memory); attach with staging_kind SHM or without "
-          "fast_path");
-    }
     if (staging_bytes == 0) {
       return absl::InvalidArgumentError(absl::StrCat("staging_kind ", staging_kind_name(staging_kind),
                                                      " needs a staging region: set staging_bytes > 0"));
@@ -67,6 +62,14 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
     a.result.staging_device = (*region)->device();
     a.result.staging_generation = (*region)->generation();
     a.session.staging = std::move(*region);
+    if (reserved_bytes > 0) {
+      // The fast path's rings: host shared memory of their own (the worker maps it by name); the
+      // commands' tensors stay in the device region.
+      auto rings = StagingRegion::create(0, reserved_bytes);
+      if (!rings.ok()) return rings.status();
+      a.result.staging_name = (*rings)->name();
+      a.session.rings = std::move(*rings);
+    }
   } else if (staging_bytes > 0) {
     auto region = StagingRegion::create(staging_bytes, reserved_bytes);
     if (!region.ok()) return region.status();

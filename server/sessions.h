@@ -43,6 +43,9 @@ struct Session {
   std::string tenant;
   std::string cache_namespace;
   std::shared_ptr<Staging> staging;  // shm (StagingRegion) or device (DeviceStaging), or none
+  // Device staging with the fast path: the shared memory the rings live in (with shm staging they
+  // live in the staging region's reserved tail, and this is null).
+  std::shared_ptr<StagingRegion> rings;
   absl::Time lease_deadline;
   absl::flat_hash_set<uint64_t> sequences;
   absl::flat_hash_set<uint64_t> preempted;  // its sequences preempted and not yet released

@@ -113,9 +113,11 @@ struct Worker {
   }
 };
 
-Worker attach_kind(const Daemon& d, Staging staging, const std::string& tenant = "default") {
+Worker attach_kind(const Daemon& d, Staging staging, const std::string& tenant = "default",
+                   bool fast_path = false) {
   const bool device = staging != Staging::kShm;
   ClientOptions o;
+  o.fast_path = fast_path;
   o.target = d.target();
   o.tenant = tenant;
   o.staging_bytes = 8 << 20;
@@ -221,6 +223,29 @@ TEST_P(DeviceStagingKindTest, TwoProcessOutputsEqualTheShmPath) {
   Worker again = attach_kind(d, GetParam().staging);
   ASSERT_TRUE(again.client);
   EXPECT_GT(again.client->staging_generation(), old_generation);
+}
+
+// The fast path with device staging: Step and Attend through the ring (its rings in a shared-memory
+// object of their own), Append and ReadKV by gRPC; every output equals the shm path's.
+TEST_P(DeviceStagingKindTest, FastPathOutputsEqualTheShmPath) {
+  SKIP_WITHOUT_DEVICE();
+  Daemon d(geometry_flags("cuda"));
+  ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
+  Worker shm = attach_kind(d, Staging::kShm);
+  Worker dev = attach_kind(d, GetParam().staging, "default", /*fast_path=*/true);
+  ASSERT_TRUE(shm.client && dev.client);
+  ASSERT_TRUE(dev.client->fast_path());
+  const Outputs want = run_script(shm);
+  const Outputs got = run_script(dev);
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
+  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
+  expect_near(got.k, want.k, "ReadKV.k");
+  expect_near(got.v, want.v, "ReadKV.v");
+  EXPECT_EQ(got.positions, want.positions);
+  // Every Step and Attend of the script went through the ring; Append and ReadKV did not.
+  const uint64_t layers = uint64_t(dev.client->geometry().num_layers);
+  EXPECT_EQ(dev.client->ring_calls(), 3 * layers + layers);
 }
 
 TEST(DeviceStagingTest, AStaleOrMissingGenerationIsRefusedAndNeverAliased) {

@@ -3,6 +3,9 @@
 // thread's end with its session. The ring itself is tested in ring_spsc_test.cc.
 #include "server/ring.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -15,6 +18,7 @@
 #include "server/metrics.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
+#include "tests/server/delegating_backend.h"
 
 namespace karakv::server {
 namespace {
@@ -456,6 +460,203 @@ TEST_F(RingServerTest, StopAllEndsWaitingAndRunningThreads) {
   EXPECT_EQ(rings_->threads(), 0);
   EXPECT_EQ(running.h->state.load(), uint32_t(ring::State::kClosed));
   EXPECT_EQ(running.h->close_code, uint32_t(absl::StatusCode::kUnavailable));
+}
+
+// The CPU backend with device staging from the heap: what the CUDA backend hands out, here host
+// memory its kernels read directly, which the server must treat as device memory.
+class HeapDeviceBackend final : public karakv::testing::DelegatingBackend {
+ public:
+  HeapDeviceBackend() : DelegatingBackend(kernels::make_cpu_backend(1)) {}
+  bool shares_device_memory() const override { return true; }
+  KernelStatus allocate_shared(size_t bytes, kernels::SharedDeviceMemory* out) override {
+    out->ptr = std::calloc(1, bytes);
+    out->bytes = bytes;
+    out->device = 0;
+    out->ipc_handle.assign(64, 'h');
+    std::lock_guard<std::mutex> lock(mu_);
+    regions_[static_cast<uint8_t*>(out->ptr)] = bytes;
+    return KernelStatus::ok();
+  }
+  void free_shared(const kernels::SharedDeviceMemory& m) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    regions_.erase(static_cast<uint8_t*>(m.ptr));
+    std::free(m.ptr);
+  }
+  bool is_device_memory(const void* p) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto* b = static_cast<const uint8_t*>(p);
+    for (const auto& [base, bytes] : regions_)
+      if (b >= base && b < base + bytes) return true;
+    return false;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uint8_t*, size_t> regions_;
+};
+
+// Device staging with the fast path: the rings come in a shared-memory object of their own
+// (ring_offset 0), offer Step and Attend only, and give exactly the RPCs' outputs and errors for
+// tensors in the device region; an Append sent anyway is garbage (the session closes).
+TEST(RingDeviceStagingTest, StepAndAttendMatchTheRpcsAndTheOtherOpsStayOffTheRing) {
+  spdlog::set_level(spdlog::level::err);
+  CoreConfig rc;
+  rc.geometry = {2, 2, 1, 8, 4, kernels::DType::kFloat32};
+  rc.pool_bytes = 1 << 20;
+  std::unique_ptr<Core> core = *Core::create(rc, std::make_unique<HeapDeviceBackend>());
+  std::unique_ptr<Metrics> metrics = *Metrics::create("");
+  KaraKVService service(core.get(), metrics.get(), true);
+  RingConfig cfg;
+  cfg.threads = false;  // poll() runs the commands on this thread
+  RingServer rings(&service.gate(), core.get(), metrics.get(), cfg);
+  service.set_rings(&rings);
+
+  v1::AttachRequest areq;
+  areq.set_staging_bytes(1 << 16);
+  areq.set_fast_path(true);
+  areq.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+  v1::AttachReply attached;
+  ASSERT_TRUE(service.Handle(areq, &attached).ok());
+  const std::string session = attached.session_id();
+  const uint64_t generation = attached.staging_generation();
+  EXPECT_EQ(attached.staging_kind(), v1::STAGING_KIND_CUDA_IPC);
+  EXPECT_GT(generation, 0u);
+  EXPECT_EQ(attached.ring_offset(), 0u);
+  ASSERT_GE(attached.ring_bytes(), ring::kRingBytes);
+  ASSERT_FALSE(attached.staging_name().empty());
+  // The worker's side: the rings' object, mapped as the SDK maps it.
+  const int fd = shm_open(attached.staging_name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << attached.staging_name();
+  void* mapped = mmap(nullptr, attached.ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  uint8_t* base = static_cast<uint8_t*>(mapped);
+  ASSERT_TRUE(ring::layout_matches(base));
+  ring::Header* h = ring::header(base);
+  EXPECT_EQ(h->ops, 0u) << "a device ring offers Step and Attend only";
+  uint8_t* dev = (*core->staging(session))->base();  // the "device" region
+  ASSERT_NE(dev, nullptr);
+  auto run = [&](const ring::Command& c, ring::Completion* done) {
+    const uint64_t tail = h->sq_tail.load();
+    std::memcpy(&ring::commands(base)[tail % ring::kSlots], &c, sizeof c);
+    h->sq_tail.store(tail + 1);
+    EXPECT_EQ(*rings.poll(session), 1);
+    const uint64_t head = h->cq_head.load();
+    ASSERT_EQ(h->cq_tail.load(), head + 1);
+    std::memcpy(done, &ring::completions(base)[head % ring::kSlots], sizeof *done);
+    h->cq_head.store(head + 1);
+  };
+  auto range = [](uint64_t offset, uint64_t length, v1::StagingRange* r) {
+    r->set_offset(offset);
+    r->set_length(length);
+  };
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  auto fill = [&](uint64_t offset, size_t bytes) {
+    for (size_t i = 0; i < bytes / 4; ++i) {
+      const float f = value(rng);
+      std::memcpy(dev + offset + 4 * i, &f, 4);
+    }
+  };
+  // Two sequences with the same 6-token prompt (Append by gRPC, from the device region).
+  std::vector<uint64_t> seqs;
+  fill(0, 2 * core->append_bytes(6));
+  for (int i = 0; i < 2; ++i) {
+    v1::CreateSequenceRequest creq;
+    creq.set_session_id(session);
+    v1::CreateSequenceReply created;
+    ASSERT_TRUE(service.Handle(creq, &created).ok());
+    seqs.push_back(created.sequence_id());
+    v1::AppendRequest app;
+    app.set_session_id(session);
+    app.set_sequence_id(created.sequence_id());
+    app.set_num_tokens(6);
+    app.set_staging_generation(generation);
+    range(0, core->append_bytes(6), app.mutable_k()->mutable_staging());
+    range(core->append_bytes(6), core->append_bytes(6), app.mutable_v()->mutable_staging());
+    v1::AppendReply appended;
+    ASSERT_TRUE(service.Handle(app, &appended).ok());
+  }
+  const uint64_t kv = core->step_kv_bytes(1), q = core->q_bytes(1);
+  const uint64_t k_at = 8192, v_at = 12288, q_at = 16384, rpc_out = 20480, ring_out = 24576;
+  for (int layer = 0; layer < 2; ++layer) {
+    fill(k_at, kv);
+    fill(v_at, kv);
+    fill(q_at, q);
+    v1::StepRequest step;
+    step.set_session_id(session);
+    step.set_layer(layer);
+    step.add_sequence_ids(seqs[0]);
+    step.set_staging_generation(generation);
+    range(k_at, kv, step.mutable_k()->mutable_staging());
+    range(v_at, kv, step.mutable_v()->mutable_staging());
+    range(q_at, q, step.mutable_q()->mutable_staging());
+    range(rpc_out, q, step.mutable_out()->mutable_staging());
+    v1::StepReply stepped;
+    ASSERT_TRUE(service.Handle(step, &stepped).ok());
+    ring::Command c{};
+    c.op = uint32_t(ring::Op::kStep);
+    c.layer = layer;
+    c.count = 1;
+    c.ids[0] = seqs[1];
+    c.k = {k_at, kv};
+    c.v = {v_at, kv};
+    c.q = {q_at, q};
+    c.out = {ring_out, q};
+    c.tag = 10 + layer;
+    ring::Completion done{};
+    run(c, &done);
+    ASSERT_EQ(done.code, 0u) << std::string(done.message, done.message_bytes);
+    EXPECT_EQ(done.tag, uint64_t(10 + layer));
+    EXPECT_EQ(std::memcmp(dev + rpc_out, dev + ring_out, q), 0) << "layer " << layer;
+  }
+  float first = 0;
+  std::memcpy(&first, dev + ring_out, 4);
+  EXPECT_NE(first, 0.0f) << "the Step wrote its output into the device region";
+  // Attend of 3 queries at layer 1, both ways.
+  fill(q_at, 3 * q);
+  v1::AttendRequest att;
+  att.set_session_id(session);
+  att.set_sequence_id(seqs[0]);
+  att.set_layer(1);
+  att.set_num_queries(3);
+  att.set_staging_generation(generation);
+  range(q_at, 3 * q, att.mutable_q()->mutable_staging());
+  range(rpc_out, 3 * q, att.mutable_out()->mutable_staging());
+  v1::AttendReply attended;
+  ASSERT_TRUE(service.Handle(att, &attended).ok());
+  ring::Command c{};
+  c.op = uint32_t(ring::Op::kAttend);
+  c.sequence_id = seqs[1];
+  c.layer = 1;
+  c.count = 3;
+  c.q = {q_at, 3 * q};
+  c.out = {ring_out, 3 * q};
+  ring::Completion done{};
+  run(c, &done);
+  ASSERT_EQ(done.code, 0u) << std::string(done.message, done.message_bytes);
+  EXPECT_EQ(std::memcmp(dev + rpc_out, dev + ring_out, 3 * q), 0);
+  // An output past the device region: the RPC's refusal, word for word.
+  const uint64_t past = attached.staging_bytes() - 8;  // the region is rounded up to 2 MiB
+  c.out = {past, 3 * q};
+  range(past, 3 * q, att.mutable_out()->mutable_staging());
+  const absl::Status want = service.Handle(att, &attended);
+  ASSERT_EQ(want.code(), absl::StatusCode::kInvalidArgument) << want;
+  run(c, &done);
+  EXPECT_EQ(done.code, uint32_t(want.code()));
+  EXPECT_EQ(std::string(done.message, done.message_bytes), std::string(want.message()));
+  // Append is not offered here: sent anyway, it closes the ring and the session.
+  ring::Command append{};
+  append.op = uint32_t(ring::Op::kAppend);
+  append.count = 1;
+  const uint64_t tail = h->sq_tail.load();
+  std::memcpy(&ring::commands(base)[tail % ring::kSlots], &append, sizeof append);
+  h->sq_tail.store(tail + 1);
+  rings.poll(session).IgnoreError();
+  EXPECT_EQ(h->state.load(), uint32_t(ring::State::kClosed));
+  EXPECT_FALSE(core->staging(session).ok()) << "the session ended";
+  munmap(mapped, attached.ring_bytes());
+  rings.stop_all();
 }
 
 }  // namespace

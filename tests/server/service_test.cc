@@ -371,10 +371,10 @@ TEST_F(ServiceTest, DeviceStagingOnTheCpuBackendIsRefusedNamingTheFix) {
   EXPECT_TRUE(reply.session_id().empty());
   EXPECT_EQ(core_->device_staging_bytes(), 0u);
 
-  req.set_fast_path(true);  // its rings live in shared memory
+  req.set_fast_path(true);  // the same refusal, and no rings region left behind
   const absl::Status with_rings = service_->Handle(req, &reply);
-  EXPECT_EQ(with_rings.code(), absl::StatusCode::kInvalidArgument) << with_rings;
-  EXPECT_THAT(std::string(with_rings.message()), ::testing::HasSubstr("fast_path needs shm staging"));
+  EXPECT_EQ(with_rings.code(), absl::StatusCode::kFailedPrecondition) << with_rings;
+  EXPECT_THAT(std::string(with_rings.message()), ::testing::HasSubstr("--backend=cuda"));
   req.set_fast_path(false);
   // VMM staging (file descriptors for workers in another PID namespace): refused the same way.
   req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);

@@ -75,11 +75,13 @@ struct ClientOptions {
   std::string cache_namespace;
   // Size of the staging region to ask for; 0 attaches without one (inline tensors only).
   uint64_t staging_bytes = 64ull << 20;
-  // kDevice needs karakvd --backend=cuda, this SDK built with CUDA, a process that can see the
-  // daemon's PID (same PID namespace) and no fast_path. Ordering contract: synchronize the stream
-  // that wrote a call's inputs before making the call; when a call returns OK its outputs are
-  // complete in device memory (karakvd synchronized its stream before replying). Re-attaching
-  // after a daemon restart is not possible with device staging (the client gives up, saying so).
+  // kDevice needs karakvd --backend=cuda, this SDK built with CUDA and a process that can see the
+  // daemon's PID (same PID namespace). With fast_path, Step and Attend go through the ring (its
+  // rings then live in a small shared-memory object of their own); Append and ReadKV use gRPC.
+  // Ordering contract: synchronize the stream that wrote a call's inputs before making the call;
+  // when a call returns OK its outputs are complete in device memory (karakvd synchronized its
+  // stream before replying or posting the completion). Re-attaching after a daemon restart is not
+  // possible with device staging (the client gives up, saying so).
   // kDeviceFd: as kDevice, but the worker need not see the daemon's PID; it needs the staging fd
   // socket (karakvd --staging_fd_socket, default "<socket>.fd") and the same GPU.
   Staging staging = Staging::kShm;
