@@ -199,6 +199,16 @@ Outputs run_script(Worker& w) {
   return o;
 }
 
+// Every output of run_script within fp32 rounding of the shm path's; positions exactly.
+void expect_same_outputs(const Outputs& got, const Outputs& want) {
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
+  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
+  expect_near(got.k, want.k, "ReadKV.k");
+  expect_near(got.v, want.v, "ReadKV.v");
+  EXPECT_EQ(got.positions, want.positions);
+}
+
 // CUDA IPC (the handle in the AttachReply) or VMM (the worker imports its region from the file
 // descriptor the staging fd socket sends, as a pod in another PID namespace would): the shm path's
 // outputs, and after Detach the tenant's next session reuses the region under a new generation.
@@ -211,13 +221,7 @@ TEST_P(DeviceStagingKindTest, TwoProcessOutputsEqualTheShmPath) {
   ASSERT_TRUE(shm.client && dev.client);
   EXPECT_NE(dev.client->staging_generation(), 0u);
   const Outputs want = run_script(shm);
-  const Outputs got = run_script(dev);
-  ASSERT_EQ(got.steps.size(), want.steps.size());
-  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
-  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
-  expect_near(got.k, want.k, "ReadKV.k");
-  expect_near(got.v, want.v, "ReadKV.v");
-  EXPECT_EQ(got.positions, want.positions);
+  expect_same_outputs(run_script(dev), want);
   const uint64_t old_generation = dev.client->staging_generation();
   ASSERT_TRUE(dev.client->Detach().ok());
   Worker again = attach_kind(d, GetParam().staging);
@@ -236,13 +240,7 @@ TEST_P(DeviceStagingKindTest, FastPathOutputsEqualTheShmPath) {
   ASSERT_TRUE(shm.client && dev.client);
   ASSERT_TRUE(dev.client->fast_path());
   const Outputs want = run_script(shm);
-  const Outputs got = run_script(dev);
-  ASSERT_EQ(got.steps.size(), want.steps.size());
-  for (size_t i = 0; i < want.steps.size(); ++i) expect_near(got.steps[i], want.steps[i], "Step.out");
-  for (size_t i = 0; i < want.attend.size(); ++i) expect_near(got.attend[i], want.attend[i], "Attend.out");
-  expect_near(got.k, want.k, "ReadKV.k");
-  expect_near(got.v, want.v, "ReadKV.v");
-  EXPECT_EQ(got.positions, want.positions);
+  expect_same_outputs(run_script(dev), want);
   // Every Step and Attend of the script went through the ring; Append and ReadKV did not.
   const uint64_t layers = uint64_t(dev.client->geometry().num_layers);
   EXPECT_EQ(dev.client->ring_calls(), 3 * layers + layers);
