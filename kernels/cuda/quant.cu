@@ -337,11 +337,12 @@ __global__ void rotate_queries_kernel(int hq, int hk, int d, int layer, const ui
   for (int c = threadIdx.x; c < d; c += blockDim.x) qrot[base + c] = s_q[c];
 }
 
-// The scaled logit of slot `slot` of sequence `seq` (nq of its slots quantized) for query q (TurboQuant:
-// the rotated query) of KV head `head`.
+// The scaled logit of slot `slot` of sequence `seq` (nq of its slots quantized) for query q of KV head
+// `head`; TurboQuant's quantized slots read the rotated query qrot instead.
 template <typename T, int B, bool kKivi>
 __device__ __forceinline__ float slot_logit(const DeviceKV& kv, const DeviceQuant& qd, int layer, int seq, int nq,
-                                            int head, int slot, const float* q, float scale, const float* centroid) {
+                                            int head, int slot, const float* q, const float* qrot, float scale,
+                                            const float* centroid) {
   const int d = kv.head_dim;
   if (slot >= nq) {
     const T* k = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot - nq, layer, 0, head);
@@ -365,7 +366,7 @@ __device__ __forceinline__ float slot_logit(const DeviceKV& kv, const DeviceQuan
     // q . R^T (norm c) = norm * (H D q) . centroid / d
     const uint8_t* rec = run + size_t(i) * tq_token_bytes(B, d);
     float dot = 0.0f;
-    for (int c = 0; c < d; ++c) dot = fmaf(q[c], centroid[code_at<B>(rec + 2, c)], dot);
+    for (int c = 0; c < d; ++c) dot = fmaf(qrot[c], centroid[code_at<B>(rec + 2, c)], dot);
     return scale / float(d) * load_half(rec) * dot;
   }
 }
@@ -373,19 +374,22 @@ __device__ __forceinline__ float slot_logit(const DeviceKV& kv, const DeviceQuan
 // Scaled logits of every slot of (row, query head): one thread per slot.
 template <typename T, int B, bool kKivi>
 __global__ void __launch_bounds__(kScoreThreads)
-    quant_logits_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ q, float scale,
-                        Codebook book, float* __restrict__ logits) {
-  extern __shared__ float s_q[];  // [d]
+    quant_logits_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ q,
+                        const float* __restrict__ qrot, float scale, Codebook book, float* __restrict__ logits) {
+  extern __shared__ float s_q[];  // [d] the query, then (TurboQuant) [d] its rotation
   __shared__ float s_centroid[16];
   const int r = blockIdx.x, j = blockIdx.y;
   const int hq = kv.num_q_heads, d = kv.head_dim, head = j / kv.group_size();
-  for (int c = threadIdx.x; c < d; c += blockDim.x) s_q[c] = q[(size_t(r) * hq + j) * d + c];
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    s_q[c] = q[(size_t(r) * hq + j) * d + c];
+    if constexpr (!kKivi) s_q[d + c] = qrot[(size_t(r) * hq + j) * d + c];
+  }
   if (threadIdx.x < 16) s_centroid[threadIdx.x] = book.centroid[threadIdx.x];
   __syncthreads();
   const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r];
   float* out = logits + rows.offset[r] + size_t(j) * n;
   for (int slot = blockIdx.z * kScoreThreads + threadIdx.x; slot < n; slot += gridDim.z * kScoreThreads)
-    out[slot] = slot_logit<T, B, kKivi>(kv, qd, layer, seq, nq, head, slot, s_q, scale, s_centroid);
+    out[slot] = slot_logit<T, B, kKivi>(kv, qd, layer, seq, nq, head, slot, s_q, s_q + d, scale, s_centroid);
 }
 
 // Softmax of one (row, query head) in place: p = exp(l - max) / sum, the sum in fp64.
@@ -652,15 +656,14 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
         KARAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(cout, 0, size_t(rows) * hq * d * sizeof(float), stream));
         continue;
       }
-      const float* keys_q = cq;
       if constexpr (!kKivi) {
         rotate_queries_kernel<<<dim3(rows, hq), std::min(d, kThreads), d * sizeof(float), stream>>>(
             hq, hk, d, layer, q.head_seeds, cq, qrot);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention rotate");
-        keys_q = qrot;
       }
       quant_logits_kernel<T, B, kKivi><<<dim3(rows, hq, std::min(ceil_div(slots, kScoreThreads), 65535)), kScoreThreads,
-                                         d * sizeof(float), stream>>>(kv, q, layer, chunk, keys_q, scale, book, logits);
+                                         (kKivi ? 1 : 2) * d * sizeof(float), stream>>>(kv, q, layer, chunk, cq, qrot, scale,
+                                                                                     book, logits);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention logits");
       quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
