@@ -64,23 +64,23 @@ __global__ void __launch_bounds__(kThreads)
     s_count = count;
   }
   __syncthreads();
-  // 5. Fill with the best tokens not yet kept.
+  // 5. Fill with the best tokens not yet kept. The choices go to `cand` (free since step 2), so
+  // the ranks read only `kept`, which no thread writes in this step.
   const int fill = budget - s_count;
-  if (fill > 0) {
-    // Ranks count tokens not kept before the fill (flag != 1), so marking filled ones with 2 while
-    // other threads still count does not change their ranks.
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      if (kept[i] == 1) continue;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    bool take = false;
+    if (fill > 0 && !kept[i]) {
       int rank = 0;
-      for (int j = 0; j < n && rank < fill; ++j) rank += kept[j] != 1 && better(scores, j, i);
-      if (rank < fill) kept[i] = 2;
+      for (int j = 0; j < n && rank < fill; ++j) rank += !kept[j] && better(scores, j, i);
+      take = rank < fill;
     }
+    cand[i] = take;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     int w = 0;
     for (int i = 0; i < n; ++i)
-      if (kept[i]) out[w++] = i;
+      if (kept[i] || cand[i]) out[w++] = i;
   }
 }
 
