@@ -166,7 +166,8 @@ void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int 
 }  // namespace baseline
 
 void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads, int num_tokens,
-                  const float* q, float* out, float scale, AttentionScratch& scratch, CpuIsa isa, float* lse) {
+                  const float* q, float* out, float scale, AttentionScratch& scratch, CpuIsa isa, float* lse,
+                  LogitRows logits) {
   const Geometry& geo = kv.geometry;
   const size_t q_elems = size_t(num_kv_heads) * geo.group_size() * geo.head_dim;
   const size_t num_q_heads = size_t(num_kv_heads) * geo.group_size();
@@ -177,7 +178,8 @@ void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int 
   scratch.max.resize(num_q_heads);
   scratch.sum.resize(num_q_heads);
   const AttentionBuffers buffers{scratch.scores.data(), scratch.query.data(), scratch.acc.data(),
-                                 scratch.max.data(),    scratch.sum.data(),   stride};
+                                 scratch.max.data(),    scratch.sum.data(),   stride,
+                                 logits};
 #if KARAKV_HAVE_AVX512_ATTENTION
   if (isa == CpuIsa::kAvx512) {
     avx512::attend_heads(kv, seq, layer, kv_head_begin, num_kv_heads, num_tokens, q, out, scale, buffers);

@@ -30,6 +30,15 @@ struct AttentionScratch {
   std::vector<float> sum;      // [query heads] running sum of exp(score - max)
 };
 
+// Where attend_heads also leaves the scaled logits q . k * scale of tokens [first, num_tokens):
+// query head h's row at rows + h * row_stride, token t at t - first. The decode observers turn
+// them into probabilities once the softmax's normaliser is known, so their keys are read once.
+struct LogitRows {
+  float* rows = nullptr;  // null: none wanted
+  int first = 0;
+  size_t row_stride = 0;
+};
+
 // The scratch as the attention variants see it: attend_heads sizes it, the variants only use it.
 struct AttentionBuffers {
   float* scores;   // [query heads][stride]
@@ -38,6 +47,7 @@ struct AttentionBuffers {
   float* max;      // [query heads]
   float* sum;      // [query heads]
   size_t stride;   // min(chunk tokens, num_tokens), at least 1
+  LogitRows logits;
 };
 
 // softmax(q . k * scale) . v for the query heads of KV heads [kv_head_begin, kv_head_begin +
@@ -46,13 +56,14 @@ struct AttentionBuffers {
 // num_tokens == 0 writes zeros. Arguments are assumed validated by the caller, `isa` included
 // (cpu_isa_missing(isa) is empty: the backend checks it once when it is made).
 // With lse non-null and num_tokens > 0, lse[j] = query head j's log-sum-exp of its scaled logits
-// (the softmax's normaliser, from the online softmax's own max and sum).
+// (the softmax's normaliser, from the online softmax's own max and sum); with logits.rows
+// non-null, the scaled logits of tokens [logits.first, num_tokens) (LogitRows).
 //   q:   [num_kv_heads * group_size][head_dim] fp32
 //   out: [num_kv_heads * group_size][head_dim] fp32
 //   lse: null or [num_kv_heads * group_size] fp32
 void attend_heads(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,
                   int num_tokens, const float* q, float* out, float scale,
-                  AttentionScratch& scratch, CpuIsa isa, float* lse = nullptr);
+                  AttentionScratch& scratch, CpuIsa isa, float* lse = nullptr, LogitRows logits = {});
 
 // The variants behind attend_heads, with the scratch already sized: the build's baseline
 // (attention.cc) and, where this build has it, AVX-512 (attention_avx512.cc).

@@ -73,16 +73,4 @@ KernelStatus token2chunk(const float* scores, int n, int budget, int num_candida
 KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                            const int32_t* dst_blocks, long long pool_blocks = -1);
 
-// The accumulation of decode_attention_accumulate / _observe (H2O, Kara's decode observers), after
-// the decode attention that gave each query head's log-sum-exp: for sequence s and KV head h with
-// score_acc[s * num_kv_heads + h] non-null, adds exp(q_j . k_t * scale - lse[s][j]) summed over the
-// group's query heads j into acc[t], for slots t in [acc_begin[s] (0 when acc_begin is null),
-// seq_len[s]). Only those slots' keys are read.
-//   q:         [num_seqs][num_q_heads][head_dim] fp32
-//   score_acc: [num_seqs * num_kv_heads] pointers, each null or to [seq_len[s]] fp32
-//   acc_begin: null or [num_seqs] int32
-//   lse:       [num_seqs][num_q_heads] fp32 (entries of empty sequences are not read)
-KernelStatus accumulate_attention(const PagedKV& kv, int layer, const float* q, float scale,
-                                  float* const* score_acc, const int32_t* acc_begin, const float* lse);
-
 }  // namespace karakv::kernels::cpu

@@ -22,6 +22,7 @@
 #include "karakv/kernels/cpus.h"
 #include "merge.h"
 #include "quant_storage.h"
+#include "simd.h"
 #include "team_thread.h"
 
 namespace karakv::kernels {
@@ -132,13 +133,23 @@ class CpuBackend final : public Backend {
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,
                                 float scale) override {
     KARAKV_RETURN_IF_ERROR(common::validate_decode("decode_attention", kv, layer, q, out, pool_blocks(kv)));
-    decode(kv, layer, q, out, scale, nullptr);
+    decode(kv, layer, q, out, scale, nullptr, nullptr);
     return KernelStatus::ok();
   }
 
-  // decode_attention's work (validated), and with lse non-null each sequence's query heads'
-  // log-sum-exp ([num_seqs][num_q_heads]; an empty sequence's entries are not written).
-  void decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* lse) {
+  // Where decode() leaves each sequence's kept logits: query head j's row of sequence s at
+  // rows + offset[s] + j * (len - first[s]) (ObservedLogits::plan).
+  struct ObservedLogits {
+    std::vector<int32_t> first;
+    std::vector<size_t> offset;
+    float* rows = nullptr;
+  };
+
+  // decode_attention's work (validated); with lse non-null each sequence's query heads'
+  // log-sum-exp ([num_seqs][num_q_heads]; an empty sequence's entries are not written), with
+  // logits non-null the logits it names.
+  void decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* lse,
+              const ObservedLogits* logits) {
     if (kv.num_seqs == 0) return;
     const Geometry& geo = kv.geometry;
     // A task is a sequence and a slice of its KV heads. Whole sequences read each block's K (then
@@ -156,9 +167,16 @@ class CpuBackend final : public Backend {
         const int h = int(task % slices) * heads_per_task;
         const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
         const size_t off = size_t(s) * seq_elems + size_t(h) * group_elems;
-        float* task_lse = lse != nullptr ? lse + size_t(s) * geo.num_q_heads + size_t(h) * geo.group_size() : nullptr;
+        const size_t first_head = size_t(h) * geo.group_size();
+        float* task_lse = lse != nullptr ? lse + size_t(s) * geo.num_q_heads + first_head : nullptr;
+        cpu::LogitRows keep;
+        if (logits != nullptr && logits->first[s] < kv.seq_len[s]) {
+          keep.first = logits->first[s];
+          keep.row_stride = size_t(kv.seq_len[s] - keep.first);
+          keep.rows = logits->rows + logits->offset[s] + first_head * keep.row_stride;
+        }
         cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch(), isa_,
-                          task_lse);
+                          task_lse, keep);
       }
     });
   }
@@ -296,23 +314,59 @@ class CpuBackend final : public Backend {
  private:
   long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
 
-  // The decode attention, which leaves each query head's log-sum-exp, then the accumulation that
-  // divides by it (reading only the accumulated slots' keys); lse_out gets the normalisers too.
+  // The decode attention, which also leaves each query head's log-sum-exp and the logits of the
+  // accumulated slots (their keys are read once), then each slot's probability exp(logit - lse)
+  // summed over the group into its accumulator; lse_out gets the normalisers too.
   KernelStatus observe(std::string_view op, const PagedKV& kv, int layer, const float* q, float* out, float scale,
                        float* const* score_acc, const int32_t* acc_begin, float* const* lse_out) {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
     KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin));
     const Geometry& geo = kv.geometry;
-    std::vector<float> lse(size_t(kv.num_seqs) * geo.num_q_heads);
-    KARAKV_RETURN_IF_ERROR(parallel_if(attention_is_large(kv), [&] {  // one hand-over for both kernels
-      decode(kv, layer, q, out, scale, lse.data());
-      return cpu::accumulate_attention(kv, layer, q, scale, score_acc, acc_begin, lse.data());
-    }));
+    const int hk = geo.num_kv_heads, g = geo.group_size();
+    // Slots [first[s], len) of a sequence with an accumulator; none of one without.
+    ObservedLogits logits;
+    logits.first.resize(kv.num_seqs);
+    logits.offset.resize(kv.num_seqs);
+    size_t total = 0;
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      bool any = false;
+      for (int h = 0; h < hk; ++h) any |= score_acc[size_t(s) * hk + h] != nullptr;
+      logits.first[s] = !any ? kv.seq_len[s] : acc_begin != nullptr ? acc_begin[s] : 0;
+      logits.offset[s] = total;
+      total += size_t(geo.num_q_heads) * size_t(kv.seq_len[s] - logits.first[s]);
+    }
+    // The calling thread's, kept between calls (a decode step calls this once per layer); the
+    // loops below run on the team's threads, so they see them through these references.
+    static thread_local std::vector<float> thread_rows, thread_lse;
+    std::vector<float>& rows = thread_rows;
+    std::vector<float>& lse = thread_lse;
+    rows.resize(total);
+    lse.resize(size_t(kv.num_seqs) * geo.num_q_heads);
+    logits.rows = rows.data();
+    const bool parallel = attention_is_large(kv);
+    parallel_if(parallel, [&] {  // one hand-over for both loops
+      decode(kv, layer, q, out, scale, lse.data(), &logits);
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_) if (parallel)
+      for (int s = 0; s < kv.num_seqs; ++s) {
+        for (int h = 0; h < hk; ++h) {
+          float* acc = score_acc[size_t(s) * hk + h];
+          const int first = logits.first[s], n = kv.seq_len[s] - first;
+          if (acc == nullptr || n <= 0) continue;
+          for (int j = h * g; j < (h + 1) * g; ++j) {
+            // exp(logit - lse) in place; a logit may pass lse by a rounding error, exp stays exact there.
+            float* row = rows.data() + logits.offset[s] + size_t(j) * n;
+            cpu::exp_shifted_sum(row, n, lse[size_t(s) * geo.num_q_heads + j]);
+            for (int i = 0; i < n; ++i) acc[first + i] += row[i];
+          }
+        }
+      }
+    });
     for (int s = 0; s < kv.num_seqs && lse_out != nullptr; ++s) {
       // An empty sequence's normaliser is left as it was.
       if (lse_out[s] != nullptr && kv.seq_len[s] > 0)
         std::copy_n(lse.data() + size_t(s) * geo.num_q_heads, geo.num_q_heads, lse_out[s]);
     }
+    if (rows.capacity() > (size_t(64) << 20) / sizeof(float)) std::vector<float>().swap(rows);  // H2O's long caches
     return KernelStatus::ok();
   }
 
