@@ -109,15 +109,15 @@ absl::StatusOr<ReceivedFd> request_staging_fd(const std::string& socket_path, co
         where, ": connect: ", std::strerror(err),
         " (karakvd serves it beside its gRPC socket, --staging_fd_socket; the worker needs it mounted)"));
   }
-  absl::Status sent = send_message(sock, absl::StrCat(session_id, " ", generation, "\n"), -1);
-  if (!sent.ok()) {
-    close(sock);
-    return absl::UnavailableError(absl::StrCat(where, ": ", sent.message()));
-  }
+  // A daemon that refuses the peer (its allow list) answers and closes without reading the request,
+  // so the send may fail (EPIPE) with the answer already waiting: read it either way.
+  const absl::Status sent = send_message(sock, absl::StrCat(session_id, " ", generation, "\n"), -1);
   int fd = -1;
   absl::StatusOr<std::string> reply = receive_message(sock, 1024, &fd);
   close(sock);
-  if (!reply.ok()) return absl::UnavailableError(absl::StrCat(where, ": ", reply.status().message()));
+  if (!reply.ok()) {
+    return absl::UnavailableError(absl::StrCat(where, ": ", sent.ok() ? reply.status().message() : sent.message()));
+  }
   absl::string_view line = absl::StripSuffix(*reply, "\n");
   auto fail = [&](absl::Status s) {
     if (fd >= 0) close(fd);
