@@ -46,6 +46,32 @@ absl::Status from_grpc(const grpc::Status& s, const char* method) {
 
 constexpr char kDaemonRestartedPayload[] = "karakv.v1/daemon_restarted";
 
+// Maps `bytes` of the shared-memory object karakvd named at Attach (`what`: what it holds, for the
+// errors) and removes the name: both sides have it mapped then, and no other process can open it.
+absl::StatusOr<uint8_t*> map_named_shm(const std::string& name, size_t bytes, const char* what) {
+  int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot open ", what, " ", name, ": ", std::strerror(errno),
+                     " (is the worker on the same host, as the same user, sharing /dev/shm with karakvd?)"));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return absl::ResourceExhaustedError(absl::StrCat("cannot map ", what, ": ", std::strerror(errno)));
+  shm_unlink(name.c_str());
+  return static_cast<uint8_t*>(p);
+}
+
+// The fast path's ring of `ring_bytes` at `base`, when its layout is this SDK's.
+absl::StatusOr<std::unique_ptr<RingClient>> ring_at(uint8_t* base, uint64_t ring_bytes, absl::Duration spin) {
+  if (ring_bytes < ring::kRingBytes || !ring::layout_matches(base)) {
+    return absl::FailedPreconditionError(
+        "Attach: the fast-path ring's layout differs from this SDK's (karakv/v1/ring.h version); "
+        "attach without fast_path or use a matching SDK");
+  }
+  return std::make_unique<RingClient>(base, spin);
+}
+
 }  // namespace
 
 bool IsDaemonRestarted(const absl::Status& status) {
@@ -226,26 +252,13 @@ struct Client::Impl {
                                               reply.ring_bytes(), " bytes in '", reply.staging_name(),
                                               "' (SDK and karakvd disagree on the layout)"));
     }
-    int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot open the fast path's rings ", reply.staging_name(), ": ", std::strerror(errno),
-          " (is the worker on the same host, as the same user, sharing /dev/shm with karakvd?)"));
-    }
-    void* p = mmap(nullptr, reply.ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot map the fast path's rings: ", std::strerror(errno)));
-    }
-    shm_unlink(reply.staging_name().c_str());
-    ring_map = static_cast<uint8_t*>(p);
+    auto mapped = map_named_shm(reply.staging_name(), reply.ring_bytes(), "the fast path's rings");
+    if (!mapped.ok()) return mapped.status();
+    ring_map = *mapped;
     ring_map_size = reply.ring_bytes();
-    if (!ring::layout_matches(ring_map)) {
-      return absl::FailedPreconditionError(
-          "Attach: the fast-path ring's layout differs from this SDK's (karakv/v1/ring.h version); "
-          "attach without fast_path or use a matching SDK");
-    }
-    ring = std::make_unique<RingClient>(ring_map, options.ring_spin);
+    auto r = ring_at(ring_map, reply.ring_bytes(), options.ring_spin);
+    if (!r.ok()) return r.status();
+    ring = std::move(*r);
     return absl::OkStatus();
   }
   bool ring_ready(std::initializer_list<const Buffer*> buffers) const {
@@ -519,36 +532,20 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
   } else if (options.staging != Staging::kShm) {
     return absl::FailedPreconditionError("Attach: asked for device staging but karakvd answered with another kind");
   } else if (!reply.staging_name().empty()) {
-    int fd = shm_open(reply.staging_name().c_str(), O_RDWR, 0);
-    if (fd < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot open staging region ", reply.staging_name(), ": ", std::strerror(errno),
-          " (is the worker on the same host, as the same user, sharing /dev/shm with karakvd?)"));
-    }
     if (reply.ring_bytes() > 0 && reply.ring_offset() != reply.staging_bytes()) {
-      close(fd);
       return absl::InternalError(absl::StrCat("Attach: ring_offset ", reply.ring_offset(), " != staging_bytes ",
                                               reply.staging_bytes(), " (SDK and karakvd disagree on the layout)"));
     }
     const size_t map_size = reply.staging_bytes() + reply.ring_bytes();
-    void* p = mmap(nullptr, map_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot map staging region: ", std::strerror(errno)));
-    }
-    // Both sides have it mapped now; removing the name means no other process can open it.
-    shm_unlink(reply.staging_name().c_str());
-    im.staging = static_cast<uint8_t*>(p);
+    auto mapped = map_named_shm(reply.staging_name(), map_size, "staging region");
+    if (!mapped.ok()) return mapped.status();
+    im.staging = *mapped;
     im.staging_size = reply.staging_bytes();
     im.mapped_size = map_size;
     if (reply.ring_bytes() > 0) {
-      uint8_t* ring_base = im.staging + reply.ring_offset();
-      if (reply.ring_bytes() < ring::kRingBytes || !ring::layout_matches(ring_base)) {
-        return absl::FailedPreconditionError(
-            "Attach: the fast-path ring's layout differs from this SDK's (karakv/v1/ring.h version); "
-            "attach without fast_path or use a matching SDK");
-      }
-      im.ring = std::make_unique<RingClient>(ring_base, options.ring_spin);
+      auto r = ring_at(im.staging + reply.ring_offset(), reply.ring_bytes(), options.ring_spin);
+      if (!r.ok()) return r.status();
+      im.ring = std::move(*r);
     }
   }
   if (options.heartbeat && im.lease_seconds > 0) {

@@ -155,12 +155,6 @@ absl::StatusOr<std::shared_ptr<Staging>> Core::staging(const std::string& sessio
   return (*session)->staging;
 }
 
-absl::StatusOr<std::shared_ptr<StagingRegion>> Core::shm_staging(const std::string& session_id) {
-  auto staging = this->staging(session_id);
-  if (!staging.ok()) return staging.status();
-  return std::dynamic_pointer_cast<StagingRegion>(*staging);
-}
-
 absl::StatusOr<Core::RingRegions> Core::ring_regions(const std::string& session_id) {
   absl::MutexLock lock(&mu_);
   auto session = sessions_->find(session_id);

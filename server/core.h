@@ -94,8 +94,6 @@ class Core {
   absl::Status heartbeat(const std::string& session_id);
   // The session's staging region, kept alive by the returned pointer even if the session ends.
   absl::StatusOr<std::shared_ptr<Staging>> staging(const std::string& session_id);
-  // The same when it is shared memory (the fast path's rings follow it); null for device staging.
-  absl::StatusOr<std::shared_ptr<StagingRegion>> shm_staging(const std::string& session_id);
   // The fast path's regions: the staging its commands' tensors are in, and the shared memory whose
   // reserved tail holds the rings (the same shm region, or device staging's rings-only region).
   struct RingRegions {

@@ -117,8 +117,7 @@ absl::Status RingServer::start(const std::string& session_id, std::shared_ptr<St
   ring::initialize(base);
   auto w = std::make_unique<Worker>();
   w->session_id = session_id;
-  w->data_ops = data->kind() == StagingKind::kShm;
-  if (!w->data_ops) ring::header(base)->ops = 0;  // Step and Attend only
+  if (data->kind() != StagingKind::kShm) ring::header(base)->ops = 0;  // Step and Attend only
   w->header = ring::header(base);
   w->sq.emplace(ring::commands(base), &w->header->sq_head, &w->header->sq_tail);
   w->cq.emplace(ring::completions(base), &w->header->cq_tail, &w->header->cq_head);
@@ -288,8 +287,9 @@ bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Comple
     set_status(gate_->attend(call, resolution), done);
     return true;
   }
-  // The ops beyond Step and Attend, where this ring takes them (an SDK checks Header::ops first).
-  if (!w.data_ops) return false;
+  // The ops beyond Step and Attend, taken with shm staging only (an SDK checks Header::ops first; the
+  // header is the worker's to overwrite, so the daemon asks its own staging).
+  if (staging.kind() != StagingKind::kShm) return false;
   if (cmd.op == uint32_t(ring::Op::kAppend)) {
     if (cmd.count > ring::Command::kMaxAppends) return false;
     append(w, cmd, done);

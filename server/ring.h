@@ -98,9 +98,6 @@ class RingServer {
     // Dropped by the thread when it ends: where the tensors are, and where the rings are.
     std::shared_ptr<Staging> staging;
     std::shared_ptr<StagingRegion> rings;
-    // Whether Append and ReadKV are taken (shm staging). Kept here: the header's copy is the
-    // worker's to read and could be overwritten by it.
-    bool data_ops = false;
     ring::Header* header = nullptr;
     // The daemon's ends of the two rings (their indices are private to this side).
     std::optional<ring::Consumer<ring::Command>> sq;

@@ -114,6 +114,17 @@ KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float
   return KernelStatus::ok();
 }
 
+std::vector<int32_t> first_observed_slots(const PagedKV& kv, float* const* score_acc, const int32_t* acc_begin) {
+  const int hk = kv.geometry.num_kv_heads;
+  std::vector<int32_t> first(kv.num_seqs);
+  for (int s = 0; s < kv.num_seqs; ++s) {
+    bool any = false;
+    for (int h = 0; h < hk; ++h) any |= score_acc[size_t(s) * hk + h] != nullptr;
+    first[s] = !any ? kv.seq_len[s] : acc_begin != nullptr ? acc_begin[s] : 0;
+  }
+  return first;
+}
+
 KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_queries, const float* q,
                              const float* out, long long pool_blocks) {
   constexpr std::string_view op = "causal_attention";

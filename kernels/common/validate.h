@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "karakv/kernels/types.h"
 
@@ -21,6 +22,9 @@ KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, 
 // null or each acc_begin[s] in [0, seq_len[s]]. After validate_decode.
 KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float* const* score_acc,
                                    const int32_t* acc_begin);
+// Of validated accumulators: per sequence, the first slot whose probability is wanted, acc_begin[s]
+// (0 without acc_begin), or seq_len[s] when none of its KV heads accumulates (nothing wanted).
+std::vector<int32_t> first_observed_slots(const PagedKV& kv, float* const* score_acc, const int32_t* acc_begin);
 KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_queries, const float* q,
                              const float* out, long long pool_blocks);
 // The rows of causal_attention_quantized (both backends): tables, sequence, layer, 1 <= num_queries

@@ -323,15 +323,11 @@ class CpuBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin));
     const Geometry& geo = kv.geometry;
     const int hk = geo.num_kv_heads, g = geo.group_size();
-    // Slots [first[s], len) of a sequence with an accumulator; none of one without.
     ObservedLogits logits;
-    logits.first.resize(kv.num_seqs);
+    logits.first = common::first_observed_slots(kv, score_acc, acc_begin);
     logits.offset.resize(kv.num_seqs);
     size_t total = 0;
     for (int s = 0; s < kv.num_seqs; ++s) {
-      bool any = false;
-      for (int h = 0; h < hk; ++h) any |= score_acc[size_t(s) * hk + h] != nullptr;
-      logits.first[s] = !any ? kv.seq_len[s] : acc_begin != nullptr ? acc_begin[s] : 0;
       logits.offset[s] = total;
       total += size_t(geo.num_q_heads) * size_t(kv.seq_len[s] - logits.first[s]);
     }

@@ -888,15 +888,12 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
-    // Per sequence, the slots whose probabilities go back: [first[s], seq_len[s]) when any of its
-    // KV heads accumulates, else none.
+    // Per sequence, the slots whose probabilities go back: [first[s], seq_len[s]).
     std::vector<int32_t> first(kv.num_seqs);
+    if (observing) first = common::first_observed_slots(kv, score_acc, acc_begin);
     std::vector<int64_t> offset(kv.num_seqs);
     int64_t total = 0;
     for (int s = 0; observing && s < kv.num_seqs; ++s) {
-      bool any = false;
-      for (int h = 0; h < geo.num_kv_heads; ++h) any |= score_acc[size_t(s) * geo.num_kv_heads + h] != nullptr;
-      first[s] = !any ? kv.seq_len[s] : acc_begin != nullptr ? acc_begin[s] : 0;
       offset[s] = total;
       total += int64_t(kv.seq_len[s] - first[s]) * geo.num_kv_heads;
     }

@@ -46,7 +46,7 @@ Worker attach(Daemon& d) {
   if (!d.service->Handle(req, &reply).ok()) fail("fast-path Attach refused");
   Worker w;
   w.session = reply.session_id();
-  w.staging = *d.core->shm_staging(w.session);
+  w.staging = d.core->ring_regions(w.session)->rings;
   w.h = ring::header(w.staging->reserved());
   // Small finite floats everywhere, so commands that pass validation run real attention.
   float* f = reinterpret_cast<float*>(w.staging->base());

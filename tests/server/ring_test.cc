@@ -58,7 +58,7 @@ class RingServerTest : public ::testing::Test {
     EXPECT_TRUE(service_->Handle(req, &reply).ok());
     EXPECT_EQ(reply.ring_offset(), reply.staging_bytes());
     EXPECT_GE(reply.ring_bytes(), ring::kRingBytes);
-    Session s{reply.session_id(), *core_->shm_staging(reply.session_id()), nullptr};
+    Session s{reply.session_id(), core_->ring_regions(reply.session_id())->rings, nullptr};
     s.h = ring::header(s.staging->reserved());
     EXPECT_TRUE(ring::layout_matches(s.staging->reserved()));
     return s;

@@ -142,7 +142,7 @@ TEST_F(ServiceTest, DrainingRefusesThroughHandleToo) {
 TEST_F(ServiceTest, RingPollRunsCommandsOnTheCallersThread) {
   const std::string s = attach(true);
   const uint64_t id = sequence(s, 5);
-  auto staging = *core_->shm_staging(s);
+  auto staging = core_->ring_regions(s)->rings;
   ring::Header* h = ring::header(staging->reserved());
   ring::Command c{};
   c.tag = 42;
@@ -255,7 +255,7 @@ TEST_F(ServiceTest, StepAndAttendRefuseABadScaleNamingIt) {
     v1::AttendReply reply;
     return service_->Handle(req, &reply);
   };
-  auto staging = *core_->shm_staging(s);
+  auto staging = core_->ring_regions(s)->rings;
   ring::Header* h = ring::header(staging->reserved());
   uint64_t submitted = 0;
   auto ring_attend = [&](float scale) {
