@@ -252,7 +252,9 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
     seq.storage = storage;
     seq.tokens_per_qblock = tokens_per_qblock;
     seq.residual = spec->residual;
-    seq.qseed = 0x6b617261ull ^ seq.id;  // fixed per sequence: reproducible rotations
+    // One rotation per (layer, KV head) for every sequence (the contract's "fixed random rotation
+    // per head"), so that quantized sequences of one format share a kernel call.
+    seq.qseed = kQuantSeed;
   }
   sessions_->adopt(**session, seq.id);
   seq.cache_namespace = (*session)->cache_namespace;

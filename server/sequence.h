@@ -23,6 +23,9 @@ using MutableBytes = absl::Span<uint8_t>;
 // Defined by the compactor (server/compaction.h); the store only carries it.
 struct PolicyBinding;
 
+// The TurboQuant rotation seed every quantized sequence gets (Sequence::qseed).
+inline constexpr uint64_t kQuantSeed = 0x6b617261ull;
+
 struct Sequence {
   uint64_t id = 0;
   std::string session_id;
@@ -57,7 +60,7 @@ struct Sequence {
   std::string storage;
   int32_t tokens_per_qblock = 0;
   int32_t residual = 128;
-  uint64_t qseed = 0;
+  uint64_t qseed = 0;  // TurboQuant's rotations: kernels::head_seed(qseed, layer, head)
   std::vector<int32_t> qblocks;
   // Prefix cache: the prompt's token ids while every prompt token came with one, the keys of its
   // full blocks, and whether it still publishes (no prefill policy, never compacted).

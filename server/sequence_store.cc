@@ -328,13 +328,23 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
   const size_t row = g.q_token_elems();
   const std::vector<float*>& accumulators = observers.accumulators;
   const bool accumulate = !accumulators.empty() || !observers.lse.empty();
-  // Groups of sequences one kernel call can serve: unquantized ones together; each quantized
-  // sequence alone (its rotation seed is its own).
+  // Groups of sequences one kernel call can serve: unquantized ones together, quantized ones by
+  // their format and rotation seed (one QuantizedKV describes a call).
   std::vector<std::vector<size_t>> groups;
   std::vector<size_t> plain;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    if (seqs[i]->qblocks.empty()) plain.push_back(i);
-    else groups.push_back({i});
+    const Sequence& s = *seqs[i];
+    if (s.qblocks.empty()) {
+      plain.push_back(i);
+      continue;
+    }
+    auto same = [&](const std::vector<size_t>& group) {
+      const Sequence& f = *seqs[group.front()];
+      return f.format == s.format && f.tokens_per_qblock == s.tokens_per_qblock && f.qseed == s.qseed;
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) groups.push_back({i});
+    else it->push_back(i);
   }
   if (!plain.empty()) groups.insert(groups.begin(), plain);
   if (groups.size() > 1 && (backend_.is_device_memory(q) || backend_.is_device_memory(out))) {

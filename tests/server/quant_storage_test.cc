@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "karakv/kernels/half.h"
 #include "server/core.h"
+#include "tests/server/delegating_backend.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -19,36 +20,47 @@ using synthetic::Tensor;
 
 kernels::Geometry geometry() { return testing::small_test_geometry(kernels::DType::kFloat16, 32, 16); }
 
-// One whole decode step of token `pos` of `seq` (values keyed by `key`, seeded by `seed`).
-// Fills `outs` with each layer's attention output ([L][Hq][D]) when given.
-absl::Status step_token(Core& reg, const std::string& session, uint64_t seq, uint64_t key, uint64_t seed,
-                        int64_t pos, std::vector<float>* outs = nullptr) {
+// One whole decode step of a batch: token pos[i] of seqs[i] (values keyed by keys[i], seeded by
+// `seed`). Fills `outs` with each layer's attention outputs ([L][batch][Hq][D]) when given.
+absl::Status step_tokens(Core& reg, const std::string& session, absl::Span<const uint64_t> seqs,
+                         absl::Span<const uint64_t> keys, absl::Span<const int64_t> pos, uint64_t seed,
+                         std::vector<float>* outs = nullptr) {
   const auto& g = reg.geometry();
-  const uint64_t ids[] = {seq};
-  if (outs) outs->assign(size_t(g.num_layers) * g.q_token_elems(), 0.0f);
+  const size_t n = seqs.size(), kr = g.kv_token_elems(), qr = g.q_token_elems();
+  if (outs) outs->assign(size_t(g.num_layers) * n * qr, 0.0f);
   for (int l = 0; l < g.num_layers; ++l) {
-    std::vector<uint16_t> k(g.kv_token_elems()), v(k.size());
-    std::vector<float> q(g.q_token_elems()), out(q.size());
-    synthetic::fill_token(k.data(), g, seed, Tensor::kKey, key, l, pos);
-    synthetic::fill_token(v.data(), g, seed, Tensor::kValue, key, l, pos);
-    synthetic::fill_query(q.data(), g, seed, key, l, pos);
-    auto r = reg.step(session, l, ids, ConstBytes(reinterpret_cast<uint8_t*>(k.data()), k.size() * 2),
+    std::vector<uint16_t> k(n * kr), v(k.size());
+    std::vector<float> q(n * qr), out(q.size());
+    for (size_t i = 0; i < n; ++i) {
+      synthetic::fill_token(k.data() + i * kr, g, seed, Tensor::kKey, keys[i], l, pos[i]);
+      synthetic::fill_token(v.data() + i * kr, g, seed, Tensor::kValue, keys[i], l, pos[i]);
+      synthetic::fill_query(q.data() + i * qr, g, seed, keys[i], l, pos[i]);
+    }
+    auto r = reg.step(session, l, seqs, ConstBytes(reinterpret_cast<uint8_t*>(k.data()), k.size() * 2),
                       ConstBytes(reinterpret_cast<uint8_t*>(v.data()), v.size() * 2),
                       ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
                       MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
     if (!r.ok()) return r.status();
-    if (outs) std::copy(out.begin(), out.end(), outs->begin() + size_t(l) * g.q_token_elems());
+    if (outs) std::copy(out.begin(), out.end(), outs->begin() + size_t(l) * n * qr);
   }
   return absl::OkStatus();
 }
 
-class QuantStorageTest : public ::testing::TestWithParam<const char*> {
+// step_tokens for one sequence whose values are keyed by `key`.
+absl::Status step_token(Core& reg, const std::string& session, uint64_t seq, uint64_t key, uint64_t seed,
+                        int64_t pos, std::vector<float>* outs = nullptr) {
+  return step_tokens(reg, session, {seq}, {key}, {pos}, seed, outs);
+}
+
+class QuantStorageFixture : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { start(kernels::make_cpu_backend(2)); }
+
+  void start(std::unique_ptr<kernels::Backend> backend) {
     CoreConfig c;
     c.geometry = geometry();
     c.pool_bytes = 512ll * c.geometry.block_bytes();
-    reg_ = std::move(*Core::create(c, kernels::make_cpu_backend(2)));
+    reg_ = std::move(*Core::create(c, std::move(backend)));
     session_ = reg_->attach("w", "t", 0, kernels::Geometry{})->session_id;
   }
 
@@ -89,60 +101,70 @@ class QuantStorageTest : public ::testing::TestWithParam<const char*> {
     }
   }
 
-  // Decodes `steps` tokens of `seq` from position `pos`, comparing each layer's output with float64
-  // attention over the dequantized cache read just before (plus the new token).
-  double decode_and_compare(uint64_t seq, int64_t pos, int steps) {
+  // Decodes `steps` tokens of every sequence of `seqs` in one batch, sequence i from position
+  // pos[i], comparing each layer's output with float64 attention over that sequence's dequantized
+  // cache read just before (plus the new token). Returns the largest absolute difference.
+  double decode_and_compare(std::vector<uint64_t> seqs, std::vector<int64_t> pos, int steps) {
     const auto& g = reg_->geometry();
     const int gs = g.group_size(), d = g.head_dim;
+    const size_t batch = seqs.size();
     double max_err = 0;
-    for (int t = 0; t < steps; ++t, ++pos) {
-      std::vector<double> kd, vd;
-      int n = 0;
-      read(seq, &kd, &vd, &n);
+    for (int t = 0; t < steps; ++t) {
+      std::vector<std::vector<double>> kd(batch), vd(batch);
+      std::vector<int> n(batch);
+      for (size_t i = 0; i < batch; ++i) read(seqs[i], &kd[i], &vd[i], &n[i]);
       std::vector<float> outs;
-      absl::Status st = step_token(*reg_, session_, seq, seq, 7, pos, &outs);
+      absl::Status st = step_tokens(*reg_, session_, seqs, seqs, pos, 7, &outs);
       EXPECT_TRUE(st.ok()) << st;
-      for (int l = 0; l < g.num_layers; ++l) {
-        // The token the step appended, regenerated for the reference.
-        std::vector<uint16_t> k(g.kv_token_elems()), v(k.size());
-        std::vector<float> q(g.q_token_elems());
-        synthetic::fill_token(k.data(), g, 7, Tensor::kKey, seq, l, pos);
-        synthetic::fill_token(v.data(), g, 7, Tensor::kValue, seq, l, pos);
-        synthetic::fill_query(q.data(), g, 7, seq, l, pos);
-        const float* out = outs.data() + size_t(l) * g.q_token_elems();
-        for (int qh = 0; qh < g.num_q_heads; ++qh) {
-          const int h = qh / gs;
-          std::vector<double> s(n + 1);
-          auto key = [&](int i, int c) {
-            return i < n ? kd[((size_t(l) * n + i) * g.num_kv_heads + h) * d + c]
-                         : double(kernels::half_to_float(k[h * d + c]));
-          };
-          auto val = [&](int i, int c) {
-            return i < n ? vd[((size_t(l) * n + i) * g.num_kv_heads + h) * d + c]
-                         : double(kernels::half_to_float(v[h * d + c]));
-          };
-          double mx = -INFINITY, sum = 0;
-          for (int i = 0; i <= n; ++i) {
-            double dot = 0;
-            for (int c = 0; c < d; ++c) dot += q[qh * d + c] * key(i, c);
-            s[i] = dot / std::sqrt(double(d));
-            mx = std::max(mx, s[i]);
-          }
-          for (double& x : s) sum += (x = std::exp(x - mx));
-          for (int c = 0; c < d; ++c) {
-            double o = 0;
-            for (int i = 0; i <= n; ++i) o += s[i] / sum * val(i, c);
-            max_err = std::max(max_err, std::abs(o - out[qh * d + c]));
+      for (size_t i = 0; i < batch; ++i) {
+        for (int l = 0; l < g.num_layers; ++l) {
+          // The token the step appended, regenerated for the reference.
+          std::vector<uint16_t> k(g.kv_token_elems()), v(k.size());
+          std::vector<float> q(g.q_token_elems());
+          synthetic::fill_token(k.data(), g, 7, Tensor::kKey, seqs[i], l, pos[i]);
+          synthetic::fill_token(v.data(), g, 7, Tensor::kValue, seqs[i], l, pos[i]);
+          synthetic::fill_query(q.data(), g, 7, seqs[i], l, pos[i]);
+          const float* out = outs.data() + (size_t(l) * batch + i) * g.q_token_elems();
+          const int len = n[i];
+          for (int qh = 0; qh < g.num_q_heads; ++qh) {
+            const int h = qh / gs;
+            std::vector<double> s(len + 1);
+            auto key = [&](int j, int c) {
+              return j < len ? kd[i][((size_t(l) * len + j) * g.num_kv_heads + h) * d + c]
+                             : double(kernels::half_to_float(k[h * d + c]));
+            };
+            auto val = [&](int j, int c) {
+              return j < len ? vd[i][((size_t(l) * len + j) * g.num_kv_heads + h) * d + c]
+                             : double(kernels::half_to_float(v[h * d + c]));
+            };
+            double mx = -INFINITY, sum = 0;
+            for (int j = 0; j <= len; ++j) {
+              double dot = 0;
+              for (int c = 0; c < d; ++c) dot += q[qh * d + c] * key(j, c);
+              s[j] = dot / std::sqrt(double(d));
+              mx = std::max(mx, s[j]);
+            }
+            for (double& x : s) sum += (x = std::exp(x - mx));
+            for (int c = 0; c < d; ++c) {
+              double o = 0;
+              for (int j = 0; j <= len; ++j) o += s[j] / sum * val(j, c);
+              max_err = std::max(max_err, std::abs(o - out[qh * d + c]));
+            }
           }
         }
+        ++pos[i];
       }
     }
     return max_err;
+  }
+  double decode_and_compare(uint64_t seq, int64_t pos, int steps) { return decode_and_compare(std::vector<uint64_t>{seq}, std::vector<int64_t>{pos}, steps);
   }
 
   std::unique_ptr<Core> reg_;
   std::string session_;
 };
+
+class QuantStorageTest : public QuantStorageFixture, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(QuantStorageTest, AttentionFromCodesEqualsAttentionOverDequantizedCache) {
   const std::string format = GetParam();
@@ -194,6 +216,62 @@ TEST_P(QuantStorageTest, DequantizedCacheStaysCloseToWhatWasWritten) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantStorageTest, ::testing::Values("kivi2", "kivi4", "tq2", "tq3", "tq4"));
+
+// The batch sizes of each layer-0 attention call, by kind ('q' quantized, 'p' plain).
+class CallSizesBackend final : public karakv::testing::DelegatingBackend {
+ public:
+  explicit CallSizesBackend(std::vector<std::pair<char, int>>* calls)
+      : DelegatingBackend(kernels::make_cpu_backend(2)), calls_(calls) {}
+  KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
+    if (layer == 0) calls_->emplace_back('p', kv.num_seqs);
+    return DelegatingBackend::decode_attention(kv, layer, q, out, scale);
+  }
+  KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
+                                          float* out, float scale, float* const* score_acc) override {
+    if (layer == 0) calls_->emplace_back('q', kv.num_seqs);
+    return DelegatingBackend::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc);
+  }
+
+ private:
+  std::vector<std::pair<char, int>>* calls_;
+};
+
+class QuantBatchTest : public QuantStorageFixture {
+ protected:
+  void SetUp() override { start(std::make_unique<CallSizesBackend>(&calls_)); }
+  std::vector<std::pair<char, int>> calls_;
+};
+
+// Quantized sequences of one format share one kernel call per layer whatever their lengths, other
+// formats and unquantized sequences get their own, and every sequence's output is still float64
+// attention over its own dequantized cache (a sequence attended with another's rotation or tables
+// would be off by far more than the bound).
+TEST_F(QuantBatchTest, SequencesOfOneFormatShareAKernelCall) {
+  std::vector<uint64_t> seqs;
+  std::vector<int64_t> pos;
+  // kivi4 at three lengths, tq4 at two, tq2, one unquantized, one quantized-to-be (shorter than its
+  // residual window, so nothing is quantized yet).
+  const std::vector<std::pair<std::string, int>> made = {{"none+kivi4", 150}, {"none+tq4", 170}, {"none+kivi4", 230},
+                                                         {"none", 90},        {"none+tq2", 200}, {"none+tq4", 300},
+                                                         {"none+kivi4", 12},  {"none+kivi4", 260}};
+  for (const auto& [policy, tokens] : made) {
+    std::map<std::string, double> params;
+    if (policy != "none") params["residual"] = 16;
+    seqs.push_back(create(policy, params));
+    append(seqs.back(), tokens);
+    pos.push_back(tokens);
+  }
+  EXPECT_EQ(reg_->inspect(seqs[6])->first.quantized, 0);
+  calls_.clear();
+  EXPECT_LE(decode_and_compare(seqs, pos, 3), 1e-4);
+  // Per step: the two unquantized sequences together, kivi4's three quantized ones, tq4's two,
+  // tq2's one.
+  std::vector<std::pair<char, int>> per_step = {{'p', 2}, {'q', 3}, {'q', 2}, {'q', 1}};
+  std::vector<std::pair<char, int>> want;
+  for (int t = 0; t < 3; ++t) want.insert(want.end(), per_step.begin(), per_step.end());
+  EXPECT_EQ(calls_, want);
+  EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+}
 
 TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTouch) {
   CoreConfig c;
