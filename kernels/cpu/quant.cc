@@ -83,36 +83,6 @@ void decode_codes(const uint8_t* src, int count, float* out) {
   }
 }
 
-// acc[i] += weight * code_value(code i), fused with the decode.
-template <int B, bool kCentroid>
-void accumulate_codes(const uint8_t* src, int count, float weight, float* acc) {
-  if constexpr (B == 3) {
-    float values[8];
-    for (int i = 0; i < count; i += 8) {
-      decode_codes<B, kCentroid>(src + i / 8 * 3, 8, values);
-      for (int k = 0; k < 8; ++k) acc[i + k] += weight * values[k];
-    }
-  } else {
-    static constexpr ByteTable<B, kCentroid> kTable;
-    constexpr int kPerByte = ByteTable<B, kCentroid>::kPerByte;
-    for (int i = 0; i < count / kPerByte; ++i)
-      for (int k = 0; k < kPerByte; ++k) acc[i * kPerByte + k] += weight * kTable.value[src[i]][k];
-  }
-}
-
-// sum_i x[i] * centroid(code i) over [0, count), count a multiple of 8, in 8 partial sums so the
-// loop vectorises without reassociating a single chain.
-template <int B>
-float dot_centroids(const uint8_t* src, int count, const float* x) {
-  float values[8];
-  float partial[8] = {};
-  for (int i = 0; i < count; i += 8) {
-    decode_codes<B, true>(src + i / 8 * B, 8, values);
-    for (int k = 0; k < 8; ++k) partial[k] += x[i + k] * values[k];
-  }
-  return ((partial[0] + partial[4]) + (partial[1] + partial[5])) + ((partial[2] + partial[6]) + (partial[3] + partial[7]));
-}
-
 uint16_t load_half_bits(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -161,6 +131,15 @@ KernelStatus check_non_null(std::string_view op, std::initializer_list<std::pair
   return KernelStatus::ok();
 }
 
+// heads >= 1 rows of n values, stride >= n apart (a single head's stride is not read).
+KernelStatus check_heads(std::string_view op, int heads, int n, size_t stride) {
+  if (heads < 1) return invalid(op, "heads " + std::to_string(heads) + " must be >= 1");
+  if (heads > 1 && stride < size_t(n))
+    return invalid(op, "stride " + std::to_string(stride) + " must be >= n " + std::to_string(n) +
+                           " when heads > 1 (rows would overlap)");
+  return KernelStatus::ok();
+}
+
 // ---- the rotation ----------------------------------------------------------------------------
 
 // Output i+1 of splitmix64 seeded with `seed`: the top bit is sign i of the rotation.
@@ -181,7 +160,14 @@ struct QuantScratch {
   std::vector<float> acc;      // [d]
   std::vector<uint8_t> codes;  // [max(d, 32) * 32]
   std::vector<float> decoded;  // [max(d, 32)]
+  std::vector<float> heads;    // per-head accumulators of the multi-head scorers
 };
+
+// scratch.heads with at least n floats.
+float* heads_buffer(QuantScratch& scratch, size_t n) {
+  if (scratch.heads.size() < n) scratch.heads.resize(n);
+  return scratch.heads.data();
+}
 
 QuantScratch& scratch_for(int d) {
   static thread_local QuantScratch scratch;
@@ -343,37 +329,58 @@ void kivi_dequantize_values(const uint8_t* run, int n, int d, float* x) {
   }
 }
 
-// Per group: acc[t] = sum_c (q_c s_c) code_tc, bias = sum_c q_c z_c, scores = scale * (acc + bias).
+// Per group and head m: acc[t] = sum_c (q_mc s_c) code_tc, bias = sum_c q_mc z_c,
+// scores[m][t] = scale * (acc + bias). Each channel's codes are decoded once for all heads.
+//   q: [heads][d]; scores: head m's at scores + m * stride
 template <int B>
-void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, float scale, float* scores) {
+void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, int heads, float scale, float* scores,
+                     size_t stride) {
+  QuantScratch& scratch = scratch_for(d);
+  float* codes = scratch.decoded.data();  // [32]: one channel of the group
+  float* acc = heads_buffer(scratch, size_t(heads) * (kKiviGroup + 1));  // [heads][32], then bias [heads]
+  float* bias = acc + size_t(heads) * kKiviGroup;
   const size_t record = kivi_key_group_bytes(B, d);
   constexpr int kChannelBytes = kKiviGroup * B / 8;
   for (int g = 0; g < n / kKiviGroup; ++g) {
     const uint8_t* rec = run + g * record;
-    alignas(32) float acc[kKiviGroup] = {};
-    float bias = 0.0f;
+    std::fill(acc, acc + size_t(heads) * (kKiviGroup + 1), 0.0f);
     for (int c = 0; c < d; ++c) {
-      const float qs = q[c] * load_half(rec + 2 * c);
-      bias += q[c] * load_half(rec + 2 * (d + c));
-      accumulate_codes<B, false>(rec + 4 * d + c * kChannelBytes, kKiviGroup, qs, acc);
+      const float s = load_half(rec + 2 * c), z = load_half(rec + 2 * (d + c));
+      decode_codes<B, false>(rec + 4 * d + c * kChannelBytes, kKiviGroup, codes);
+      for (int m = 0; m < heads; ++m) {
+        const float qc = q[size_t(m) * d + c], qs = qc * s;
+        bias[m] += qc * z;
+        float* am = acc + size_t(m) * kKiviGroup;
+        for (int t = 0; t < kKiviGroup; ++t) am[t] += qs * codes[t];
+      }
     }
-    for (int t = 0; t < kKiviGroup; ++t) scores[g * kKiviGroup + t] = scale * (acc[t] + bias);
+    for (int m = 0; m < heads; ++m)
+      for (int t = 0; t < kKiviGroup; ++t)
+        scores[m * stride + g * kKiviGroup + t] = scale * (acc[size_t(m) * kKiviGroup + t] + bias[m]);
   }
 }
 
+//   p: head m's weights at p + m * stride; out: [heads][d]
 template <int B>
-void kivi_value_accumulate(const uint8_t* run, int n, int d, const float* p, float* out) {
+void kivi_value_accumulate(const uint8_t* run, int n, int d, const float* p, int heads, size_t stride, float* out) {
   float* codes = scratch_for(d).decoded.data();  // [d]
   const int groups = d / kKiviGroup;
   const size_t record = kivi_value_token_bytes(B, d);
   for (int t = 0; t < n; ++t) {
-    if (p[t] == 0.0f) continue;
+    bool any = false;
+    for (int m = 0; m < heads; ++m) any |= p[m * stride + t] != 0.0f;
+    if (!any) continue;
     const uint8_t* rec = run + t * record;
     decode_codes<B, false>(rec + 4 * groups, d, codes);
-    for (int g = 0; g < groups; ++g) {
-      const float ps = p[t] * load_half(rec + 2 * g);
-      const float pz = p[t] * load_half(rec + 2 * (groups + g));
-      for (int c = g * kKiviGroup; c < (g + 1) * kKiviGroup; ++c) out[c] += ps * codes[c] + pz;
+    for (int m = 0; m < heads; ++m) {
+      const float w = p[m * stride + t];
+      if (w == 0.0f) continue;
+      float* om = out + size_t(m) * d;
+      for (int g = 0; g < groups; ++g) {
+        const float ps = w * load_half(rec + 2 * g);
+        const float pz = w * load_half(rec + 2 * (groups + g));
+        for (int c = g * kKiviGroup; c < (g + 1) * kKiviGroup; ++c) om[c] += ps * codes[c] + pz;
+      }
     }
   }
 }
@@ -448,38 +455,69 @@ void tq_dequantize(const uint8_t* run, int n, int d, uint64_t seed, float* x) {
   }
 }
 
-// q . R^T (norm c) = norm * (H D q) . centroid / d.
+// sum_i x[i] * y[i] over [0, d), d a multiple of 8, in 8 partial sums so the loop vectorises
+// without reassociating a single chain.
+float dot8(const float* x, const float* y, int d) {
+  float partial[8] = {};
+  for (int i = 0; i < d; i += 8)
+    for (int k = 0; k < 8; ++k) partial[k] += x[i + k] * y[i + k];
+  return ((partial[0] + partial[4]) + (partial[1] + partial[5])) + ((partial[2] + partial[6]) + (partial[3] + partial[7]));
+}
+
+// q . R^T (norm c) = norm * (H D q) . centroid / d. Each head's query is rotated once, each
+// token's centroids decoded once for all heads.
+//   q: [heads][d]; scores: head m's at scores + m * stride
 template <int B>
-void tq_key_scores(const uint8_t* run, int n, int d, uint64_t seed, const float* q, float scale, float* scores) {
+void tq_key_scores(const uint8_t* run, int n, int d, uint64_t seed, const float* q, int heads, float scale,
+                   float* scores, size_t stride) {
   QuantScratch& scratch = scratch_for(d);
   const float* signs = signs_for(scratch, seed, d);
-  float* hq = scratch.vec.data();
-  for (int c = 0; c < d; ++c) hq[c] = q[c] * signs[c];
-  fwht(hq, d);
+  float* values = scratch.vec.data();
+  float* hq = heads_buffer(scratch, size_t(heads) * d);
+  for (int m = 0; m < heads; ++m) {
+    for (int c = 0; c < d; ++c) hq[size_t(m) * d + c] = q[size_t(m) * d + c] * signs[c];
+    fwht(hq + size_t(m) * d, d);
+  }
   const float factor = scale / float(d);
   const size_t record = tq_token_bytes(B, d);
   for (int t = 0; t < n; ++t) {
     const uint8_t* rec = run + t * record;
-    scores[t] = factor * load_half(rec) * dot_centroids<B>(rec + 2, d, hq);
+    const float norm = load_half(rec);
+    decode_codes<B, true>(rec + 2, d, values);
+    for (int m = 0; m < heads; ++m) scores[m * stride + t] = factor * norm * dot8(values, hq + size_t(m) * d, d);
   }
 }
 
+//   p: head m's weights at p + m * stride; out: [heads][d]
 template <int B>
-void tq_value_accumulate(const uint8_t* run, int n, int d, uint64_t seed, const float* p, float* out) {
+void tq_value_accumulate(const uint8_t* run, int n, int d, uint64_t seed, const float* p, int heads, size_t stride,
+                         float* out) {
   QuantScratch& scratch = scratch_for(d);
   const float* signs = signs_for(scratch, seed, d);
-  float* acc = scratch.acc.data();
-  std::fill(acc, acc + d, 0.0f);
+  float* values = scratch.vec.data();
+  float* acc = heads_buffer(scratch, size_t(heads) * d);  // [heads][d], in the rotated space
+  std::fill(acc, acc + size_t(heads) * d, 0.0f);
   const size_t record = tq_token_bytes(B, d);
   for (int t = 0; t < n; ++t) {
+    bool any = false;
+    for (int m = 0; m < heads; ++m) any |= p[m * stride + t] != 0.0f;
+    if (!any) continue;
     const uint8_t* rec = run + t * record;
-    const float weight = p[t] * load_half(rec);
-    if (weight == 0.0f) continue;
-    accumulate_codes<B, true>(rec + 2, d, weight, acc);
+    const float norm = load_half(rec);
+    decode_codes<B, true>(rec + 2, d, values);
+    for (int m = 0; m < heads; ++m) {
+      const float weight = p[m * stride + t] * norm;
+      if (weight == 0.0f) continue;
+      float* am = acc + size_t(m) * d;
+      for (int c = 0; c < d; ++c) am[c] += weight * values[c];
+    }
   }
-  fwht(acc, d);
   const float inv_d = 1.0f / float(d);
-  for (int c = 0; c < d; ++c) out[c] += acc[c] * signs[c] * inv_d;
+  for (int m = 0; m < heads; ++m) {
+    float* am = acc + size_t(m) * d;
+    fwht(am, d);
+    for (int c = 0; c < d; ++c) out[size_t(m) * d + c] += am[c] * signs[c] * inv_d;
+  }
 }
 
 KernelStatus check_rotation(std::string_view op, const char* in_name, const float* in, int d, const char* out_name,
@@ -595,17 +633,23 @@ KernelStatus dequantize_values(QuantFormat f, const uint8_t* run, int n, int d, 
 
 KernelStatus quantized_key_scores(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, const float* q,
                                   float scale, float* scores) {
+  return quantized_key_scores_heads(f, run, n, d, seed, q, 1, scale, scores, size_t(n));
+}
+
+KernelStatus quantized_key_scores_heads(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed,
+                                        const float* q, int heads, float scale, float* scores, size_t stride) {
   constexpr std::string_view kOp = "quantized_key_scores";
   KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/true));
   if (!std::isfinite(scale)) return invalid(kOp, "scale " + std::to_string(scale) + " must be finite");
+  KARAKV_RETURN_IF_ERROR(check_heads(kOp, heads, n, stride));
   if (n == 0) return KernelStatus::ok();
   KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"q", q}, {"scores", scores}}));
   return with_bits(f, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
     if (is_kivi(f)) {
-      if constexpr (B != 3) kivi_key_scores<B>(run, n, d, q, scale, scores);
+      if constexpr (B != 3) kivi_key_scores<B>(run, n, d, q, heads, scale, scores, stride);
     } else {
-      tq_key_scores<B>(run, n, d, seed, q, scale, scores);
+      tq_key_scores<B>(run, n, d, seed, q, heads, scale, scores, stride);
     }
     return KernelStatus::ok();
   });
@@ -613,16 +657,22 @@ KernelStatus quantized_key_scores(QuantFormat f, const uint8_t* run, int n, int 
 
 KernelStatus quantized_value_accumulate(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, const float* p,
                                         float* out) {
+  return quantized_value_accumulate_heads(f, run, n, d, seed, p, 1, size_t(n), out);
+}
+
+KernelStatus quantized_value_accumulate_heads(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed,
+                                              const float* p, int heads, size_t stride, float* out) {
   constexpr std::string_view kOp = "quantized_value_accumulate";
   KARAKV_RETURN_IF_ERROR(check_run(kOp, f, n, d, /*is_key=*/false));
+  KARAKV_RETURN_IF_ERROR(check_heads(kOp, heads, n, stride));
   if (n == 0) return KernelStatus::ok();
   KARAKV_RETURN_IF_ERROR(check_non_null(kOp, {{"run", run}, {"p", p}, {"out", out}}));
   return with_bits(f, [&](auto bits) {
     constexpr int B = decltype(bits)::value;
     if (is_kivi(f)) {
-      if constexpr (B != 3) kivi_value_accumulate<B>(run, n, d, p, out);
+      if constexpr (B != 3) kivi_value_accumulate<B>(run, n, d, p, heads, stride, out);
     } else {
-      tq_value_accumulate<B>(run, n, d, seed, p, out);
+      tq_value_accumulate<B>(run, n, d, seed, p, heads, stride, out);
     }
     return KernelStatus::ok();
   });

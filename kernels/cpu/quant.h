@@ -110,6 +110,16 @@ KernelStatus quantized_key_scores(QuantFormat f, const uint8_t* run, int n, int 
 KernelStatus quantized_value_accumulate(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed, const float* p,
                                         float* out);
 
+// The two above for the `heads` query heads that share the run's KV head (GQA), each code decoded
+// once for all of them; head m gives exactly what the one-head call with its own row would.
+//   q:      [heads][d] fp32;  scores: head m's [n] at scores + m * stride
+//   p:      head m's [n] at p + m * stride;  out: [heads][d] fp32, accumulated into
+// Requires heads >= 1 and, for heads > 1, stride >= n.
+KernelStatus quantized_key_scores_heads(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed,
+                                        const float* q, int heads, float scale, float* scores, size_t stride);
+KernelStatus quantized_value_accumulate_heads(QuantFormat f, const uint8_t* run, int n, int d, uint64_t seed,
+                                              const float* p, int heads, size_t stride, float* out);
+
 // y = R x and its inverse x = R^T y (R as above; d a power of two <= kMaxQuantHeadDim). x and y
 // may be the same array.
 //   x, y: [d] fp32

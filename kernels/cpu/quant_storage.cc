@@ -39,43 +39,76 @@ KernelStatus check_qkv(std::string_view op, const PagedKV& kv, const QuantizedKV
   return KernelStatus::ok();
 }
 
-// One query head's attention over the quantized and the first `visible` unquantized slots.
-void attend_one(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, int head, const float* q, int visible,
-                float scale, float* out, float* acc, std::vector<float>& p) {
+// Element row [base, base + d) of the pool widened to fp32 (the dtype switch once per row).
+void widen_row(const PagedKV& kv, size_t base, int d, float* out) {
+  switch (kv.geometry.dtype) {
+    case DType::kFloat16: {
+      const uint16_t* src = static_cast<const uint16_t*>(kv.pool) + base;
+      for (int c = 0; c < d; ++c) out[c] = half_to_float(src[c]);
+      break;
+    }
+    case DType::kBFloat16: {
+      const uint16_t* src = static_cast<const uint16_t*>(kv.pool) + base;
+      for (int c = 0; c < d; ++c) out[c] = bf16_to_float(src[c]);
+      break;
+    }
+    default: std::copy_n(static_cast<const float*>(kv.pool) + base, d, out);
+  }
+}
+
+// The `heads` query heads of KV head `head` (rows of q and out, [heads][d]) over the quantized and
+// the first `visible` unquantized slots: every code and every unquantized row is read once for all
+// of them. acc (null or one float per slot) gets the probabilities summed over the heads.
+// p: scratch, [heads][quantized + visible] on return.
+void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, int head, const float* q, int heads,
+                  int visible, float scale, float* out, float* acc, std::vector<float>& p) {
   const Geometry& g = kv.geometry;
   const int d = g.head_dim, tq = qkv.tokens_per_block;
   const int nq = qkv.quantized(seq);
+  const size_t n = size_t(nq) + visible;
   const QuantFormat f = qkv.format;
   const uint64_t seed = head_seed(qkv.seed, layer, head);
-  p.resize(size_t(nq) + visible);
+  p.resize(size_t(heads) * n + d);
+  float* row = p.data() + size_t(heads) * n;  // [d]: one widened K or V row
   const int32_t* qblocks = qkv.block_table + qkv.table_offset[seq];
   for (int b = 0; b < nq / tq; ++b) {
-    quantized_key_scores(f, run_bytes(kv, qblocks[b], layer, 0, head), tq, d, seed, q, scale, p.data() + size_t(b) * tq);
+    quantized_key_scores_heads(f, run_bytes(kv, qblocks[b], layer, 0, head), tq, d, seed, q, heads, scale,
+                               p.data() + size_t(b) * tq, n);
   }
   for (int t = 0; t < visible; ++t) {
-    const size_t base = slot_index(kv, seq, t, layer, 0, head);
-    float dot = 0.0f;
-    for (int c = 0; c < d; ++c) dot += q[c] * load_element(kv.pool, base + c, g.dtype);
-    p[size_t(nq) + t] = dot * scale;
+    widen_row(kv, slot_index(kv, seq, t, layer, 0, head), d, row);
+    for (int m = 0; m < heads; ++m) {
+      const float* qm = q + size_t(m) * d;
+      float dot = 0.0f;
+      for (int c = 0; c < d; ++c) dot += qm[c] * row[c];
+      p[m * n + nq + t] = dot * scale;
+    }
   }
-  const int n = nq + visible;
-  float mx = -INFINITY;
-  for (int i = 0; i < n; ++i) mx = std::max(mx, p[i]);
-  double sum = 0.0;
-  for (int i = 0; i < n; ++i) sum += (p[i] = std::exp(p[i] - mx));
-  const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
-  for (int i = 0; i < n; ++i) p[i] *= inv;
-  std::fill(out, out + d, 0.0f);
+  for (int m = 0; m < heads; ++m) {
+    float* pm = p.data() + m * n;
+    float mx = -INFINITY;
+    for (size_t i = 0; i < n; ++i) mx = std::max(mx, pm[i]);
+    double sum = 0.0;
+    for (size_t i = 0; i < n; ++i) sum += (pm[i] = std::exp(pm[i] - mx));
+    const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
+    for (size_t i = 0; i < n; ++i) pm[i] *= inv;
+  }
+  std::fill(out, out + size_t(heads) * d, 0.0f);
   for (int b = 0; b < nq / tq; ++b) {
-    quantized_value_accumulate(f, run_bytes(kv, qblocks[b], layer, 1, head), tq, d, seed, p.data() + size_t(b) * tq, out);
+    quantized_value_accumulate_heads(f, run_bytes(kv, qblocks[b], layer, 1, head), tq, d, seed,
+                                     p.data() + size_t(b) * tq, heads, n, out);
   }
   for (int t = 0; t < visible; ++t) {
-    const size_t base = slot_index(kv, seq, t, layer, 1, head);
-    const float w = p[size_t(nq) + t];
-    for (int c = 0; c < d; ++c) out[c] += w * load_element(kv.pool, base + c, g.dtype);
+    widen_row(kv, slot_index(kv, seq, t, layer, 1, head), d, row);
+    for (int m = 0; m < heads; ++m) {
+      const float w = p[m * n + nq + t];
+      float* om = out + size_t(m) * d;
+      for (int c = 0; c < d; ++c) om[c] += w * row[c];
+    }
   }
   if (acc != nullptr) {
-    for (int i = 0; i < n; ++i) acc[i] += p[i];
+    for (int m = 0; m < heads; ++m)
+      for (size_t i = 0; i < n; ++i) acc[i] += p[m * n + i];
   }
 }
 
@@ -177,17 +210,13 @@ KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
 #pragma omp parallel
   {
     std::vector<float>& p = thread_probs();
+    // One work item per (sequence, KV head): it alone adds into that head's accumulator.
 #pragma omp for collapse(2) schedule(dynamic)
     for (int s = 0; s < kv.num_seqs; ++s) {
-      for (int qh = 0; qh < g.num_q_heads; ++qh) {
-        const int h = qh / gs;
+      for (int h = 0; h < g.num_kv_heads; ++h) {
         float* acc = score_acc ? score_acc[size_t(s) * g.num_kv_heads + h] : nullptr;
-        attend_one(kv, qkv, s, layer, h, q + (size_t(s) * g.num_q_heads + qh) * d, kv.seq_len[s], scale,
-                   out + (size_t(s) * g.num_q_heads + qh) * d, nullptr, p);
-        if (acc != nullptr) {
-#pragma omp critical
-          for (size_t i = 0; i < p.size(); ++i) acc[i] += p[i];
-        }
+        const size_t first = size_t(s) * g.num_q_heads + size_t(h) * gs;
+        attend_group(kv, qkv, s, layer, h, q + first * d, gs, kv.seq_len[s], scale, out + first * d, acc, p);
       }
     }
     release_if_large(p);
@@ -208,9 +237,10 @@ KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
     std::vector<float>& p = thread_probs();
 #pragma omp for collapse(2) schedule(dynamic)
     for (int i = 0; i < num_queries; ++i) {
-      for (int qh = 0; qh < g.num_q_heads; ++qh) {
-        attend_one(kv, qkv, seq, layer, qh / gs, q + (size_t(i) * g.num_q_heads + qh) * d,
-                   len - num_queries + i + 1, scale, out + (size_t(i) * g.num_q_heads + qh) * d, nullptr, p);
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const size_t first = size_t(i) * g.num_q_heads + size_t(h) * gs;
+        attend_group(kv, qkv, seq, layer, h, q + first * d, gs, len - num_queries + i + 1, scale, out + first * d,
+                     nullptr, p);
       }
     }
     release_if_large(p);

@@ -507,6 +507,12 @@ TEST(QuantTurboTest, RotationIsTheDocumentedOrthogonalMatrix) {
 
 // ---- attention pieces --------------------------------------------------------------------------
 
+// A refusal with its code and the words that say why.
+void expect_invalid(const KernelStatus& st, const std::string& mentions) {
+  EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument) << st.message;
+  EXPECT_NE(st.message.find(mentions), std::string::npos) << st.message;
+}
+
 class QuantAttentionTest : public ::testing::TestWithParam<std::tuple<QuantFormat, int>> {};
 
 // scores[t] = scale * q . k'_t with k' from dequantize_keys, in float64. Tolerance 1e-5 relative
@@ -585,6 +591,48 @@ TEST_P(QuantAttentionTest, ValueAccumulateEqualsWeightedSumOfDequantizedValues) 
   }
 }
 
+// The multi-head scorers (the query heads of one KV head, codes decoded once for all) give each
+// head exactly, bit for bit, what the one-head call with that head's row gives (which the two
+// tests above check against float64), rows `stride` apart with the gaps untouched, zero weights
+// included.
+TEST_P(QuantAttentionTest, HeadsGiveEachHeadWhatItsOwnCallGives) {
+  const auto [f, d] = GetParam();
+  const int n = 96;
+  const uint64_t seed = 99;
+  std::mt19937 rng(d * 7 + int(f));
+  const std::vector<float> x = make_input(Input::kGaussian, n, d, rng);
+  const std::vector<uint8_t> keys = quantize(f, true, x, n, d, seed), values = quantize(f, false, x, n, d, seed);
+  for (int heads : {1, 2, 3, 8}) {
+    SCOPED_TRACE("heads " + std::to_string(heads));
+    const size_t stride = n + 5;
+    const std::vector<float> q = make_input(Input::kGaussian, heads, d, rng);
+    std::vector<float> scores(heads * stride, -7.0f);
+    ASSERT_TRUE(cpu::quantized_key_scores_heads(f, keys.data(), n, d, seed, q.data(), heads, 0.25f, scores.data(),
+                                                stride).is_ok());
+    std::vector<float> p(heads * stride, -9.0f), out(size_t(heads) * d, 0.5f);
+    for (int m = 0; m < heads; ++m)
+      for (int t = 0; t < n; ++t) p[m * stride + t] = (t + m) % 4 == 0 ? 0.0f : std::abs(scores[m * stride + t]);
+    ASSERT_TRUE(cpu::quantized_value_accumulate_heads(f, values.data(), n, d, seed, p.data(), heads, stride,
+                                                      out.data()).is_ok());
+    for (int m = 0; m < heads; ++m) {
+      std::vector<float> one(n), one_out(d, 0.5f);
+      ASSERT_TRUE(cpu::quantized_key_scores(f, keys.data(), n, d, seed, q.data() + size_t(m) * d, 0.25f, one.data())
+                      .is_ok());
+      for (int t = 0; t < n; ++t) ASSERT_EQ(scores[m * stride + t], one[t]) << "head " << m << " token " << t;
+      for (size_t t = n; t < stride; ++t) ASSERT_EQ(scores[m * stride + t], -7.0f) << "gap written";
+      ASSERT_TRUE(cpu::quantized_value_accumulate(f, values.data(), n, d, seed, p.data() + m * stride, one_out.data())
+                      .is_ok());
+      for (int c = 0; c < d; ++c) ASSERT_EQ(out[size_t(m) * d + c], one_out[c]) << "head " << m << " channel " << c;
+    }
+  }
+  std::vector<float> q(2 * d), scores(2 * n);
+  expect_invalid(cpu::quantized_key_scores_heads(f, keys.data(), n, d, seed, q.data(), 0, 1.0f, scores.data(), n),
+                 "heads 0 must be >= 1");
+  expect_invalid(cpu::quantized_value_accumulate_heads(f, values.data(), n, d, seed, scores.data(), 2, n - 1,
+                                                       q.data()),
+                 "stride 95 must be >= n 96");
+}
+
 INSTANTIATE_TEST_SUITE_P(QuantAllFormats, QuantAttentionTest,
                          ::testing::Combine(::testing::ValuesIn(kAllFormats), ::testing::Values(64, 128)),
                          [](const auto& info) {
@@ -592,11 +640,6 @@ INSTANTIATE_TEST_SUITE_P(QuantAllFormats, QuantAttentionTest,
                          });
 
 // ---- invalid arguments -------------------------------------------------------------------------
-
-void expect_invalid(const KernelStatus& st, const std::string& mentions) {
-  EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument) << st.message;
-  EXPECT_NE(st.message.find(mentions), std::string::npos) << st.message;
-}
 
 TEST(QuantInvalidArgumentTest, HeadDimTokenCountAndPointers) {
   const int n = 32, d = 64;
