@@ -41,12 +41,12 @@
 # Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun): the
 # correctness runs (every op at five geometries and three dtypes) take about a minute, one dtype's
 # ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, the attention tests under
-# synccheck and racecheck at most 60 and 90 seconds, each kernel benchmark well
-# under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256, then kara at 256
+# synccheck and racecheck at most 60 and 90 seconds, each kernel benchmark (fp16 decode, a Kara
+# tick, and decode straight from each quantized format: kivi2, kivi4, tq2, tq3, tq4) well under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256, then kara at 256
 # with workers on device staging) at most GPU_CHECK_SERVE_SECONDS per run, and karakv-bench p3
 # (a Step through device staging, then shm staging, against an empty Ping) seconds. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
-# GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; each benchmark gets
-# 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (20), GPU_CHECK_MEMCHECK_TIMEOUT (120),
+# GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; kernels_bench gets
+# 240 seconds per model, sdpa_bench 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (20), GPU_CHECK_MEMCHECK_TIMEOUT (120),
 # GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging: a
 # rerun after a fix can take only the steps that failed; the others print "skipped").
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
@@ -335,12 +335,14 @@ else
   declare -A sanitized=([memcheck]="skipped (GPU_CHECK_STEPS)" [synccheck]=skipped [racecheck]=skipped)
 fi
 
+QUANT_FORMATS=kivi2,kivi4,tq2,tq3,tq4
 if want bench; then
-  # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem.
+  # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem; decode straight from each
+  # quantized format against the fp16 decode over the same tokens (time and output error).
   declare -A r status
   for model in smollm2 llama8b; do
-    with_timeout 180 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" \
-      --tokens="$TOKENS" --iters="$ITERS" > /tmp/gpu-bench-$model.txt 2>&1
+    with_timeout 240 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" \
+      --tokens="$TOKENS" --iters="$ITERS" --quant="$QUANT_FORMATS" > /tmp/gpu-bench-$model.txt 2>&1
     rc=$?
     status[$model.kernels_bench]=$(describe_rc "$rc")
     [ "$rc" -eq 0 ] || { echo "kernels_bench $model failed (${status[$model.kernels_bench]}):"; tail -5 /tmp/gpu-bench-$model.txt; }
@@ -461,6 +463,9 @@ echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \
          sdpa_layer_sync_us kara_tick_ms kara_tick_vs_decode_step; do
   echo "| $m | ${r[smollm2.$m]:-n/a} | ${r[llama8b.$m]:-n/a} |"
+done
+for f in ${QUANT_FORMATS//,/ }; do
+  echo "| quantized decode $f: time / fp16 decode; mean rel err | ${r[smollm2.quant_${f}_vs_fp16]:-n/a}; ${r[smollm2.quant_${f}_rel_err]:-n/a} | ${r[llama8b.quant_${f}_vs_fp16]:-n/a}; ${r[llama8b.quant_${f}_rel_err]:-n/a} |"
 done
 echo "| paged decode time / sdpa time | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_us]:-}") |"
 echo "| paged decode time / sdpa time, both synchronized per call | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_sync_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_sync_us]:-}") |"

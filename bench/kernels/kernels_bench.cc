@@ -7,6 +7,11 @@
 //   kara     one Kara tick for one sequence (window scores for every layer, Token2Chunk for every
 //            (layer, KV head), gather of the kept tokens) vs one decode step (every layer) of the
 //            batch.
+//   quant    (--quant=kivi2,tq4,...) decode attention straight from quantized blocks: each sequence's
+//            first tokens (all but the newest 128, in whole quantized blocks) quantized with
+//            quantize_tokens, the rest left in the fp16 blocks, as the daemon's quantize_aged lays it
+//            out; time per layer against the fp16 decode above, bytes read per second, and the mean
+//            relative L2 error of the outputs against the fp16 decode's.
 //
 // Prints one table row per measurement ("name value unit"), parsed by scripts/gpu-check.sh.
 #include <algorithm>
@@ -19,6 +24,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "karakv/kernels/backend.h"
@@ -41,7 +47,34 @@ struct Options {
   int iters = 10;
   int threads = 0;           // CPU backend: 0 = the CPUs this process may use
   std::string isa = "auto";  // CPU backend: attention ISA (karakv/kernels/cpu_isa.h)
+  std::vector<std::pair<std::string, QuantFormat>> quant;  // --quant: formats to time
 };
+
+constexpr int kResidual = 128;  // the daemon's default residual window (docs/COMPRESSION.md)
+
+bool parse_quant(const std::string& list, Options* o) {
+  static const std::pair<const char*, QuantFormat> kFormats[] = {{"kivi2", QuantFormat::kKivi2},
+                                                                 {"kivi4", QuantFormat::kKivi4},
+                                                                 {"tq2", QuantFormat::kTq2},
+                                                                 {"tq3", QuantFormat::kTq3},
+                                                                 {"tq4", QuantFormat::kTq4}};
+  size_t start = 0;
+  while (start <= list.size() && !list.empty()) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, end - start);
+    bool found = false;
+    for (const auto& [n, f] : kFormats) {
+      if (name == n) o->quant.emplace_back(n, f), found = true;
+    }
+    if (!found) {
+      std::fprintf(stderr, "--quant: unknown format '%s'; expected a comma-separated list of kivi2, kivi4, tq2, tq3, tq4\n",
+                   name.c_str());
+      return false;
+    }
+    start = end + 1;
+  }
+  return true;
+}
 
 bool parse(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
@@ -57,10 +90,13 @@ bool parse(int argc, char** argv, Options* o) {
     else if (const char* v = value("iters")) o->iters = std::atoi(v);
     else if (const char* v = value("threads")) o->threads = std::atoi(v);
     else if (const char* v = value("isa")) o->isa = v;
-    else {
+    else if (const char* v = value("quant")) {
+      if (!parse_quant(v, o)) return false;
+    } else {
       std::fprintf(stderr,
                    "unknown argument '%s'\nusage: kernels_bench [--backend=cpu|cuda] [--model=smollm2|llama8b] "
-                   "[--seqs=64] [--tokens=8192] [--iters=10] [--threads=0] [--isa=auto|avx2|avx512]\n",
+                   "[--seqs=64] [--tokens=8192] [--iters=10] [--threads=0] [--isa=auto|avx2|avx512]\n"
+                   "                     [--quant=kivi2,kivi4,tq2,tq3,tq4]\n",
                    argv[i]);
       return false;
     }
@@ -142,7 +178,16 @@ int main(int argc, char** argv) {
   }
   const Geometry g = geometry_of(o.model);
   const int blocks_per_seq = (o.tokens + g.block_size - 1) / g.block_size;
-  const int total_blocks = o.seqs * blocks_per_seq + 64;  // + room for a gather's destination
+  // Quantized blocks (--quant) after the fp16 ones and a gather's destination, enough for the format
+  // with the fewest tokens per block; every format reuses them.
+  auto quantized_tokens = [&](int tpb) { return tpb > 0 ? std::max(0, o.tokens - kResidual) / tpb * tpb : 0; };
+  int quant_blocks_per_seq = 0;
+  for (const auto& [name, f] : o.quant) {
+    const int tpb = backend->quantized_tokens_per_block(g, f);
+    if (tpb > 0) quant_blocks_per_seq = std::max(quant_blocks_per_seq, quantized_tokens(tpb) / tpb);
+  }
+  const int quant_base = o.seqs * blocks_per_seq + 64;
+  const int total_blocks = quant_base + o.seqs * quant_blocks_per_seq;
   std::printf("# backend %s | model %s: %d layers, %d/%d heads, head_dim %d, fp16 | %d sequences x %d tokens | pool %.2f GiB\n",
               backend->description().c_str(), o.model.c_str(), g.num_layers, g.num_q_heads, g.num_kv_heads,
               g.head_dim, o.seqs, o.tokens, double(total_blocks) * g.block_bytes() / (1 << 30));
@@ -213,6 +258,80 @@ int main(int argc, char** argv) {
     std::printf("decode_vs_copy %.3f ratio\n", kv_bytes / t_layer / 1e9 / copy_bw);
   }
 #endif
+
+  // Quantized decode: the same queries, the same tokens, the first ones read from quantized blocks.
+  if (!o.quant.empty()) {
+    std::vector<float> ref(size_t(g.num_layers) * q_elems), got(ref.size());
+    for (int l = 0; l < g.num_layers; ++l) {
+      check(backend->decode_attention(kv, l, q.as<float>(), out.as<float>(), scale), "decode_attention");
+      check(backend->copy_out(ref.data() + l * q_elems, out.ptr, q_elems * 4), "copy_out");
+    }
+    for (const auto& [name, format] : o.quant) {
+      const int tpb = backend->quantized_tokens_per_block(g, format);
+      const int nq = quantized_tokens(tpb);
+      if (tpb <= 0 || nq == 0) {
+        std::printf("# quant %s: nothing to quantize (%d tokens per block, %d tokens, residual %d)\n", name.c_str(),
+                    tpb, o.tokens, kResidual);
+        continue;
+      }
+      std::vector<int32_t> qtable, qoffset(1, 0), ttable, toffset(1, 0), tlen(o.seqs, o.tokens - nq);
+      for (int s = 0; s < o.seqs; ++s) {
+        for (int i = 0; i < nq / tpb; ++i) qtable.push_back(quant_base + s * quant_blocks_per_seq + i);
+        qoffset.push_back(int32_t(qtable.size()));
+        ttable.insert(ttable.end(), table.begin() + size_t(s) * blocks_per_seq + nq / g.block_size,
+                      table.begin() + size_t(s + 1) * blocks_per_seq);
+        toffset.push_back(int32_t(ttable.size()));
+      }
+      QuantizedKV qkv;
+      qkv.format = format;
+      qkv.tokens_per_block = tpb;
+      qkv.seed = 0x6b617261ull;
+      qkv.block_table = qtable.data();
+      qkv.table_offset = qoffset.data();
+      const auto tq = Clock::now();
+      for (int s = 0; s < o.seqs; ++s) {
+        for (int i = 0; i < nq / tpb; ++i) {
+          check(backend->quantize_tokens(kv, s, i * tpb, qkv, qtable[qoffset[s] + i]), "quantize_tokens");
+        }
+      }
+      const double quantize_s = std::chrono::duration<double>(Clock::now() - tq).count();
+      PagedKV tail = kv;
+      tail.block_table = ttable.data();
+      tail.table_offset = toffset.data();
+      tail.seq_len = tlen.data();
+      for (int l = 0; l < g.num_layers; ++l) {
+        check(backend->decode_attention_quantized(tail, qkv, l, q.as<float>(), out.as<float>(), scale, nullptr),
+              "decode_attention_quantized");
+        check(backend->copy_out(got.data() + l * q_elems, out.ptr, q_elems * 4), "copy_out");
+      }
+      double err = 0;
+      size_t rows_counted = 0;
+      for (size_t r = 0; r < ref.size() / g.head_dim; ++r) {
+        double num = 0, den = 0;
+        for (int c = 0; c < g.head_dim; ++c) {
+          const double x = ref[r * g.head_dim + c], d = got[r * g.head_dim + c] - x;
+          num += d * d, den += x * x;
+        }
+        if (den > 0) err += std::sqrt(num / den), ++rows_counted;
+      }
+      int ql = 0;
+      const double t_quant = seconds_per_call(o.iters * g.num_layers, [&] {
+        check(backend->decode_attention_quantized(tail, qkv, ql, q.as<float>(), out.as<float>(), scale, nullptr),
+              "decode_attention_quantized");
+        ql = (ql + 1) % g.num_layers;
+      });
+      // Bytes of the blocks one layer's attention reads: the quantized blocks' share of this layer
+      // (whole runs, codes and scales) plus the fp16 tail.
+      const double resident = double(o.seqs) * (double(nq / tpb) * g.block_bytes() / g.num_layers +
+                                                 double(o.tokens - nq) * g.kv_token_elems() * 2 * 2);
+      std::printf("# quant %s: %d tokens per block, %d of %d tokens quantized per sequence, quantize %.2f s\n",
+                  name.c_str(), tpb, nq, o.tokens, quantize_s);
+      std::printf("quant_%s_layer_us %.1f us\n", name.c_str(), t_quant * 1e6);
+      std::printf("quant_%s_vs_fp16 %.3f ratio\n", name.c_str(), t_quant / t_layer);
+      std::printf("quant_%s_bandwidth %.1f GB/s\n", name.c_str(), resident / t_quant / 1e9);
+      std::printf("quant_%s_rel_err %.4f mean\n", name.c_str(), rows_counted ? err / rows_counted : 0.0);
+    }
+  }
 
   // One Kara tick for sequence 0: the window is its last W tokens.
   const int W = 128, B = 32, k_cand = 16, max_gap = 8;
