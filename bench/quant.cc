@@ -325,7 +325,7 @@ absl::StatusOr<std::map<std::string, QuantKernelResult>> quant_kernels(const kn:
     if (absl::Status s = quantize(*qc.format, z); !s.ok()) return s;
     const double quantize_s = seconds_since(t);
     auto call = [&](int l, const float* ql, float* ol) {
-      return backend->decode_attention_quantized(z.tail, z.qkv, l, ql, ol, scale, nullptr);
+      return backend->decode_attention_quantized(z.tail, z.qkv, l, ql, ol, scale, nullptr, nullptr, nullptr);
     };
     QuantKernelResult r;
     r.tokens_per_block = z.qkv.tokens_per_block;
@@ -366,7 +366,7 @@ absl::StatusOr<std::map<std::string, QuantKernelResult>> quant_kernels(const kn:
       Quantized z;
       if (absl::Status s = quantize(*qc.format, z); !s.ok()) return s;
       auto call = [&](int l, const float* ql, float* ol) {
-        return backend->decode_attention_quantized(z.tail, z.qkv, l, ql, ol, scale, nullptr);
+        return backend->decode_attention_quantized(z.tail, z.qkv, l, ql, ol, scale, nullptr, nullptr, nullptr);
       };
       if (auto el = pass(call, got); !el.ok()) return el.status();
       results[qc.name].rel_err_outlier = rel_error();

@@ -380,8 +380,10 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
       for (size_t j = 0; j < group.size(); ++j) {
         if (!accumulators.empty()) {
           for (int h = 0; h < g.num_kv_heads; ++h) acc[j * g.num_kv_heads + h] = accumulators[group[j] * g.num_kv_heads + h];
-          // A policy's first slot may lie past the cache (Kara's block-aligned tail start).
-          first_slot[j] = std::min(observers.first_slot[group[j]], lengths[j]);
+          // A policy's first slot may lie past the cache (Kara's block-aligned tail start). Slots
+          // count the quantized tokens first.
+          const int32_t slots = lengths[j] + seqs[group[j]]->quantized();
+          first_slot[j] = std::min(observers.first_slot[group[j]], slots);
         }
         if (!observers.lse.empty()) lse[j] = observers.lse[group[j]];
         any_lse |= lse[j] != nullptr;
@@ -390,7 +392,10 @@ absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, i
     PagedView pv = view(members, lengths);
     kernels::KernelStatus ks;
     if (pv.quantized) {
-      ks = backend_.decode_attention_quantized(pv.kv, pv.qkv, layer, gqp, goutp, scale, accumulate ? acc.data() : nullptr);
+      ks = backend_.decode_attention_quantized(pv.kv, pv.qkv, layer, gqp, goutp, scale,
+                                               accumulators.empty() ? nullptr : acc.data(),
+                                               accumulators.empty() ? nullptr : first_slot.data(),
+                                               any_lse ? lse.data() : nullptr);
     } else if (any_lse) {
       ks = backend_.decode_attention_observe(pv.kv, layer, gqp, goutp, scale, acc.data(), first_slot.data(), lse.data());
     } else if (accumulate) {

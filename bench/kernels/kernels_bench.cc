@@ -300,7 +300,8 @@ int main(int argc, char** argv) {
       tail.table_offset = toffset.data();
       tail.seq_len = tlen.data();
       for (int l = 0; l < g.num_layers; ++l) {
-        check(backend->decode_attention_quantized(tail, qkv, l, q.as<float>(), out.as<float>(), scale, nullptr),
+        check(backend->decode_attention_quantized(tail, qkv, l, q.as<float>(), out.as<float>(), scale, nullptr,
+                                                  nullptr, nullptr),
               "decode_attention_quantized");
         check(backend->copy_out(got.data() + l * q_elems, out.ptr, q_elems * 4), "copy_out");
       }
@@ -316,7 +317,8 @@ int main(int argc, char** argv) {
       }
       int ql = 0;
       const double t_quant = seconds_per_call(o.iters * g.num_layers, [&] {
-        check(backend->decode_attention_quantized(tail, qkv, ql, q.as<float>(), out.as<float>(), scale, nullptr),
+        check(backend->decode_attention_quantized(tail, qkv, ql, q.as<float>(), out.as<float>(), scale, nullptr,
+                                                  nullptr, nullptr),
               "decode_attention_quantized");
         ql = (ql + 1) % g.num_layers;
       });

@@ -103,24 +103,27 @@ KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, 
 }
 
 KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float* const* score_acc,
-                                   const int32_t* acc_begin) {
+                                   const int32_t* acc_begin, const QuantizedKV* qkv) {
   if (score_acc == nullptr) return invalid(op, "score_acc must be non-null");
   if (acc_begin == nullptr) return KernelStatus::ok();
   for (int s = 0; s < kv.num_seqs; ++s) {
-    if (acc_begin[s] < 0 || acc_begin[s] > kv.seq_len[s])
-      return invalid(op, "acc_begin[" + std::to_string(s) + "] " + std::to_string(acc_begin[s]) +
-                             " outside [0, seq_len " + std::to_string(kv.seq_len[s]) + "]");
+    const int32_t slots = kv.seq_len[s] + (qkv != nullptr ? qkv->quantized(s) : 0);
+    if (acc_begin[s] < 0 || acc_begin[s] > slots)
+      return invalid(op, "acc_begin[" + std::to_string(s) + "] " + std::to_string(acc_begin[s]) + " outside [0, " +
+                             (qkv != nullptr ? "quantized + seq_len " : "seq_len ") + std::to_string(slots) + "]");
   }
   return KernelStatus::ok();
 }
 
-std::vector<int32_t> first_observed_slots(const PagedKV& kv, float* const* score_acc, const int32_t* acc_begin) {
+std::vector<int32_t> first_observed_slots(const PagedKV& kv, float* const* score_acc, const int32_t* acc_begin,
+                                          const QuantizedKV* qkv) {
   const int hk = kv.geometry.num_kv_heads;
   std::vector<int32_t> first(kv.num_seqs);
   for (int s = 0; s < kv.num_seqs; ++s) {
     bool any = false;
     for (int h = 0; h < hk; ++h) any |= score_acc[size_t(s) * hk + h] != nullptr;
-    first[s] = !any ? kv.seq_len[s] : acc_begin != nullptr ? acc_begin[s] : 0;
+    const int32_t slots = kv.seq_len[s] + (qkv != nullptr ? qkv->quantized(s) : 0);
+    first[s] = !any ? slots : acc_begin != nullptr ? acc_begin[s] : 0;
   }
   return first;
 }

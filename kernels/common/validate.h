@@ -20,11 +20,15 @@ KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, 
                              long long pool_blocks);
 // The accumulators of decode_attention_accumulate / _observe: score_acc non-null, and acc_begin
 // null or each acc_begin[s] in [0, seq_len[s]]. After validate_decode.
+// With qkv (decode_attention_quantized), a sequence's slots are its quantized tokens and then
+// its seq_len[s] unquantized ones.
 KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float* const* score_acc,
-                                   const int32_t* acc_begin);
+                                   const int32_t* acc_begin, const QuantizedKV* qkv = nullptr);
 // Of validated accumulators: per sequence, the first slot whose probability is wanted, acc_begin[s]
-// (0 without acc_begin), or seq_len[s] when none of its KV heads accumulates (nothing wanted).
-std::vector<int32_t> first_observed_slots(const PagedKV& kv, float* const* score_acc, const int32_t* acc_begin);
+// (0 without acc_begin), or the sequence's slot count when none of its KV heads accumulates
+// (nothing wanted).
+std::vector<int32_t> first_observed_slots(const PagedKV& kv, float* const* score_acc, const int32_t* acc_begin,
+                                          const QuantizedKV* qkv = nullptr);
 KernelStatus validate_causal(const PagedKV& kv, int seq, int layer, int num_queries, const float* q,
                              const float* out, long long pool_blocks);
 // The rows of causal_attention_quantized (both backends): tables, sequence, layer, 1 <= num_queries

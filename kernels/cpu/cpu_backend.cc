@@ -294,8 +294,10 @@ class CpuBackend final : public Backend {
     return cpu::dequantize_block(kv, q, block, k, v);
   }
   KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
-                                          float* out, float scale, float* const* score_acc) override {
-    return team_.run([&] { return cpu::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc); });
+                                          float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                          float* const* lse) override {
+    return team_.run(
+        [&] { return cpu::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc, acc_begin, lse); });
   }
   KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
                                           int num_queries, const float* q, float* out, float scale) override {

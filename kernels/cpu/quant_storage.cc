@@ -58,10 +58,11 @@ void widen_row(const PagedKV& kv, size_t base, int d, float* out) {
 
 // The `heads` query heads of KV head `head` (rows of q and out, [heads][d]) over the quantized and
 // the first `visible` unquantized slots: every code and every unquantized row is read once for all
-// of them. acc (null or one float per slot) gets the probabilities summed over the heads.
+// of them. acc (null or one float per slot) gets the probabilities summed over the heads, from slot
+// acc_from on; lse (null or [heads]) each head's log-sum-exp of its scaled logits.
 // p: scratch, [heads][quantized + visible] on return.
 void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer, int head, const float* q, int heads,
-                  int visible, float scale, float* out, float* acc, std::vector<float>& p) {
+                  int visible, float scale, float* out, float* acc, int acc_from, float* lse, std::vector<float>& p) {
   const Geometry& g = kv.geometry;
   const int d = g.head_dim, tq = qkv.tokens_per_block;
   const int nq = qkv.quantized(seq);
@@ -92,6 +93,7 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
     for (size_t i = 0; i < n; ++i) sum += (pm[i] = std::exp(pm[i] - mx));
     const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
     for (size_t i = 0; i < n; ++i) pm[i] *= inv;
+    if (lse != nullptr && n > 0) lse[m] = mx + float(std::log(sum));
   }
   std::fill(out, out + size_t(heads) * d, 0.0f);
   for (int b = 0; b < nq / tq; ++b) {
@@ -108,7 +110,7 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
   }
   if (acc != nullptr) {
     for (int m = 0; m < heads; ++m)
-      for (size_t i = 0; i < n; ++i) acc[i] += p[m * n + i];
+      for (size_t i = size_t(acc_from); i < n; ++i) acc[i] += p[m * n + i];
   }
 }
 
@@ -198,13 +200,15 @@ KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t b
 }
 
 KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
-                                        float* out, float scale, float* const* score_acc) {
+                                        float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                        float* const* lse) {
   constexpr std::string_view op = "decode_attention_quantized";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, qkv));
   KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
   KARAKV_RETURN_IF_ERROR(common::check_layer(op, kv, layer));
   if (q == nullptr || out == nullptr) return KernelStatus::invalid(std::string(op) + ": q and out must be non-null");
   for (int s = 0; s < kv.num_seqs; ++s) KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, s, 0, kv.seq_len[s]));
+  if (score_acc != nullptr) KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin, &qkv));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
 #pragma omp parallel
@@ -215,8 +219,11 @@ KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
     for (int s = 0; s < kv.num_seqs; ++s) {
       for (int h = 0; h < g.num_kv_heads; ++h) {
         float* acc = score_acc ? score_acc[size_t(s) * g.num_kv_heads + h] : nullptr;
+        const int acc_from = acc_begin != nullptr ? acc_begin[s] : 0;
+        float* head_lse = lse != nullptr && lse[s] != nullptr ? lse[s] + size_t(h) * gs : nullptr;
         const size_t first = size_t(s) * g.num_q_heads + size_t(h) * gs;
-        attend_group(kv, qkv, s, layer, h, q + first * d, gs, kv.seq_len[s], scale, out + first * d, acc, p);
+        attend_group(kv, qkv, s, layer, h, q + first * d, gs, kv.seq_len[s], scale, out + first * d, acc, acc_from,
+                     head_lse, p);
       }
     }
     release_if_large(p);
@@ -240,7 +247,7 @@ KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
       for (int h = 0; h < g.num_kv_heads; ++h) {
         const size_t first = size_t(i) * g.num_q_heads + size_t(h) * gs;
         attend_group(kv, qkv, seq, layer, h, q + first * d, gs, len - num_queries + i + 1, scale, out + first * d,
-                     nullptr, p);
+                     nullptr, 0, nullptr, p);
       }
     }
     release_if_large(p);

@@ -20,7 +20,8 @@ KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t b
 // its quantized tokens, then its unquantized ones. visible_fp(s, i) unquantized slots are seen.
 //   q, out: [num_seqs or num_queries][num_q_heads][head_dim] fp32
 KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
-                                        float* out, float scale, float* const* score_acc);
+                                        float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                        float* const* lse);
 KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
                                         int num_queries, const float* q, float* out, float scale);
 

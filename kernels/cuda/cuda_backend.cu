@@ -508,7 +508,8 @@ class CudaBackend final : public Backend {
   }
 
   KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
-                                          float* out, float scale, float* const* score_acc) override {
+                                          float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                          float* const* lse) override {
     constexpr std::string_view op = "decode_attention_quantized";
     KARAKV_RETURN_IF_ERROR(check_quantized(op, kv, qkv));
     KARAKV_RETURN_IF_ERROR(common::check_tables(op, kv));
@@ -522,13 +523,17 @@ class CudaBackend final : public Backend {
       KARAKV_RETURN_IF_ERROR(common::check_covered(op, kv, s, 0, kv.seq_len[s], blocks));
     }
     KARAKV_RETURN_IF_ERROR(check_quantized_tables(op, kv, qkv, 0, kv.num_seqs, blocks));
+    if (score_acc != nullptr) KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin, &qkv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
     std::vector<int32_t> row_seq(kv.num_seqs), row_quantized(kv.num_seqs), row_fp(kv.seq_len, kv.seq_len + kv.num_seqs);
     for (int s = 0; s < kv.num_seqs; ++s) {
       row_seq[s] = s;
       row_quantized[s] = qkv.quantized(s);
     }
-    return quantized_attention(op, kv, qkv, layer, row_seq, row_quantized, row_fp, q, out, scale, score_acc);
+    std::vector<int32_t> first;
+    if (score_acc != nullptr) first = common::first_observed_slots(kv, score_acc, acc_begin, &qkv);
+    return quantized_attention(op, kv, qkv, layer, row_seq, row_quantized, row_fp, first, q, out, scale, score_acc,
+                               lse);
   }
 
   KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
@@ -542,7 +547,7 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(check_quantized_tables(op, kv, qkv, seq, seq + 1, blocks));
     std::vector<int32_t> row_seq(num_queries, seq), row_quantized(num_queries, qkv.quantized(seq)), row_fp(num_queries);
     for (int i = 0; i < num_queries; ++i) row_fp[i] = len - num_queries + i + 1;
-    return quantized_attention(op, kv, qkv, layer, row_seq, row_quantized, row_fp, q, out, scale, nullptr);
+    return quantized_attention(op, kv, qkv, layer, row_seq, row_quantized, row_fp, {}, q, out, scale, nullptr, nullptr);
   }
 
  private:
@@ -590,10 +595,14 @@ class CudaBackend final : public Backend {
 
   // Attention rows over quantized storage (validated); with score_acc, each row's probabilities
   // summed over the group's query heads are added into the host accumulators (decode rows only).
+  // Rows of quantized attention (launch_quantized_attention); with score_acc, the probabilities of
+  // slots [first[r], slots) added into row r's sequence's host accumulators (first empty: from
+  // 0); with lse_out (decode: row r is sequence r), each sequence's per-query-head log-sum-exp.
   KernelStatus quantized_attention(std::string_view op, const PagedKV& kv, const QuantizedKV& qkv, int layer,
                                    const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
-                                   const std::vector<int32_t>& row_fp, const float* q, float* out, float scale,
-                                   float* const* score_acc) {
+                                   const std::vector<int32_t>& row_fp, const std::vector<int32_t>& first,
+                                   const float* q, float* out, float scale, float* const* score_acc,
+                                   float* const* lse_out) {
     const Geometry& g = kv.geometry;
     const int rows = int(row_seq.size());
     Call call(*this, op);
@@ -613,30 +622,43 @@ class CudaBackend final : public Backend {
     float* dout = nullptr;
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq_in));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
+    auto first_of = [&](int r) { return first.empty() ? 0 : first[r]; };
     std::vector<float> probs;
     float* dprobs = nullptr;
     if (score_acc != nullptr) {
       size_t total = 0;
-      for (int r = 0; r < rows; ++r) total += (size_t(row_quantized[r]) + row_fp[r]) * g.num_kv_heads;
+      for (int r = 0; r < rows; ++r) total += (size_t(row_quantized[r]) + row_fp[r] - first_of(r)) * g.num_kv_heads;
       probs.resize(std::max<size_t>(total, 1));
-      KARAKV_RETURN_IF_ERROR(call.output(probs.data(), total * sizeof(float), &dprobs));
+      if (total > 0) KARAKV_RETURN_IF_ERROR(call.output(probs.data(), total * sizeof(float), &dprobs));
+    }
+    std::vector<float> lse_host;
+    float* dlse = nullptr;
+    if (lse_out != nullptr) {
+      lse_host.resize(size_t(rows) * g.num_q_heads);
+      KARAKV_RETURN_IF_ERROR(call.output(lse_host.data(), lse_host.size() * sizeof(float), &dlse));
     }
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
-      return cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized, row_fp, dq_in, dout,
-                                              scale, dprobs, arena_, stream);
+      return cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized, row_fp, first, dq_in,
+                                              dout, scale, dprobs, dlse, arena_, stream);
     }));
     KARAKV_RETURN_IF_ERROR(call.finish());
+    for (int r = 0; lse_out != nullptr && r < rows; ++r) {
+      // As the CPU backend: a sequence without a slot keeps its normaliser.
+      if (lse_out[row_seq[r]] != nullptr && row_quantized[r] + row_fp[r] > 0)
+        std::copy_n(lse_host.data() + size_t(r) * g.num_q_heads, g.num_q_heads, lse_out[row_seq[r]]);
+    }
     if (score_acc == nullptr) return KernelStatus::ok();
     size_t offset = 0;
     for (int r = 0; r < rows; ++r) {
-      const size_t slots = size_t(row_quantized[r]) + row_fp[r];
+      const int32_t f = first_of(r);
+      const size_t n = size_t(row_quantized[r]) + row_fp[r] - f;
       for (int h = 0; h < g.num_kv_heads; ++h) {
         float* acc = score_acc[size_t(row_seq[r]) * g.num_kv_heads + h];
-        const float* p = probs.data() + offset + size_t(h) * slots;
+        const float* p = probs.data() + offset + size_t(h) * n;
         if (acc != nullptr)
-          for (size_t t = 0; t < slots; ++t) acc[t] += p[t];
+          for (size_t i = 0; i < n; ++i) acc[f + i] += p[i];
       }
-      offset += slots * g.num_kv_heads;
+      offset += n * g.num_kv_heads;
     }
     return KernelStatus::ok();
   }

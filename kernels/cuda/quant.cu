@@ -392,8 +392,9 @@ __global__ void __launch_bounds__(kScoreThreads)
     out[slot] = slot_logit<T, B, kKivi>(kv, qd, layer, seq, nq, head, slot, s_q, s_q + d, scale, s_centroid);
 }
 
-// Softmax of one (row, query head) in place: p = exp(l - max) / sum, the sum in fp64.
-__global__ void quant_softmax_kernel(int hq, Rows rows, float* __restrict__ logits) {
+// Softmax of one (row, query head) in place: p = exp(l - max) / sum, the sum in fp64; with lse
+// ([rows][hq], null: none), the row's log-sum-exp max + log(sum).
+__global__ void quant_softmax_kernel(int hq, Rows rows, float* __restrict__ logits, float* __restrict__ lse) {
   __shared__ float s_max[kThreads / 32];
   __shared__ double s_sum[kThreads / 32];
   const int r = blockIdx.x, j = blockIdx.y;
@@ -416,6 +417,7 @@ __global__ void quant_softmax_kernel(int hq, Rows rows, float* __restrict__ logi
   for (int w = 0; w < kThreads / 32; ++w) sum += s_sum[w];
   const float inv = sum > 0.0 ? float(1.0 / sum) : 0.0f;
   for (int t = threadIdx.x; t < n; t += blockDim.x) p[t] *= inv;
+  if (lse != nullptr && n > 0 && threadIdx.x == 0) lse[size_t(r) * hq + j] = mx + float(log(sum));
 }
 
 // Values over slots [split * slots_per_split, ...) of (row, query head): one thread per channel;
@@ -484,16 +486,18 @@ __global__ void quant_combine_kernel(int hq, int hk, int d, int layer, int num_s
   out[(size_t(r) * hq + j) * d + c] = quantized + fp;
 }
 
-// For score_acc: per (row, KV head, slot) the probabilities summed over the group's query heads.
+// For score_acc: per (row, KV head, slot t >= first[r]) the probabilities summed over the group's
+// query heads.
 __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float* __restrict__ probs,
-                                         const long long* __restrict__ group_offset, float* __restrict__ group_probs) {
+                                         const int32_t* __restrict__ first, const long long* __restrict__ group_offset,
+                                         float* __restrict__ group_probs) {
   const int r = blockIdx.x, h = blockIdx.y, g = hq / hk;
-  const int n = slots_of(rows, r);
+  const int n = slots_of(rows, r), f = first[r], m = n - f;
   const float* p = probs + rows.offset[r];
-  for (int t = blockIdx.z * blockDim.x + threadIdx.x; t < n; t += gridDim.z * blockDim.x) {
+  for (int i = blockIdx.z * blockDim.x + threadIdx.x; i < m; i += gridDim.z * blockDim.x) {
     float sum = 0.0f;
-    for (int j = 0; j < g; ++j) sum += p[size_t(h * g + j) * n + t];
-    group_probs[group_offset[r] + size_t(h) * n + t] = sum;
+    for (int j = 0; j < g; ++j) sum += p[size_t(h * g + j) * n + f + i];
+    group_probs[group_offset[r] + size_t(h) * m + i] = sum;
   }
 }
 
@@ -587,8 +591,9 @@ KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const Devi
 
 KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
                                         const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
-                                        const std::vector<int32_t>& row_fp, const float* query, float* out, float scale,
-                                        float* group_probs, Arena& arena, cudaStream_t stream) {
+                                        const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
+                                        const float* query, float* out, float scale, float* group_probs, float* lse,
+                                        Arena& arena, cudaStream_t stream) {
   const int num_rows = int(row_seq.size());
   if (num_rows == 0) return KernelStatus::ok();
   const int hq = kv.num_q_heads, hk = kv.num_kv_heads, d = kv.head_dim;
@@ -600,6 +605,11 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
   // Chunks of rows whose logits fit kChunkLogits; each row's logits offset is relative to its chunk.
   std::vector<int> chunk_begin{0}, chunk_max;
   std::vector<long long> offset(num_rows), group_offset(num_rows);
+  std::vector<int32_t> first = row_first;
+  if (first.empty()) first.assign(num_rows, 0);
+  if (int(first.size()) != num_rows)
+    return KernelStatus::invalid("cuda quantized attention: " + std::to_string(first.size()) + " first slots for " +
+                                 std::to_string(num_rows) + " rows");
   long long used = 0, group_total = 0, largest = 0;
   int max_slots = 0;
   for (int r = 0; r < num_rows; ++r) {
@@ -615,19 +625,22 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
     largest = std::max(largest, used);
     max_slots = std::max<int>(max_slots, int(slots));
     group_offset[r] = group_total;
-    group_total += slots * hk;
+    group_total += (slots - first[r]) * hk;
   }
   chunk_max.push_back(max_slots);
   chunk_begin.push_back(num_rows);
 
   const int32_t *dseq = nullptr, *dquant = nullptr, *dfp = nullptr;
   const long long *doffset = nullptr, *dgroup = nullptr;
+  const int32_t* dfirst = nullptr;
   if (auto st = upload(row_seq, &dseq, arena, stream); !st.is_ok()) return st;
   if (auto st = upload(row_quantized, &dquant, arena, stream); !st.is_ok()) return st;
   if (auto st = upload(row_fp, &dfp, arena, stream); !st.is_ok()) return st;
   if (auto st = upload(offset, &doffset, arena, stream); !st.is_ok()) return st;
-  if (group_probs != nullptr)
+  if (group_probs != nullptr) {
     if (auto st = upload(group_offset, &dgroup, arena, stream); !st.is_ok()) return st;
+    if (auto st = upload(first, &dfirst, arena, stream); !st.is_ok()) return st;
+  }
 
   size_t max_chunk_rows = 0, max_part = 0;
   for (size_t i = 0; i + 1 < chunk_begin.size(); ++i) {
@@ -665,7 +678,8 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
                                          (kKivi ? 1 : 2) * d * sizeof(float), stream>>>(kv, q, layer, chunk, cq, qrot, scale,
                                                                                      book, logits);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention logits");
-      quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits);
+      quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits,
+                                                                   lse != nullptr ? lse + size_t(r0) * hq : nullptr);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
       const int per_split = split_slots(slots), splits = std::max(1, ceil_div(slots, per_split));
       const int threads = (d + 31) / 32 * 32;
@@ -677,7 +691,8 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention combine");
       if (group_probs != nullptr) {
         const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
-        quant_group_probs_kernel<<<grid, kThreads, 0, stream>>>(hq, hk, chunk, logits, dgroup + r0, group_probs);
+        quant_group_probs_kernel<<<grid, kThreads, 0, stream>>>(hq, hk, chunk, logits, dfirst + r0, dgroup + r0,
+                                                                group_probs);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention probabilities");
       }
     }

@@ -57,12 +57,17 @@ KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const Devi
 // tokens (q.table_offset) then its first row_fp[r] unquantized slots. Host arrays; the launcher
 // uploads them and works through the rows in chunks so that its scratch stays bounded.
 //   q, out:      device [rows][num_q_heads][head_dim] fp32
+//   row_first:   empty (every slot) or host [rows]: the first slot whose probability group_probs gets
 //   group_probs: null, or device receiving for row r and KV head h the attention probabilities of
-//                its slots summed over the group's query heads, at
-//                group_offset(r) + h * slots(r) + t, group_offset(r) = sum_{r' < r} slots(r') * num_kv_heads
+//                its slots t >= first(r) summed over the group's query heads, at
+//                group_offset(r) + h * (slots(r) - first(r)) + t - first(r),
+//                group_offset(r) = sum_{r' < r} (slots(r') - first(r')) * num_kv_heads
+//   lse:         null, or device [rows][num_q_heads]: each query head's log-sum-exp of its scaled
+//                logits (rows without a slot are not written)
 KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
                                         const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
-                                        const std::vector<int32_t>& row_fp, const float* query, float* out, float scale,
-                                        float* group_probs, Arena& arena, cudaStream_t stream);
+                                        const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
+                                        const float* query, float* out, float scale, float* group_probs, float* lse,
+                                        Arena& arena, cudaStream_t stream);
 
 }  // namespace karakv::kernels::cuda

@@ -637,9 +637,9 @@ TEST_P(BackendOpsTest, QuantizedAttention) {
     rqb.upload(query);
     for (int layer : {0, 2}) {
       ASSERT_TRUE(backend_->decode_attention_quantized(kv, qkv, layer, qb.get<float>(), ob.get<float>(), 0.125f,
-                                                       nullptr).is_ok());
+                                                       nullptr, nullptr, nullptr).is_ok());
       ASSERT_TRUE(reference_->decode_attention_quantized(rkv, qkv, layer, rqb.get<float>(), rob.get<float>(), 0.125f,
-                                                         nullptr).is_ok());
+                                                         nullptr, nullptr, nullptr).is_ok());
       EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kQuantizedAttention))
           << "decode, layer " << layer;
     }
@@ -655,12 +655,37 @@ TEST_P(BackendOpsTest, QuantizedAttention) {
       refp.push_back(i == 13 ? nullptr : ref[i].data());
     }
     ASSERT_TRUE(backend_->decode_attention_quantized(kv, qkv, 1, qb.get<float>(), ob.get<float>(), 0.125f,
-                                                     accp.data()).is_ok());
+                                                     accp.data(), nullptr, nullptr).is_ok());
     ASSERT_TRUE(reference_->decode_attention_quantized(rkv, qkv, 1, rqb.get<float>(), rob.get<float>(), 0.125f,
-                                                       refp.data()).is_ok());
+                                                       refp.data(), nullptr, nullptr).is_ok());
     EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kQuantizedAttention));
     for (size_t i = 0; i < acc.size(); ++i)
       EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kQuantizedAttention)) << "accumulator row " << i;
+
+    // Kara's decode observers over quantized storage: accumulation from acc_begin (in the quantized
+    // part, in the unquantized tail, at the end, and 0) and each query head's log-sum-exp, one
+    // sequence without one.
+    std::vector<int32_t> begin(num_seqs);
+    for (int s = 0; s < num_seqs; ++s) {
+      const int32_t slots = qkv.quantized(s) + q.fp_len[s];
+      begin[s] = s % 4 == 0 ? 0 : s % 4 == 1 ? slots : s % 4 == 2 ? std::min(slots, qkv.quantized(s) + 3) : slots / 3;
+    }
+    std::vector<std::vector<float>> lse(num_seqs, std::vector<float>(geo_.num_q_heads, -5.0f)), rlse = lse;
+    std::vector<float*> lsep, rlsep;
+    for (int s = 0; s < num_seqs; ++s) {
+      lsep.push_back(s == 1 ? nullptr : lse[s].data());
+      rlsep.push_back(s == 1 ? nullptr : rlse[s].data());
+    }
+    ASSERT_TRUE(backend_->decode_attention_quantized(kv, qkv, 1, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                     accp.data(), begin.data(), lsep.data()).is_ok());
+    ASSERT_TRUE(reference_->decode_attention_quantized(rkv, qkv, 1, rqb.get<float>(), rob.get<float>(), 0.125f,
+                                                       refp.data(), begin.data(), rlsep.data()).is_ok());
+    EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kQuantizedAttention));
+    for (size_t i = 0; i < acc.size(); ++i)
+      EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kQuantizedAttention)) << "accumulator row " << i;
+    for (int s = 0; s < num_seqs; ++s)
+      EXPECT_LE(max_abs_diff(lse[s], rlse[s]), tolerance(Op::kQuantizedAttention)) << "lse of sequence " << s;
+    EXPECT_EQ(lse[1], std::vector<float>(geo_.num_q_heads, -5.0f)) << "a null lse pointer was written";
 
     for (int seq : {4, 5}) {
       ASSERT_GT(qkv.quantized(seq), 0);
@@ -756,8 +781,8 @@ TEST_P(BackendOpsTest, InvalidArgumentsAreRefusedLikeTheReference) {
     same(backend_->quantize_tokens(kv, 9, 0, qkv, spare), reference_->quantize_tokens(rkv, 9, 0, qkv, spare));
     same(backend_->dequantize_block(kv, wrong, spare, out.data(), out.data()),
          reference_->dequantize_block(rkv, wrong, spare, out.data(), out.data()));
-    same(backend_->decode_attention_quantized(kv, qkv, 3, q.data(), out.data(), 1.0f, nullptr),
-         reference_->decode_attention_quantized(rkv, qkv, 3, q.data(), out.data(), 1.0f, nullptr));
+    same(backend_->decode_attention_quantized(kv, qkv, 3, q.data(), out.data(), 1.0f, nullptr, nullptr, nullptr),
+         reference_->decode_attention_quantized(rkv, qkv, 3, q.data(), out.data(), 1.0f, nullptr, nullptr, nullptr));
     same(backend_->causal_attention_quantized(kv, qkv, 4, 0, 301, q.data(), out.data(), 1.0f),
          reference_->causal_attention_quantized(rkv, qkv, 4, 0, 301, q.data(), out.data(), 1.0f));
   }

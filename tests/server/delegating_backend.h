@@ -117,9 +117,10 @@ class DelegatingBackend : public kernels::Backend {
     return inner_->dequantize_block(kv, q, block, k, v);
   }
   KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
-                                          float* out, float scale, float* const* score_acc) override {
+                                          float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                          float* const* lse) override {
     Guard in_call(*this);
-    return inner_->decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc);
+    return inner_->decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc, acc_begin, lse);
   }
   KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
                                           int num_queries, const float* q, float* out, float scale) override {

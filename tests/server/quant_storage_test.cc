@@ -227,9 +227,10 @@ class CallSizesBackend final : public karakv::testing::DelegatingBackend {
     return DelegatingBackend::decode_attention(kv, layer, q, out, scale);
   }
   KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
-                                          float* out, float scale, float* const* score_acc) override {
+                                          float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                          float* const* lse) override {
     if (layer == 0) calls_->emplace_back('q', kv.num_seqs);
-    return DelegatingBackend::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc);
+    return DelegatingBackend::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc, acc_begin, lse);
   }
 
  private:
@@ -303,6 +304,79 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   const PolicyStats& ps = st.policies.at("kara+kivi4");
   EXPECT_GT(double(ps.fp16_bytes) / double(ps.kv_bytes), 2.0);
   EXPECT_EQ(ps.nominal_ratio, 4.0);
+}
+
+// What the decode and window scorers are handed for Kara's observers over quantized storage.
+class ObserverSpyBackend final : public karakv::testing::DelegatingBackend {
+ public:
+  struct Seen {
+    int quantized_calls = 0, with_begin = 0, with_lse = 0, begin_inside_quantized = 0;
+    int window_rows = 0, window_rows_normalised = 0;
+  };
+  explicit ObserverSpyBackend(Seen* seen) : DelegatingBackend(kernels::make_cpu_backend(1)), seen_(seen) {}
+  KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
+                                          float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
+                                          float* const* lse) override {
+    ++seen_->quantized_calls;
+    bool any_lse = false;
+    for (int s = 0; lse != nullptr && s < kv.num_seqs; ++s) any_lse |= lse[s] != nullptr;
+    seen_->with_lse += any_lse;
+    if (acc_begin != nullptr) {
+      ++seen_->with_begin;
+      for (int s = 0; s < kv.num_seqs; ++s) seen_->begin_inside_quantized += acc_begin[s] < qkv.quantized(s);
+    }
+    return DelegatingBackend::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc, acc_begin, lse);
+  }
+  KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
+                                      const float* q, float scale, const float* lse, bool later_keys_only,
+                                      float* out) override {
+    const int hq = kv.geometry.num_q_heads;
+    for (int t = 0; t < window; ++t) {
+      bool normalised = lse != nullptr;
+      for (int j = 0; normalised && j < hq; ++j) normalised = std::isfinite(lse[size_t(t) * hq + j]);
+      ++seen_->window_rows;
+      seen_->window_rows_normalised += normalised;
+    }
+    return DelegatingBackend::window_scores_observed(kv, seq, layer, slot_begin, window, q, scale, lse,
+                                                     later_keys_only, out);
+  }
+
+ private:
+  Seen* seen_;
+};
+
+// Kara's norm = full over quantized storage: a decode step over quantized blocks records each query
+// head's log-sum-exp, so every window query Kara scores is divided by its own decode step's
+// normaliser (none falls back to the window's softmax), and the decode observers accumulate only
+// Kara's tail, which is never quantized.
+TEST(QuantStorageCompositionTest, KaraNormFullAndDecodeObserversWorkOverQuantizedBlocks) {
+  ObserverSpyBackend::Seen seen;
+  CoreConfig c;
+  c.geometry = geometry();
+  c.pool_bytes = 512ll * c.geometry.block_bytes();
+  auto reg = std::move(*Core::create(c, std::make_unique<ObserverSpyBackend>(&seen)));
+  const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  SequenceOptions o;
+  o.policy = "kara+kivi4";
+  o.params = {{"window", 64}, {"period", 4}, {"recent", 32}, {"residual", 16}, {"norm", 1}, {"observers", 2}};
+  const uint64_t seq = *reg->create_sequence(session, o);
+  const auto& g = reg->geometry();
+  std::vector<uint8_t> k(reg->append_bytes(40)), v(k.size());
+  synthetic::fill_prompt(k.data(), g, 3, Tensor::kKey, seq, 0, 40);
+  synthetic::fill_prompt(v.data(), g, 3, Tensor::kValue, seq, 0, 40);
+  ASSERT_TRUE(reg->append(session, seq, 40, k, v).ok());
+  for (int64_t pos = 40; pos < 500; ++pos) ASSERT_TRUE(step_token(*reg, session, seq, seq, 3, pos).ok());
+  const SequenceInfo info = reg->inspect(seq)->first;
+  EXPECT_GE(info.compactions, 4);
+  EXPECT_GT(info.quantized, 0);
+  EXPECT_EQ(reg->stats().policies.at("kara+kivi4").failures, 0u);
+  EXPECT_GT(seen.quantized_calls, 0);
+  EXPECT_EQ(seen.with_lse, seen.quantized_calls);
+  EXPECT_EQ(seen.with_begin, seen.quantized_calls);
+  EXPECT_EQ(seen.begin_inside_quantized, 0);
+  EXPECT_GT(seen.window_rows, 0);
+  EXPECT_EQ(seen.window_rows_normalised, seen.window_rows);
+  EXPECT_TRUE(reg->check_invariants().ok()) << reg->check_invariants();
 }
 
 // The window Kara scores is never quantized, so quantizing the prompt and the compressed region

@@ -245,13 +245,18 @@ class Backend {
     return KernelStatus::unsupported("dequantize_block");
   }
 
-  // decode_attention (and, with score_acc non-null, its accumulation) over each sequence's
-  // quantized tokens followed by its kv.seq_len[s] unquantized ones, straight from the codes.
-  //   q, out: [num_seqs][num_q_heads][head_dim] fp32; score_acc as decode_attention_accumulate,
-  //   each row covering quantized + unquantized slots, every slot accumulated (no acc_begin)
+  // decode_attention over each sequence's quantized tokens followed by its kv.seq_len[s]
+  // unquantized ones, straight from the codes; with score_acc, acc_begin and lse as
+  // decode_attention_observe, slots counted over the whole sequence (quantized ones first).
+  //   q, out: [num_seqs][num_q_heads][head_dim] fp32
+  //   score_acc: null, or [num_seqs * num_kv_heads] pointers, each null or to
+  //              qkv.quantized(s) + seq_len[s] floats
+  //   acc_begin: null (from slot 0) or [num_seqs], 0 <= acc_begin[s] <= qkv.quantized(s) + seq_len[s]
+  //   lse: null, or [num_seqs] pointers, each null or to [num_q_heads] fp32 (Kara's norm = full)
   virtual KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer,
                                                   const float* q, float* out, float scale,
-                                                  float* const* score_acc) {
+                                                  float* const* score_acc, const int32_t* acc_begin,
+                                                  float* const* lse) {
     return KernelStatus::unsupported("decode_attention_quantized");
   }
 
