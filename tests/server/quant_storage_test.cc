@@ -52,6 +52,15 @@ absl::Status step_token(Core& reg, const std::string& session, uint64_t seq, uin
   return step_tokens(reg, session, {seq}, {key}, {pos}, seed, outs);
 }
 
+// Appends an n-token prompt to seq (values keyed by `key`, seeded by `seed`).
+absl::Status append_prompt(Core& reg, const std::string& session, uint64_t seq, uint64_t key, uint64_t seed, int n) {
+  const auto& g = reg.geometry();
+  std::vector<uint8_t> k(reg.append_bytes(n)), v(k.size());
+  synthetic::fill_prompt(k.data(), g, seed, Tensor::kKey, key, 0, n);
+  synthetic::fill_prompt(v.data(), g, seed, Tensor::kValue, key, 0, n);
+  return reg.append(session, seq, n, k, v).status();
+}
+
 class QuantStorageFixture : public ::testing::Test {
  protected:
   void SetUp() override { start(kernels::make_cpu_backend(2)); }
@@ -73,13 +82,7 @@ class QuantStorageFixture : public ::testing::Test {
     return *id;
   }
 
-  void append(uint64_t seq, int n) {
-    const auto& g = reg_->geometry();
-    std::vector<uint8_t> k(reg_->append_bytes(n)), v(k.size());
-    synthetic::fill_prompt(k.data(), g, 7, Tensor::kKey, seq, 0, n);
-    synthetic::fill_prompt(v.data(), g, 7, Tensor::kValue, seq, 0, n);
-    ASSERT_TRUE(reg_->append(session_, seq, n, k, v).ok());
-  }
+  void append(uint64_t seq, int n) { ASSERT_TRUE(append_prompt(*reg_, session_, seq, seq, 7, n).ok()); }
 
   // Dense K/V as the model sees them (dequantized), [L][T][Hk][D] as doubles.
   void read(uint64_t seq, std::vector<double>* k, std::vector<double>* v, int* n) {
@@ -284,11 +287,7 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   o.policy = "kara+kivi4";
   o.params = {{"window", 64}, {"period", 4}, {"recent", 0}, {"residual", 16}};  // B = 16: one block per window
   const uint64_t seq = *reg->create_sequence(session, o);
-  const auto& g = reg->geometry();
-  std::vector<uint8_t> k(reg->append_bytes(40)), v(k.size());
-  synthetic::fill_prompt(k.data(), g, 3, Tensor::kKey, seq, 0, 40);
-  synthetic::fill_prompt(v.data(), g, 3, Tensor::kValue, seq, 0, 40);
-  ASSERT_TRUE(reg->append(session, seq, 40, k, v).ok());
+  ASSERT_TRUE(append_prompt(*reg, session, seq, seq, 3, 40).ok());
   for (int64_t pos = 40; pos < 400; ++pos) {
     ASSERT_TRUE(step_token(*reg, session, seq, seq, 3, pos).ok());
     ASSERT_TRUE(reg->check_invariants().ok()) << reg->check_invariants();
@@ -360,11 +359,7 @@ TEST(QuantStorageCompositionTest, KaraNormFullAndDecodeObserversWorkOverQuantize
   o.policy = "kara+kivi4";
   o.params = {{"window", 64}, {"period", 4}, {"recent", 32}, {"residual", 16}, {"norm", 1}, {"observers", 2}};
   const uint64_t seq = *reg->create_sequence(session, o);
-  const auto& g = reg->geometry();
-  std::vector<uint8_t> k(reg->append_bytes(40)), v(k.size());
-  synthetic::fill_prompt(k.data(), g, 3, Tensor::kKey, seq, 0, 40);
-  synthetic::fill_prompt(v.data(), g, 3, Tensor::kValue, seq, 0, 40);
-  ASSERT_TRUE(reg->append(session, seq, 40, k, v).ok());
+  ASSERT_TRUE(append_prompt(*reg, session, seq, seq, 3, 40).ok());
   for (int64_t pos = 40; pos < 500; ++pos) ASSERT_TRUE(step_token(*reg, session, seq, seq, 3, pos).ok());
   const SequenceInfo info = reg->inspect(seq)->first;
   EXPECT_GE(info.compactions, 4);
@@ -396,11 +391,7 @@ TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedSt
     o.params = {{"window", 64}, {"period", 4}, {"recent", 0}, {"observers", 0}};
     if (quantized) o.params["residual"] = 0;
     const uint64_t seq = *reg->create_sequence(session, o);
-    const auto& g = reg->geometry();
-    std::vector<uint8_t> k(reg->append_bytes(100)), v(k.size());
-    synthetic::fill_prompt(k.data(), g, 5, Tensor::kKey, 1, 0, 100);
-    synthetic::fill_prompt(v.data(), g, 5, Tensor::kValue, 1, 0, 100);
-    ASSERT_TRUE(reg->append(session, seq, 100, k, v).ok());
+    ASSERT_TRUE(append_prompt(*reg, session, seq, 1, 5, 100).ok());
     for (int64_t pos = 100; pos < 330; ++pos) ASSERT_TRUE(step_token(*reg, session, seq, 1, 5, pos).ok());
     const SequenceInfo info = reg->inspect(seq)->first;
     EXPECT_GE(info.compactions, 2);
