@@ -18,10 +18,10 @@ KernelStatus validate_write_kv(const PagedKV& kv, int seq, int start_pos, int nu
 // decode_attention and decode_attention_accumulate (`op` names which).
 KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, const float* q, const float* out,
                              long long pool_blocks);
-// The accumulators of decode_attention_accumulate / _observe: score_acc non-null, and acc_begin
-// null or each acc_begin[s] in [0, seq_len[s]]. After validate_decode.
-// With qkv (decode_attention_quantized), a sequence's slots are its quantized tokens and then
-// its seq_len[s] unquantized ones.
+// The accumulators of decode_attention_accumulate / _observe / _quantized: score_acc non-null,
+// and acc_begin null or each acc_begin[s] in [0, slots of s]. After validate_decode.
+// Slots of s: seq_len[s] without qkv; with qkv (decode_attention_quantized), its quantized tokens
+// and then its seq_len[s] unquantized ones.
 KernelStatus validate_accumulators(std::string_view op, const PagedKV& kv, float* const* score_acc,
                                    const int32_t* acc_begin, const QuantizedKV* qkv = nullptr);
 // Of validated accumulators: per sequence, the first slot whose probability is wanted, acc_begin[s]

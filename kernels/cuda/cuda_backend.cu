@@ -593,11 +593,11 @@ class CudaBackend final : public Backend {
     return KernelStatus::ok();
   }
 
-  // Attention rows over quantized storage (validated); with score_acc, each row's probabilities
-  // summed over the group's query heads are added into the host accumulators (decode rows only).
-  // Rows of quantized attention (launch_quantized_attention); with score_acc, the probabilities of
-  // slots [first[r], slots) added into row r's sequence's host accumulators (first empty: from
-  // 0); with lse_out (decode: row r is sequence r), each sequence's per-query-head log-sum-exp.
+  // Rows of quantized attention (launch_quantized_attention, arguments validated); with score_acc,
+  // the probabilities of slots [first[r], slots) summed over each KV head's query heads and added
+  // into row r's sequence's host accumulators (first empty: from 0); with lse_out, each sequence's
+  // per-query-head log-sum-exp. first is indexed by row and lse_out by sequence: both are meant for
+  // decode, where row r is sequence r (the causal path passes neither).
   KernelStatus quantized_attention(std::string_view op, const PagedKV& kv, const QuantizedKV& qkv, int layer,
                                    const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
                                    const std::vector<int32_t>& row_fp, const std::vector<int32_t>& first,
@@ -605,6 +605,9 @@ class CudaBackend final : public Backend {
                                    float* const* lse_out) {
     const Geometry& g = kv.geometry;
     const int rows = int(row_seq.size());
+    if (!first.empty() && first.size() != row_seq.size())
+      return KernelStatus::invalid(std::string(op) + ": " + std::to_string(first.size()) +
+                                   " first observed slots for " + std::to_string(rows) + " rows (one per row)");
     Call call(*this, op);
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
