@@ -1,8 +1,11 @@
 // KIVI and TurboQuant over one run, and CaM's merge (quant.h has the layouts and the math). The
 // format's bit width becomes a compile-time constant in one dispatch helper, so code packing and
 // the per-element loops are specialised per width. Codes are packed eight at a time (8 codes of b
-// bits are exactly b bytes, for b = 2, 3 and 4 alike) and decoded straight to floats (a byte table
-// for 2 and 4 bits), so the arithmetic loops run over plain float arrays.
+// bits are exactly b bytes, for b = 2, 3 and 4 alike). With AVX2 (the x86 build) eight codes
+// become the eight lanes of a vector (shifted, masked, converted or looked up among the centroids)
+// and the attention kernels keep up to four query heads' sums in registers; the scalar paths
+// (a byte table for 2 and 4 bits) serve other builds. Both give each head the same operations in
+// the same order whatever the number of heads.
 #include "quant.h"
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include "../common/dispatch.h"
 #include "../common/quant_codebook.h"
 #include "karakv/kernels/half.h"
+#include "simd.h"
 
 namespace karakv::kernels::cpu {
 namespace {
@@ -67,9 +71,56 @@ struct ByteTable {
   }
 };
 
+#if KARAKV_CPU_AVX2
+// Eight B-bit codes (B bytes, LSB first) as the eight 32-bit lanes of a vector: the word's bits
+// shifted right by 0, B, ..., 7B and masked.
+template <int B>
+inline __m256i codes8(const uint8_t* src) {
+  // Whole loads only: a B-byte memcpy into a zeroed word is a partial store and a wider reload,
+  // which stalls on store forwarding for B = 3.
+  uint32_t word;
+  if constexpr (B == 4) {
+    std::memcpy(&word, src, 4);
+  } else {
+    uint16_t low;
+    std::memcpy(&low, src, 2);
+    word = B == 2 ? uint32_t(low) : uint32_t(low) | uint32_t(src[2]) << 16;
+  }
+  const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts), _mm256_set1_epi32((1 << B) - 1));
+}
+
+// The centroids of codes [0, 8) and [8, 16) (2 and 3 bits use the first row only).
+template <int B>
+struct CentroidRows {
+  alignas(32) float row[2][8];
+  constexpr CentroidRows() : row() {
+    for (int k = 0; k < (1 << B); ++k) row[k / 8][k % 8] = Codebook<B>::centroid[k];
+  }
+};
+
+// code_value of eight codes: a lane permute of the centroids (4 bits: two, blended on bit 3).
+template <int B, bool kCentroid>
+inline __m256 values8(__m256i codes) {
+  if constexpr (!kCentroid) {
+    return _mm256_cvtepi32_ps(codes);
+  } else {
+    static constexpr CentroidRows<B> kRows;
+    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kRows.row[0]), codes);
+    if constexpr (B <= 3) return lo;
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kRows.row[1]), codes);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+  }
+}
+#endif
+
 // out[i] = code_value(code i) for the codes [0, count) packed at src; count a multiple of 8.
 template <int B, bool kCentroid>
 void decode_codes(const uint8_t* src, int count, float* out) {
+#if KARAKV_CPU_AVX2
+  for (int i = 0; i < count; i += 8) _mm256_storeu_ps(out + i, values8<B, kCentroid>(codes8<B>(src + i / 8 * B)));
+  return;
+#endif
   if constexpr (B == 3) {
     for (int i = 0; i < count; i += 8) {
       const uint32_t word = uint32_t(src[0]) | uint32_t(src[1]) << 8 | uint32_t(src[2]) << 16;
@@ -88,7 +139,14 @@ uint16_t load_half_bits(const uint8_t* p) {
   std::memcpy(&h, p, 2);
   return h;
 }
-float load_half(const uint8_t* p) { return half_to_float(load_half_bits(p)); }
+// F16C where the build has it: the same value as half_to_float for every non-NaN half.
+float load_half(const uint8_t* p) {
+#if KARAKV_CPU_AVX2
+  return _cvtsh_ss(load_half_bits(p));
+#else
+  return half_to_float(load_half_bits(p));
+#endif
+}
 void store_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
 
 // ---- sizes and validation --------------------------------------------------------------------
@@ -193,6 +251,31 @@ const float* signs_for(QuantScratch& scratch, uint64_t seed, int d) {
 
 // In-place unnormalised Walsh-Hadamard transform (x <- H x), d a power of two.
 void fwht(float* x, int d) {
+#if KARAKV_CPU_AVX2
+  if (d >= 8) {
+    // The same butterflies in the same order, eight lanes at a time: strides 1, 2 and 4 inside each
+    // vector (the partner lanes permuted in; a + b on the low lane of a pair, a - b on the high
+    // one), then whole vectors.
+    for (int i = 0; i < d; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      __m256 t = _mm256_permute_ps(v, 0xB1);  // lanes 1 0 3 2 ...
+      v = _mm256_blend_ps(_mm256_add_ps(v, t), _mm256_sub_ps(t, v), 0xAA);
+      t = _mm256_permute_ps(v, 0x4E);  // lanes 2 3 0 1 ...
+      v = _mm256_blend_ps(_mm256_add_ps(v, t), _mm256_sub_ps(t, v), 0xCC);
+      t = _mm256_permute2f128_ps(v, v, 0x01);  // halves swapped
+      v = _mm256_blend_ps(_mm256_add_ps(v, t), _mm256_sub_ps(t, v), 0xF0);
+      _mm256_storeu_ps(x + i, v);
+    }
+    for (int h = 8; h < d; h <<= 1)
+      for (int i = 0; i < d; i += 2 * h)
+        for (int j = i; j < i + h; j += 8) {
+          const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
+          _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
+          _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
+        }
+    return;
+  }
+#endif
   for (int h = 1; h < d; h <<= 1)
     for (int i = 0; i < d; i += 2 * h)
       for (int j = i; j < i + h; ++j) {
@@ -332,10 +415,78 @@ void kivi_dequantize_values(const uint8_t* run, int n, int d, float* x) {
 // Per group and head m: acc[t] = sum_c (q_mc s_c) code_tc, bias = sum_c q_mc z_c,
 // scores[m][t] = scale * (acc + bias). Each channel's codes are decoded once for all heads.
 //   q: [heads][d]; scores: head m's at scores + m * stride
+#if KARAKV_CPU_AVX2
+// Heads of register tiles: each head keeps its own accumulators, so a head's sums are the same
+// operations in the same order whichever tile it is in (quant.h: head m gives what its own call
+// gives).
+constexpr int kHeadTile = 4;
+
+// The heads [0, H) of one key group: scores[h * stride + t] = scale * (sum_c qs[h][c] code_tc +
+// bias[h]) for the group's 32 tokens, eight tokens (one vector of codes of a channel) at a time.
+//   codes: the group's [d][32 * B / 8] codes; qs: [H][d] at qs + h * d; bias: [H]
+template <int B, int H>
+void kivi_key_tile(const uint8_t* codes, int d, const float* qs, const float* bias, float scale, float* scores,
+                   size_t stride) {
+  constexpr int kChannelBytes = kKiviGroup * B / 8;
+  for (int t8 = 0; t8 < kKiviGroup / 8; ++t8) {
+    __m256 acc[H];
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+    const uint8_t* src = codes + t8 * B;
+    for (int c = 0; c < d; ++c, src += kChannelBytes) {
+      const __m256 v = values8<B, false>(codes8<B>(src));
+      for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + size_t(h) * d + c), v, acc[h]);
+    }
+    for (int h = 0; h < H; ++h)
+      _mm256_storeu_ps(scores + h * stride + t8 * 8,
+                       _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_add_ps(acc[h], _mm256_set1_ps(bias[h]))));
+  }
+}
+
+// Calls tile(std::integral_constant<int, H>, h0) for the heads [h0, h0 + H) in tiles of at most
+// kHeadTile.
+template <typename Tile>
+void for_head_tiles(int heads, Tile&& tile) {
+  for (int h0 = 0; h0 < heads; h0 += kHeadTile) {
+    switch (std::min(kHeadTile, heads - h0)) {
+      case 1: tile(std::integral_constant<int, 1>{}, h0); break;
+      case 2: tile(std::integral_constant<int, 2>{}, h0); break;
+      case 3: tile(std::integral_constant<int, 3>{}, h0); break;
+      default: tile(std::integral_constant<int, 4>{}, h0); break;
+    }
+  }
+}
+#endif
+
 template <int B>
 void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, int heads, float scale, float* scores,
                      size_t stride) {
   QuantScratch& scratch = scratch_for(d);
+#if KARAKV_CPU_AVX2
+  {
+    // Per group: qs[m][c] = q_mc * s_c and bias[m] = sum_c q_mc z_c (scalar, in channel order), then
+    // the codes in register tiles of heads.
+    float* qs = heads_buffer(scratch, size_t(heads) * (d + 1));
+    float* bias = qs + size_t(heads) * d;
+    const size_t record = kivi_key_group_bytes(B, d);
+    for (int g = 0; g < n / kKiviGroup; ++g) {
+      const uint8_t* rec = run + g * record;
+      for (int m = 0; m < heads; ++m) bias[m] = 0.0f;
+      for (int c = 0; c < d; ++c) {
+        const float sc = load_half(rec + 2 * c), z = load_half(rec + 2 * (d + c));
+        for (int m = 0; m < heads; ++m) {
+          const float qc = q[size_t(m) * d + c];
+          qs[size_t(m) * d + c] = qc * sc;
+          bias[m] += qc * z;
+        }
+      }
+      for_head_tiles(heads, [&](auto tile, int h0) {
+        kivi_key_tile<B, decltype(tile)::value>(rec + 4 * d, d, qs + size_t(h0) * d, bias + h0, scale,
+                                                scores + h0 * stride + g * kKiviGroup, stride);
+      });
+    }
+    return;
+  }
+#endif
   float* codes = scratch.decoded.data();  // [32]: one channel of the group
   float* acc = heads_buffer(scratch, size_t(heads) * (kKiviGroup + 1));  // [heads][32], then bias [heads]
   float* bias = acc + size_t(heads) * kKiviGroup;
@@ -360,12 +511,59 @@ void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, int heads
   }
 }
 
+#if KARAKV_CPU_AVX2
+// The heads [0, H) of eight channels c8 * 8 of one run: out[h][c] += sum_t (p_ht s_tg) code_tc +
+// bias[h], codes read eight channels at a time and summed in registers over the tokens.
+//   p: head h's weights at p + h * stride; sz: [n][2] (scale, zero) of the channels' group
+template <int B, int H>
+void kivi_value_tile(const uint8_t* codes, size_t record, int n, const float* p, size_t stride, const float* sz,
+                     const float* bias, float* out, int d) {
+  __m256 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+  for (int t = 0; t < n; ++t) {
+    const __m256 v = values8<B, false>(codes8<B>(codes + t * record));
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + t] * sz[2 * t]), v, acc[h]);
+  }
+  for (int h = 0; h < H; ++h) {
+    float* o = out + size_t(h) * d;
+    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(acc[h], _mm256_set1_ps(bias[h]))));
+  }
+}
+#endif
+
 //   p: head m's weights at p + m * stride; out: [heads][d]
 template <int B>
 void kivi_value_accumulate(const uint8_t* run, int n, int d, const float* p, int heads, size_t stride, float* out) {
-  float* codes = scratch_for(d).decoded.data();  // [d]
   const int groups = d / kKiviGroup;
   const size_t record = kivi_value_token_bytes(B, d);
+#if KARAKV_CPU_AVX2
+  {
+    // Per group: every token's (scale, zero) widened once, bias[m] = sum_t p_mt z_tg (scalar, in
+    // token order), then eight channels at a time in register tiles of heads.
+    QuantScratch& scratch = scratch_for(d);
+    float* sz = heads_buffer(scratch, size_t(n) * 2 + heads);
+    float* bias = sz + size_t(n) * 2;
+    for (int g = 0; g < groups; ++g) {
+      for (int t = 0; t < n; ++t) {
+        sz[2 * t] = load_half(run + t * record + 2 * g);
+        sz[2 * t + 1] = load_half(run + t * record + 2 * (groups + g));
+      }
+      for (int m = 0; m < heads; ++m) {
+        float b = 0.0f;
+        for (int t = 0; t < n; ++t) b += p[m * stride + t] * sz[2 * t + 1];
+        bias[m] = b;
+      }
+      for (int c8 = g * kKiviGroup / 8; c8 < (g + 1) * kKiviGroup / 8; ++c8) {
+        for_head_tiles(heads, [&](auto tile, int h0) {
+          kivi_value_tile<B, decltype(tile)::value>(run + 4 * groups + c8 * B, record, n, p + h0 * stride, stride, sz,
+                                                    bias + h0, out + size_t(h0) * d + c8 * 8, d);
+        });
+      }
+    }
+    return;
+  }
+#endif
+  float* codes = scratch_for(d).decoded.data();  // [d]
   for (int t = 0; t < n; ++t) {
     bool any = false;
     for (int m = 0; m < heads; ++m) any |= p[m * stride + t] != 0.0f;
@@ -464,6 +662,41 @@ float dot8(const float* x, const float* y, int d) {
   return ((partial[0] + partial[4]) + (partial[1] + partial[5])) + ((partial[2] + partial[6]) + (partial[3] + partial[7]));
 }
 
+#if KARAKV_CPU_AVX2
+// The heads [0, H) against every token of a run: scores[h * stride + t] = factor * norm_t *
+// (hq[h] . centroids_t), a token's codes decoded eight at a time once for all H heads.
+//   hq: [H][d] rotated queries
+template <int B, int H>
+void tq_key_tile(const uint8_t* run, size_t record, int n, int d, const float* hq, float factor, float* scores,
+                 size_t stride) {
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* rec = run + t * record;
+    __m256 acc[H];
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+      const __m256 v = values8<B, true>(codes8<B>(rec + 2 + c / 8 * B));
+      for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(v, _mm256_loadu_ps(hq + size_t(h) * d + c), acc[h]);
+    }
+    const float norm = load_half(rec);
+    for (int h = 0; h < H; ++h) scores[h * stride + t] = factor * norm * hsum(acc[h]);
+  }
+}
+
+// The heads [0, H) of eight rotated coordinates c: acc[h][c] = sum_t (p_ht norm_t) centroid_tc.
+//   codes: token 0's codes of the eight coordinates, tokens `record` bytes apart; norms: [n]
+template <int B, int H>
+void tq_value_tile(const uint8_t* codes, size_t record, int n, const float* p, size_t stride, const float* norms,
+                   float* acc_out, int d) {
+  __m256 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+  for (int t = 0; t < n; ++t) {
+    const __m256 v = values8<B, true>(codes8<B>(codes + t * record));
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + t] * norms[t]), v, acc[h]);
+  }
+  for (int h = 0; h < H; ++h) _mm256_storeu_ps(acc_out + size_t(h) * d, acc[h]);
+}
+#endif
+
 // q . R^T (norm c) = norm * (H D q) . centroid / d. Each head's query is rotated once, each
 // token's centroids decoded once for all heads.
 //   q: [heads][d]; scores: head m's at scores + m * stride
@@ -480,6 +713,13 @@ void tq_key_scores(const uint8_t* run, int n, int d, uint64_t seed, const float*
   }
   const float factor = scale / float(d);
   const size_t record = tq_token_bytes(B, d);
+#if KARAKV_CPU_AVX2
+  for_head_tiles(heads, [&](auto tile, int h0) {
+    tq_key_tile<B, decltype(tile)::value>(run, record, n, d, hq + size_t(h0) * d, factor, scores + h0 * stride,
+                                          stride);
+  });
+  return;
+#endif
   for (int t = 0; t < n; ++t) {
     const uint8_t* rec = run + t * record;
     const float norm = load_half(rec);
@@ -495,9 +735,21 @@ void tq_value_accumulate(const uint8_t* run, int n, int d, uint64_t seed, const 
   QuantScratch& scratch = scratch_for(d);
   const float* signs = signs_for(scratch, seed, d);
   float* values = scratch.vec.data();
-  float* acc = heads_buffer(scratch, size_t(heads) * d);  // [heads][d], in the rotated space
-  std::fill(acc, acc + size_t(heads) * d, 0.0f);
+  float* acc = heads_buffer(scratch, size_t(heads) * d + n);  // [heads][d], in the rotated space
   const size_t record = tq_token_bytes(B, d);
+#if KARAKV_CPU_AVX2
+  // Every token's norm widened once, then eight coordinates at a time in register tiles of heads.
+  float* norms = acc + size_t(heads) * d;
+  for (int t = 0; t < n; ++t) norms[t] = load_half(run + t * record);
+  for (int c = 0; c < d; c += 8) {
+    for_head_tiles(heads, [&](auto tile, int h0) {
+      tq_value_tile<B, decltype(tile)::value>(run + 2 + c / 8 * B, record, n, p + h0 * stride, stride, norms,
+                                              acc + size_t(h0) * d + c, d);
+    });
+  }
+  (void)values;
+#else
+  std::fill(acc, acc + size_t(heads) * d, 0.0f);
   for (int t = 0; t < n; ++t) {
     bool any = false;
     for (int m = 0; m < heads; ++m) any |= p[m * stride + t] != 0.0f;
@@ -512,6 +764,7 @@ void tq_value_accumulate(const uint8_t* run, int n, int d, uint64_t seed, const 
       for (int c = 0; c < d; ++c) am[c] += weight * values[c];
     }
   }
+#endif
   const float inv_d = 1.0f / float(d);
   for (int m = 0; m < heads; ++m) {
     float* am = acc + size_t(m) * d;

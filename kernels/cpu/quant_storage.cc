@@ -15,6 +15,7 @@
 #include "karakv/kernels/half.h"
 #include "quant.h"
 #include "scratch.h"
+#include "simd.h"
 
 namespace karakv::kernels::cpu {
 namespace {
@@ -39,21 +40,59 @@ KernelStatus check_qkv(std::string_view op, const PagedKV& kv, const QuantizedKV
   return KernelStatus::ok();
 }
 
-// Element row [base, base + d) of the pool widened to fp32 (the dtype switch once per row).
+// Element row [base, base + d) of the pool widened to fp32 (the dtype switch once per row), d a
+// multiple of 8 (every quantized format's head_dim is): eight elements at a time with AVX2.
+template <DType D>
+void widen_row_typed(const void* pool, size_t base, int d, float* out) {
+  const storage_t<D>* src = static_cast<const storage_t<D>*>(pool) + base;
+#if KARAKV_CPU_AVX2
+  for (int c = 0; c < d; c += 8) _mm256_storeu_ps(out + c, load8<D>(src + c));
+  return;
+#endif
+  for (int c = 0; c < d; ++c) out[c] = load1<D>(src + c);
+}
+
 void widen_row(const PagedKV& kv, size_t base, int d, float* out) {
   switch (kv.geometry.dtype) {
-    case DType::kFloat16: {
-      const uint16_t* src = static_cast<const uint16_t*>(kv.pool) + base;
-      for (int c = 0; c < d; ++c) out[c] = half_to_float(src[c]);
-      break;
-    }
-    case DType::kBFloat16: {
-      const uint16_t* src = static_cast<const uint16_t*>(kv.pool) + base;
-      for (int c = 0; c < d; ++c) out[c] = bf16_to_float(src[c]);
-      break;
-    }
-    default: std::copy_n(static_cast<const float*>(kv.pool) + base, d, out);
+    case DType::kFloat16: widen_row_typed<DType::kFloat16>(kv.pool, base, d, out); break;
+    case DType::kBFloat16: widen_row_typed<DType::kBFloat16>(kv.pool, base, d, out); break;
+    default: widen_row_typed<DType::kFloat32>(kv.pool, base, d, out);
   }
+}
+
+// a . b over [0, d), d a multiple of 8.
+float dot(const float* a, const float* b, int d) {
+#if KARAKV_CPU_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (int c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  return hsum(acc);
+#else
+  float sum = 0.0f;
+  for (int c = 0; c < d; ++c) sum += a[c] * b[c];
+  return sum;
+#endif
+}
+
+// Replaces s[0, n) by exp(s - max) and returns their sum in float64 (n >= 1): the log-sum-exp
+// Kara's norm = full divides by is log(sum) + max of a row that can be 20k slots long.
+double exp_shifted_sum_f64(float* s, size_t n, float max) {
+  size_t i = 0;
+  double sum = 0.0;
+#if KARAKV_CPU_AVX2
+  const __m256 mv = _mm256_set1_ps(max);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
+  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - max));
+  return sum;
 }
 
 // The `heads` query heads of KV head `head` (rows of q and out, [heads][d]) over the quantized and
@@ -78,19 +117,12 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
   }
   for (int t = 0; t < visible; ++t) {
     widen_row(kv, slot_index(kv, seq, t, layer, 0, head), d, row);
-    for (int m = 0; m < heads; ++m) {
-      const float* qm = q + size_t(m) * d;
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot += qm[c] * row[c];
-      p[m * n + nq + t] = dot * scale;
-    }
+    for (int m = 0; m < heads; ++m) p[m * n + nq + t] = dot(q + size_t(m) * d, row, d) * scale;
   }
   for (int m = 0; m < heads; ++m) {
     float* pm = p.data() + m * n;
-    float mx = -INFINITY;
-    for (size_t i = 0; i < n; ++i) mx = std::max(mx, pm[i]);
-    double sum = 0.0;
-    for (size_t i = 0; i < n; ++i) sum += (pm[i] = std::exp(pm[i] - mx));
+    const float mx = n > 0 ? max_of(pm, int(n)) : -INFINITY;
+    const double sum = n > 0 ? exp_shifted_sum_f64(pm, n, mx) : 0.0;
     const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
     for (size_t i = 0; i < n; ++i) pm[i] *= inv;
     if (lse != nullptr && n > 0) lse[m] = mx + float(std::log(sum));

@@ -505,6 +505,31 @@ TEST(QuantTurboTest, RotationIsTheDocumentedOrthogonalMatrix) {
   }
 }
 
+// The CUDA backend repeats the reference's fp32 operations to be bit exact with it, so the CPU's
+// rotation must be exactly the documented butterflies (x[j] = a + b, x[j + h] = a - b for h = 1, 2,
+// 4, ...) in fp32, whatever instructions it runs them with, then the 1/sqrt(d) scaling.
+TEST(QuantTurboTest, RotationIsBitExactlyTheScalarButterflies) {
+  std::mt19937 rng(11);
+  for (int d : {8, 16, 64, 128, 512}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    const uint64_t seed = 0xBEEFull + d;
+    const std::vector<float> x = make_input(Input::kGaussian, 1, d, rng);
+    std::vector<float> want(d), got(d);
+    for (int c = 0; c < d; ++c) want[c] = x[c] * float(rotation_sign(seed, c));
+    for (int h = 1; h < d; h <<= 1)
+      for (int i = 0; i < d; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const float a = want[j], b = want[j + h];
+          want[j] = a + b;
+          want[j + h] = a - b;
+        }
+    const float inv_sqrt_d = 1.0f / std::sqrt(float(d));
+    for (int c = 0; c < d; ++c) want[c] *= inv_sqrt_d;
+    ASSERT_TRUE(cpu::hadamard_rotate(x.data(), d, seed, got.data()).is_ok());
+    for (int c = 0; c < d; ++c) ASSERT_EQ(got[c], want[c]) << "coordinate " << c;
+  }
+}
+
 // ---- attention pieces --------------------------------------------------------------------------
 
 // A refusal with its code and the words that say why.
