@@ -456,7 +456,7 @@ absl::StatusOr<std::vector<Row>> run_quant(const TempDir& dir) {
                       longest->actual(), "nominal ratio", nominal, "x", true, std::nullopt});
     }
     if (k && quantized && qc.name != "kara+kivi4") {
-      rows.push_back({"quant", absl::StrFormat("decode attention time, %s (CPU, scalar quantized path)", qc.name),
+      rows.push_back({"quant", absl::StrFormat("decode attention time, %s (CPU quantized path)", qc.name),
                       k->quant_s, "fp16 decode_attention", k->fp16_s, "s", false, std::nullopt});
     }
   }
