@@ -416,11 +416,6 @@ void kivi_dequantize_values(const uint8_t* run, int n, int d, float* x) {
 // scores[m][t] = scale * (acc + bias). Each channel's codes are decoded once for all heads.
 //   q: [heads][d]; scores: head m's at scores + m * stride
 #if KARAKV_CPU_AVX2
-// Heads of register tiles: each head keeps its own accumulators, so a head's sums are the same
-// operations in the same order whichever tile it is in (quant.h: head m gives what its own call
-// gives).
-constexpr int kHeadTile = 4;
-
 // The heads [0, H) of one key group: scores[h * stride + t] = scale * (sum_c qs[h][c] code_tc +
 // bias[h]) for the group's 32 tokens, eight tokens (one vector of codes of a channel) at a time.
 //   codes: the group's [d][32 * B / 8] codes; qs: [H][d] at qs + h * d; bias: [H]
@@ -439,20 +434,6 @@ void kivi_key_tile(const uint8_t* codes, int d, const float* qs, const float* bi
     for (int h = 0; h < H; ++h)
       _mm256_storeu_ps(scores + h * stride + t8 * 8,
                        _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_add_ps(acc[h], _mm256_set1_ps(bias[h]))));
-  }
-}
-
-// Calls tile(std::integral_constant<int, H>, h0) for the heads [h0, h0 + H) in tiles of at most
-// kHeadTile.
-template <typename Tile>
-void for_head_tiles(int heads, Tile&& tile) {
-  for (int h0 = 0; h0 < heads; h0 += kHeadTile) {
-    switch (std::min(kHeadTile, heads - h0)) {
-      case 1: tile(std::integral_constant<int, 1>{}, h0); break;
-      case 2: tile(std::integral_constant<int, 2>{}, h0); break;
-      case 3: tile(std::integral_constant<int, 3>{}, h0); break;
-      default: tile(std::integral_constant<int, 4>{}, h0); break;
-    }
   }
 }
 #endif

@@ -40,39 +40,6 @@ KernelStatus check_qkv(std::string_view op, const PagedKV& kv, const QuantizedKV
   return KernelStatus::ok();
 }
 
-// Element row [base, base + d) of the pool widened to fp32 (the dtype switch once per row), d a
-// multiple of 8 (every quantized format's head_dim is): eight elements at a time with AVX2.
-template <DType D>
-void widen_row_typed(const void* pool, size_t base, int d, float* out) {
-  const storage_t<D>* src = static_cast<const storage_t<D>*>(pool) + base;
-#if KARAKV_CPU_AVX2
-  for (int c = 0; c < d; c += 8) _mm256_storeu_ps(out + c, load8<D>(src + c));
-  return;
-#endif
-  for (int c = 0; c < d; ++c) out[c] = load1<D>(src + c);
-}
-
-void widen_row(const PagedKV& kv, size_t base, int d, float* out) {
-  switch (kv.geometry.dtype) {
-    case DType::kFloat16: widen_row_typed<DType::kFloat16>(kv.pool, base, d, out); break;
-    case DType::kBFloat16: widen_row_typed<DType::kBFloat16>(kv.pool, base, d, out); break;
-    default: widen_row_typed<DType::kFloat32>(kv.pool, base, d, out);
-  }
-}
-
-// a . b over [0, d), d a multiple of 8.
-float dot(const float* a, const float* b, int d) {
-#if KARAKV_CPU_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (int c = 0; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
-  return hsum(acc);
-#else
-  float sum = 0.0f;
-  for (int c = 0; c < d; ++c) sum += a[c] * b[c];
-  return sum;
-#endif
-}
-
 // Replaces s[0, n) by exp(s - max) and returns their sum in float64 (n >= 1): the log-sum-exp
 // Kara's norm = full divides by is log(sum) + max of a row that can be 20k slots long.
 double exp_shifted_sum_f64(float* s, size_t n, float max) {
@@ -95,6 +62,116 @@ double exp_shifted_sum_f64(float* s, size_t n, float max) {
   return sum;
 }
 
+#if KARAKV_CPU_AVX2
+// The unquantized tail of one (sequence, layer, KV head) for the query heads [0, H): rows[t] is
+// slot t's K or V row in the pool. Each row is widened eight elements at a time straight from the
+// pool and used by all H heads; every head keeps its own accumulators (simd.h, for_head_tiles).
+//   logits: head h's t-th at logits[h * n + t] = scale * q_h . k_t
+template <DType D, int H>
+void tail_logits(const storage_t<D>* const* rows, int visible, int d, const float* q, float scale, float* logits,
+                 size_t n) {
+  for (int t = 0; t < visible; ++t) {
+    const storage_t<D>* k = rows[t];
+    __m256 acc[H];
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+      const __m256 kc = load8<D>(k + c);
+      for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(kc, _mm256_loadu_ps(q + size_t(h) * d + c), acc[h]);
+    }
+    for (int h = 0; h < H; ++h) logits[h * n + t] = hsum(acc[h]) * scale;
+  }
+}
+
+//   out[h][c] += sum_t probs[h * n + t] * v_t[c], eight channels at a time summed in registers
+template <DType D, int H>
+void tail_values(const storage_t<D>* const* rows, int visible, int d, const float* probs, size_t n, float* out) {
+  for (int c = 0; c < d; c += 8) {
+    __m256 acc[H];
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+    for (int t = 0; t < visible; ++t) {
+      const __m256 vc = load8<D>(rows[t] + c);
+      for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(probs[h * n + t]), vc, acc[h]);
+    }
+    for (int h = 0; h < H; ++h) {
+      float* o = out + size_t(h) * d + c;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[h]));
+    }
+  }
+}
+
+// The pool rows of slots [0, visible) of (layer, kvi, head) of seq, each thread's array reused.
+template <DType D>
+const storage_t<D>* const* tail_rows(const PagedKV& kv, int seq, int visible, int layer, int kvi, int head) {
+  static thread_local std::vector<const storage_t<D>*> rows;
+  rows.resize(size_t(visible));
+  const storage_t<D>* pool = static_cast<const storage_t<D>*>(kv.pool);
+  for (int t = 0; t < visible; ++t) rows[t] = pool + slot_index(kv, seq, t, layer, kvi, head);
+  return rows.data();
+}
+
+// attend_group's unquantized part in AVX2 (attend_tail below says what it computes).
+template <DType D>
+void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q, int heads, int visible, float scale,
+                 float* p, size_t n, bool values, float* out) {
+  const int d = kv.geometry.head_dim;
+  const storage_t<D>* const* rows = tail_rows<D>(kv, seq, visible, layer, values ? 1 : 0, head);
+  for_head_tiles(heads, [&](auto tile, int h0) {
+    constexpr int H = decltype(tile)::value;
+    if (values) tail_values<D, H>(rows, visible, d, p + h0 * n, n, out + size_t(h0) * d);
+    else tail_logits<D, H>(rows, visible, d, q + size_t(h0) * d, scale, p + h0 * n, n);
+  });
+}
+
+#else
+// Element row [base, base + d) of the pool widened to fp32.
+template <DType D>
+void widen_row(const void* pool, size_t base, int d, float* out) {
+  const storage_t<D>* src = static_cast<const storage_t<D>*>(pool) + base;
+  for (int c = 0; c < d; ++c) out[c] = load1<D>(src + c);
+}
+
+float dot(const float* a, const float* b, int d) {
+  float sum = 0.0f;
+  for (int c = 0; c < d; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+// attend_group's unquantized part without AVX2: each row widened once for every head.
+template <DType D>
+void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q, int heads, int visible, float scale,
+                 float* p, size_t n, bool values, float* out) {
+  const int d = kv.geometry.head_dim;
+  static thread_local std::vector<float> row;
+  row.resize(size_t(d));
+  for (int t = 0; t < visible; ++t) {
+    widen_row<D>(kv.pool, slot_index(kv, seq, t, layer, values ? 1 : 0, head), d, row.data());
+    for (int m = 0; m < heads; ++m) {
+      if (!values) {
+        p[m * n + t] = dot(q + size_t(m) * d, row.data(), d) * scale;
+        continue;
+      }
+      const float w = p[m * n + t];
+      float* om = out + size_t(m) * d;
+      for (int c = 0; c < d; ++c) om[c] += w * row[c];
+    }
+  }
+}
+#endif
+
+// The unquantized slots [0, visible) of (seq, layer, head) for the `heads` query heads of q:
+// their scaled logits into p (head m's t-th at p[m * n + t]), or with `values` out += those
+// probabilities times the values.
+void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q, int heads, int visible, float scale,
+                 float* p, size_t n, bool values, float* out) {
+  switch (kv.geometry.dtype) {
+    case DType::kFloat16:
+      return attend_tail<DType::kFloat16>(kv, seq, layer, head, q, heads, visible, scale, p, n, values, out);
+    case DType::kBFloat16:
+      return attend_tail<DType::kBFloat16>(kv, seq, layer, head, q, heads, visible, scale, p, n, values, out);
+    default: return attend_tail<DType::kFloat32>(kv, seq, layer, head, q, heads, visible, scale, p, n, values, out);
+  }
+}
+
 // The `heads` query heads of KV head `head` (rows of q and out, [heads][d]) over the quantized and
 // the first `visible` unquantized slots: every code and every unquantized row is read once for all
 // of them. acc (null or one float per slot) gets the probabilities summed over the heads, from slot
@@ -108,17 +185,13 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
   const size_t n = size_t(nq) + visible;
   const QuantFormat f = qkv.format;
   const uint64_t seed = head_seed(qkv.seed, layer, head);
-  p.resize(size_t(heads) * n + d);
-  float* row = p.data() + size_t(heads) * n;  // [d]: one widened K or V row
+  p.resize(size_t(heads) * n);
   const int32_t* qblocks = qkv.block_table + qkv.table_offset[seq];
   for (int b = 0; b < nq / tq; ++b) {
     quantized_key_scores_heads(f, run_bytes(kv, qblocks[b], layer, 0, head), tq, d, seed, q, heads, scale,
                                p.data() + size_t(b) * tq, n);
   }
-  for (int t = 0; t < visible; ++t) {
-    widen_row(kv, slot_index(kv, seq, t, layer, 0, head), d, row);
-    for (int m = 0; m < heads; ++m) p[m * n + nq + t] = dot(q + size_t(m) * d, row, d) * scale;
-  }
+  attend_tail(kv, seq, layer, head, q, heads, visible, scale, p.data() + nq, n, /*values=*/false, nullptr);
   for (int m = 0; m < heads; ++m) {
     float* pm = p.data() + m * n;
     const float mx = n > 0 ? max_of(pm, int(n)) : -INFINITY;
@@ -132,14 +205,7 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
     quantized_value_accumulate_heads(f, run_bytes(kv, qblocks[b], layer, 1, head), tq, d, seed,
                                      p.data() + size_t(b) * tq, heads, n, out);
   }
-  for (int t = 0; t < visible; ++t) {
-    widen_row(kv, slot_index(kv, seq, t, layer, 1, head), d, row);
-    for (int m = 0; m < heads; ++m) {
-      const float w = p[m * n + nq + t];
-      float* om = out + size_t(m) * d;
-      for (int c = 0; c < d; ++c) om[c] += w * row[c];
-    }
-  }
+  attend_tail(kv, seq, layer, head, q, heads, visible, scale, p.data() + nq, n, /*values=*/true, out);
   if (acc != nullptr) {
     for (int m = 0; m < heads; ++m)
       for (size_t i = size_t(acc_from); i < n; ++i) acc[i] += p[m * n + i];

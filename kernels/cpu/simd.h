@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "karakv/kernels/half.h"
 #include "karakv/kernels/types.h"
@@ -92,6 +93,24 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 #endif
+
+// Query heads in register tiles of at most kHeadTile: a kernel keeps each head's own accumulators,
+// so a head's sums are the same operations in the same order whichever tile it lands in and
+// however many heads the call has. for_head_tiles calls
+// tile(std::integral_constant<int, H>, h0) for the heads [h0, h0 + H).
+constexpr int kHeadTile = 4;
+
+template <typename Tile>
+void for_head_tiles(int heads, Tile&& tile) {
+  for (int h0 = 0; h0 < heads; h0 += kHeadTile) {
+    switch (std::min(kHeadTile, heads - h0)) {
+      case 1: tile(std::integral_constant<int, 1>{}, h0); break;
+      case 2: tile(std::integral_constant<int, 2>{}, h0); break;
+      case 3: tile(std::integral_constant<int, 3>{}, h0); break;
+      default: tile(std::integral_constant<int, 4>{}, h0); break;
+    }
+  }
+}
 
 // Replaces s[0, n) by exp(s - max) and returns their sum; every s[i] <= max.
 inline float exp_shifted_sum(float* s, int n, float max) {

@@ -1,8 +1,9 @@
 // The CPU backend's decode attention over quantized paged sequences (Backend::
 // decode_attention_quantized) against a float64 loop over the K and V its codes dequantize to:
 // outputs, the probabilities it adds into score_acc from acc_begin on (slots counted over the
-// quantized tokens first), and each query head's log-sum-exp (Kara's norm = full). fp32 storage,
-// so the dequantized K and V are exactly what the kernel computes with.
+// quantized tokens first), and each query head's log-sum-exp (Kara's norm = full). Every storage
+// dtype (the unquantized tail is widened from it; the reference reads the rounded values) and
+// groups of 2 and 5 query heads (5 takes two of the kernels' register tiles of heads).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,26 +12,29 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "cpu/quant.h"
 #include "karakv/kernels/backend.h"
 #include "kernel_test_util.h"
 
 namespace karakv::kernels::test {
 namespace {
 
-Geometry quant_geometry() {
+Geometry quant_geometry(DType dtype, int group) {
   Geometry g;
   g.num_layers = 2;
-  g.num_q_heads = 4;
   g.num_kv_heads = 2;
+  g.num_q_heads = 2 * group;
   g.head_dim = 64;
   g.block_size = 16;
-  g.dtype = DType::kFloat32;
+  g.dtype = dtype;
   return g;
 }
 
-class QuantPagedTest : public ::testing::TestWithParam<QuantFormat> {};
+// (format, storage dtype, query heads per KV head)
+class QuantPagedTest : public ::testing::TestWithParam<std::tuple<QuantFormat, DType, int>> {};
 
 // Sequences of (quantized blocks, unquantized tokens): two quantized blocks and a tail that ends
 // mid-block, one block and a short tail, and no quantized token at all.
@@ -41,13 +45,14 @@ struct SeqShape {
 constexpr SeqShape kShapes[] = {{2, 37}, {1, 5}, {0, 20}};
 
 TEST_P(QuantPagedTest, DecodeObservesWhatAFloat64LoopOverTheDequantizedCacheGives) {
-  const QuantFormat f = GetParam();
-  const Geometry g = quant_geometry();
+  const auto [f, dtype, group_size] = GetParam();
+  const Geometry g = quant_geometry(dtype, group_size);
   auto backend = make_cpu_backend(1);
   const int tpb = backend->quantized_tokens_per_block(g, f);
   ASSERT_GT(tpb, 0);
   const int num_seqs = int(std::size(kShapes)), hq = g.num_q_heads, hk = g.num_kv_heads, d = g.head_dim;
   const int group = hq / hk;
+  const size_t esize = dtype_size(g.dtype);
 
   // Each sequence's source tokens (quantized part + tail) in fp blocks of its own; its quantized
   // blocks after all of them.
@@ -70,7 +75,7 @@ TEST_P(QuantPagedTest, DecodeObservesWhatAFloat64LoopOverTheDequantizedCacheGive
     for (int b = 0; b < kShapes[s].qblocks; ++b) qtable.push_back(next++);
     qoffset.push_back(int32_t(qtable.size()));
   }
-  std::vector<float> pool(size_t(next) * g.block_elems(), 0.0f);
+  std::vector<uint8_t> pool(size_t(next) * g.block_elems() * esize, 0);
   PagedKV src;
   src.pool = pool.data();
   src.geometry = g;
@@ -91,21 +96,34 @@ TEST_P(QuantPagedTest, DecodeObservesWhatAFloat64LoopOverTheDequantizedCacheGive
   for (int s = 0; s < num_seqs; ++s) {
     const int len = src_len[s];
     const size_t elems = size_t(g.num_layers) * len * hk * d;
-    const std::vector<float> k = random_values(elems, -2.0f, 2.0f, rng), v = random_values(elems, -2.0f, 2.0f, rng);
+    const std::vector<uint8_t> k = encode(g.dtype, random_values(elems, -2.0f, 2.0f, rng));
+    const std::vector<uint8_t> v = encode(g.dtype, random_values(elems, -2.0f, 2.0f, rng));
     ASSERT_TRUE(backend->write_kv(src, s, 0, len, 0, g.num_layers, k.data(), v.data()).is_ok());
-    keys[s].assign(k.begin(), k.end());
-    values[s].assign(v.begin(), v.end());
+    keys[s].resize(elems);
+    values[s].resize(elems);
+    for (size_t i = 0; i < elems; ++i) {
+      keys[s][i] = decode_at(g.dtype, k.data(), i);
+      values[s][i] = decode_at(g.dtype, v.data(), i);
+    }
+    // The quantized part: what the kernel's codes dequantize to in fp32 (dequantize_block would
+    // round them to the storage dtype), run by run from the pool.
     for (int b = 0; b < kShapes[s].qblocks; ++b) {
       const int32_t block = qtable[qoffset[s] + b];
       const KernelStatus st = backend->quantize_tokens(src, s, b * tpb, qkv, block);
       ASSERT_TRUE(st.is_ok()) << st.message;
-      std::vector<float> dk(size_t(g.num_layers) * tpb * hk * d), dv(dk.size());
-      ASSERT_TRUE(backend->dequantize_block(src, qkv, block, dk.data(), dv.data()).is_ok());
+      std::vector<float> x(size_t(tpb) * d);
       for (int l = 0; l < g.num_layers; ++l) {
-        for (int t = 0; t < tpb; ++t) {
-          const size_t from = (size_t(l) * tpb + t) * hk * d, to = (size_t(l) * len + b * tpb + t) * hk * d;
-          std::copy_n(dk.begin() + from, hk * d, keys[s].begin() + to);
-          std::copy_n(dv.begin() + from, hk * d, values[s].begin() + to);
+        for (int h = 0; h < hk; ++h) {
+          for (int kvi = 0; kvi < 2; ++kvi) {
+            const uint8_t* run = pool.data() + src.run_offset(block, l, kvi, h) * esize;
+            const uint64_t seed = head_seed(qkv.seed, l, h);
+            ASSERT_TRUE((kvi == 0 ? cpu::dequantize_keys(f, run, tpb, d, seed, x.data())
+                                  : cpu::dequantize_values(f, run, tpb, d, seed, x.data()))
+                            .is_ok());
+            std::vector<double>& dst = kvi == 0 ? keys[s] : values[s];
+            for (int t = 0; t < tpb; ++t)
+              std::copy_n(x.begin() + size_t(t) * d, d, dst.begin() + ((size_t(l) * len + b * tpb + t) * hk + h) * d);
+          }
         }
       }
     }
@@ -193,15 +211,18 @@ TEST_P(QuantPagedTest, DecodeObservesWhatAFloat64LoopOverTheDequantizedCacheGive
       << refused.message;
 }
 
-std::string format_name(const ::testing::TestParamInfo<QuantFormat>& info) {
+std::string case_name(const ::testing::TestParamInfo<std::tuple<QuantFormat, DType, int>>& info) {
   static const char* const kNames[] = {"kivi2", "kivi4", "tq2", "tq3", "tq4"};
-  return kNames[int(info.param)];
+  const auto [f, dtype, group] = info.param;
+  return std::string(kNames[int(f)]) + "_" + name_of(dtype) + "_g" + std::to_string(group);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFormats, QuantPagedTest,
-                         ::testing::Values(QuantFormat::kKivi2, QuantFormat::kKivi4, QuantFormat::kTq2,
-                                           QuantFormat::kTq3, QuantFormat::kTq4),
-                         format_name);
+                         ::testing::Combine(::testing::Values(QuantFormat::kKivi2, QuantFormat::kKivi4,
+                                                              QuantFormat::kTq2, QuantFormat::kTq3, QuantFormat::kTq4),
+                                            ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
+                                            ::testing::Values(2, 5)),
+                         case_name);
 
 }  // namespace
 }  // namespace karakv::kernels::test
