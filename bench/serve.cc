@@ -60,6 +60,9 @@ ABSL_FLAG(uint64_t, serve_seed, 1, "serve: seed of the request lengths (every ru
 ABSL_FLAG(std::string, serve_staging, "shm",
           "serve: the workers' staging: shm, device (CUDA IPC; karakvd --backend=cuda) or device_fd (VMM over the "
           "staging fd socket)");
+ABSL_FLAG(bool, serve_recompute_windows, false,
+          "serve: re-prefill a preempted Kara request with Kara's prompt=window, so that its windows "
+          "compress the recomputed tokens (by default they count as prompt, which Kara keeps whole)");
 ABSL_FLAG(std::string, serve_worker_target, "", "serve-worker (internal): karakvd address");
 ABSL_FLAG(std::string, serve_worker_policy, "", "serve-worker (internal): policy of every sequence");
 ABSL_FLAG(int32_t, serve_worker_max_batch, 0, "serve-worker (internal): most sequences it may hold");
@@ -122,7 +125,7 @@ double model_step_us(int batch) {
 //
 //   scheduler -> worker                         worker -> scheduler
 //   release <req>          (preempted)          prefill <req> ok|full <seconds>
-//   admit <req> <context> <remaining>           step ok|full|idle <seconds in Step calls>
+//   admit <req> <context> <remaining> <windowed> step ok|full|idle <seconds in Step calls>
 //   step <total batch> <do_step> <sample>       done <req>          (finished and released)
 //   quit                                        bucket <b> <seqs> <fp16 bytes> <kv bytes>
 //                                               error <message>
@@ -218,14 +221,14 @@ class Worker {
         uint64_t req = 0;
         (void)absl::SimpleAtoi(f[1], &req);
         if (absl::Status s = release(req); !s.ok()) absl::StrAppend(&reply, "error ", s.message(), "\n");
-      } else if (f[0] == "admit" && f.size() == 4) {
+      } else if (f[0] == "admit" && f.size() == 5) {
         uint64_t req = 0;
         int context = 0, remaining = 0;
         (void)absl::SimpleAtoi(f[1], &req);
         (void)absl::SimpleAtoi(f[2], &context);
         (void)absl::SimpleAtoi(f[3], &remaining);
         const auto start = Clock::now();
-        absl::Status s = admit(req, context, remaining);
+        absl::Status s = admit(req, context, remaining, f[4] == "1");
         if (s.ok() || absl::IsResourceExhausted(s)) {
           absl::StrAppend(&reply, "prefill ", req, s.ok() ? " ok " : " full ",
                           absl::StrFormat("%.6f", seconds_since(start)), "\n");
@@ -260,9 +263,11 @@ class Worker {
   }
 
   // Prefill: the model's compute for `context` tokens (modeled), then their K/V appended in chunks.
-  absl::Status admit(uint64_t req, int context, int remaining) {
+  // `windowed`: a Kara sequence's appended tokens are windowed like its decoded ones (prompt=window).
+  absl::Status admit(uint64_t req, int context, int remaining, bool windowed) {
     karakv::SequenceOptions o;
     o.policy = policy_;
+    if (windowed && absl::StartsWith(policy_, "kara")) o.params["prompt"] = 1;
     auto id = c_->CreateSequence(o);
     if (!id.ok()) return id.status();
     sleep_us(absl::GetFlag(FLAGS_serve_prefill_us_per_token) * context);
@@ -550,7 +555,8 @@ class Scheduler {
       ++w->running;
       // The first admission's prefill produces the first token; a recompute produces none.
       const int remaining = r.started ? r.output - r.generated : r.output - 1;
-      absl::StrAppend(&commands[wi], "admit ", r.id, " ", context, " ", remaining, "\n");
+      const bool windowed = r.started && absl::GetFlag(FLAGS_serve_recompute_windows);
+      absl::StrAppend(&commands[wi], "admit ", r.id, " ", context, " ", remaining, " ", windowed ? 1 : 0, "\n");
       running_.push_back({r, wi, ++order_});
       waiting_.pop_front();
       ++result_.admitted;
@@ -877,10 +883,11 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   result.how = absl::StrFormat(
       "serve %s; pool %s; prompts %d-%d, outputs %d-%d tokens (uniform); %d engine steps per run (at most %.0f s); "
       "model %.0f + %.0f x batch "
-      "us per step, prefill %.0f us/token (slept); %d worker processes, %s staging%s",
+      "us per step, prefill %.0f us/token (slept); %d worker processes, %s staging%s%s",
       geometry, quick ? "8MiB" : absl::GetFlag(FLAGS_serve_pool_bytes), prompt->lo, prompt->hi, output->lo,
       output->hi, steps, seconds, absl::GetFlag(FLAGS_serve_model_base_us), absl::GetFlag(FLAGS_serve_model_per_seq_us),
       absl::GetFlag(FLAGS_serve_prefill_us_per_token), absl::GetFlag(FLAGS_serve_workers), staging_name(*staging),
+      absl::GetFlag(FLAGS_serve_recompute_windows) ? "; preempted Kara requests re-prefilled with prompt=window" : "",
       quick ? " (--quick)" : "");
   result.report = absl::StrCat("serve: one run per (policy, max batch); tok/s = output tokens / run seconds; ",
                                "TPOT per request (first to last token of the run, preemption stalls included); ",
