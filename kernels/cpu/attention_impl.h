@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "attention.h"
+#include "simd.h"
 
 namespace karakv::kernels::cpu::KARAKV_ATTENTION_VARIANT {
 
@@ -59,23 +60,6 @@ struct PrefetchStream {
     for (; next < end; next += 64) prefetch_line(next);
   }
 };
-
-// Splits a group's query heads into chunks of 1..4 heads that each get a specialised loop (the
-// accumulators of one chunk fit in registers); chunks of 3 are preferred over a leftover of 1.
-template <typename F>
-void for_head_chunks(int group_size, F&& f) {
-  for (int h0 = 0; h0 < group_size;) {
-    const int left = group_size - h0;
-    const int chunk = left <= 4 ? left : (left % 4 == 0 ? 4 : 3);
-    switch (chunk) {
-      case 1: f(h0, std::integral_constant<int, 1>{}); break;
-      case 2: f(h0, std::integral_constant<int, 2>{}); break;
-      case 3: f(h0, std::integral_constant<int, 3>{}); break;
-      default: f(h0, std::integral_constant<int, 4>{}); break;
-    }
-    h0 += chunk;
-  }
-}
 
 template <typename Isa, DType D, int HD>
 void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin, int num_kv_heads,

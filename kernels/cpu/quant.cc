@@ -460,7 +460,7 @@ void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, int heads
           bias[m] += qc * z;
         }
       }
-      for_head_tiles(heads, [&](auto tile, int h0) {
+      for_head_chunks(heads, [&](int h0, auto tile) {
         kivi_key_tile<B, decltype(tile)::value>(rec + 4 * d, d, qs + size_t(h0) * d, bias + h0, scale,
                                                 scores + h0 * stride + g * kKiviGroup, stride);
       });
@@ -493,21 +493,15 @@ void kivi_key_scores(const uint8_t* run, int n, int d, const float* q, int heads
 }
 
 #if KARAKV_CPU_AVX2
-// The heads [0, H) of eight channels c8 * 8 of one run: out[h][c] += sum_t (p_ht s_tg) code_tc +
-// bias[h], codes read eight channels at a time and summed in registers over the tokens.
-//   p: head h's weights at p + h * stride; sz: [n][2] (scale, zero) of the channels' group
-template <int B, int H>
-void kivi_value_tile(const uint8_t* codes, size_t record, int n, const float* p, size_t stride, const float* sz,
-                     const float* bias, float* out, int d) {
-  __m256 acc[H];
+// The value kernels' inner loop, for the heads [0, H) and eight codes of every token of a run:
+// acc[h] = sum_t w[h * n + t] * code_value(code_t), summed in registers over the tokens.
+//   codes: token 0's eight codes, tokens `record` bytes apart; w: [H][n] at w + h * n
+template <int B, bool kCentroid, int H>
+void weighted_codes8(const uint8_t* codes, size_t record, int n, const float* w, __m256* acc) {
   for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
   for (int t = 0; t < n; ++t) {
-    const __m256 v = values8<B, false>(codes8<B>(codes + t * record));
-    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * stride + t] * sz[2 * t]), v, acc[h]);
-  }
-  for (int h = 0; h < H; ++h) {
-    float* o = out + size_t(h) * d;
-    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(acc[h], _mm256_set1_ps(bias[h]))));
+    const __m256 v = values8<B, kCentroid>(codes8<B>(codes + t * record));
+    for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + size_t(h) * n + t), v, acc[h]);
   }
 }
 #endif
@@ -519,25 +513,32 @@ void kivi_value_accumulate(const uint8_t* run, int n, int d, const float* p, int
   const size_t record = kivi_value_token_bytes(B, d);
 #if KARAKV_CPU_AVX2
   {
-    // Per group: every token's (scale, zero) widened once, bias[m] = sum_t p_mt z_tg (scalar, in
-    // token order), then eight channels at a time in register tiles of heads.
+    // Per group: the weights w[m][t] = p_mt s_tg and bias[m] = sum_t p_mt z_tg (scalar, in token
+    // order) once, then eight channels at a time in register chunks of heads.
     QuantScratch& scratch = scratch_for(d);
-    float* sz = heads_buffer(scratch, size_t(n) * 2 + heads);
-    float* bias = sz + size_t(n) * 2;
+    float* w = heads_buffer(scratch, size_t(heads) * n + n + heads);
+    float* zero = w + size_t(heads) * n;
+    float* bias = zero + n;
     for (int g = 0; g < groups; ++g) {
       for (int t = 0; t < n; ++t) {
-        sz[2 * t] = load_half(run + t * record + 2 * g);
-        sz[2 * t + 1] = load_half(run + t * record + 2 * (groups + g));
+        const float sc = load_half(run + t * record + 2 * g);
+        zero[t] = load_half(run + t * record + 2 * (groups + g));
+        for (int m = 0; m < heads; ++m) w[size_t(m) * n + t] = p[m * stride + t] * sc;
       }
       for (int m = 0; m < heads; ++m) {
         float b = 0.0f;
-        for (int t = 0; t < n; ++t) b += p[m * stride + t] * sz[2 * t + 1];
+        for (int t = 0; t < n; ++t) b += p[m * stride + t] * zero[t];
         bias[m] = b;
       }
       for (int c8 = g * kKiviGroup / 8; c8 < (g + 1) * kKiviGroup / 8; ++c8) {
-        for_head_tiles(heads, [&](auto tile, int h0) {
-          kivi_value_tile<B, decltype(tile)::value>(run + 4 * groups + c8 * B, record, n, p + h0 * stride, stride, sz,
-                                                    bias + h0, out + size_t(h0) * d + c8 * 8, d);
+        for_head_chunks(heads, [&](int h0, auto tile) {
+          constexpr int H = decltype(tile)::value;
+          __m256 acc[H];
+          weighted_codes8<B, false, H>(run + 4 * groups + c8 * B, record, n, w + size_t(h0) * n, acc);
+          for (int h = 0; h < H; ++h) {
+            float* o = out + size_t(h0 + h) * d + c8 * 8;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(acc[h], _mm256_set1_ps(bias[h0 + h]))));
+          }
         });
       }
     }
@@ -695,7 +696,7 @@ void tq_key_scores(const uint8_t* run, int n, int d, uint64_t seed, const float*
   const float factor = scale / float(d);
   const size_t record = tq_token_bytes(B, d);
 #if KARAKV_CPU_AVX2
-  for_head_tiles(heads, [&](auto tile, int h0) {
+  for_head_chunks(heads, [&](int h0, auto tile) {
     tq_key_tile<B, decltype(tile)::value>(run, record, n, d, hq + size_t(h0) * d, factor, scores + h0 * stride,
                                           stride);
   });
@@ -715,21 +716,26 @@ void tq_value_accumulate(const uint8_t* run, int n, int d, uint64_t seed, const 
                          float* out) {
   QuantScratch& scratch = scratch_for(d);
   const float* signs = signs_for(scratch, seed, d);
-  float* values = scratch.vec.data();
-  float* acc = heads_buffer(scratch, size_t(heads) * d + n);  // [heads][d], in the rotated space
+  float* acc = heads_buffer(scratch, size_t(heads) * (d + n));  // [heads][d], in the rotated space
   const size_t record = tq_token_bytes(B, d);
 #if KARAKV_CPU_AVX2
-  // Every token's norm widened once, then eight coordinates at a time in register tiles of heads.
-  float* norms = acc + size_t(heads) * d;
-  for (int t = 0; t < n; ++t) norms[t] = load_half(run + t * record);
+  // The weights w[m][t] = p_mt norm_t once, then eight coordinates at a time in register chunks
+  // of heads.
+  float* w = acc + size_t(heads) * d;
+  for (int t = 0; t < n; ++t) {
+    const float norm = load_half(run + t * record);
+    for (int m = 0; m < heads; ++m) w[size_t(m) * n + t] = p[m * stride + t] * norm;
+  }
   for (int c = 0; c < d; c += 8) {
-    for_head_tiles(heads, [&](auto tile, int h0) {
-      tq_value_tile<B, decltype(tile)::value>(run + 2 + c / 8 * B, record, n, p + h0 * stride, stride, norms,
-                                              acc + size_t(h0) * d + c, d);
+    for_head_chunks(heads, [&](int h0, auto tile) {
+      constexpr int H = decltype(tile)::value;
+      __m256 sums[H];
+      weighted_codes8<B, true, H>(run + 2 + c / 8 * B, record, n, w + size_t(h0) * n, sums);
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(acc + size_t(h0 + h) * d + c, sums[h]);
     });
   }
-  (void)values;
 #else
+  float* values = scratch.vec.data();
   std::fill(acc, acc + size_t(heads) * d, 0.0f);
   for (int t = 0; t < n; ++t) {
     bool any = false;

@@ -40,38 +40,33 @@ KernelStatus check_qkv(std::string_view op, const PagedKV& kv, const QuantizedKV
   return KernelStatus::ok();
 }
 
-// Replaces s[0, n) by exp(s - max) and returns their sum in float64 (n >= 1): the log-sum-exp
-// Kara's norm = full divides by is log(sum) + max of a row that can be 20k slots long.
-double exp_shifted_sum_f64(float* s, size_t n, float max) {
-  size_t i = 0;
-  double sum = 0.0;
-#if KARAKV_CPU_AVX2
-  const __m256 mv = _mm256_set1_ps(max);
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
-    _mm256_storeu_ps(s + i, e);
-    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-  }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
-  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-#endif
-  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - max));
-  return sum;
+// The unquantized tail of one (sequence, layer, KV head): rows[t] is the element offset of slot
+// t's K row in the pool; its V row is `to_value` elements further (PagedKV::run_offset).
+struct TailRows {
+  const size_t* rows;
+  int visible;
+  size_t to_value;
+};
+
+// Each thread's offsets of slots [0, visible) of (layer, head) of seq, computed once for K and V.
+TailRows tail_rows(const PagedKV& kv, int seq, int visible, int layer, int head) {
+  static thread_local std::vector<size_t> rows;
+  rows.resize(size_t(visible));
+  for (int t = 0; t < visible; ++t) rows[t] = slot_index(kv, seq, t, layer, 0, head);
+  const Geometry& g = kv.geometry;
+  return {rows.data(), visible, size_t(g.num_kv_heads) * g.block_size * g.head_dim};
 }
 
 #if KARAKV_CPU_AVX2
-// The unquantized tail of one (sequence, layer, KV head) for the query heads [0, H): rows[t] is
-// slot t's K or V row in the pool. Each row is widened eight elements at a time straight from the
-// pool and used by all H heads; every head keeps its own accumulators (simd.h, for_head_tiles).
+// The tail for the query heads [0, H): each row is widened eight elements at a time straight from
+// the pool and used by all H heads; every head keeps its own accumulators (simd.h,
+// for_head_chunks).
 //   logits: head h's t-th at logits[h * n + t] = scale * q_h . k_t
 template <DType D, int H>
-void tail_logits(const storage_t<D>* const* rows, int visible, int d, const float* q, float scale, float* logits,
+void tail_logits(const storage_t<D>* pool, TailRows tail, int d, const float* q, float scale, float* logits,
                  size_t n) {
-  for (int t = 0; t < visible; ++t) {
-    const storage_t<D>* k = rows[t];
+  for (int t = 0; t < tail.visible; ++t) {
+    const storage_t<D>* k = pool + tail.rows[t];
     __m256 acc[H];
     for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
     for (int c = 0; c < d; c += 8) {
@@ -84,12 +79,13 @@ void tail_logits(const storage_t<D>* const* rows, int visible, int d, const floa
 
 //   out[h][c] += sum_t probs[h * n + t] * v_t[c], eight channels at a time summed in registers
 template <DType D, int H>
-void tail_values(const storage_t<D>* const* rows, int visible, int d, const float* probs, size_t n, float* out) {
+void tail_values(const storage_t<D>* pool, TailRows tail, int d, const float* probs, size_t n, float* out) {
+  const storage_t<D>* values = pool + tail.to_value;
   for (int c = 0; c < d; c += 8) {
     __m256 acc[H];
     for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
-    for (int t = 0; t < visible; ++t) {
-      const __m256 vc = load8<D>(rows[t] + c);
+    for (int t = 0; t < tail.visible; ++t) {
+      const __m256 vc = load8<D>(values + tail.rows[t] + c);
       for (int h = 0; h < H; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(probs[h * n + t]), vc, acc[h]);
     }
     for (int h = 0; h < H; ++h) {
@@ -99,37 +95,20 @@ void tail_values(const storage_t<D>* const* rows, int visible, int d, const floa
   }
 }
 
-// The pool rows of slots [0, visible) of (layer, kvi, head) of seq, each thread's array reused.
-template <DType D>
-const storage_t<D>* const* tail_rows(const PagedKV& kv, int seq, int visible, int layer, int kvi, int head) {
-  static thread_local std::vector<const storage_t<D>*> rows;
-  rows.resize(size_t(visible));
-  const storage_t<D>* pool = static_cast<const storage_t<D>*>(kv.pool);
-  for (int t = 0; t < visible; ++t) rows[t] = pool + slot_index(kv, seq, t, layer, kvi, head);
-  return rows.data();
-}
-
 // attend_group's unquantized part in AVX2 (attend_tail below says what it computes).
 template <DType D>
-void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q, int heads, int visible, float scale,
-                 float* p, size_t n, bool values, float* out) {
+void attend_tail(const PagedKV& kv, TailRows tail, const float* q, int heads, float scale, float* p, size_t n,
+                 bool values, float* out) {
   const int d = kv.geometry.head_dim;
-  const storage_t<D>* const* rows = tail_rows<D>(kv, seq, visible, layer, values ? 1 : 0, head);
-  for_head_tiles(heads, [&](auto tile, int h0) {
+  const storage_t<D>* pool = static_cast<const storage_t<D>*>(kv.pool);
+  for_head_chunks(heads, [&](int h0, auto tile) {
     constexpr int H = decltype(tile)::value;
-    if (values) tail_values<D, H>(rows, visible, d, p + h0 * n, n, out + size_t(h0) * d);
-    else tail_logits<D, H>(rows, visible, d, q + size_t(h0) * d, scale, p + h0 * n, n);
+    if (values) tail_values<D, H>(pool, tail, d, p + h0 * n, n, out + size_t(h0) * d);
+    else tail_logits<D, H>(pool, tail, d, q + size_t(h0) * d, scale, p + h0 * n, n);
   });
 }
 
 #else
-// Element row [base, base + d) of the pool widened to fp32.
-template <DType D>
-void widen_row(const void* pool, size_t base, int d, float* out) {
-  const storage_t<D>* src = static_cast<const storage_t<D>*>(pool) + base;
-  for (int c = 0; c < d; ++c) out[c] = load1<D>(src + c);
-}
-
 float dot(const float* a, const float* b, int d) {
   float sum = 0.0f;
   for (int c = 0; c < d; ++c) sum += a[c] * b[c];
@@ -138,13 +117,14 @@ float dot(const float* a, const float* b, int d) {
 
 // attend_group's unquantized part without AVX2: each row widened once for every head.
 template <DType D>
-void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q, int heads, int visible, float scale,
-                 float* p, size_t n, bool values, float* out) {
+void attend_tail(const PagedKV& kv, TailRows tail, const float* q, int heads, float scale, float* p, size_t n,
+                 bool values, float* out) {
   const int d = kv.geometry.head_dim;
+  const storage_t<D>* pool = static_cast<const storage_t<D>*>(kv.pool) + (values ? tail.to_value : 0);
   static thread_local std::vector<float> row;
   row.resize(size_t(d));
-  for (int t = 0; t < visible; ++t) {
-    widen_row<D>(kv.pool, slot_index(kv, seq, t, layer, values ? 1 : 0, head), d, row.data());
+  for (int t = 0; t < tail.visible; ++t) {
+    for (int c = 0; c < d; ++c) row[c] = load1<D>(pool + tail.rows[t] + c);
     for (int m = 0; m < heads; ++m) {
       if (!values) {
         p[m * n + t] = dot(q + size_t(m) * d, row.data(), d) * scale;
@@ -158,17 +138,14 @@ void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q
 }
 #endif
 
-// The unquantized slots [0, visible) of (seq, layer, head) for the `heads` query heads of q:
-// their scaled logits into p (head m's t-th at p[m * n + t]), or with `values` out += those
-// probabilities times the values.
-void attend_tail(const PagedKV& kv, int seq, int layer, int head, const float* q, int heads, int visible, float scale,
-                 float* p, size_t n, bool values, float* out) {
+// The tail's slots for the `heads` query heads of q: their scaled logits into p (head m's t-th at
+// p[m * n + t]), or with `values` out += those probabilities times the values.
+void attend_tail(const PagedKV& kv, TailRows tail, const float* q, int heads, float scale, float* p, size_t n,
+                 bool values, float* out) {
   switch (kv.geometry.dtype) {
-    case DType::kFloat16:
-      return attend_tail<DType::kFloat16>(kv, seq, layer, head, q, heads, visible, scale, p, n, values, out);
-    case DType::kBFloat16:
-      return attend_tail<DType::kBFloat16>(kv, seq, layer, head, q, heads, visible, scale, p, n, values, out);
-    default: return attend_tail<DType::kFloat32>(kv, seq, layer, head, q, heads, visible, scale, p, n, values, out);
+    case DType::kFloat16: return attend_tail<DType::kFloat16>(kv, tail, q, heads, scale, p, n, values, out);
+    case DType::kBFloat16: return attend_tail<DType::kBFloat16>(kv, tail, q, heads, scale, p, n, values, out);
+    default: return attend_tail<DType::kFloat32>(kv, tail, q, heads, scale, p, n, values, out);
   }
 }
 
@@ -191,11 +168,13 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
     quantized_key_scores_heads(f, run_bytes(kv, qblocks[b], layer, 0, head), tq, d, seed, q, heads, scale,
                                p.data() + size_t(b) * tq, n);
   }
-  attend_tail(kv, seq, layer, head, q, heads, visible, scale, p.data() + nq, n, /*values=*/false, nullptr);
+  const TailRows tail = tail_rows(kv, seq, visible, layer, head);
+  attend_tail(kv, tail, q, heads, scale, p.data() + nq, n, /*values=*/false, nullptr);
   for (int m = 0; m < heads; ++m) {
     float* pm = p.data() + m * n;
     const float mx = n > 0 ? max_of(pm, int(n)) : -INFINITY;
-    const double sum = n > 0 ? exp_shifted_sum_f64(pm, n, mx) : 0.0;
+    // float64: the log-sum-exp Kara's norm = full divides by comes from rows up to 20k slots long.
+    const double sum = n > 0 ? exp_shifted_sum_as<double>(pm, n, mx) : 0.0;
     const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
     for (size_t i = 0; i < n; ++i) pm[i] *= inv;
     if (lse != nullptr && n > 0) lse[m] = mx + float(std::log(sum));
@@ -205,7 +184,7 @@ void attend_group(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
     quantized_value_accumulate_heads(f, run_bytes(kv, qblocks[b], layer, 1, head), tq, d, seed,
                                      p.data() + size_t(b) * tq, heads, n, out);
   }
-  attend_tail(kv, seq, layer, head, q, heads, visible, scale, p.data() + nq, n, /*values=*/true, out);
+  attend_tail(kv, tail, q, heads, scale, p.data() + nq, n, /*values=*/true, out);
   if (acc != nullptr) {
     for (int m = 0; m < heads; ++m)
       for (size_t i = size_t(acc_from); i < n; ++i) acc[i] += p[m * n + i];

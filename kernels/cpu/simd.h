@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -94,37 +95,52 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-// Query heads in register tiles of at most kHeadTile: a kernel keeps each head's own accumulators,
-// so a head's sums are the same operations in the same order whichever tile it lands in and
-// however many heads the call has. for_head_tiles calls
-// tile(std::integral_constant<int, H>, h0) for the heads [h0, h0 + H).
-constexpr int kHeadTile = 4;
-
-template <typename Tile>
-void for_head_tiles(int heads, Tile&& tile) {
-  for (int h0 = 0; h0 < heads; h0 += kHeadTile) {
-    switch (std::min(kHeadTile, heads - h0)) {
-      case 1: tile(std::integral_constant<int, 1>{}, h0); break;
-      case 2: tile(std::integral_constant<int, 2>{}, h0); break;
-      case 3: tile(std::integral_constant<int, 3>{}, h0); break;
-      default: tile(std::integral_constant<int, 4>{}, h0); break;
+// Splits a group's query heads into chunks of 1..4 heads that each get a specialised loop (the
+// accumulators of one chunk fit in registers); chunks of 3 are preferred over a leftover of 1.
+// Kernels keep each head's own accumulators, so a head's sums do not depend on its chunk.
+template <typename F>
+void for_head_chunks(int group_size, F&& f) {
+  for (int h0 = 0; h0 < group_size;) {
+    const int left = group_size - h0;
+    const int chunk = left <= 4 ? left : (left % 4 == 0 ? 4 : 3);
+    switch (chunk) {
+      case 1: f(h0, std::integral_constant<int, 1>{}); break;
+      case 2: f(h0, std::integral_constant<int, 2>{}); break;
+      case 3: f(h0, std::integral_constant<int, 3>{}); break;
+      default: f(h0, std::integral_constant<int, 4>{}); break;
     }
+    h0 += chunk;
   }
 }
 
-// Replaces s[0, n) by exp(s - max) and returns their sum; every s[i] <= max.
-inline float exp_shifted_sum(float* s, int n, float max) {
-  float sum = 0.0f;
-  int i = 0;
+// Replaces s[0, n) by exp(s - max) and returns their sum, accumulated in Sum (float, or double for
+// a row long enough that float sums would lose digits); every s[i] <= max.
+template <typename Sum>
+inline Sum exp_shifted_sum_as(float* s, size_t n, float max) {
+  Sum sum = 0;
+  size_t i = 0;
 #if KARAKV_CPU_AVX2
   const __m256 mv = _mm256_set1_ps(max);
-  __m256 sv = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
-    _mm256_storeu_ps(s + i, e);
-    sv = _mm256_add_ps(sv, e);
+  if constexpr (std::is_same_v<Sum, float>) {
+    __m256 sv = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+      _mm256_storeu_ps(s + i, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    sum = hsum(sv);
+  } else {
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+      _mm256_storeu_ps(s + i, e);
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
+    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
-  sum = hsum(sv);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - max);
@@ -132,6 +148,8 @@ inline float exp_shifted_sum(float* s, int n, float max) {
   }
   return sum;
 }
+
+inline float exp_shifted_sum(float* s, int n, float max) { return exp_shifted_sum_as<float>(s, size_t(n), max); }
 
 inline float max_of(const float* s, int n) {
   int i = 0;

@@ -3,7 +3,7 @@
 // outputs, the probabilities it adds into score_acc from acc_begin on (slots counted over the
 // quantized tokens first), and each query head's log-sum-exp (Kara's norm = full). Every storage
 // dtype (the unquantized tail is widened from it; the reference reads the rounded values) and
-// groups of 2 and 5 query heads (5 takes two of the kernels' register tiles of heads).
+// groups of 2 and 5 query heads (5 takes two of the kernels' register chunks of heads).
 #include <gtest/gtest.h>
 
 #include <algorithm>
