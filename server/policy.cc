@@ -115,9 +115,12 @@ absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vec
       for (int32_t s = 0; s < n; ++s) {
         if (seq.position(l, h, s) < sinks || s >= n - keep_last) row[s] = kMustKeep;
       }
-      int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * plan.num_kept;
-      if (absl::Status st = to_status(backend.top_k(row, n, plan.num_kept, out)); !st.ok()) return st;
     }
+  }
+  if (absl::Status st =
+          to_status(backend.top_k(scores.data(), g.num_layers * g.num_kv_heads, n, plan.num_kept, plan.kept.data()));
+      !st.ok()) {
+    return st;
   }
   return plan;
 }

@@ -4,9 +4,9 @@
 //   decode   paged decode attention over a batch, every layer: time per layer, K/V bytes read per
 //            second, and (cuda) that bandwidth as a fraction of a device-to-device copy measured in
 //            the same run.
-//   kara     one Kara tick for one sequence (window scores for every layer, Token2Chunk for every
-//            (layer, KV head), gather of the kept tokens) vs one decode step (every layer) of the
-//            batch.
+//   kara     one Kara tick for one sequence (window scores for every layer, Token2Chunk over every
+//            (layer, KV head) row in one call, as Kara's plan makes it, gather of the kept tokens) vs
+//            one decode step (every layer) of the batch.
 //   quant    (--quant=kivi2,tq4,...) decode attention straight from quantized blocks: each sequence's
 //            first tokens (all but the newest 128, in whole quantized blocks) quantized with
 //            quantize_tokens, the rest left in the fp16 blocks, as the daemon's quantize_aged lays it
@@ -342,19 +342,17 @@ int main(int argc, char** argv) {
   for (float& x : wq) x = qd(rng);
   Buffer wqb(*backend, wq.size() * 4), wout(*backend, size_t(g.num_kv_heads) * W * 4);
   check(backend->copy_in(wqb.ptr, wq.data(), wq.size() * 4), "copy_in");
-  std::vector<float> scores(size_t(g.num_kv_heads) * W);
+  std::vector<float> scores(size_t(rows) * W);  // [layer][KV head][W], as Kara's plan collects them
   std::vector<int32_t> kept(size_t(rows) * B), dst(B / g.block_size);
   for (int i = 0; i < int(dst.size()); ++i) dst[i] = o.seqs * blocks_per_seq + i;
   const double t_tick = seconds_per_call(o.iters, [&] {
     for (int l = 0; l < g.num_layers; ++l) {
       check(backend->window_scores(kv, 0, l, o.tokens - W, W, wqb.as<float>(), scale, wout.as<float>()), "window_scores");
-      check(backend->copy_out(scores.data(), wout.ptr, scores.size() * 4), "copy_out");
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        int32_t* row = kept.data() + (size_t(l) * g.num_kv_heads + h) * B;
-        check(backend->token2chunk(scores.data() + size_t(h) * W, W, B, k_cand, max_gap, row), "token2chunk");
-        for (int i = 0; i < B; ++i) row[i] += o.tokens - W;
-      }
+      check(backend->copy_out(scores.data() + size_t(l) * g.num_kv_heads * W, wout.ptr, size_t(g.num_kv_heads) * W * 4),
+            "copy_out");
     }
+    check(backend->token2chunk(scores.data(), rows, W, B, k_cand, max_gap, kept.data()), "token2chunk");
+    for (int32_t& slot : kept) slot += o.tokens - W;
     check(backend->gather_tokens(kv, 0, kept.data(), B, dst.data()), "gather_tokens");
   });
   std::printf("kara_tick_ms %.3f ms\n", t_tick * 1e3);

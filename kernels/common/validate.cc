@@ -26,11 +26,17 @@ KernelStatus check_cache(std::string_view op, const PagedKV& kv, int seq, int* l
   return KernelStatus::ok();
 }
 
-KernelStatus check_scores(std::string_view op, const float* scores, int n) {
+// `rows` rows of n scores each, none NaN.
+KernelStatus check_score_rows(std::string_view op, const float* scores, int rows, int n) {
+  if (rows < 1) return invalid(op, "rows " + std::to_string(rows) + " must be >= 1");
   if (n < 0) return invalid(op, "n " + std::to_string(n) + " must be >= 0");
   if (n > 0 && scores == nullptr) return invalid(op, "scores is null");
-  for (int i = 0; i < n; ++i)
-    if (std::isnan(scores[i])) return invalid(op, "scores[" + std::to_string(i) + "] is NaN");
+  const size_t total = size_t(rows) * size_t(n);
+  for (size_t i = 0; i < total; ++i) {
+    if (std::isnan(scores[i])) {
+      return invalid(op, "scores[" + std::to_string(i / n) + "][" + std::to_string(i % n) + "] (row, slot) is NaN");
+    }
+  }
   return KernelStatus::ok();
 }
 
@@ -206,18 +212,18 @@ KernelStatus validate_snapkv_scores(const PagedKV& kv, int seq, int layer, int n
   return check_covered(op, kv, seq, 0, n, pool_blocks);
 }
 
-KernelStatus validate_top_k(const float* scores, int n, int k, const int32_t* out) {
+KernelStatus validate_top_k(const float* scores, int rows, int n, int k, const int32_t* out) {
   constexpr std::string_view op = "top_k";
-  KARAKV_RETURN_IF_ERROR(check_scores(op, scores, n));
+  KARAKV_RETURN_IF_ERROR(check_score_rows(op, scores, rows, n));
   if (k < 0 || k > n) return invalid(op, "k " + std::to_string(k) + " out of range [0, " + std::to_string(n) + "]");
   if (k > 0 && out == nullptr) return invalid(op, "out is null");
   return KernelStatus::ok();
 }
 
-KernelStatus validate_token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+KernelStatus validate_token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                                   const int32_t* out) {
   constexpr std::string_view op = "token2chunk";
-  KARAKV_RETURN_IF_ERROR(check_scores(op, scores, n));
+  KARAKV_RETURN_IF_ERROR(check_score_rows(op, scores, rows, n));
   if (budget < 0 || budget > n)
     return invalid(op, "budget " + std::to_string(budget) + " out of range [0, " + std::to_string(n) + "]");
   if (num_candidates < 0 || num_candidates > budget)

@@ -42,8 +42,8 @@ KernelStatus validate_window_scores(const PagedKV& kv, int seq, int layer, int s
                                     float scale, const float* out, long long pool_blocks);
 KernelStatus validate_snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                                     int pool, const float* out, long long pool_blocks);
-KernelStatus validate_top_k(const float* scores, int n, int k, const int32_t* out);
-KernelStatus validate_token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+KernelStatus validate_top_k(const float* scores, int rows, int n, int k, const int32_t* out);
+KernelStatus validate_token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                                   const int32_t* out);
 KernelStatus validate_gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                                     const int32_t* dst_blocks, long long pool_blocks);

@@ -495,19 +495,17 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
   return KernelStatus::ok();
 }
 
-KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
-  KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, n, k, out));
+namespace {
+
+void top_k_row(const float* scores, int n, int k, int32_t* out) {
   std::vector<int32_t> idx(n);
   for (int i = 0; i < n; ++i) idx[i] = i;
   partition_best(scores, idx, k);
   std::sort(idx.begin(), idx.begin() + k);
   std::copy_n(idx.begin(), k, out);
-  return KernelStatus::ok();
 }
 
-KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
-  KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
-
+void token2chunk_row(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
   std::vector<int32_t> idx(n);
   for (int i = 0; i < n; ++i) idx[i] = i;
   partition_best(scores, idx, num_candidates);
@@ -550,6 +548,34 @@ KernelStatus token2chunk(const float* scores, int n, int budget, int num_candida
   int w = 0;
   for (int i = 0; i < n; ++i)
     if (kept[i]) out[w++] = i;
+}
+
+// Rows of at least this many scores in all are split over the team; a Kara tick's 128-score
+// windows of a small model are not worth waking it for.
+constexpr size_t kParallelSelectScores = 8192;
+
+// row(r) for r in [0, rows), on the team when the rows are large enough. Rows are independent and
+// cannot fail (the arguments were validated), so the order they run in does not matter.
+template <typename Row>
+void for_each_row(int rows, int n, const Row& row) {
+#pragma omp parallel for schedule(dynamic) if (rows > 1 && size_t(rows) * size_t(n) >= kParallelSelectScores)
+  for (int r = 0; r < rows; ++r) row(r);
+}
+
+}  // namespace
+
+KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) {
+  KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, rows, n, k, out));
+  for_each_row(rows, n, [&](int r) { top_k_row(scores + size_t(r) * n, n, k, out + size_t(r) * k); });
+  return KernelStatus::ok();
+}
+
+KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
+                         int32_t* out) {
+  KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, rows, n, budget, num_candidates, max_gap, out));
+  for_each_row(rows, n, [&](int r) {
+    token2chunk_row(scores + size_t(r) * n, n, budget, num_candidates, max_gap, out + size_t(r) * budget);
+  });
   return KernelStatus::ok();
 }
 

@@ -53,15 +53,16 @@ uint64_t libxsmm_products();
 void tile_product(const float* query, int num_rows, int head_dim, const float* key_tiles, int num_keys, float* rows,
                   size_t row_stride);
 
-// Indices of the k largest scores (ties: lower index first), written ascending. Scores must not
-// be NaN (there is no order to break them by); -0.0 and +0.0 tie.
-//   scores: [n] fp32; out: [k] int32
-KernelStatus top_k(const float* scores, int n, int k, int32_t* out);
+// Per row of n scores, the indices of the k largest (ties: lower index first), written ascending.
+// Scores must not be NaN (there is no order to break them by); -0.0 and +0.0 tie. Rows run on
+// the calling context's OpenMP threads when there are enough of them.
+//   scores: [rows][n] fp32; out: [rows][k] int32
+KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out);
 
-// Kara's Token2Chunk selection (COMPRESSION.md section 1): exactly `budget` indices, ascending.
-// Requires 0 <= num_candidates <= budget <= n and max_gap >= 0.
-//   scores: [n] fp32; out: [budget] int32
-KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+// Kara's Token2Chunk selection (COMPRESSION.md section 1) per row of n scores: exactly `budget`
+// indices, ascending. Requires 0 <= num_candidates <= budget <= n and max_gap >= 0.
+//   scores: [rows][n] fp32; out: [rows][budget] int32
+KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                          int32_t* out);
 
 // For every (layer l, KV head h): K and V of source slot kept[l][h][i] of `seq` are copied byte

@@ -267,10 +267,12 @@ class CpuBackend final : public Backend {
       return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv), gemm_);
     });
   }
-  KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override { return cpu::top_k(scores, n, k, out); }
-  KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+  KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) override {
+    return team_.run([&] { return cpu::top_k(scores, rows, n, k, out); });
+  }
+  KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                            int32_t* out) override {
-    return cpu::token2chunk(scores, n, budget, num_candidates, max_gap, out);
+    return team_.run([&] { return cpu::token2chunk(scores, rows, n, budget, num_candidates, max_gap, out); });
   }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {

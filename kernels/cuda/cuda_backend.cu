@@ -354,31 +354,31 @@ class CudaBackend final : public Backend {
     return call.finish();
   }
 
-  KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override {
-    KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, n, k, out));
+  KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) override {
+    KARAKV_RETURN_IF_ERROR(common::validate_top_k(scores, rows, n, k, out));
     if (k == 0) return KernelStatus::ok();
     Call call(*this, "top_k");
     const float* ds = nullptr;
     int32_t* dout = nullptr;
-    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
-    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(k) * sizeof(int32_t), &dout));
+    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(rows) * n * sizeof(float), &ds));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(rows) * k * sizeof(int32_t), &dout));
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
-      return cuda::launch_top_k(ds, n, k, dout, arena_, stream);
+      return cuda::launch_top_k(ds, rows, n, k, dout, arena_, stream);
     }));
     return call.finish();
   }
 
-  KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+  KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                            int32_t* out) override {
-    KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, n, budget, num_candidates, max_gap, out));
+    KARAKV_RETURN_IF_ERROR(common::validate_token2chunk(scores, rows, n, budget, num_candidates, max_gap, out));
     if (budget == 0) return KernelStatus::ok();
     Call call(*this, "token2chunk");
     const float* ds = nullptr;
     int32_t* dout = nullptr;
-    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(n) * sizeof(float), &ds));
-    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(budget) * sizeof(int32_t), &dout));
+    KARAKV_RETURN_IF_ERROR(call.input(scores, size_t(rows) * n * sizeof(float), &ds));
+    KARAKV_RETURN_IF_ERROR(call.output(out, size_t(rows) * budget * sizeof(int32_t), &dout));
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
-      return cuda::launch_token2chunk(ds, n, budget, num_candidates, max_gap, dout, arena_, stream);
+      return cuda::launch_token2chunk(ds, rows, n, budget, num_candidates, max_gap, dout, arena_, stream);
     }));
     return call.finish();
   }

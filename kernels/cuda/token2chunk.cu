@@ -9,13 +9,22 @@ __device__ __forceinline__ bool better(const float* s, int a, int b) {
   return s[a] > s[b] || (s[a] == s[b] && a < b);
 }
 
-// Scratch (device, n entries each): kept flags, candidate list, chunk left ends, chunk scores and
-// chunk order.
+// One CTA per row (blockIdx.x). Scratch (device, n entries per row each): kept flags, candidate
+// list, chunk left ends, chunk scores and chunk order.
 __global__ void __launch_bounds__(kThreads)
-    token2chunk_kernel(const float* __restrict__ scores, int n, int budget, int num_candidates, int max_gap,
-                       uint8_t* kept, int32_t* cand, int32_t* chunk_left, int32_t* chunk_right, float* chunk_score,
-                       int32_t* chunk_order, int32_t* out) {
+    token2chunk_kernel(const float* __restrict__ all_scores, int n, int budget, int num_candidates, int max_gap,
+                       uint8_t* all_kept, int32_t* all_cand, int32_t* all_left, int32_t* all_right,
+                       float* all_chunk_score, int32_t* all_order, int32_t* all_out) {
   __shared__ int s_num_chunks, s_count;
+  const size_t row = blockIdx.x;
+  const float* __restrict__ scores = all_scores + row * n;
+  uint8_t* kept = all_kept + row * n;
+  int32_t* cand = all_cand + row * n;
+  int32_t* chunk_left = all_left + row * n;
+  int32_t* chunk_right = all_right + row * n;
+  float* chunk_score = all_chunk_score + row * n;
+  int32_t* chunk_order = all_order + row * n;
+  int32_t* out = all_out + row * budget;
   // 1. Candidates: rank < num_candidates.
   for (int i = threadIdx.x; i < n; i += kThreads) {
     int rank = 0;
@@ -86,19 +95,20 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-KernelStatus launch_token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out,
-                                Arena& arena, cudaStream_t stream) {
-  if (budget == 0 || n == 0) return KernelStatus::ok();
+KernelStatus launch_token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
+                                int32_t* out, Arena& arena, cudaStream_t stream) {
+  if (budget == 0 || n == 0 || rows == 0) return KernelStatus::ok();
+  const size_t scratch = size_t(rows) * n;
   uint8_t* kept = nullptr;
   int32_t *cand = nullptr, *left = nullptr, *right = nullptr, *order = nullptr;
   float* chunk_score = nullptr;
-  if (auto st = arena.take(size_t(n), &kept); !st.is_ok()) return st;
-  if (auto st = arena.take(size_t(n), &cand); !st.is_ok()) return st;
-  if (auto st = arena.take(size_t(n), &left); !st.is_ok()) return st;
-  if (auto st = arena.take(size_t(n), &right); !st.is_ok()) return st;
-  if (auto st = arena.take(size_t(n), &order); !st.is_ok()) return st;
-  if (auto st = arena.take(size_t(n), &chunk_score); !st.is_ok()) return st;
-  token2chunk_kernel<<<1, kThreads, 0, stream>>>(scores, n, budget, num_candidates, max_gap, kept, cand, left, right,
+  if (auto st = arena.take(scratch, &kept); !st.is_ok()) return st;
+  if (auto st = arena.take(scratch, &cand); !st.is_ok()) return st;
+  if (auto st = arena.take(scratch, &left); !st.is_ok()) return st;
+  if (auto st = arena.take(scratch, &right); !st.is_ok()) return st;
+  if (auto st = arena.take(scratch, &order); !st.is_ok()) return st;
+  if (auto st = arena.take(scratch, &chunk_score); !st.is_ok()) return st;
+  token2chunk_kernel<<<rows, kThreads, 0, stream>>>(scores, n, budget, num_candidates, max_gap, kept, cand, left, right,
                                                  chunk_score, order, out);
   KARAKV_CUDA_CHECK_LAUNCH("token2chunk");
   return KernelStatus::ok();

@@ -18,17 +18,15 @@ __global__ void prepare_kernel(const float* __restrict__ scores, int n, float* _
 
 }  // namespace
 
-KernelStatus launch_top_k(const float* scores, int n, int k, int32_t* out, Arena& arena, cudaStream_t stream) {
-  if (k == 0) return KernelStatus::ok();
+KernelStatus launch_top_k(const float* scores, int rows, int n, int k, int32_t* out, Arena& arena,
+                          cudaStream_t stream) {
+  if (k == 0 || rows == 0) return KernelStatus::ok();
   float *keys = nullptr, *keys_sorted = nullptr;
   int32_t *idx = nullptr, *idx_sorted = nullptr;
   if (auto st = arena.take(size_t(n), &keys); !st.is_ok()) return st;
   if (auto st = arena.take(size_t(n), &keys_sorted); !st.is_ok()) return st;
   if (auto st = arena.take(size_t(n), &idx); !st.is_ok()) return st;
   if (auto st = arena.take(size_t(n), &idx_sorted); !st.is_ok()) return st;
-  prepare_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(scores, n, keys, idx);
-  KARAKV_CUDA_CHECK_LAUNCH("top_k prepare");
-
   size_t pair_bytes = 0, key_bytes = 0;
   KARAKV_CUDA_RETURN_IF_ERROR(
       cub::DeviceRadixSort::SortPairsDescending(nullptr, pair_bytes, keys, keys_sorted, idx, idx_sorted, n));
@@ -36,11 +34,17 @@ KernelStatus launch_top_k(const float* scores, int n, int k, int32_t* out, Arena
   void* temp = nullptr;
   const size_t temp_bytes = std::max(pair_bytes, key_bytes);
   if (auto st = arena.take(temp_bytes, &temp); !st.is_ok()) return st;
-  size_t bytes = temp_bytes;
-  KARAKV_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairsDescending(temp, bytes, keys, keys_sorted, idx,
-                                                                        idx_sorted, n, 0, 32, stream));
-  bytes = temp_bytes;
-  KARAKV_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortKeys(temp, bytes, idx_sorted, out, k, 0, 32, stream));
+  // Stream order makes the scratch free again for the next row.
+  for (int r = 0; r < rows; ++r) {
+    prepare_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(scores + size_t(r) * n, n, keys, idx);
+    KARAKV_CUDA_CHECK_LAUNCH("top_k prepare");
+    size_t bytes = temp_bytes;
+    KARAKV_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairsDescending(temp, bytes, keys, keys_sorted, idx,
+                                                                          idx_sorted, n, 0, 32, stream));
+    bytes = temp_bytes;
+    KARAKV_CUDA_RETURN_IF_ERROR(
+        cub::DeviceRadixSort::SortKeys(temp, bytes, idx_sorted, out + size_t(r) * k, k, 0, 32, stream));
+  }
   return KernelStatus::ok();
 }
 

@@ -199,7 +199,8 @@ class KaraPolicy final : public Policy {
     if (uses_window_queries()) q.resize(size_t(window_) * g.q_token_elems());
     if (uses_window_queries() && norm_ == Norm::kFull) lse.resize(size_t(window_) * g.num_q_heads);
     std::vector<float> window_part(size_t(g.num_kv_heads) * window_, 0.0f);
-    std::vector<float> scores(window_);
+    // Every (layer, KV head) row's scores, selected in one backend call at the end.
+    std::vector<float> all_scores(size_t(g.num_layers) * g.num_kv_heads * window_);
     const float scale = 1.0f / std::sqrt(float(g.head_dim));
     for (int l = 0; l < g.num_layers; ++l) {
       if (uses_window_queries()) {
@@ -223,6 +224,7 @@ class KaraPolicy final : public Policy {
       }
       for (int h = 0; h < g.num_kv_heads; ++h) {
         const float* own = window_part.data() + size_t(h) * window_;
+        float* scores = all_scores.data() + (size_t(l) * g.num_kv_heads + h) * window_;
         const float* received = s.received.empty() ? nullptr : s.received[size_t(l) * g.num_kv_heads + h].data();
         for (int i = 0; i < window_; ++i) {
           const int32_t slot = plan.begin + i;
@@ -235,20 +237,20 @@ class KaraPolicy final : public Policy {
           scores[i] = observers_ != Observers::kWindow && agg_ == Agg::kMean ? sum / std::max(1.0f, count) : sum;
         }
         if (merge_ > 0) {
-          std::copy(scores.begin(), scores.end(), plan.scores.begin() + (size_t(l) * g.num_kv_heads + h) * window_);
+          std::copy(scores, scores + window_, plan.scores.begin() + (size_t(l) * g.num_kv_heads + h) * window_);
         }
         // Attention sinks that fall inside a window (a short prompt, or prompt = window) are kept.
         for (int i = 0; i < window_; ++i) {
           if (seq.position(l, h, plan.begin + i) < sinks_) scores[i] = policy_util::kMustKeep;
         }
-        int32_t* out = plan.kept.data() + (size_t(l) * g.num_kv_heads + h) * budget_;
-        if (auto st = to_status(backend.token2chunk(scores.data(), window_, budget_, candidates_, max_gap_, out));
-            !st.ok()) {
-          return st;
-        }
-        for (int i = 0; i < budget_; ++i) out[i] += plan.begin;
       }
     }
+    if (auto st = to_status(backend.token2chunk(all_scores.data(), g.num_layers * g.num_kv_heads, window_, budget_,
+                                                candidates_, max_gap_, plan.kept.data()));
+        !st.ok()) {
+      return st;
+    }
+    for (int32_t& slot : plan.kept) slot += plan.begin;
     return plan;
   }
 

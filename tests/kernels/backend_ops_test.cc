@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "kernel_test_util.h"
+#include "token2chunk_reference.h"
 
 namespace karakv::kernels::test {
 namespace {
@@ -369,26 +370,45 @@ std::vector<float> tied_scores(int n, std::mt19937& rng) {
   return s;
 }
 
-TEST_P(BackendOpsTest, TopKIsExact) {
+// Each row's selection equals the plain definition's over that row alone, whether it comes in a
+// call of its own or among many (a policy's every (layer, KV head) row at once); and equals the
+// CPU reference's.
+TEST_P(BackendOpsTest, TopKIsExactPerRow) {
   if (!supported(Op::kTopK)) GTEST_SKIP() << "not supported";
-  for (auto [n, k] : {std::pair{1, 1}, std::pair{100, 7}, std::pair{5000, 1234}, std::pair{300, 300}}) {
-    const std::vector<float> scores = tied_scores(n, rng_);
-    std::vector<int32_t> out(k, -1), ref(k, -2);
-    ASSERT_TRUE(backend_->top_k(scores.data(), n, k, out.data()).is_ok());
-    ASSERT_TRUE(reference_->top_k(scores.data(), n, k, ref.data()).is_ok());
-    EXPECT_EQ(out, ref) << "n " << n << " k " << k;
+  struct Case { int rows, n, k; };
+  for (const Case c : {Case{1, 1, 1}, Case{1, 100, 7}, Case{3, 5000, 1234}, Case{2, 300, 300}, Case{90, 128, 32},
+                       Case{5, 64, 0}}) {
+    const std::vector<float> scores = tied_scores(c.rows * c.n, rng_);
+    std::vector<int32_t> out(size_t(c.rows) * c.k, -1), ref(size_t(c.rows) * c.k, -2);
+    ASSERT_TRUE(backend_->top_k(scores.data(), c.rows, c.n, c.k, out.data()).is_ok());
+    ASSERT_TRUE(reference_->top_k(scores.data(), c.rows, c.n, c.k, ref.data()).is_ok());
+    EXPECT_EQ(out, ref) << "rows " << c.rows << " n " << c.n << " k " << c.k;
+    for (int r = 0; r < c.rows; ++r) {
+      const std::vector<float> row(scores.begin() + size_t(r) * c.n, scores.begin() + size_t(r + 1) * c.n);
+      const std::vector<int32_t> got(out.begin() + size_t(r) * c.k, out.begin() + size_t(r + 1) * c.k);
+      ASSERT_EQ(got, naive_top_k(row, c.k)) << "rows " << c.rows << " n " << c.n << " row " << r;
+    }
   }
 }
 
-TEST_P(BackendOpsTest, Token2ChunkIsExact) {
+TEST_P(BackendOpsTest, Token2ChunkIsExactPerRow) {
   if (!supported(Op::kToken2Chunk)) GTEST_SKIP() << "not supported";
-  struct Case { int n, budget, candidates, max_gap; };
-  for (const Case c : {Case{128, 32, 8, 8}, Case{96, 24, 6, 16}, Case{1000, 250, 60, 12}, Case{16, 16, 16, 4}}) {
-    const std::vector<float> scores = tied_scores(c.n, rng_);
-    std::vector<int32_t> out(c.budget, -1), ref(c.budget, -2);
-    ASSERT_TRUE(backend_->token2chunk(scores.data(), c.n, c.budget, c.candidates, c.max_gap, out.data()).is_ok());
-    ASSERT_TRUE(reference_->token2chunk(scores.data(), c.n, c.budget, c.candidates, c.max_gap, ref.data()).is_ok());
-    EXPECT_EQ(out, ref) << "n " << c.n << " budget " << c.budget;
+  struct Case { int rows, n, budget, candidates, max_gap; };
+  for (const Case c : {Case{1, 128, 32, 8, 8}, Case{1, 96, 24, 6, 16}, Case{2, 1000, 250, 60, 12},
+                       Case{1, 16, 16, 16, 4}, Case{90, 128, 32, 16, 8}, Case{240, 128, 32, 16, 8}}) {
+    const std::vector<float> scores = tied_scores(c.rows * c.n, rng_);
+    std::vector<int32_t> out(size_t(c.rows) * c.budget, -1), ref(size_t(c.rows) * c.budget, -2);
+    ASSERT_TRUE(
+        backend_->token2chunk(scores.data(), c.rows, c.n, c.budget, c.candidates, c.max_gap, out.data()).is_ok());
+    ASSERT_TRUE(
+        reference_->token2chunk(scores.data(), c.rows, c.n, c.budget, c.candidates, c.max_gap, ref.data()).is_ok());
+    EXPECT_EQ(out, ref) << "rows " << c.rows << " n " << c.n << " budget " << c.budget;
+    for (int r = 0; r < c.rows; ++r) {
+      const std::vector<float> row(scores.begin() + size_t(r) * c.n, scores.begin() + size_t(r + 1) * c.n);
+      const std::vector<int32_t> got(out.begin() + size_t(r) * c.budget, out.begin() + size_t(r + 1) * c.budget);
+      ASSERT_EQ(got, naive_token2chunk(row, c.budget, c.candidates, c.max_gap))
+          << "rows " << c.rows << " n " << c.n << " row " << r;
+    }
   }
 }
 
@@ -760,8 +780,9 @@ TEST_P(BackendOpsTest, InvalidArgumentsAreRefusedLikeTheReference) {
        reference_->snapkv_scores(rkv, 4, 0, 8, q.data(), 1.0f, 4, out.data()));
   const float nan_scores[3] = {1.0f, std::nanf(""), 0.0f};
   int32_t idx[3];
-  same(backend_->top_k(nan_scores, 3, 2, idx), reference_->top_k(nan_scores, 3, 2, idx));
-  same(backend_->token2chunk(nan_scores, 3, 2, 3, 1, idx), reference_->token2chunk(nan_scores, 3, 2, 3, 1, idx));
+  same(backend_->top_k(nan_scores, 1, 3, 2, idx), reference_->top_k(nan_scores, 1, 3, 2, idx));
+  same(backend_->token2chunk(nan_scores, 1, 3, 2, 3, 1, idx), reference_->token2chunk(nan_scores, 1, 3, 2, 3, 1, idx));
+  same(backend_->top_k(nan_scores, 0, 3, 2, idx), reference_->top_k(nan_scores, 0, 3, 2, idx));
   const std::vector<int32_t> own = {caches.test->block_table()[caches.test->table_offset()[4]]};
   const std::vector<int32_t> kept(size_t(geo_.num_layers) * geo_.num_kv_heads, 0);
   same(backend_->gather_tokens(kv, 4, kept.data(), 1, own.data()),

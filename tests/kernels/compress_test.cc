@@ -500,7 +500,7 @@ TEST(CompressTopKTest, MatchesRankDefinitionWithTies) {
     const int k = int(rng() % (n + 1));
     const std::vector<float> s = random_scores(n, seed % 2 == 0, rng);
     std::vector<int32_t> out(k, -1);
-    const KernelStatus st = cpu::top_k(s.data(), n, k, out.data());
+    const KernelStatus st = cpu::top_k(s.data(), 1, n, k, out.data());
     ASSERT_TRUE(st.is_ok()) << st.message;
     ASSERT_EQ(out, naive_top_k(s, k)) << "seed " << seed << " n " << n << " k " << k;
   }
@@ -511,7 +511,7 @@ TEST(CompressTopKTest, HandMadeTies) {
   const std::vector<float> s = {0.1f, 0.5f, 0.1f, 0.9f, 0.5f, 0.1f, 0.5f};
   auto top = [&](int k) {
     std::vector<int32_t> out(k);
-    EXPECT_TRUE(cpu::top_k(s.data(), int(s.size()), k, out.data()).is_ok());
+    EXPECT_TRUE(cpu::top_k(s.data(), 1, int(s.size()), k, out.data()).is_ok());
     return out;
   };
   EXPECT_EQ(top(0), std::vector<int32_t>{});
@@ -523,12 +523,12 @@ TEST(CompressTopKTest, HandMadeTies) {
   // All equal: the lowest indices.
   const std::vector<float> flat(9, 2.0f);
   std::vector<int32_t> out(4);
-  ASSERT_TRUE(cpu::top_k(flat.data(), 9, 4, out.data()).is_ok());
+  ASSERT_TRUE(cpu::top_k(flat.data(), 1, 9, 4, out.data()).is_ok());
   EXPECT_EQ(out, (std::vector<int32_t>{0, 1, 2, 3}));
   // -0.0 and +0.0 tie; -inf is a valid (lowest) score.
   const std::vector<float> signed_zero = {-INFINITY, 0.0f, -0.0f, -1.0f};
   std::vector<int32_t> two(2);
-  ASSERT_TRUE(cpu::top_k(signed_zero.data(), 4, 2, two.data()).is_ok());
+  ASSERT_TRUE(cpu::top_k(signed_zero.data(), 1, 4, 2, two.data()).is_ok());
   EXPECT_EQ(two, (std::vector<int32_t>{1, 2}));
 }
 
@@ -536,7 +536,7 @@ TEST(CompressTopKTest, HandMadeTies) {
 
 std::vector<int32_t> run_token2chunk(const std::vector<float>& s, int budget, int num_candidates, int max_gap) {
   std::vector<int32_t> out(budget, -1);
-  const KernelStatus st = cpu::token2chunk(s.data(), int(s.size()), budget, num_candidates, max_gap, out.data());
+  const KernelStatus st = cpu::token2chunk(s.data(), 1, int(s.size()), budget, num_candidates, max_gap, out.data());
   EXPECT_TRUE(st.is_ok()) << st.message;
   return out;
 }
@@ -776,23 +776,28 @@ TEST_F(CompressInvalidArgumentTest, SnapKVScores) {
 TEST_F(CompressInvalidArgumentTest, TopKAndToken2Chunk) {
   const std::vector<float> s = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f};
   std::vector<int32_t> out(8);
-  expect_invalid(cpu::top_k(s.data(), 6, 7, out.data()), "k 7");
-  expect_invalid(cpu::top_k(s.data(), 6, -1, out.data()), "k -1");
-  expect_invalid(cpu::top_k(nullptr, 6, 2, out.data()), "scores is null");
-  expect_invalid(cpu::top_k(s.data(), 6, 2, nullptr), "out is null");
-  expect_invalid(cpu::top_k(s.data(), -1, 0, out.data()), "n -1");
+  expect_invalid(cpu::top_k(s.data(), 1, 6, 7, out.data()), "k 7");
+  expect_invalid(cpu::top_k(s.data(), 1, 6, -1, out.data()), "k -1");
+  expect_invalid(cpu::top_k(nullptr, 1, 6, 2, out.data()), "scores is null");
+  expect_invalid(cpu::top_k(s.data(), 1, 6, 2, nullptr), "out is null");
+  expect_invalid(cpu::top_k(s.data(), 1, -1, 0, out.data()), "n -1");
   const std::vector<float> with_nan = {0.1f, NAN, 0.3f};
-  expect_invalid(cpu::top_k(with_nan.data(), 3, 1, out.data()), "scores[1] is NaN");
-  EXPECT_TRUE(cpu::top_k(s.data(), 6, 0, nullptr).is_ok());
+  expect_invalid(cpu::top_k(with_nan.data(), 1, 3, 1, out.data()), "scores[0][1] (row, slot) is NaN");
+  // Rows: at least one; a NaN is named by its row and slot.
+  expect_invalid(cpu::top_k(s.data(), 0, 6, 2, out.data()), "rows 0 must be >= 1");
+  expect_invalid(cpu::top_k(s.data(), -1, 6, 2, out.data()), "rows -1");
+  expect_invalid(cpu::top_k(with_nan.data(), 3, 1, 1, out.data()), "scores[1][0] (row, slot) is NaN");
+  expect_invalid(cpu::token2chunk(s.data(), 0, 6, 3, 2, 3, out.data()), "rows 0 must be >= 1");
+  EXPECT_TRUE(cpu::top_k(s.data(), 1, 6, 0, nullptr).is_ok());
 
-  expect_invalid(cpu::token2chunk(s.data(), 6, 7, 2, 3, out.data()), "budget 7");
-  expect_invalid(cpu::token2chunk(s.data(), 6, -1, 0, 3, out.data()), "budget -1");
-  expect_invalid(cpu::token2chunk(s.data(), 6, 3, 4, 3, out.data()), "num_candidates 4");
-  expect_invalid(cpu::token2chunk(s.data(), 6, 3, -1, 3, out.data()), "num_candidates -1");
-  expect_invalid(cpu::token2chunk(s.data(), 6, 3, 2, -1, out.data()), "max_gap -1");
-  expect_invalid(cpu::token2chunk(s.data(), 6, 3, 2, 3, nullptr), "out is null");
-  expect_invalid(cpu::token2chunk(nullptr, 6, 3, 2, 3, out.data()), "scores is null");
-  expect_invalid(cpu::token2chunk(with_nan.data(), 3, 2, 1, 3, out.data()), "NaN");
+  expect_invalid(cpu::token2chunk(s.data(), 1, 6, 7, 2, 3, out.data()), "budget 7");
+  expect_invalid(cpu::token2chunk(s.data(), 1, 6, -1, 0, 3, out.data()), "budget -1");
+  expect_invalid(cpu::token2chunk(s.data(), 1, 6, 3, 4, 3, out.data()), "num_candidates 4");
+  expect_invalid(cpu::token2chunk(s.data(), 1, 6, 3, -1, 3, out.data()), "num_candidates -1");
+  expect_invalid(cpu::token2chunk(s.data(), 1, 6, 3, 2, -1, out.data()), "max_gap -1");
+  expect_invalid(cpu::token2chunk(s.data(), 1, 6, 3, 2, 3, nullptr), "out is null");
+  expect_invalid(cpu::token2chunk(nullptr, 1, 6, 3, 2, 3, out.data()), "scores is null");
+  expect_invalid(cpu::token2chunk(with_nan.data(), 1, 3, 2, 1, 3, out.data()), "NaN");
 }
 
 TEST_F(CompressInvalidArgumentTest, GatherTokensChangesNothingOnError) {

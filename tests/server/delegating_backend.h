@@ -89,14 +89,14 @@ class DelegatingBackend : public kernels::Backend {
     Guard in_call(*this);
     return inner_->snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out);
   }
-  KernelStatus top_k(const float* scores, int n, int k, int32_t* out) override {
+  KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) override {
     Guard in_call(*this);
-    return inner_->top_k(scores, n, k, out);
+    return inner_->top_k(scores, rows, n, k, out);
   }
-  KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+  KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                            int32_t* out) override {
     Guard in_call(*this);
-    return inner_->token2chunk(scores, n, budget, num_candidates, max_gap, out);
+    return inner_->token2chunk(scores, rows, n, budget, num_candidates, max_gap, out);
   }
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {

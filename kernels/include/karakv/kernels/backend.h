@@ -185,18 +185,24 @@ class Backend {
     return KernelStatus::unsupported("snapkv_scores");
   }
 
-  // The `k` largest of scores[0..n), ties broken by the lower index; indices written ascending.
-  //   scores: [n] fp32; out: [k] int32
-  virtual KernelStatus top_k(const float* scores, int n, int k, int32_t* out) {
+  // The selections run on `rows` independent rows of n scores at once (a policy's every
+  // (layer, KV head) row in one call: on a device one upload, one launch and one synchronize per
+  // compaction instead of one per row). Row r reads scores[r * n, (r + 1) * n) and writes its
+  // indices, 0..n-1 within the row, to its own part of out.
+
+  // The `k` largest of each row, ties broken by the lower index; indices written ascending.
+  //   scores: [rows][n] fp32; out: [rows][k] int32; rows >= 1
+  virtual KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) {
     return KernelStatus::unsupported("top_k");
   }
 
-  // Kara's Token2Chunk selection over one window of n scores: the `num_candidates` top tokens
-  // (top_k rule), chunks between consecutive candidates with 1..max_gap interior tokens scored by
-  // the smaller end score and taken greedily in descending score (ties: lower position) while they
-  // fit, then a fill with the best remaining tokens: exactly `budget` indices, ascending.
-  //   scores: [n] fp32; out: [budget] int32
-  virtual KernelStatus token2chunk(const float* scores, int n, int budget, int num_candidates, int max_gap,
+  // Kara's Token2Chunk selection over each row (one window of n scores): the `num_candidates` top
+  // tokens (top_k rule), chunks between consecutive candidates with 1..max_gap interior tokens
+  // scored by the smaller end score and taken greedily in descending score (ties: lower position)
+  // while they fit, then a fill with the best remaining tokens: exactly `budget` indices per row,
+  // ascending.
+  //   scores: [rows][n] fp32; out: [rows][budget] int32; rows >= 1
+  virtual KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                                    int32_t* out) {
     return KernelStatus::unsupported("token2chunk");
   }
