@@ -148,7 +148,7 @@ absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
   for (const ServeComparison& c : result->comparisons) {
     std::optional<Target> target;
     if (c.at_least > 0) target = Target{Target::Kind::kAtLeast, c.at_least};
-    rows.push_back({"P4", c.metric, c.value, c.baseline_name, c.baseline, c.unit, false, target});
+    rows.push_back({result->mode, c.metric, c.value, c.baseline_name, c.baseline, c.unit, false, target});
   }
   extra_reports().push_back(result->report);
   serve_how() = result->how;
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
       "  prefix  2-8 workers sharing a 1000-token system prompt: TTFT and prefill avoided with vs without prefix cache\n"
       "  serve   continuous-batching serving sweep: output throughput vs max batch per policy (P4), TPOT,\n"
       "          TTFT, preemptions, KV held, compression by context length (not part of 'all': ~25 min;\n"
-      "          --quick: ~1 min)\n"
+      "          --quick: ~1 min); --serve_rates=R,...: open loop, Poisson arrivals, TTFT from arrival\n"
       "  ring    decode fast path: Step round trip via the shared-memory ring vs gRPC vs Ping (target <= 0.1x\n"
       "          of Ping), synthetic-worker decode tokens/s with and without the ring\n"
       "  soak    --workers=N worker processes doing random Attach/Create/Append/Step/Compact/Fork/Release/\n"

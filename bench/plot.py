@@ -8,7 +8,11 @@
               format; the nominal ratios (16 / bits) dashed, labelled with their formats
   serve.png   serve_runs.csv and serve_series.csv (the Kara paper's Figure 1): (a) output throughput vs
               max batch, one line per policy; (b) sequences decoding vs decode step and (c) K/V bytes
-              held per decoding sequence vs decode step, both at the largest max batch
+              held per decoding sequence vs decode step, both at the largest max batch (closed-loop
+              runs)
+  serve_open.png  the open-loop runs of serve_runs.csv (--serve_rates): (a) TTFT p50 and p99 vs
+              arrival rate and (b) output throughput vs arrival rate, one line per policy, at the
+              largest max batch
 
 Usage: bench/plot.py RESULTS_DIR [OUTPUT_DIR]   (default OUTPUT_DIR: RESULTS_DIR)
 A chart whose CSVs are absent is skipped. Needs matplotlib; without it, says so and exits 0 so
@@ -211,11 +215,24 @@ def plot_quant_ratio(results_dir, output, plt):
     return True
 
 
+def serve_rate(row):
+    """The run's arrival rate (requests/s); 0 for a closed-loop run (and CSVs from before the column)."""
+    return float(row.get("rate_req_s") or 0)
+
+
+def policies_of(runs):
+    policies = []
+    for r in runs:
+        if r["policy"] not in policies:
+            policies.append(r["policy"])
+    return policies
+
+
 def plot_serve(results_dir, output, plt):
-    runs = read_csv(os.path.join(results_dir, "serve_runs.csv"))
+    runs = [r for r in read_csv(os.path.join(results_dir, "serve_runs.csv")) if serve_rate(r) == 0]
     if not runs:
         return False
-    series = read_csv(os.path.join(results_dir, "serve_series.csv"))
+    series = [r for r in read_csv(os.path.join(results_dir, "serve_series.csv")) if serve_rate(r) == 0]
     policies = []
     for r in runs:
         if r["policy"] not in policies:
@@ -269,6 +286,39 @@ def plot_serve(results_dir, output, plt):
     return True
 
 
+def plot_serve_open(results_dir, output, plt):
+    runs = [r for r in read_csv(os.path.join(results_dir, "serve_runs.csv")) if serve_rate(r) > 0]
+    if not runs:
+        return False
+    largest = max(int(r["max_batch"]) for r in runs)
+    runs = [r for r in runs if int(r["max_batch"]) == largest]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
+    for p in policies_of(runs):
+        mine = sorted((r for r in runs if r["policy"] == p), key=serve_rate)
+        color, style = POLICY_STYLE.get(p, (None, "-"))
+        rates = [serve_rate(r) for r in mine]
+        axes[0].plot(rates, [float(r["ttft_p99_ms"]) for r in mine], marker="o", color=color, linestyle=style,
+                     linewidth=1.8, label=f"{p} p99")
+        axes[0].plot(rates, [float(r["ttft_p50_ms"]) for r in mine], marker=".", color=color, linestyle=style,
+                     linewidth=0.8, alpha=0.6, label=f"{p} p50")
+        axes[1].plot(rates, [float(r["throughput_tok_s"]) for r in mine], marker="o", color=color, linestyle=style,
+                     linewidth=1.8, label=p)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("TTFT from arrival (ms, log scale)")
+    axes[0].set_title(f"(a) time to first token vs arrival rate, max batch {largest}", fontsize=10)
+    axes[1].set_ylabel("output throughput (tokens/s)")
+    axes[1].set_ylim(bottom=0)
+    axes[1].set_title(f"(b) output throughput vs arrival rate, max batch {largest}", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("arrival rate (requests/s, Poisson)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("karakv-bench serve --serve_rates: open loop through karakvd, one fixed pool", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(output, dpi=90)
+    return True
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
@@ -286,7 +336,8 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     drawn = 0
     for name, draw in (("ratios.png", plot_ratios), ("memory.png", plot_memory),
-                       ("quant_ratio.png", plot_quant_ratio), ("serve.png", plot_serve)):
+                       ("quant_ratio.png", plot_quant_ratio), ("serve.png", plot_serve),
+                       ("serve_open.png", plot_serve_open)):
         path = os.path.join(out_dir, name)
         if draw(results_dir, path, plt):
             print(f"plot.py: wrote {path}")

@@ -6,6 +6,11 @@
 // is a modeled cost (a sleep of base + per_seq * batch microseconds per step, split over layers),
 // so the daemon's share of a step is what is measured.
 //
+// Requests come either closed loop (the default: the queue is never empty, so the engine always has
+// work and TTFT is admission to first token) or open loop (--serve_rates): Poisson arrivals at a
+// given rate, seeded, and TTFT from arrival to first token, queueing included, as an online
+// serving benchmark measures it.
+//
 // Preemption is vLLM's recompute: when a Step or Append is refused with RESOURCE_EXHAUSTED the
 // most recently admitted sequence is released and its request goes back to the front of the
 // queue; when readmitted, its prompt and the tokens it already generated are prefilled again.
@@ -55,6 +60,10 @@ ABSL_FLAG(double, serve_prefill_us_per_token, 10, "serve: modeled model compute 
 ABSL_FLAG(int32_t, serve_workers, 4, "serve: worker processes (each owns a share of the running sequences)");
 ABSL_FLAG(int32_t, serve_sample_every, 50,
           "serve: engine steps between the workers' ListSequences samples (compression ratio by context)");
+ABSL_FLAG(std::string, serve_rates, "",
+          "serve: open loop: request arrival rates swept (requests per second, Poisson arrivals from --serve_seed; "
+          "comma list); TTFT then counts from arrival, queueing included. Empty: closed loop (the queue never "
+          "empties)");
 ABSL_FLAG(uint64_t, serve_seed, 1, "serve: seed of the request lengths (every run sees the same requests)");
 // The worker role's own settings, passed by the scheduler on its command line.
 ABSL_FLAG(std::string, serve_staging, "shm",
@@ -386,15 +395,19 @@ struct Request {
   int prompt = 0, output = 0;
   int generated = 0;     // output tokens produced so far (kept across preemptions)
   bool started = false;  // its first token was produced (TTFT counted)
+  double arrival_t = 0;  // open loop: when it arrived (run seconds)
   double first_token_t = -1, last_token_t = -1;
   int decode_tokens = 0;  // tokens after the first, within the run
 };
 
 // Requests in arrival order, drawn from the seed (every run sees the same sequence of requests).
+// Open loop: arrival times too, from a generator of their own, so the lengths are the same ones
+// as in a closed-loop run whatever the rate.
 class RequestSource {
  public:
-  RequestSource(uint64_t seed, Range prompt, Range output)
-      : rng_(seed), prompt_(prompt.lo, prompt.hi), output_(output.lo, output.hi) {}
+  RequestSource(uint64_t seed, Range prompt, Range output, double rate)
+      : rng_(seed), arrival_rng_(seed ^ 0x9e3779b97f4a7c15ull), prompt_(prompt.lo, prompt.hi),
+        output_(output.lo, output.hi), gap_(rate > 0 ? rate : 1.0) {}
   Request next() {
     Request r;
     r.id = next_id_++;
@@ -402,10 +415,14 @@ class RequestSource {
     r.output = output_(rng_);
     return r;
   }
+  // Open loop: the next request's arrival, exponential gaps of mean 1 / rate from time 0.
+  double next_arrival() { return arrival_ += gap_(arrival_rng_); }
 
  private:
-  std::mt19937_64 rng_;
+  std::mt19937_64 rng_, arrival_rng_;
   std::uniform_int_distribution<int> prompt_, output_;
+  std::exponential_distribution<double> gap_;
+  double arrival_ = 0;
   uint64_t next_id_ = 1;
 };
 
@@ -420,10 +437,16 @@ struct SeriesPoint {
 struct RunResult {
   std::string policy;
   int max_batch = 0;
+  double rate = 0;  // open loop: requests per second; 0: closed loop
   double seconds = 0;
   uint64_t tokens = 0;
   int steps = 0, preemptions = 0, admitted = 0, finished = 0, prefill_refusals = 0;
-  double tpot_mean_ms = 0, tpot_p99_ms = 0, ttft_mean_ms = 0;
+  double tpot_mean_ms = 0, tpot_p99_ms = 0, ttft_mean_ms = 0, ttft_p50_ms = 0, ttft_p99_ms = 0;
+  // Open loop: requests that arrived, and those still without a first token at the end (a queue
+  // that grows over the run: the rate is above what the engine serves). TTFT counts the latter with
+  // their wait so far.
+  int arrived = 0, unserved = 0;
+  double mean_waiting = 0;
   double mean_decoding = 0, mean_kv_mib = 0, peak_kv_mib = 0;
   double step_call_ms = 0;  // per engine step, the workers' time inside Step calls, summed
   double compaction_s = 0;
@@ -464,9 +487,10 @@ uint64_t held_bytes(const karakv::DaemonStats& st) {
 
 class Scheduler {
  public:
-  Scheduler(const TempDir& dir, std::string policy, int max_batch, size_t pool_bytes, Range prompt, Range output)
-      : dir_(dir), policy_(std::move(policy)), max_batch_(max_batch), pool_bytes_(pool_bytes),
-        source_(absl::GetFlag(FLAGS_serve_seed), prompt, output) {}
+  Scheduler(const TempDir& dir, std::string policy, int max_batch, size_t pool_bytes, Range prompt, Range output,
+            double rate)
+      : dir_(dir), policy_(std::move(policy)), max_batch_(max_batch), pool_bytes_(pool_bytes), rate_(rate),
+        source_(absl::GetFlag(FLAGS_serve_seed), prompt, output, rate) {}
 
   absl::StatusOr<RunResult> run(int steps, double seconds) {
     auto d = start_karakvd(dir_, "karakvd-serve", geometry_flags(pool_bytes_));
@@ -538,12 +562,26 @@ class Scheduler {
 
   double now() const { return seconds_since(start_); }
 
+  // Open loop: every request whose arrival time has come joins the back of the queue.
+  void arrive() {
+    while (next_arrival_ <= now()) {
+      Request r = source_.next();
+      r.arrival_t = next_arrival_;
+      waiting_.push_back(r);
+      ++result_.arrived;
+      next_arrival_ = source_.next_arrival();
+    }
+  }
+
   // vLLM's admission: FCFS, while the batch has room and the pool keeps a watermark free.
   void admit(std::vector<std::string>& commands, uint64_t free_blocks, uint64_t total_blocks) {
     const int64_t watermark = std::max<int64_t>(1, total_blocks / 100);
     int64_t free = int64_t(free_blocks) - 2 * int64_t(running_.size() / 16 + 1);  // this step's growth, roughly
     while (int(running_.size()) < max_batch_) {
-      if (waiting_.empty()) waiting_.push_back(source_.next());
+      if (waiting_.empty()) {
+        if (rate_ > 0) break;  // open loop: nobody is waiting
+        waiting_.push_back(source_.next());
+      }
       Request& r = waiting_.front();
       const int context = r.prompt + r.generated;
       const int64_t need = (context + 1 + 15) / 16 + 1;
@@ -586,10 +624,12 @@ class Scheduler {
       if (absl::Status s = send_message(workers_[i].fd, commands[i]); !s.ok()) return s;
       sent.push_back(int(i));
     }
+    const double sent_t = now();
     for (int i : sent) {
       auto m = receive_message(workers_[i].fd);
       if (!m.ok()) return absl::InternalError(absl::StrCat(m.status().message(), "; worker log tail:\n", workers_[i].process->log_tail()));
       const double t = now();
+      double prefilled_s = 0;  // the worker's prefills so far in this reply, run one after another
       for (absl::string_view line : absl::StrSplit(*m, '\n', absl::SkipEmpty())) {
         std::vector<std::string> f = absl::StrSplit(line, ' ');
         if (f[0] == "error") return absl::InternalError(absl::StrCat("serve worker ", i, ": ", line));
@@ -600,6 +640,7 @@ class Scheduler {
           (void)absl::SimpleAtod(f[3], &s);
           Running* r = find(req);
           if (r == nullptr) continue;
+          prefilled_s += s;
           if (f[2] == "full") {
             ++result_.prefill_refusals;
             drop(req, true);
@@ -607,7 +648,9 @@ class Scheduler {
             r->req.started = true;
             r->req.generated = 1;
             r->req.first_token_t = r->req.last_token_t = t;
-            ttft_.push_back(s);
+            // Closed loop: admission to first token. Open loop: arrival to the end of its prefill
+            // (queueing, the steps it waited for, and the worker's earlier prefills included).
+            ttft_.push_back(rate_ > 0 ? sent_t + prefilled_s - r->req.arrival_t : s);
             ++result_.tokens;
           }
         } else if (f[0] == "step" && f.size() == 3) {
@@ -660,11 +703,20 @@ class Scheduler {
   absl::StatusOr<RunResult> loop(int steps, double seconds) {
     result_.policy = policy_;
     result_.max_batch = max_batch_;
+    result_.rate = rate_;
     const int sample_every = std::max(1, absl::GetFlag(FLAGS_serve_sample_every));
     start_ = Clock::now();
     auto last_report = start_;
-    double decoding_sum = 0, kv_sum = 0;
+    double decoding_sum = 0, kv_sum = 0, waiting_sum = 0;
+    if (rate_ > 0) next_arrival_ = source_.next_arrival();
     while (result_.steps < steps && now() < seconds) {
+      if (rate_ > 0) {
+        arrive();
+        if (running_.empty() && waiting_.empty()) {  // idle until the next arrival
+          sleep_us(1e6 * std::max(0.0, std::min(next_arrival_, seconds) - now()));
+          continue;
+        }
+      }
       auto st = client_->Stats();
       if (!st.ok()) return st.status();
       const double kv_mib = held_bytes(*st) / double(1 << 20);
@@ -698,20 +750,29 @@ class Scheduler {
       ++result_.steps;
       decoding_sum += decoding;
       kv_sum += kv_mib;
+      waiting_sum += double(waiting_.size());
       result_.peak_kv_mib = std::max(result_.peak_kv_mib, kv_mib);
       result_.series.push_back({result_.steps, now(), decoding, int(waiting_.size()), st->blocks_used, kv_mib});
       if (seconds_since(last_report) >= 5) {
         last_report = Clock::now();
-        progress(absl::StrFormat("serve %s max batch %d: step %d/%d (%.0f s), %d decoding, %.0f tok/s, "
+        progress(absl::StrFormat("serve %s max batch %d%s: step %d/%d (%.0f s), %d decoding, %d waiting, %.0f tok/s, "
                                  "%d preemptions, %.1f MiB K/V held",
-                                 policy_, max_batch_, result_.steps, steps, now(), decoding, result_.tokens / now(),
+                                 policy_, max_batch_, rate_ > 0 ? absl::StrFormat(" at %g req/s", rate_) : "",
+                                 result_.steps, steps, now(), decoding, int(waiting_.size()), result_.tokens / now(),
                                  result_.preemptions, kv_mib));
       }
     }
     result_.seconds = now();
     // Requests still running, or preempted and waiting, count with the tokens they produced.
     for (const Running& r : running_) record_tpot(r.req);
-    for (const Request& r : waiting_) record_tpot(r);
+    for (const Request& r : waiting_) {
+      record_tpot(r);
+      if (r.started) continue;
+      // Open loop: a request still without a first token counts with its wait so far, a lower
+      // bound, so an overloaded run's TTFT is not judged by the few requests it served.
+      ++result_.unserved;
+      if (rate_ > 0) ttft_.push_back(result_.seconds - r.arrival_t);
+    }
     auto st = client_->Stats();
     if (!st.ok()) return st.status();
     for (const karakv::PolicyStats& p : st->policies) {
@@ -724,6 +785,9 @@ class Scheduler {
     result_.tpot_mean_ms = tpot_.empty() ? 0 : 1e3 * std::accumulate(tpot_.begin(), tpot_.end(), 0.0) / tpot_.size();
     result_.tpot_p99_ms = 1e3 * percentile(tpot_, 99);
     result_.ttft_mean_ms = ttft_.empty() ? 0 : 1e3 * std::accumulate(ttft_.begin(), ttft_.end(), 0.0) / ttft_.size();
+    result_.ttft_p50_ms = 1e3 * percentile(ttft_, 50);
+    result_.ttft_p99_ms = 1e3 * percentile(ttft_, 99);
+    result_.mean_waiting = result_.steps ? waiting_sum / result_.steps : 0;
     for (int b = 0; b < kBuckets; ++b) {
       result_.ratio[b] = bucket_held_[b] ? double(bucket_fp16_[b]) / bucket_held_[b] : 0;
     }
@@ -734,7 +798,9 @@ class Scheduler {
   std::string policy_;
   int max_batch_;
   size_t pool_bytes_;
+  double rate_;  // open loop: requests per second; 0: closed loop
   RequestSource source_;
+  double next_arrival_ = 0;
   std::optional<Daemon> daemon_;
   std::unique_ptr<karakv::Client> client_;
   std::vector<WorkerHandle> workers_;
@@ -757,7 +823,8 @@ std::string run_csv(const std::vector<RunResult>& runs) {
   std::string out =
       "policy,max_batch,seconds,steps,output_tokens,throughput_tok_s,tpot_mean_ms,tpot_p99_ms,ttft_mean_ms,"
       "mean_decoding,preemptions,prefill_refusals,admitted,finished,mean_kv_mib,peak_kv_mib,compactions,"
-      "compaction_s,compaction_share,ratio_lt1k,ratio_1_4k,ratio_4_16k,ratio_ge16k\n";
+      "compaction_s,compaction_share,ratio_lt1k,ratio_1_4k,ratio_4_16k,ratio_ge16k,rate_req_s,arrived,unserved,"
+      "ttft_p50_ms,ttft_p99_ms,mean_waiting\n";
   for (const RunResult& r : runs) {
     absl::StrAppend(&out, r.policy, ",", r.max_batch, ",", absl::StrFormat("%.3f", r.seconds), ",", r.steps, ",",
                     r.tokens, ",", absl::StrFormat("%.2f", r.throughput()), ",",
@@ -766,38 +833,53 @@ std::string run_csv(const std::vector<RunResult>& runs) {
                     absl::StrFormat("%.3f,%.3f", r.mean_kv_mib, r.peak_kv_mib), ",", r.compactions, ",",
                     absl::StrFormat("%.4f,%.5f", r.compaction_s, r.seconds > 0 ? r.compaction_s / r.seconds : 0));
     for (int b = 0; b < kBuckets; ++b) absl::StrAppend(&out, ",", absl::StrFormat("%.4f", r.ratio[b]));
-    absl::StrAppend(&out, "\n");
+    absl::StrAppend(&out, ",", absl::StrFormat("%g", r.rate), ",", r.arrived, ",", r.unserved, ",",
+                    absl::StrFormat("%.3f,%.3f,%.2f", r.ttft_p50_ms, r.ttft_p99_ms, r.mean_waiting), "\n");
   }
   return out;
 }
 
 // The series, thinned to at most ~400 points per run (the step numbers say which were kept).
 std::string series_csv(const std::vector<RunResult>& runs) {
-  std::string out = "policy,max_batch,step,t_s,decoding,waiting,blocks_used,kv_mib\n";
+  std::string out = "policy,max_batch,step,t_s,decoding,waiting,blocks_used,kv_mib,rate_req_s\n";
   for (const RunResult& r : runs) {
     const size_t every = std::max<size_t>(1, r.series.size() / 400);
     for (size_t i = 0; i < r.series.size(); ++i) {
       if (i % every != 0 && i + 1 != r.series.size()) continue;
       const SeriesPoint& p = r.series[i];
       absl::StrAppend(&out, r.policy, ",", r.max_batch, ",", p.step, ",", absl::StrFormat("%.3f", p.t), ",",
-                      p.decoding, ",", p.waiting, ",", p.blocks_used, ",", absl::StrFormat("%.3f", p.kv_mib), "\n");
+                      p.decoding, ",", p.waiting, ",", p.blocks_used, ",", absl::StrFormat("%.3f", p.kv_mib), ",",
+                      absl::StrFormat("%g", r.rate), "\n");
     }
   }
   return out;
 }
 
+// With open-loop runs among them, the table adds the rate, TTFT's p50 and p99, the mean queue and
+// the requests never served.
 std::string run_table(const std::vector<RunResult>& runs) {
+  const bool open = std::any_of(runs.begin(), runs.end(), [](const RunResult& r) { return r.rate > 0; });
   std::vector<std::vector<std::string>> cells = {{"policy", "max batch", "tok/s", "TPOT ms", "p99 TPOT", "TTFT ms",
                                                   "decoding", "preempt", "KV MiB", "peak MiB", "compact s",
                                                   "ratio <1k", "1-4k", "4-16k"}};
+  if (open) {
+    cells[0].insert(cells[0].begin() + 2, "req/s");
+    cells[0].insert(cells[0].begin() + 7, {"p50 TTFT", "p99 TTFT", "waiting", "unserved"});
+  }
   for (const RunResult& r : runs) {
     auto ratio = [&](int b) { return r.ratio_samples[b] ? absl::StrFormat("%.2fx", r.ratio[b]) : std::string("-"); };
-    cells.push_back({r.policy, absl::StrCat(r.max_batch), absl::StrFormat("%.0f", r.throughput()),
-                     absl::StrFormat("%.2f", r.tpot_mean_ms), absl::StrFormat("%.2f", r.tpot_p99_ms),
-                     absl::StrFormat("%.1f", r.ttft_mean_ms), absl::StrFormat("%.1f", r.mean_decoding),
-                     absl::StrCat(r.preemptions), absl::StrFormat("%.1f", r.mean_kv_mib),
-                     absl::StrFormat("%.1f", r.peak_kv_mib), absl::StrFormat("%.2f", r.compaction_s), ratio(0),
-                     ratio(1), ratio(2)});
+    std::vector<std::string> line = {
+        r.policy, absl::StrCat(r.max_batch), absl::StrFormat("%.0f", r.throughput()),
+        absl::StrFormat("%.2f", r.tpot_mean_ms), absl::StrFormat("%.2f", r.tpot_p99_ms),
+        absl::StrFormat("%.1f", r.ttft_mean_ms), absl::StrFormat("%.1f", r.mean_decoding),
+        absl::StrCat(r.preemptions), absl::StrFormat("%.1f", r.mean_kv_mib), absl::StrFormat("%.1f", r.peak_kv_mib),
+        absl::StrFormat("%.2f", r.compaction_s), ratio(0), ratio(1), ratio(2)};
+    if (open) {
+      line.insert(line.begin() + 2, r.rate > 0 ? absl::StrFormat("%g", r.rate) : std::string("closed"));
+      line.insert(line.begin() + 7, {absl::StrFormat("%.1f", r.ttft_p50_ms), absl::StrFormat("%.1f", r.ttft_p99_ms),
+                                     absl::StrFormat("%.1f", r.mean_waiting), absl::StrCat(r.unserved)});
+    }
+    cells.push_back(std::move(line));
   }
   std::vector<size_t> width(cells[0].size(), 0);
   for (const auto& line : cells)
@@ -839,31 +921,49 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   if (!pool.ok()) return pool.status();
   auto staging = parse_staging("serve_staging", absl::GetFlag(FLAGS_serve_staging));
   if (!staging.ok()) return staging.status();
+  std::vector<double> rates;  // {0}: closed loop
+  for (const std::string& text : split_list(absl::GetFlag(FLAGS_serve_rates))) {
+    double v = 0;
+    if (!absl::SimpleAtod(text, &v) || !(v > 0) || !std::isfinite(v)) {
+      return absl::InvalidArgumentError(absl::StrCat("--serve_rates: '", text,
+                                                     "' is not a rate; expected requests per second > 0, e.g. "
+                                                     "--serve_rates=0.5,1,2"));
+    }
+    rates.push_back(v);
+  }
+  if (rates.empty()) rates.push_back(0);
 
   std::vector<RunResult> runs;
   const auto start = Clock::now();
-  const size_t total = policies.size() * batches.size();
-  for (int batch : batches) {
-    for (const std::string& policy : policies) {
-      progress(absl::StrFormat("serve run %d/%d: %s, max batch %d, %d steps (%.0f s so far)", int(runs.size()) + 1,
-                               int(total), policy, batch, steps, seconds_since(start)));
-      Scheduler s(dir, policy, batch, *pool, *prompt, *output);
-      auto r = s.run(steps, seconds);
-      if (!r.ok()) {
-        return absl::Status(r.status().code(),
-                            absl::StrCat("serve ", policy, " max batch ", batch, ": ", r.status().message()));
+  const size_t total = policies.size() * batches.size() * rates.size();
+  for (double rate : rates) {
+    const std::string at_rate = rate > 0 ? absl::StrFormat(" at %g req/s", rate) : "";
+    for (int batch : batches) {
+      for (const std::string& policy : policies) {
+        progress(absl::StrFormat("serve run %d/%d: %s, max batch %d%s, %d steps (%.0f s so far)", int(runs.size()) + 1,
+                                 int(total), policy, batch, at_rate, steps, seconds_since(start)));
+        Scheduler s(dir, policy, batch, *pool, *prompt, *output, rate);
+        auto r = s.run(steps, seconds);
+        if (!r.ok()) {
+          return absl::Status(r.status().code(), absl::StrCat("serve ", policy, " max batch ", batch, at_rate, ": ",
+                                                              r.status().message()));
+        }
+        progress(absl::StrFormat("serve %s max batch %d%s: %.0f tok/s, %.1f decoding on average, %d preemptions, "
+                                 "%.1f ms per step in Step calls (all workers) vs %.1f ms modeled model compute%s",
+                                 policy, batch, at_rate, r->throughput(), r->mean_decoding, r->preemptions,
+                                 r->step_call_ms, model_step_us(int(std::lround(r->mean_decoding))) / 1e3,
+                                 rate > 0 ? absl::StrFormat("; TTFT p50 %.1f / p99 %.1f ms, %d of %d arrivals unserved",
+                                                            r->ttft_p50_ms, r->ttft_p99_ms, r->unserved, r->arrived)
+                                          : ""));
+        runs.push_back(std::move(*r));
       }
-      progress(absl::StrFormat("serve %s max batch %d: %.0f tok/s, %.1f decoding on average, %d preemptions, "
-                               "%.1f ms per step in Step calls (all workers) vs %.1f ms modeled model compute",
-                               policy, batch, r->throughput(), r->mean_decoding, r->preemptions, r->step_call_ms,
-                               model_step_us(int(std::lround(r->mean_decoding))) / 1e3));
-      runs.push_back(std::move(*r));
     }
   }
   std::sort(runs.begin(), runs.end(), [&](const RunResult& a, const RunResult& b) {
     const auto pa = std::find(policies.begin(), policies.end(), a.policy) - policies.begin();
     const auto pb = std::find(policies.begin(), policies.end(), b.policy) - policies.begin();
-    return pa != pb ? pa < pb : a.max_batch < b.max_batch;
+    if (pa != pb) return pa < pb;
+    return a.rate != b.rate ? a.rate < b.rate : a.max_batch < b.max_batch;
   });
   if (!out_dir.empty()) {
     std::error_code ec;
@@ -883,19 +983,45 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   result.how = absl::StrFormat(
       "serve %s; pool %s; prompts %d-%d, outputs %d-%d tokens (uniform); %d engine steps per run (at most %.0f s); "
       "model %.0f + %.0f x batch "
-      "us per step, prefill %.0f us/token (slept); %d worker processes, %s staging%s%s",
+      "us per step, prefill %.0f us/token (slept); %d worker processes, %s staging; %s%s%s",
       geometry, quick ? "8MiB" : absl::GetFlag(FLAGS_serve_pool_bytes), prompt->lo, prompt->hi, output->lo,
       output->hi, steps, seconds, absl::GetFlag(FLAGS_serve_model_base_us), absl::GetFlag(FLAGS_serve_model_per_seq_us),
       absl::GetFlag(FLAGS_serve_prefill_us_per_token), absl::GetFlag(FLAGS_serve_workers), staging_name(*staging),
+      rates[0] > 0 ? absl::StrCat("open loop, Poisson arrivals at ", absl::StrJoin(rates, ", "), " req/s")
+                   : std::string("closed loop"),
       absl::GetFlag(FLAGS_serve_recompute_windows) ? "; preempted Kara requests re-prefilled with prompt=window" : "",
       quick ? " (--quick)" : "");
-  result.report = absl::StrCat("serve: one run per (policy, max batch); tok/s = output tokens / run seconds; ",
-                               "TPOT per request (first to last token of the run, preemption stalls included); ",
-                               "TTFT = admission to first token; ratio = fp16 bytes of logical tokens / bytes held, ",
-                               "by context length:\n", run_table(runs));
+  result.report = absl::StrCat(
+      "serve: one run per (policy, max batch", rates[0] > 0 ? ", rate" : "", "); tok/s = output tokens / run seconds; ",
+      "TPOT per request (first to last token of the run, preemption stalls included); ",
+      rates[0] > 0 ? "TTFT = arrival to first token (queueing included; a request unserved at the end counts with its wait "
+                     "so far, a lower bound), waiting = mean queue length per step, unserved = arrivals without a first "
+                     "token at the end; "
+                   : "TTFT = admission to first token; ",
+      "ratio = fp16 bytes of logical tokens / bytes held, by context length:\n", run_table(runs));
   // P4: at the largest max batch, kara against none and snapkv; kara's and snapkv's throughput
   // at the largest max batch against their best at any smaller one.
   const int largest = *std::max_element(batches.begin(), batches.end());
+  if (rates[0] > 0) {
+    result.mode = "serve-open";
+    // Open loop: at the largest max batch and each rate, kara's p99 TTFT against none's and
+    // snapkv's (information: P4 is the closed loop's).
+    for (double rate : rates) {
+      auto find = [&](const std::string& p) -> const RunResult* {
+        for (const RunResult& r : runs)
+          if (r.policy == p && r.max_batch == largest && r.rate == rate) return &r;
+        return nullptr;
+      };
+      const RunResult* kara = find("kara");
+      for (const char* base : {"none", "snapkv"}) {
+        if (const RunResult* b = find(base); kara != nullptr && b != nullptr) {
+          result.comparisons.push_back({absl::StrFormat("p99 TTFT at %g req/s, max batch %d, kara", rate, largest),
+                                        kara->ttft_p99_ms, base, b->ttft_p99_ms, "ms", 0});
+        }
+      }
+    }
+    return result;
+  }
   auto at = [&](const std::string& p, int b) -> const RunResult* {
     for (const RunResult& r : runs)
       if (r.policy == p && r.max_batch == b) return &r;

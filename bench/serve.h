@@ -22,6 +22,7 @@ struct ServeComparison {
 };
 
 struct ServeResult {
+  std::string mode = "P4";  // the summary rows' mode: "P4" (closed loop) or "serve-open" (--serve_rates)
   std::vector<ServeComparison> comparisons;
   std::string report;  // the per-run table, printed after the summary
   std::string how;     // one line: the exact workload

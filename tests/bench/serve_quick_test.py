@@ -2,7 +2,10 @@
 """Smoke test of `karakv-bench serve --quick`: it runs to the end against a real karakvd, and what it
 writes parses: serve_runs.csv has one well-formed row per (policy, max batch), serve_series.csv a
 series for each run, serve.csv the P4 rows, and stdout the per-run table. The numbers themselves
-are not judged (a benchmark shows speed; a test on a shared 2-core machine must not).
+are not judged (a benchmark shows speed; a test on a shared 2-core machine must not). The open
+loop (--serve_rates) is run too: arrivals as many as the rate and the run's length make likely,
+TTFT from arrival recorded, every arrival either served or counted unserved, and a bad rate
+refused naming the flag.
 
 Usage: serve_quick_test.py KARAKV_BENCH KARAKVD PLOT_PY
 """
@@ -19,8 +22,8 @@ RUN_COLUMNS = [
     "policy", "max_batch", "seconds", "steps", "output_tokens", "throughput_tok_s", "tpot_mean_ms", "tpot_p99_ms",
     "ttft_mean_ms", "mean_decoding", "preemptions", "prefill_refusals", "admitted", "finished", "mean_kv_mib",
     "peak_kv_mib", "compactions", "compaction_s", "compaction_share", "ratio_lt1k", "ratio_1_4k", "ratio_4_16k",
-    "ratio_ge16k"]
-SERIES_COLUMNS = ["policy", "max_batch", "step", "t_s", "decoding", "waiting", "blocks_used", "kv_mib"]
+    "ratio_ge16k", "rate_req_s", "arrived", "unserved", "ttft_p50_ms", "ttft_p99_ms", "mean_waiting"]
+SERIES_COLUMNS = ["policy", "max_batch", "step", "t_s", "decoding", "waiting", "blocks_used", "kv_mib", "rate_req_s"]
 
 
 def fail(msg):
@@ -70,6 +73,8 @@ def main():
                 fail(f"{what}: no steps, output tokens or admitted requests: {r}")
             if float(r["mean_decoding"]) > int(r["max_batch"]):
                 fail(f"{what}: {r['mean_decoding']} sequences decoding on average, above the max batch")
+            if float(r["rate_req_s"]) != 0 or int(r["arrived"]) != 0:
+                fail(f"{what}: a closed-loop run reports an arrival rate or arrivals: {r}")
 
         series = read(os.path.join(out, "serve_series.csv"), SERIES_COLUMNS)
         for p, b in expected:
@@ -105,8 +110,67 @@ def main():
                 if f.read(8) != b"\x89PNG\r\n\x1a\n":
                     fail("serve.png is not a PNG")
     check_staging_flag(bench, karakvd)
+    open_runs = check_open_loop(bench, karakvd, plot)
     print(f"OK: {len(runs)} serve runs parsed, {len(series)} series points, {len(summary)} P4 rows; "
-          "--serve_staging refusals named")
+          f"{open_runs} open-loop runs; --serve_staging and --serve_rates refusals named")
+
+
+def check_open_loop(bench, karakvd, plot):
+    """--serve_rates: Poisson arrivals at the rate, TTFT from arrival; a rate that is not > 0 refused."""
+    rate = 40.0
+    with tempfile.TemporaryDirectory(prefix="karakv-serve-open.") as out:
+        proc = subprocess.run([bench, "serve", "--quick", "--serve_policies=none,kara", f"--serve_rates={rate:g}",
+                               f"--karakvd={karakvd}", f"--out_dir={out}"], capture_output=True, text=True, timeout=200)
+        if proc.returncode != 0:
+            fail(f"serve --serve_rates={rate:g} exited {proc.returncode}\nstderr tail:\n{proc.stderr[-3000:]}")
+        runs = read(os.path.join(out, "serve_runs.csv"), RUN_COLUMNS)
+        if sorted((r["policy"], int(r["max_batch"])) for r in runs) != sorted(
+                (p, b) for p in ("none", "kara") for b in BATCHES):
+            fail(f"open loop: runs {[(r['policy'], r['max_batch']) for r in runs]}")
+        for r in runs:
+            what = f"open-loop run {r['policy']} max batch {r['max_batch']}"
+            for c in RUN_COLUMNS[2:]:
+                number(r, c, what)
+            if float(r["rate_req_s"]) != rate:
+                fail(f"{what}: rate_req_s {r['rate_req_s']}, expected {rate:g}")
+            arrived, unserved, seconds = int(r["arrived"]), int(r["unserved"]), float(r["seconds"])
+            # Poisson: within 6 standard deviations of rate x seconds (a false alarm about 1 in 10^9).
+            mean = rate * seconds
+            if abs(arrived - mean) > 6 * math.sqrt(mean) + 2:
+                fail(f"{what}: {arrived} arrivals in {seconds:.2f} s at {rate:g} req/s (expected about {mean:.0f})")
+            if unserved > arrived or int(r["admitted"]) < 1:
+                fail(f"{what}: {unserved} unserved of {arrived} arrivals, {r['admitted']} admitted")
+            if unserved > 0 and float(r["mean_waiting"]) <= 0:
+                fail(f"{what}: {unserved} requests never served, yet the queue was empty at every step")
+            p50, p99 = float(r["ttft_p50_ms"]), float(r["ttft_p99_ms"])
+            if not 0 < p50 <= p99:
+                fail(f"{what}: TTFT p50 {p50} and p99 {p99} ms are not 0 < p50 <= p99")
+        series = read(os.path.join(out, "serve_series.csv"), SERIES_COLUMNS)
+        if not series or any(float(s["rate_req_s"]) != rate for s in series):
+            fail("open loop: serve_series.csv rows should all carry the rate")
+        with open(os.path.join(out, "serve.csv"), newline="") as f:
+            summary = list(csv.DictReader(f))
+        if not summary or any(s["mode"] != "serve-open" or s["result"] != "info" for s in summary):
+            fail(f"open loop: serve.csv should hold the p99 TTFT rows (mode serve-open, info), got {summary}")
+        for needle in ("open loop, Poisson arrivals at 40 req/s", "p99 TTFT", "unserved"):
+            if needle not in proc.stdout:
+                fail(f"open loop: stdout lacks {needle!r}:\n{proc.stdout[-3000:]}")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            drawn = subprocess.run([sys.executable, plot, out], capture_output=True, text=True, timeout=120)
+            if drawn.returncode != 0 or not os.path.exists(os.path.join(out, "serve_open.png")):
+                fail(f"plot.py did not draw serve_open.png: {drawn.stdout[-500:]} {drawn.stderr[-2000:]}")
+            if os.path.exists(os.path.join(out, "serve.png")):
+                fail("plot.py drew the closed-loop serve.png from open-loop runs only")
+    for bad in ("0", "-1", "fast"):
+        p = subprocess.run([bench, "serve", "--quick", "--serve_policies=none", f"--serve_rates={bad}",
+                            f"--karakvd={karakvd}"], capture_output=True, text=True, timeout=60)
+        if p.returncode == 0 or f"--serve_rates: '{bad}' is not a rate" not in p.stderr:
+            fail(f"--serve_rates={bad}: exit {p.returncode}, stderr {p.stderr[-1000:]!r}")
+    return len(runs)
 
 
 def check_staging_flag(bench, karakvd):
