@@ -767,11 +767,11 @@ class Scheduler {
     for (const Running& r : running_) record_tpot(r.req);
     for (const Request& r : waiting_) {
       record_tpot(r);
-      if (r.started) continue;
+      if (r.started || rate_ <= 0) continue;
       // Open loop: a request still without a first token counts with its wait so far, a lower
       // bound, so an overloaded run's TTFT is not judged by the few requests it served.
       ++result_.unserved;
-      if (rate_ > 0) ttft_.push_back(result_.seconds - r.arrival_t);
+      ttft_.push_back(result_.seconds - r.arrival_t);
     }
     auto st = client_->Stats();
     if (!st.ok()) return st.status();

@@ -73,8 +73,8 @@ def main():
                 fail(f"{what}: no steps, output tokens or admitted requests: {r}")
             if float(r["mean_decoding"]) > int(r["max_batch"]):
                 fail(f"{what}: {r['mean_decoding']} sequences decoding on average, above the max batch")
-            if float(r["rate_req_s"]) != 0 or int(r["arrived"]) != 0:
-                fail(f"{what}: a closed-loop run reports an arrival rate or arrivals: {r}")
+            if float(r["rate_req_s"]) != 0 or int(r["arrived"]) != 0 or int(r["unserved"]) != 0:
+                fail(f"{what}: a closed-loop run reports an arrival rate, arrivals or unserved requests: {r}")
 
         series = read(os.path.join(out, "serve_series.csv"), SERIES_COLUMNS)
         for p, b in expected:
