@@ -619,6 +619,7 @@ class Scheduler {
   // Sends each non-empty command, collects every reply. Returns the workers whose Step was refused.
   absl::StatusOr<std::vector<int>> exchange(const std::vector<std::string>& commands, std::vector<int>* stepped) {
     std::vector<int> sent, full;
+    std::vector<Running> refused;  // prefills the pool refused, back to the queue's front at the end
     for (size_t i = 0; i < workers_.size(); ++i) {
       if (commands[i].empty()) continue;
       if (absl::Status s = send_message(workers_[i].fd, commands[i]); !s.ok()) return s;
@@ -643,7 +644,8 @@ class Scheduler {
           prefilled_s += s;
           if (f[2] == "full") {
             ++result_.prefill_refusals;
-            drop(req, true);
+            refused.push_back(*r);
+            drop(req, false);
           } else if (!r->req.started) {
             r->req.started = true;
             r->req.generated = 1;
@@ -691,6 +693,10 @@ class Scheduler {
         }
       }
     }
+    // In their admission order, ahead of everything that waits (several refusals in one step
+    // would otherwise come back reversed).
+    std::sort(refused.begin(), refused.end(), [](const Running& a, const Running& b) { return a.order > b.order; });
+    for (const Running& r : refused) waiting_.push_front(r.req);
     return full;
   }
 
@@ -722,6 +728,15 @@ class Scheduler {
       const double kv_mib = held_bytes(*st) / double(1 << 20);
       std::vector<std::string> commands(workers_.size());
       admit(commands, st->blocks_free, st->blocks_total);
+      if (running_.empty() && !waiting_.empty()) {
+        // Nothing runs, so the pool is as free as it gets: the request at the front never fits.
+        const Request& r = waiting_.front();
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "serve: request %d (%d prompt + %d generated tokens) does not fit the pool with nothing else running "
+            "(%d of %d blocks free, 1%% kept as watermark); expected a larger --serve_pool_bytes or shorter "
+            "--serve_prompt / --serve_output",
+            r.id, r.prompt, r.generated, st->blocks_free, st->blocks_total));
+      }
       const int batch = int(running_.size());
       const bool sample = result_.steps % sample_every == 0;
       for (size_t i = 0; i < workers_.size(); ++i) {
@@ -762,6 +777,7 @@ class Scheduler {
                                  result_.preemptions, kv_mib));
       }
     }
+    if (rate_ > 0) arrive();  // the last step's arrivals count too (as unserved)
     result_.seconds = now();
     // Requests still running, or preempted and waiting, count with the tokens they produced.
     for (const Running& r : running_) record_tpot(r.req);

@@ -550,10 +550,6 @@ void token2chunk_row(const float* scores, int n, int budget, int num_candidates,
     if (kept[i]) out[w++] = i;
 }
 
-// Rows of at least this many scores in all are split over the team; a Kara tick's 128-score
-// windows of a small model are not worth waking it for.
-constexpr size_t kParallelSelectScores = 8192;
-
 // row(r) for r in [0, rows), on the team when the rows are large enough. Rows are independent and
 // cannot fail (the arguments were validated), so the order they run in does not matter.
 template <typename Row>

@@ -53,6 +53,11 @@ uint64_t libxsmm_products();
 void tile_product(const float* query, int num_rows, int head_dim, const float* key_tiles, int num_keys, float* rows,
                   size_t row_stride);
 
+// The selections split their rows over the OpenMP team when they hold at least this many scores
+// in all: SmolLM2's Kara tick (90 rows of 128) does; a 4-layer, 2-head model's (8 rows) is not worth
+// waking the team for.
+inline constexpr size_t kParallelSelectScores = 8192;
+
 // Per row of n scores, the indices of the k largest (ties: lower index first), written ascending.
 // Scores must not be NaN (there is no order to break them by); -0.0 and +0.0 tie. Rows run on
 // the calling context's OpenMP threads when there are enough of them.

@@ -5,7 +5,7 @@ series for each run, serve.csv the P4 rows, and stdout the per-run table. The nu
 are not judged (a benchmark shows speed; a test on a shared 2-core machine must not). The open
 loop (--serve_rates) is run too: arrivals as many as the rate and the run's length make likely,
 TTFT from arrival recorded, every arrival either served or counted unserved, and a bad rate
-refused naming the flag.
+refused naming the flag; a request that cannot fit an empty pool is an error naming the sizes.
 
 Usage: serve_quick_test.py KARAKV_BENCH KARAKVD PLOT_PY
 """
@@ -170,6 +170,13 @@ def check_open_loop(bench, karakvd, plot):
                             f"--karakvd={karakvd}"], capture_output=True, text=True, timeout=60)
         if p.returncode == 0 or f"--serve_rates: '{bad}' is not a rate" not in p.stderr:
             fail(f"--serve_rates={bad}: exit {p.returncode}, stderr {p.stderr[-1000:]!r}")
+    # A request that cannot fit even an empty pool is an error naming the sizes, not a run that
+    # spins through its steps decoding nothing.
+    small = subprocess.run([bench, "serve", "--serve_policies=none", "--serve_batches=8", "--serve_pool_bytes=1MiB",
+                            "--serve_prompt=1000-1200", "--serve_output=10-20", "--serve_steps=50",
+                            "--serve_seconds=20", f"--karakvd={karakvd}"], capture_output=True, text=True, timeout=60)
+    if small.returncode == 0 or "does not fit the pool with nothing else running" not in small.stderr:
+        fail(f"a request larger than the pool: exit {small.returncode}, stderr {small.stderr[-1000:]!r}")
     return len(runs)
 
 
