@@ -948,6 +948,7 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
     rates.push_back(v);
   }
   if (rates.empty()) rates.push_back(0);
+  const bool open = rates[0] > 0;
 
   std::vector<RunResult> runs;
   const auto start = Clock::now();
@@ -1003,14 +1004,14 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
       geometry, quick ? "8MiB" : absl::GetFlag(FLAGS_serve_pool_bytes), prompt->lo, prompt->hi, output->lo,
       output->hi, steps, seconds, absl::GetFlag(FLAGS_serve_model_base_us), absl::GetFlag(FLAGS_serve_model_per_seq_us),
       absl::GetFlag(FLAGS_serve_prefill_us_per_token), absl::GetFlag(FLAGS_serve_workers), staging_name(*staging),
-      rates[0] > 0 ? absl::StrCat("open loop, Poisson arrivals at ", absl::StrJoin(rates, ", "), " req/s")
+      open ? absl::StrCat("open loop, Poisson arrivals at ", absl::StrJoin(rates, ", "), " req/s")
                    : std::string("closed loop"),
       absl::GetFlag(FLAGS_serve_recompute_windows) ? "; preempted Kara requests re-prefilled with prompt=window" : "",
       quick ? " (--quick)" : "");
   result.report = absl::StrCat(
-      "serve: one run per (policy, max batch", rates[0] > 0 ? ", rate" : "", "); tok/s = output tokens / run seconds; ",
+      "serve: one run per (policy, max batch", open ? ", rate" : "", "); tok/s = output tokens / run seconds; ",
       "TPOT per request (first to last token of the run, preemption stalls included); ",
-      rates[0] > 0 ? "TTFT = arrival to first token (queueing included; a request unserved at the end counts with its wait "
+      open ? "TTFT = arrival to first token (queueing included; a request unserved at the end counts with its wait "
                      "so far, a lower bound), waiting = mean queue length per step, unserved = arrivals without a first "
                      "token at the end; "
                    : "TTFT = admission to first token; ",
@@ -1018,19 +1019,20 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   // P4: at the largest max batch, kara against none and snapkv; kara's and snapkv's throughput
   // at the largest max batch against their best at any smaller one.
   const int largest = *std::max_element(batches.begin(), batches.end());
-  if (rates[0] > 0) {
+  // The run of policy p at max batch b and `rate` (0: the closed loop's).
+  auto at = [&](const std::string& p, int b, double rate = 0) -> const RunResult* {
+    for (const RunResult& r : runs)
+      if (r.policy == p && r.max_batch == b && r.rate == rate) return &r;
+    return nullptr;
+  };
+  if (open) {
     result.mode = "serve-open";
     // Open loop: at the largest max batch and each rate, kara's p99 TTFT against none's and
     // snapkv's (information: P4 is the closed loop's).
     for (double rate : rates) {
-      auto find = [&](const std::string& p) -> const RunResult* {
-        for (const RunResult& r : runs)
-          if (r.policy == p && r.max_batch == largest && r.rate == rate) return &r;
-        return nullptr;
-      };
-      const RunResult* kara = find("kara");
+      const RunResult* kara = at("kara", largest, rate);
       for (const char* base : {"none", "snapkv"}) {
-        if (const RunResult* b = find(base); kara != nullptr && b != nullptr) {
+        if (const RunResult* b = at(base, largest, rate); kara != nullptr && b != nullptr) {
           result.comparisons.push_back({absl::StrFormat("p99 TTFT at %g req/s, max batch %d, kara", rate, largest),
                                         kara->ttft_p99_ms, base, b->ttft_p99_ms, "ms", 0});
         }
@@ -1038,11 +1040,6 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
     }
     return result;
   }
-  auto at = [&](const std::string& p, int b) -> const RunResult* {
-    for (const RunResult& r : runs)
-      if (r.policy == p && r.max_batch == b) return &r;
-    return nullptr;
-  };
   auto best_below = [&](const std::string& p) -> const RunResult* {
     const RunResult* best = nullptr;
     for (const RunResult& r : runs)

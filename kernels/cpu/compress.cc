@@ -554,7 +554,7 @@ void token2chunk_row(const float* scores, int n, int budget, int num_candidates,
 // cannot fail (the arguments were validated), so the order they run in does not matter.
 template <typename Row>
 void for_each_row(int rows, int n, const Row& row) {
-#pragma omp parallel for schedule(dynamic) if (rows > 1 && size_t(rows) * size_t(n) >= kParallelSelectScores)
+#pragma omp parallel for schedule(dynamic) if (selection_is_parallel(rows, n))
   for (int r = 0; r < rows; ++r) row(r);
 }
 

@@ -57,6 +57,9 @@ void tile_product(const float* query, int num_rows, int head_dim, const float* k
 // in all: SmolLM2's Kara tick (90 rows of 128) does; a 4-layer, 2-head model's (8 rows) is not worth
 // waking the team for.
 inline constexpr size_t kParallelSelectScores = 8192;
+inline bool selection_is_parallel(int rows, int n) {
+  return rows > 1 && n > 0 && size_t(rows) * size_t(n) >= kParallelSelectScores;
+}
 
 // Per row of n scores, the indices of the k largest (ties: lower index first), written ascending.
 // Scores must not be NaN (there is no order to break them by); -0.0 and +0.0 tie. Rows run on

@@ -268,11 +268,11 @@ class CpuBackend final : public Backend {
     });
   }
   KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) override {
-    return parallel_if(selection_is_parallel(rows, n), [&] { return cpu::top_k(scores, rows, n, k, out); });
+    return parallel_if(cpu::selection_is_parallel(rows, n), [&] { return cpu::top_k(scores, rows, n, k, out); });
   }
   KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                            int32_t* out) override {
-    return parallel_if(selection_is_parallel(rows, n),
+    return parallel_if(cpu::selection_is_parallel(rows, n),
                        [&] { return cpu::token2chunk(scores, rows, n, budget, num_candidates, max_gap, out); });
   }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
@@ -379,10 +379,6 @@ class CpuBackend final : public Backend {
     if (parallel) return team_.run(f);
     serial_on_this_thread();
     return f();
-  }
-  // The selections' own rule (compress.h); invalid sizes go to the kernel to be refused.
-  static bool selection_is_parallel(int rows, int n) {
-    return rows > 1 && n > 0 && size_t(rows) * size_t(n) >= cpu::kParallelSelectScores;
   }
   static void serial_on_this_thread() {
     static thread_local bool set = false;

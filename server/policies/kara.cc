@@ -194,7 +194,6 @@ class KaraPolicy final : public Policy {
     plan.end = plan.begin + window_;
     plan.num_kept = budget_;
     plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * budget_);
-    if (merge_ > 0) plan.scores.resize(size_t(g.num_layers) * g.num_kv_heads * window_);
     std::vector<float> q, lse;
     if (uses_window_queries()) q.resize(size_t(window_) * g.q_token_elems());
     if (uses_window_queries() && norm_ == Norm::kFull) lse.resize(size_t(window_) * g.num_q_heads);
@@ -236,10 +235,13 @@ class KaraPolicy final : public Policy {
           }
           scores[i] = observers_ != Observers::kWindow && agg_ == Agg::kMean ? sum / std::max(1.0f, count) : sum;
         }
-        if (merge_ > 0) {
-          std::copy(scores, scores + window_, plan.scores.begin() + (size_t(l) * g.num_kv_heads + h) * window_);
-        }
-        // Attention sinks that fall inside a window (a short prompt, or prompt = window) are kept.
+      }
+    }
+    if (merge_ > 0) plan.scores = all_scores;  // CaM weighs by the scores before the sinks are forced
+    // Attention sinks that fall inside a window (a short prompt, or prompt = window) are kept.
+    for (int l = 0; l < g.num_layers; ++l) {
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        float* scores = all_scores.data() + (size_t(l) * g.num_kv_heads + h) * window_;
         for (int i = 0; i < window_; ++i) {
           if (seq.position(l, h, plan.begin + i) < sinks_) scores[i] = policy_util::kMustKeep;
         }
