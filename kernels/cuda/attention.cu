@@ -549,13 +549,17 @@ KernelStatus launch_tiled_for_head_dim(const DeviceKV& kv, int layer, const Atte
 template <typename T>
 __global__ void probabilities_kernel(DeviceKV kv, int layer, const float* __restrict__ q, float scale,
                                      const float* __restrict__ lse, const int32_t* __restrict__ first,
-                                     const int64_t* __restrict__ prob_offset, float* __restrict__ probs) {
+                                     const int64_t* __restrict__ prob_offset, float* __restrict__ probs,
+                                     float* const* __restrict__ acc) {
   extern __shared__ float s_q[];  // [group][head_dim], scaled
   const int s = blockIdx.x, hk = blockIdx.y;
   const int g = kv.group_size(), hd = kv.head_dim, hq = kv.num_q_heads;
   const int begin = first[s];
   const int n = kv.seq_len[s] - begin;
-  if (n <= 0) return;  // the whole CTA: nothing of this sequence goes back
+  float* const dst = acc != nullptr ? acc[size_t(s) * kv.num_kv_heads + hk] : nullptr;
+  const int64_t offset = prob_offset[s];
+  // The whole CTA: nothing of this (sequence, head) is added or goes back.
+  if (n <= 0 || (dst == nullptr && offset < 0)) return;
   for (int i = threadIdx.x; i < g * hd; i += blockDim.x)
     s_q[i] = q[(size_t(s) * hq + hk * g) * hd + i] * scale;
   __syncthreads();
@@ -564,7 +568,11 @@ __global__ void probabilities_kernel(DeviceKV kv, int layer, const float* __rest
     const T* k = pool + kv.token_offset(s, begin + i, layer, 0, hk);
     float p = 0.0f;
     for (int j = 0; j < g; ++j) p += expf(dot_row(s_q + j * hd, k, hd) - lse[size_t(s) * hq + hk * g + j]);
-    probs[prob_offset[s] + size_t(hk) * n + i] = p;
+    if (dst != nullptr) {
+      dst[begin + i] += p;  // one CTA per (sequence, head): no other thread adds to this slot
+    } else {
+      probs[offset + size_t(hk) * n + i] = p;
+    }
   }
 }
 
@@ -599,7 +607,7 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
 
 KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int layer, const float* q, float scale,
                                             const float* lse, const int32_t* first, const int64_t* prob_offset,
-                                            float* probs, cudaStream_t stream) {
+                                            float* probs, float* const* acc, cudaStream_t stream) {
   if (kv.num_seqs == 0) return KernelStatus::ok();
   const dim3 grid(kv.num_seqs, kv.num_kv_heads);
   const size_t smem = size_t(kv.group_size()) * kv.head_dim * sizeof(float);
@@ -609,7 +617,7 @@ KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int
       KARAKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(probabilities_kernel<storage_t<D>>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     probabilities_kernel<storage_t<D>><<<grid, 256, smem, stream>>>(kv, layer, q, scale, lse, first, prob_offset,
-                                                                        probs);
+                                                                        probs, acc);
     KARAKV_CUDA_CHECK_LAUNCH("attention probabilities");
     return KernelStatus::ok();
   });

@@ -36,11 +36,14 @@ KernelStatus launch_paged_attention(const DeviceKV& kv, DType dtype, int layer, 
                                     cudaStream_t stream);
 
 // H2O's and Kara's accumulation: for sequence s (decode rows, row s = sequence s), KV head h and
-// slots t in [first[s], seq_len[s]) (n = seq_len[s] - first[s] of them; none when n <= 0),
-// probs[prob_offset[s] + h * n + t - first[s]] = sum over the group's query heads j of
-// exp(q_j . k_t * scale - lse[s][j]). first, prob_offset: device [num_seqs].
+// slots t in [first[s], seq_len[s]) (n = seq_len[s] - first[s] of them; none when n <= 0), with
+// p_t = sum over the group's query heads j of exp(q_j . k_t * scale - lse[s][j]):
+//   acc[s * num_kv_heads + h][t] += p_t             where acc is non-null and that entry too
+//                                                   (device accumulators), else
+//   probs[prob_offset[s] + h * n + t - first[s]] = p_t   where prob_offset[s] >= 0.
+// first, prob_offset: device [num_seqs]; acc: null or device [num_seqs * num_kv_heads] pointers.
 KernelStatus launch_attention_probabilities(const DeviceKV& kv, DType dtype, int layer, const float* q, float scale,
                                             const float* lse, const int32_t* first, const int64_t* prob_offset,
-                                            float* probs, cudaStream_t stream);
+                                            float* probs, float* const* acc, cudaStream_t stream);
 
 }  // namespace karakv::kernels::cuda

@@ -4,10 +4,11 @@
 // Memory contract (backend.h): the pool is device memory from allocate(). Tensors (q, out, k, v)
 // may be device memory (e.g. a CUDA IPC staging region) or host memory; host tensors are copied
 // through device scratch. Tables and index arrays (block_table, table_offset, seq_len, kept,
-// dst_blocks, scores of top_k / token2chunk / cam_merge_values, score_acc) are host memory, as the
-// server keeps them; they are validated on the host with the checks every backend shares
+// dst_blocks, scores of top_k / token2chunk / cam_merge_values) are host memory, as the server
+// keeps them; they are validated on the host with the checks every backend shares
 // (common/validate.h) before anything is launched, so an invalid call changes nothing, then
-// uploaded for the call.
+// uploaded for the call. score_acc's accumulators are host memory (the probabilities come back and
+// are added on the host) or this backend's allocations (added into on the device, nothing back).
 //
 // Host tensors and tables travel through pinned buffers, packed: one host-to-device copy before a
 // call's first kernel and one device-to-host copy at its end, however many tensors the call has.
@@ -595,7 +596,7 @@ class CudaBackend final : public Backend {
 
   // Rows of quantized attention (launch_quantized_attention, arguments validated); with score_acc,
   // the probabilities of slots [first[r], slots) summed over each KV head's query heads and added
-  // into row r's sequence's host accumulators (first empty: from 0); with lse_out, each sequence's
+  // into row r's sequence's accumulators, device or host (first empty: from 0); with lse_out, each sequence's
   // per-query-head log-sum-exp. first is indexed by row and lse_out by sequence: both are meant for
   // decode, where row r is sequence r (the causal path passes neither).
   KernelStatus quantized_attention(std::string_view op, const PagedKV& kv, const QuantizedKV& qkv, int layer,
@@ -626,13 +627,34 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.input(q, bytes, &dq_in));
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
     auto first_of = [&](int r) { return first.empty() ? 0 : first[r]; };
+    // Rows whose sequence accumulates in device memory are added into on the device; the others'
+    // probabilities come back.
+    DeviceAccumulators device;
+    std::vector<float*> row_acc;
+    std::vector<char> row_on_device;
+    if (score_acc != nullptr) {
+      KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv.num_seqs, g.num_kv_heads, score_acc, &device));
+      if (!device.rows.empty()) {
+        row_acc.assign(size_t(rows) * g.num_kv_heads, nullptr);
+        row_on_device.assign(rows, 0);
+        for (int r = 0; r < rows; ++r) {
+          row_on_device[r] = device.on_device(row_seq[r]);
+          std::copy_n(device.rows.begin() + size_t(row_seq[r]) * g.num_kv_heads, g.num_kv_heads,
+                      row_acc.begin() + size_t(r) * g.num_kv_heads);
+        }
+      }
+    }
+    auto on_device = [&](int r) { return !row_on_device.empty() && row_on_device[r]; };
     std::vector<float> probs;
     float* dprobs = nullptr;
+    float* const* dacc = nullptr;
     if (score_acc != nullptr) {
       size_t total = 0;
-      for (int r = 0; r < rows; ++r) total += (size_t(row_quantized[r]) + row_fp[r] - first_of(r)) * g.num_kv_heads;
+      for (int r = 0; r < rows; ++r)
+        if (!on_device(r)) total += (size_t(row_quantized[r]) + row_fp[r] - first_of(r)) * g.num_kv_heads;
       probs.resize(std::max<size_t>(total, 1));
       if (total > 0) KARAKV_RETURN_IF_ERROR(call.output(probs.data(), total * sizeof(float), &dprobs));
+      if (!row_acc.empty()) KARAKV_RETURN_IF_ERROR(call.upload(row_acc, &dacc));
     }
     std::vector<float> lse_host;
     float* dlse = nullptr;
@@ -642,7 +664,7 @@ class CudaBackend final : public Backend {
     }
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
       return cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized, row_fp, first, dq_in,
-                                              dout, scale, dprobs, dlse, arena_, stream);
+                                              dout, scale, dprobs, row_on_device, dacc, dlse, arena_, stream);
     }));
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int r = 0; lse_out != nullptr && r < rows; ++r) {
@@ -653,6 +675,7 @@ class CudaBackend final : public Backend {
     if (score_acc == nullptr) return KernelStatus::ok();
     size_t offset = 0;
     for (int r = 0; r < rows; ++r) {
+      if (on_device(r)) continue;
       const int32_t f = first_of(r);
       const size_t n = size_t(row_quantized[r]) + row_fp[r] - f;
       for (int h = 0; h < g.num_kv_heads; ++h) {
@@ -902,9 +925,46 @@ class CudaBackend final : public Backend {
     return st;
   }
 
+  // The score_acc entries in this backend's memory (allocate(): H2O's accumulators), which the
+  // probability kernels add into on the device; the others are host memory, added into on the host
+  // after the copy back. rows: [num_rows * num_kv_heads], the device entries (null elsewhere), or
+  // empty when there is none.
+  struct DeviceAccumulators {
+    std::vector<float*> rows;
+    std::vector<char> row_on_device;
+    bool on_device(int r) const { return !row_on_device.empty() && row_on_device[r]; }
+  };
+  // Every non-null accumulator of one row (sequence) must be on the same side.
+  KernelStatus device_accumulators(std::string_view op, int num_rows, int kv_heads, float* const* score_acc,
+                                   DeviceAccumulators* out) const {
+    out->rows.clear();
+    out->row_on_device.clear();
+    if (score_acc == nullptr) return KernelStatus::ok();
+    for (int r = 0; r < num_rows; ++r) {
+      int on_device = 0, on_host = 0;
+      for (int h = 0; h < kv_heads; ++h) {
+        const float* acc = score_acc[size_t(r) * kv_heads + h];
+        if (acc == nullptr) continue;
+        (allocations_.contains(acc) ? on_device : on_host) += 1;
+      }
+      if (on_device > 0 && on_host > 0)
+        return KernelStatus::invalid(std::string(op) + ": score_acc of sequence " + std::to_string(r) + " has " +
+                                     std::to_string(on_device) + " KV heads in device memory and " +
+                                     std::to_string(on_host) + " in host memory; expected one kind per sequence");
+      if (on_device == 0) continue;
+      if (out->rows.empty()) {
+        out->rows.assign(size_t(num_rows) * kv_heads, nullptr);
+        out->row_on_device.assign(num_rows, 0);
+      }
+      out->row_on_device[r] = 1;
+      std::copy_n(score_acc + size_t(r) * kv_heads, kv_heads, out->rows.begin() + size_t(r) * kv_heads);
+    }
+    return KernelStatus::ok();
+  }
+
   // Decode attention; with score_acc (from slot acc_begin[s] on), H2O's and Kara's accumulated
-  // probabilities, added into the host accumulators; with lse_out, each sequence's per-query-head
-  // log-sum-exp (Kara's norm = full). op "decode_attention" passes neither.
+  // probabilities, added into the accumulators (device or host); with lse_out, each sequence's
+  // per-query-head log-sum-exp (Kara's norm = full). op "decode_attention" passes neither.
   KernelStatus decode(const PagedKV& kv, int layer, const float* q, float* out, float scale, float* const* score_acc,
                       const int32_t* acc_begin, float* const* lse_out, std::string_view op) {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
@@ -913,15 +973,22 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(check_geometry(op, kv));
     if (kv.num_seqs == 0) return KernelStatus::ok();
     const Geometry& geo = kv.geometry;
-    // Per sequence, the slots whose probabilities go back: [first[s], seq_len[s]).
+    // Per sequence, the slots whose probabilities are added: [first[s], seq_len[s]); into device
+    // accumulators on the device, into host ones after the copy back of probs[offset[s]...].
     std::vector<int32_t> first(kv.num_seqs);
-    if (observing) first = common::first_observed_slots(kv, score_acc, acc_begin);
-    std::vector<int64_t> offset(kv.num_seqs);
+    DeviceAccumulators device;
+    if (observing) {
+      first = common::first_observed_slots(kv, score_acc, acc_begin);
+      KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv.num_seqs, geo.num_kv_heads, score_acc, &device));
+    }
+    std::vector<int64_t> offset(kv.num_seqs, -1);
     int64_t total = 0;
     for (int s = 0; observing && s < kv.num_seqs; ++s) {
+      if (device.on_device(s)) continue;
       offset[s] = total;
       total += int64_t(kv.seq_len[s] - first[s]) * geo.num_kv_heads;
     }
+    const bool scoring = total > 0 || !device.rows.empty();
     Call call(*this, op);
     DeviceKV dkv;
     KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
@@ -942,7 +1009,7 @@ class CudaBackend final : public Backend {
     if (lse_out != nullptr) {
       lse_host.resize(size_t(kv.num_seqs) * geo.num_q_heads);
       KARAKV_RETURN_IF_ERROR(call.output(lse_host.data(), lse_host.size() * sizeof(float), &lse));
-    } else if (total > 0) {
+    } else if (scoring) {
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
     }
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
@@ -950,20 +1017,22 @@ class CudaBackend final : public Backend {
     }));
     if (!observing) return call.finish();
 
-    // Per-(sequence, KV head) probabilities of the accumulated slots on the device, added into the
-    // host accumulators.
+    // Per-(sequence, KV head) probabilities of the accumulated slots on the device: added there into
+    // device accumulators, copied back for host ones.
     std::vector<float> probs;
-    if (total > 0) {
+    if (scoring) {
       const int64_t* doffset = nullptr;
       const int32_t* dfirst = nullptr;
+      float* const* dacc = nullptr;
       KARAKV_RETURN_IF_ERROR(call.upload(offset, &doffset));
       KARAKV_RETURN_IF_ERROR(call.upload(first, &dfirst));
+      if (!device.rows.empty()) KARAKV_RETURN_IF_ERROR(call.upload(device.rows, &dacc));
       probs.resize(size_t(total));
       float* dprobs = nullptr;
-      KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
+      if (total > 0) KARAKV_RETURN_IF_ERROR(call.output(probs.data(), size_t(total) * sizeof(float), &dprobs));
       KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
         return cuda::launch_attention_probabilities(dkv, geo.dtype, layer, dq, scale, lse, dfirst, doffset, dprobs,
-                                                    stream);
+                                                    dacc, stream);
       }));
     }
     KARAKV_RETURN_IF_ERROR(call.finish());
@@ -971,7 +1040,7 @@ class CudaBackend final : public Backend {
       // As the CPU backend: an empty sequence's normaliser is left as it was.
       if (lse_out != nullptr && lse_out[s] != nullptr && kv.seq_len[s] > 0)
         std::copy_n(lse_host.data() + size_t(s) * geo.num_q_heads, geo.num_q_heads, lse_out[s]);
-      const int32_t n = kv.seq_len[s] - first[s];
+      const int32_t n = device.on_device(s) ? 0 : kv.seq_len[s] - first[s];
       for (int h = 0; h < geo.num_kv_heads && n > 0; ++h) {
         float* acc = score_acc[size_t(s) * geo.num_kv_heads + h];
         if (acc == nullptr) continue;

@@ -488,16 +488,24 @@ __global__ void quant_combine_kernel(int hq, int hk, int d, int layer, int num_s
 
 // For score_acc: per (row, KV head, slot t >= first[r]) the probabilities summed over the group's
 // query heads.
+// Rows with a device accumulator (acc non-null, entry non-null) add into it instead; rows with
+// neither (group_offset -1: a device row's head without an accumulator) are skipped.
 __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float* __restrict__ probs,
                                          const int32_t* __restrict__ first, const long long* __restrict__ group_offset,
-                                         float* __restrict__ group_probs) {
+                                         float* __restrict__ group_probs, float* const* __restrict__ acc) {
   const int r = blockIdx.x, h = blockIdx.y, g = hq / hk;
   const int n = slots_of(rows, r), f = first[r], m = n - f;
+  float* const dst = acc != nullptr ? acc[size_t(r) * hk + h] : nullptr;
+  if (dst == nullptr && group_offset[r] < 0) return;
   const float* p = probs + rows.offset[r];
   for (int i = blockIdx.z * blockDim.x + threadIdx.x; i < m; i += gridDim.z * blockDim.x) {
     float sum = 0.0f;
     for (int j = 0; j < g; ++j) sum += p[size_t(h * g + j) * n + f + i];
-    group_probs[group_offset[r] + size_t(h) * m + i] = sum;
+    if (dst != nullptr) {
+      dst[f + i] += sum;  // each (row, head, slot) has one thread: rows are distinct sequences
+    } else {
+      group_probs[group_offset[r] + size_t(h) * m + i] = sum;
+    }
   }
 }
 
@@ -592,7 +600,8 @@ KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const Devi
 KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
                                         const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
                                         const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
-                                        const float* query, float* out, float scale, float* group_probs, float* lse,
+                                        const float* query, float* out, float scale, float* group_probs,
+                                        const std::vector<char>& row_on_device, float* const* row_acc, float* lse,
                                         Arena& arena, cudaStream_t stream) {
   const int num_rows = int(row_seq.size());
   if (num_rows == 0) return KernelStatus::ok();
@@ -624,8 +633,9 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
     used += slots * hq;
     largest = std::max(largest, used);
     max_slots = std::max<int>(max_slots, int(slots));
-    group_offset[r] = group_total;
-    group_total += (slots - first[r]) * hk;
+    const bool on_device = !row_on_device.empty() && row_on_device[r];
+    group_offset[r] = on_device ? -1 : group_total;
+    if (!on_device) group_total += (slots - first[r]) * hk;
   }
   chunk_max.push_back(max_slots);
   chunk_begin.push_back(num_rows);
@@ -637,7 +647,8 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
   if (auto st = upload(row_quantized, &dquant, arena, stream); !st.is_ok()) return st;
   if (auto st = upload(row_fp, &dfp, arena, stream); !st.is_ok()) return st;
   if (auto st = upload(offset, &doffset, arena, stream); !st.is_ok()) return st;
-  if (group_probs != nullptr) {
+  const bool scoring = group_probs != nullptr || row_acc != nullptr;
+  if (scoring) {
     if (auto st = upload(group_offset, &dgroup, arena, stream); !st.is_ok()) return st;
     if (auto st = upload(first, &dfirst, arena, stream); !st.is_ok()) return st;
   }
@@ -689,10 +700,11 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
       quant_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
           hq, hk, d, layer, splits, q.head_seeds, part, cout);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention combine");
-      if (group_probs != nullptr) {
+      if (scoring) {
         const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
         quant_group_probs_kernel<<<grid, kThreads, 0, stream>>>(hq, hk, chunk, logits, dfirst + r0, dgroup + r0,
-                                                                group_probs);
+                                                                group_probs,
+                                                                row_acc != nullptr ? row_acc + size_t(r0) * hk : nullptr);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention probabilities");
       }
     }

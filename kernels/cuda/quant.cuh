@@ -61,13 +61,18 @@ KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const Devi
 //   group_probs: null, or device receiving for row r and KV head h the attention probabilities of
 //                its slots t >= first(r) summed over the group's query heads, at
 //                group_offset(r) + h * (slots(r) - first(r)) + t - first(r),
-//                group_offset(r) = sum_{r' < r} (slots(r') - first(r')) * num_kv_heads
+//                group_offset(r) = sum over rows r' < r not on the device of
+//                                  (slots(r') - first(r')) * num_kv_heads
+//   row_on_device: empty or host [rows]: rows whose sums are added on the device into
+//   row_acc:     device [rows * num_kv_heads] pointers (entry r * num_kv_heads + h: acc[t] += sum
+//                for t >= first(r), where non-null), or null; such rows take no room in group_probs
 //   lse:         null, or device [rows][num_q_heads]: each query head's log-sum-exp of its scaled
 //                logits (rows without a slot are not written)
 KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
                                         const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
                                         const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
-                                        const float* query, float* out, float scale, float* group_probs, float* lse,
+                                        const float* query, float* out, float scale, float* group_probs,
+                                        const std::vector<char>& row_on_device, float* const* row_acc, float* lse,
                                         Arena& arena, cudaStream_t stream);
 
 }  // namespace karakv::kernels::cuda

@@ -127,6 +127,23 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
     return p;
   }
 
+  // One random decode query per sequence of lens_ (n floats), the same in a buffer of each backend,
+  // and an output buffer in each.
+  struct DecodeBuffers {
+    DecodeBuffers(Backend& test, Backend& ref, size_t n)
+        : n(n), q(test, n * 4), out(test, n * 4), ref_q(ref, n * 4), ref_out(ref, n * 4) {}
+    size_t n;
+    BackendBuffer q, out, ref_q, ref_out;
+  };
+  std::unique_ptr<DecodeBuffers> decode_buffers() {
+    const size_t n = lens_.size() * geo_.q_token_elems();
+    auto b = std::make_unique<DecodeBuffers>(*backend_, *reference_, n);
+    const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
+    b->q.upload(q);
+    b->ref_q.upload(q);
+    return b;
+  }
+
   // The quantization formats the reference lays out at this geometry (TurboQuant's rotation needs
   // a power-of-two head_dim; at the default geometry every format), each with the backend agreeing
   // on tokens_per_block, also on the 0 of a format it cannot lay out.
@@ -184,11 +201,9 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 TEST_P(BackendOpsTest, DecodeAttention) {
   if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttention)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
-  const size_t n = lens_.size() * geo_.q_token_elems();
-  const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
-  BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
-  qb.upload(q);
-  rqb.upload(q);
+  const auto io = decode_buffers();
+  const size_t n = io->n;
+  BackendBuffer &qb = io->q, &ob = io->out, &rqb = io->ref_q, &rob = io->ref_out;
   const float scale = 0.125f;
   for (int layer = 0; layer < geo_.num_layers; ++layer) {
     ASSERT_TRUE(backend_->decode_attention(caches.test->view(), layer, qb.get<float>(), ob.get<float>(), scale).is_ok());
@@ -230,11 +245,9 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
 TEST_P(BackendOpsTest, DecodeAttentionAccumulate) {
   if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionAccumulate)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
-  const size_t n = lens_.size() * geo_.q_token_elems();
-  const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
-  BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
-  qb.upload(q);
-  rqb.upload(q);
+  const auto io = decode_buffers();
+  const size_t n = io->n;
+  BackendBuffer &qb = io->q, &ob = io->out, &rqb = io->ref_q, &rob = io->ref_out;
   // Accumulators start from the same non-zero values, and one (sequence, head) has none.
   const int hk = geo_.num_kv_heads;
   std::vector<std::vector<float>> acc(lens_.size() * hk), ref(lens_.size() * hk);
@@ -254,17 +267,79 @@ TEST_P(BackendOpsTest, DecodeAttentionAccumulate) {
     EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kDecodeAttentionAccumulate)) << "row " << i;
 }
 
+// Accumulators in the backend's own memory (allocate(): H2O's sums, added into on a device with no
+// copy back) for every other sequence, host memory for the rest, through decode_attention_accumulate
+// and decode_attention_observe (from a first slot): every row equals the reference's host
+// accumulators. On a backend with device memory a sequence with heads of both kinds is refused,
+// naming the sequence, and nothing is added.
+TEST_P(BackendOpsTest, AccumulatorsInBackendMemory) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionObserve)) GTEST_SKIP() << "not supported";
+  const Pair caches = filled_caches(lens_);
+  const auto io = decode_buffers();
+  const size_t n = io->n;
+  BackendBuffer &qb = io->q, &ob = io->out, &rqb = io->ref_q, &rob = io->ref_out;
+  const int hk = geo_.num_kv_heads;
+  auto in_backend = [&](size_t row) { return (row / hk) % 2 == 0; };
+  std::vector<std::vector<float>> host(lens_.size() * hk), ref(host.size());
+  std::vector<std::unique_ptr<BackendBuffer>> dev(host.size());
+  std::vector<float*> accp, refp;
+  for (size_t i = 0; i < host.size(); ++i) {
+    host[i] = random_values(lens_[i / hk], 0.0f, 2.0f, rng_);
+    ref[i] = host[i];
+    refp.push_back(ref[i].data());
+    if (in_backend(i)) {
+      dev[i] = std::make_unique<BackendBuffer>(*backend_, host[i].size() * 4);
+      dev[i]->upload(host[i]);
+      accp.push_back(dev[i]->get<float>());
+    } else {
+      accp.push_back(host[i].data());
+    }
+  }
+  auto expect_rows = [&](const char* what) {
+    for (size_t i = 0; i < host.size(); ++i) {
+      const std::vector<float> got = in_backend(i) ? dev[i]->download<float>(host[i].size()) : host[i];
+      EXPECT_LE(max_rel_diff(got, ref[i]), tolerance(Op::kDecodeAttentionAccumulate))
+          << what << ", row " << i << (in_backend(i) ? " (backend memory)" : " (host memory)");
+    }
+  };
+  ASSERT_TRUE(backend_->decode_attention_accumulate(caches.test->view(), 1, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                    accp.data(), nullptr).is_ok());
+  ASSERT_TRUE(reference_->decode_attention_accumulate(caches.ref->view(), 1, rqb.get<float>(), rob.get<float>(),
+                                                      0.125f, refp.data(), nullptr).is_ok());
+  EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kDecodeAttention));
+  expect_rows("accumulate");
+  std::vector<int32_t> first(lens_.size());
+  for (size_t s = 0; s < lens_.size(); ++s) first[s] = lens_[s] / 2;
+  ASSERT_TRUE(backend_->decode_attention_observe(caches.test->view(), 2, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                 accp.data(), first.data(), nullptr).is_ok());
+  ASSERT_TRUE(reference_->decode_attention_observe(caches.ref->view(), 2, rqb.get<float>(), rob.get<float>(), 0.125f,
+                                                   refp.data(), first.data(), nullptr).is_ok());
+  expect_rows("observe from the middle");
+
+  if (!backend_->shares_device_memory()) return;  // host memory on both sides: nothing to mix up
+  std::vector<float*> mixed = accp;
+  const size_t row = size_t(2) * hk;  // sequence 2 (16 tokens): head 1 on the host, the others not
+  mixed[row + 1] = host[row + 1].data();
+  const std::vector<float> before = dev[row]->download<float>(host[row].size());
+  const KernelStatus st = backend_->decode_attention_accumulate(caches.test->view(), 1, qb.get<float>(),
+                                                                ob.get<float>(), 0.125f, mixed.data(), nullptr);
+  EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("score_acc of sequence 2 has " + std::to_string(hk - 1) +
+                            " KV heads in device memory and 1 in host memory"),
+            std::string::npos)
+      << st.message;
+  EXPECT_EQ(dev[row]->download<float>(host[row].size()), before) << "a refused call added";
+}
+
 // Kara's decode observers: the accumulated probabilities from each sequence's first slot on (the
 // slots before it keep their values exactly) and each query head's log-sum-exp; a sequence
 // without an lse pointer (and the empty one) keeps what its buffer held.
 TEST_P(BackendOpsTest, DecodeAttentionObserve) {
   if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionObserve)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
-  const size_t n = lens_.size() * geo_.q_token_elems();
-  const std::vector<float> q = random_values(n, -3.0f, 3.0f, rng_);
-  BackendBuffer qb(*backend_, n * 4), ob(*backend_, n * 4), rqb(*reference_, n * 4), rob(*reference_, n * 4);
-  qb.upload(q);
-  rqb.upload(q);
+  const auto io = decode_buffers();
+  const size_t n = io->n;
+  BackendBuffer &qb = io->q, &ob = io->out, &rqb = io->ref_q, &rob = io->ref_out;
   const int hk = geo_.num_kv_heads, hq = geo_.num_q_heads;
   std::vector<std::vector<float>> acc(lens_.size() * hk), ref(lens_.size() * hk);
   std::vector<float*> accp, refp;
@@ -681,6 +756,30 @@ TEST_P(BackendOpsTest, QuantizedAttention) {
     EXPECT_LE(max_abs_diff(ob.download<float>(n), rob.download<float>(n)), tolerance(Op::kQuantizedAttention));
     for (size_t i = 0; i < acc.size(); ++i)
       EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kQuantizedAttention)) << "accumulator row " << i;
+    {
+      // The same with every other sequence's accumulators in backend memory (H2O over quantized
+      // storage); the reference keeps adding into its host rows.
+      std::vector<std::unique_ptr<BackendBuffer>> dev(acc.size());
+      std::vector<float*> mixed = accp;
+      for (size_t i = 0; i < acc.size(); ++i) {
+        if ((i / hk) % 2 != 0 || accp[i] == nullptr) continue;
+        dev[i] = std::make_unique<BackendBuffer>(*backend_, acc[i].size() * 4);
+        dev[i]->upload(acc[i]);
+        mixed[i] = dev[i]->get<float>();
+      }
+      ASSERT_TRUE(backend_->decode_attention_quantized(kv, qkv, 1, qb.get<float>(), ob.get<float>(), 0.125f,
+                                                       mixed.data(), nullptr, nullptr).is_ok());
+      ASSERT_TRUE(reference_->decode_attention_quantized(rkv, qkv, 1, rqb.get<float>(), rob.get<float>(), 0.125f,
+                                                         refp.data(), nullptr, nullptr).is_ok());
+      for (size_t i = 0; i < acc.size(); ++i) {
+        if (dev[i] != nullptr) {  // into the same storage: accp still points at it
+          const std::vector<float> got = dev[i]->download<float>(acc[i].size());
+          std::copy(got.begin(), got.end(), acc[i].begin());
+        }
+        EXPECT_LE(max_rel_diff(acc[i], ref[i]), tolerance(Op::kQuantizedAttention))
+            << "accumulator row " << i << (dev[i] != nullptr ? " (backend memory)" : " (host memory)");
+      }
+    }
 
     // Kara's decode observers over quantized storage: accumulation from acc_begin (in the quantized
     // part, in the unquantized tail, at the end, and 0) and each query head's log-sum-exp, one

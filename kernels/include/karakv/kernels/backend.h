@@ -4,8 +4,10 @@
 // Memory: the pool (PagedKV::pool) is memory from allocate(). Tensors (q, out, k, v) are memory from
 // allocate() or host memory; a backend with memory of its own (CUDA) copies host tensors in and
 // out. Tables and index arrays (block_table, table_offset, seq_len, kept, dst_blocks, the scores
-// given to top_k, token2chunk and cam_merge_values, score_acc) are host memory. copy_in / copy_out
-// move bytes between host memory and memory from allocate().
+// given to top_k, token2chunk and cam_merge_values) are host memory. score_acc's accumulators are
+// host memory or memory from allocate() (then added into where the backend computes, with no copy
+// back). copy_in / copy_out move bytes between host memory and memory from allocate(), or between
+// two places of memory from allocate().
 #pragma once
 
 #include <cstring>
@@ -67,7 +69,8 @@ class Backend {
   // Memory for the block pool. Returned memory is zero-filled.
   virtual KernelStatus allocate(size_t bytes, void** out) = 0;
   virtual void free(void* ptr) = 0;
-  // Host memory to / from memory from allocate() (plain memcpy on a host-memory backend).
+  // Host memory to / from memory from allocate(), or memory from allocate() to memory from
+  // allocate() (plain memcpy on a host-memory backend).
   virtual KernelStatus copy_in(void* dst, const void* src, size_t bytes) {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return KernelStatus::ok();
@@ -116,7 +119,8 @@ class Backend {
   // query heads, into per-slot accumulators (H2O's heavy-hitter scores, Kara's decode observers).
   // For sequence s and KV head h, score_acc[s * num_kv_heads + h] is null (no accumulation) or
   // points to seq_len[s] floats, of which slots [acc_begin[s], seq_len[s]) get their probability
-  // added (slot t into acc[t]); the probabilities are the softmax over all seq_len[s] keys
+  // added (slot t into acc[t]). The accumulators of one sequence are all host memory or all memory
+  // from allocate() (H2O keeps its sums there, so that on a GPU nothing is copied back per layer); the probabilities are the softmax over all seq_len[s] keys
   // whatever acc_begin says. acc_begin null: from slot 0. Older slots that a policy never reads
   // again (Kara's compressed prompt and windows) then cost neither the scoring pass nor, on a
   // device, the copy back.
