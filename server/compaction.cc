@@ -61,19 +61,23 @@ absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::bind(const std::string
   } else if (!prefill_params.empty()) {
     return absl::InvalidArgumentError("prefill_params given without a prefill_policy");
   }
-  binding->state = (*policy)->make_state(g);
+  binding->state = (*policy)->make_state(g, backend);
   binding->policy = std::move(*policy);
   return binding;
 }
 
-std::shared_ptr<PolicyBinding> Compactor::fork(const Sequence& parent) const {
+absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::fork(const Sequence& parent) const {
   auto child = std::make_shared<PolicyBinding>();
   child->policy = parent.policy->policy;
   child->prefill = parent.policy->prefill;
   child->prefill_name = parent.policy->prefill_name;
   child->params = parent.policy->params;
   child->prefill_params = parent.policy->prefill_params;
-  if (parent.policy->state) child->state = parent.policy->state->clone();
+  if (parent.policy->state) {
+    auto state = parent.policy->state->clone();
+    if (!state.ok()) return state.status();
+    child->state = std::move(*state);
+  }
   return child;
 }
 
@@ -108,8 +112,12 @@ absl::Status Compactor::check_append(const Sequence& seq, int32_t num_tokens, in
   return absl::OkStatus();
 }
 
-void Compactor::on_grow(Sequence& seq, int32_t slots) const {
-  if (seq.policy->state) seq.policy->policy->on_grow(seq.policy->state.get(), slots);
+absl::Status Compactor::on_grow(Sequence& seq, int32_t slots) const {
+  if (!seq.policy->state) return absl::OkStatus();
+  absl::Status s = seq.policy->policy->on_grow(seq.policy->state.get(), slots);
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("sequence ", seq.id, " policy '", seq.policy->policy->name(),
+                                             "' cannot grow its state to ", slots, " slots: ", s.message()));
 }
 
 int Compactor::query_capacity_hint(const Sequence& seq) const { return seq.policy->policy->query_capacity_hint(); }
@@ -327,7 +335,13 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
     return s;
   }
   const PolicyBinding& binding = *seq.policy;
-  if (binding.state) binding.policy->on_compacted(binding.state.get(), *plan, resident_before, own);
+  if (binding.state) {
+    if (absl::Status s = binding.policy->on_compacted(binding.state.get(), *plan, resident_before, own); !s.ok()) {
+      record(result, seq, 0, true);
+      return absl::Status(s.code(), absl::StrCat("sequence ", seq.id, " was compacted but policy ", policy.name(),
+                                                 " could not remap its state: ", s.message()));
+    }
+  }
   result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
   record(result, seq, result.tokens_before - result.tokens_after, false);
   return result;

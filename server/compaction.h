@@ -40,14 +40,16 @@ class Compactor {
                                                       const std::map<std::string, double>& params,
                                                       const std::string& prefill_policy,
                                                       const std::map<std::string, double>& prefill_params) const;
-  // A deep copy for a forked sequence (its state is its own from now on).
-  std::shared_ptr<PolicyBinding> fork(const Sequence& parent) const;
+  // A deep copy for a forked sequence (its state is its own from now on); an error when the state's
+  // copy cannot be had (memory).
+  absl::StatusOr<std::shared_ptr<PolicyBinding>> fork(const Sequence& parent) const;
 
   // ---- hooks of the data path ----
   // FAILED_PRECONDITION when the policy needs queries the Append does not carry.
   absl::Status check_append(const Sequence& seq, int32_t num_tokens, int32_t num_query_tokens) const;
-  // The cache now covers `slots` slots.
-  void on_grow(Sequence& seq, int32_t slots) const;
+  // The cache is about to cover `slots` slots; an error (the policy state's memory) refuses the
+  // request.
+  absl::Status on_grow(Sequence& seq, int32_t slots) const;
   // How many queries to reserve room for, and whether a Step's queries are kept at all.
   int query_capacity_hint(const Sequence& seq) const;
   bool keeps_step_queries(const Sequence& seq) const;

@@ -265,7 +265,10 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
     if (config_.prefix_cache) cached = store_->adopt_prefix(seq, hits, options.prefix_token_ids);
     store_->count_lookup(options.prefix_token_ids.size(), cached);
   }
-  compactor_->on_grow(seq, seq.length);
+  if (absl::Status s = compactor_->on_grow(seq, seq.length); !s.ok()) {
+    (void)sessions_->release(**session, seq.id);
+    return s;
+  }
   return std::make_pair(seq.id, cached);
 }
 
@@ -295,10 +298,11 @@ absl::StatusOr<uint64_t> Core::fork_sequence(const std::string& session_id, uint
       !s.ok()) {
     return s;
   }
-  std::shared_ptr<PolicyBinding> binding = compactor_->fork(**parent);
+  auto binding = compactor_->fork(**parent);
+  if (!binding.ok()) return binding.status();
   Sequence& child = store_->fork(**parent);  // `parent` may move: the store's map may grow
   child.session_id = session_id;
-  child.policy = std::move(binding);
+  child.policy = std::move(*binding);
   sessions_->adopt(**session, child.id);
   return child.id;
 }
@@ -382,11 +386,12 @@ absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t seq
   seq.last_used = ++use_clock_;
   if (absl::Status s = store_->reserve(seq, new_length); !s.ok()) return s;
   if (absl::Status s = store_->write_prompt(seq, num_tokens, k, v); !s.ok()) return s;
+  // Before the length moves: a state that cannot grow leaves the sequence as it was.
+  if (absl::Status s = compactor_->on_grow(seq, new_length); !s.ok()) return s;
   const int32_t first_q = new_length - num_query_tokens;
   if (seq.logical == 0) seq.first_append = received;
   seq.length = new_length;
   seq.logical += num_tokens;
-  compactor_->on_grow(seq, seq.length);
   std::vector<float> host_q;
   auto qf = host_floats(q, num_query_tokens > 0, &host_q);
   if (!qf.ok()) return qf.status();
@@ -463,7 +468,7 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
         if (absl::Status s = compactor_->begin_decode(*seq); !s.ok()) return s;
       }
       if (absl::Status s = store_->reserve(*seq, seq->length + 1); !s.ok()) return s;  // counted above
-      compactor_->on_grow(*seq, seq->length + 1);
+      if (absl::Status s = compactor_->on_grow(*seq, seq->length + 1); !s.ok()) return s;
       seq->step_started = started;
     }
   }

@@ -50,9 +50,10 @@ absl::StatusOr<PolicyParams> resolve_params(const std::string& policy, const std
 class PolicyState {
  public:
   virtual ~PolicyState() = default;
-  // For ForkSequence: the child starts with the parent's state.
-  virtual std::unique_ptr<PolicyState> clone() const = 0;
-  // Host memory it holds (Stats' score_bytes).
+  // For ForkSequence: the child starts with the parent's state (an error when its memory cannot be
+  // had).
+  virtual absl::StatusOr<std::unique_ptr<PolicyState>> clone() const = 0;
+  // Memory it holds, on the host or in the backend (Stats' score_bytes).
   virtual size_t bytes() const { return 0; }
 };
 
@@ -133,17 +134,25 @@ class Policy {
                                               kernels::Backend& backend) const = 0;
 
   // Per-sequence state. The hooks below get the state this returned (null: the policy keeps none).
-  virtual std::unique_ptr<State> make_state(const kernels::Geometry& geometry) const { return nullptr; }
-  // The cache now covers `slots` slots (an Append, a prefix hit, or a Step's new token before its
-  // layers run): grow per-slot state.
-  virtual void on_grow(State* state, int32_t slots) const {}
+  // A state may keep memory of `backend` (allocate(): device memory on a GPU) and free it when it
+  // is destroyed; the backend outlives every sequence.
+  virtual std::unique_ptr<State> make_state(const kernels::Geometry& geometry, kernels::Backend& backend) const {
+    return nullptr;
+  }
+  // The cache is about to cover `slots` slots (an Append, a prefix hit, or a Step's new token before
+  // its layers run): grow per-slot state. An error (memory) refuses the request that grows it.
+  virtual absl::Status on_grow(State* state, int32_t slots) const { return absl::OkStatus(); }
   // The prompt is complete and fixed (the first Step); `seq` is the sequence at that moment.
   virtual void on_decode_start(State* state, const SequenceView& seq) const {}
   // `plan` was applied to the sequence (by this policy when `own`, else by its prefill policy);
   // `resident_before` is the cache length the plan was made for.
-  virtual void on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before, bool own) const {}
+  virtual absl::Status on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before,
+                                    bool own) const {
+    return absl::OkStatus();
+  }
   // Where a decode step adds each resident slot's attention for (layer, KV head), or null: the
-  // daemon then runs the plain decode kernel. [>= resident + 1] fp32.
+  // daemon then runs the plain decode kernel. [>= resident + 1] fp32, host memory or memory from
+  // the backend's allocate() (Backend::decode_attention_accumulate).
   virtual float* accumulator(State* state, int layer, int kv_head) const { return nullptr; }
   // The first slot whose accumulator the decode step must add to: older slots' scores are never
   // read again (Kara: the tail's start), so their keys are not scored at all. Default: every slot.

@@ -5,21 +5,26 @@
 
 #include "server/policy.h"
 #include "server/policies/threshold.h"
+#include "server/score_rows.h"
 
 namespace karakv::server {
 namespace {
 
-// Accumulated decode attention per resident slot: [num_layers * num_kv_heads][resident (+1 while a
-// step's token is pending)].
+// Accumulated decode attention per resident slot, in the backend's memory (on a GPU the decode
+// step adds into it on the device): [num_layers * num_kv_heads][resident (+1 while a step's token
+// is pending)].
 struct H2OState final : PolicyState {
-  std::vector<std::vector<float>> rows;
-  std::unique_ptr<PolicyState> clone() const override { return std::make_unique<H2OState>(*this); }
-  size_t bytes() const override {
-    size_t n = 0;
-    for (const auto& row : rows) n += row.size() * sizeof(float);
-    return n;
+  explicit H2OState(std::unique_ptr<ScoreRows> r) : rows(std::move(r)) {}
+  std::unique_ptr<ScoreRows> rows;
+  absl::StatusOr<std::unique_ptr<PolicyState>> clone() const override {
+    auto copy = rows->clone();
+    if (!copy.ok()) return copy.status();
+    return std::make_unique<H2OState>(std::move(*copy));
   }
+  size_t bytes() const override { return rows->bytes(); }
 };
+
+ScoreRows& rows_of(PolicyState* state) { return *static_cast<H2OState*>(state)->rows; }
 
 class H2OPolicy final : public ThresholdPolicy {
  public:
@@ -29,28 +34,16 @@ class H2OPolicy final : public ThresholdPolicy {
         kv_heads_(g.num_kv_heads) {}
 
   bool needs_attention() const override { return true; }
-  std::unique_ptr<State> make_state(const kernels::Geometry& g) const override {
-    auto state = std::make_unique<H2OState>();
-    state->rows.resize(size_t(g.num_layers) * g.num_kv_heads);
-    return state;
+  std::unique_ptr<State> make_state(const kernels::Geometry& g, kernels::Backend& backend) const override {
+    return std::make_unique<H2OState>(std::make_unique<ScoreRows>(backend, size_t(g.num_layers) * g.num_kv_heads));
   }
-  void on_grow(State* state, int32_t slots) const override {
-    for (auto& row : static_cast<H2OState*>(state)->rows) row.resize(slots, 0.0f);
-  }
+  absl::Status on_grow(State* state, int32_t slots) const override { return rows_of(state).grow(slots); }
   // Kept slots keep their sums; the slots after the range shift down with their tokens.
-  void on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before, bool) const override {
-    auto& rows = static_cast<H2OState*>(state)->rows;
-    for (size_t r = 0; r < rows.size(); ++r) {
-      std::vector<float>& acc = rows[r];
-      std::vector<float> next(acc.begin(), acc.begin() + plan.begin);
-      for (int32_t i = 0; i < plan.num_kept; ++i) next.push_back(acc[plan.kept[r * plan.num_kept + i]]);
-      next.insert(next.end(), acc.begin() + plan.end, acc.begin() + resident_before);
-      acc = std::move(next);
-    }
+  absl::Status on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before, bool) const override {
+    return rows_of(state).remap(plan, resident_before);
   }
   float* accumulator(State* state, int layer, int kv_head) const override {
-    auto& rows = static_cast<H2OState*>(state)->rows;
-    return rows[size_t(layer) * kv_heads_ + kv_head].data();
+    return rows_of(state).row(size_t(layer) * kv_heads_ + kv_head);
   }
   std::vector<kernels::Op> required_ops() const override {
     return {kernels::Op::kDecodeAttentionAccumulate, kernels::Op::kTopK, kernels::Op::kGatherTokens};
@@ -59,10 +52,7 @@ class H2OPolicy final : public ThresholdPolicy {
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV&,
                                       kernels::Backend& backend) const override {
     std::vector<float> scores;
-    scores.reserve(size_t(seq.geometry->num_layers) * seq.geometry->num_kv_heads * seq.resident);
-    for (const std::vector<float>& row : static_cast<const H2OState*>(seq.state)->rows) {
-      scores.insert(scores.end(), row.begin(), row.begin() + seq.resident);
-    }
+    if (absl::Status s = static_cast<const H2OState*>(seq.state)->rows->read(seq.resident, &scores); !s.ok()) return s;
     return policy_util::top_budget_plan(seq, scores, c_target_, sinks_, recent_, backend, merge_ > 0);
   }
 

@@ -31,7 +31,7 @@ struct KaraState final : PolicyState {
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
   // [slots][L][Hq]; NaN where the token came without a decode step (Append).
   std::vector<float> lse;
-  std::unique_ptr<PolicyState> clone() const override { return std::make_unique<KaraState>(*this); }
+  absl::StatusOr<std::unique_ptr<PolicyState>> clone() const override { return std::make_unique<KaraState>(*this); }
   size_t bytes() const override {
     size_t n = seen.size() + lse.size();
     for (const auto& row : received) n += row.size();
@@ -103,21 +103,25 @@ class KaraPolicy final : public Policy {
     return ops;
   }
 
-  std::unique_ptr<State> make_state(const kernels::Geometry&) const override {
+  // Host memory: the decode step adds only the tail's slots, whose copy back is small, and every
+  // tick reads them.
+  std::unique_ptr<State> make_state(const kernels::Geometry&, kernels::Backend&) const override {
     auto state = std::make_unique<KaraState>();
     if (observers_ != Observers::kWindow) state->received.resize(size_t(layers_) * kv_heads_);
     return state;
   }
-  void on_grow(State* state, int32_t slots) const override {
+  absl::Status on_grow(State* state, int32_t slots) const override {
     auto& s = *static_cast<KaraState*>(state);
     for (auto& row : s.received) row.resize(slots, 0.0f);
     if (observers_ != Observers::kWindow) s.seen.resize(slots, 0.0f);
     if (records_lse()) s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
+    return absl::OkStatus();
   }
   void on_decode_start(State* state, const SequenceView& seq) const override {
     static_cast<KaraState*>(state)->tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
   }
-  void on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before, bool own) const override {
+  absl::Status on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before,
+                            bool own) const override {
     auto& s = *static_cast<KaraState*>(state);
     for (size_t r = 0; r < s.received.size(); ++r) {
       std::vector<float>& acc = s.received[r];
@@ -129,6 +133,7 @@ class KaraPolicy final : public Policy {
     remap(s.seen, 1, plan, resident_before);
     remap(s.lse, lse_width(), plan, resident_before);
     if (own) s.tail_start = plan.begin + plan.num_kept;
+    return absl::OkStatus();
   }
   float* accumulator(State* state, int layer, int kv_head) const override {
     auto& s = *static_cast<KaraState*>(state);

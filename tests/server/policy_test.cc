@@ -567,6 +567,176 @@ TEST(BaselinePolicyTest, StreamingH2OChunkKVKeepBudgetSinksAndRecent) {
   }
 }
 
+// H2O against float64: every decode step's attention probabilities over the keys resident at that
+// step (summed over the group's query heads) are added per position here, from the synthetic
+// queries and keys; each compaction must keep the sinks, the newest `recent` slots and the heaviest
+// hitters by these sums. The prompt (250 tokens) makes the daemon's accumulators move to a larger
+// allocation during the decode steps, two compactions remap them, and a fork continues from a copy
+// of them with its own tokens (positions after the fork are the child's).
+TEST(H2OPolicyTest, KeepsWhatAFloat64ReferenceOfAccumulatedAttentionChooses) {
+  constexpr int kPrompt = 250, kCMax = 304, kCTarget = 272, kRecent = 68, kSinks = 4;
+  for (uint64_t seed = 1; seed <= 2; ++seed) {
+    Driver d(seed);
+    const auto& g = d.reg->geometry();
+    const int hk = g.num_kv_heads, group = g.num_q_heads / g.num_kv_heads;
+    const double scale = 1.0 / std::sqrt(double(g.head_dim));
+    SequenceOptions o;
+    o.policy = "h2o";
+    o.params = {{"c_max", kCMax}, {"c_target", kCTarget}, {"recent_ratio", double(kRecent) / kCTarget}};
+    const uint64_t parent = *d.create(o);
+    ASSERT_TRUE(d.append(parent, 0, kPrompt).ok());
+    // Whose synthetic data a position holds: the parent's before the fork, the sequence's own after.
+    struct Tracked {
+      uint64_t id;
+      int64_t fork_pos;  // positions >= this are the sequence's own (parent: never)
+      std::vector<std::map<int64_t, double>> sums;  // [layer * hk + head]: position -> sum
+      int32_t compactions = 0;
+    };
+    auto owner = [&](const Tracked& t, int64_t pos) { return pos >= t.fork_pos ? t.id : parent; };
+    // One decode step's reference accumulation, over the keys the daemon held (rows before the
+    // step) plus the step's token.
+    auto accumulate = [&](Tracked& t, const std::vector<std::vector<int32_t>>& rows, int64_t pos) {
+      for (int l = 0; l < g.num_layers; ++l) {
+        for (int h = 0; h < hk; ++h) {
+          std::vector<int64_t> keys(rows[size_t(l) * hk + h].begin(), rows[size_t(l) * hk + h].end());
+          keys.push_back(pos);
+          auto& sums = t.sums[size_t(l) * hk + h];
+          for (int j = h * group; j < (h + 1) * group; ++j) {
+            std::vector<double> logit(keys.size());
+            double mx = -INFINITY;
+            for (size_t i = 0; i < keys.size(); ++i) {
+              double dot = 0;
+              for (int dim = 0; dim < g.head_dim; ++dim) {
+                const float k = synthetic::value(seed, Tensor::kKey, owner(t, keys[i]), l, keys[i], h, dim);
+                dot += double(synthetic::value(seed, Tensor::kQuery, owner(t, pos), l, pos, j, dim)) *
+                       double(kernels::half_to_float(kernels::float_to_half(k)));
+              }
+              mx = std::max(mx, logit[i] = dot * scale);
+            }
+            double z = 0;
+            for (double x : logit) z += std::exp(x - mx);
+            for (size_t i = 0; i < keys.size(); ++i) sums[keys[i]] += std::exp(logit[i] - mx) / z;
+          }
+        }
+      }
+    };
+    // The compaction just made `rows` from the `before` rows (each with the step's token): forced
+    // slots kept, the rest the heaviest by the reference sums (near-ties either way).
+    auto check_compaction = [&](Tracked& t, const std::vector<std::vector<int32_t>>& before,
+                                const std::vector<std::vector<int32_t>>& rows, const std::string& what) {
+      for (size_t r = 0; r < rows.size(); ++r) {
+        ASSERT_EQ(rows[r].size(), size_t(kCTarget)) << what;
+        const std::vector<int32_t>& was = before[r];
+        std::vector<double> free_sums;
+        for (size_t i = 0; i < was.size(); ++i)
+          if (was[i] >= kSinks && i + kRecent < was.size()) free_sums.push_back(t.sums[r][was[i]]);
+        const size_t forced = was.size() - free_sums.size();
+        std::sort(free_sums.rbegin(), free_sums.rend());
+        const double kth = free_sums[kCTarget - forced - 1];
+        const double eps = 1e-5 * std::max(1.0, kth);
+        for (size_t i = 0; i < was.size(); ++i) {
+          const bool kept = std::binary_search(rows[r].begin(), rows[r].end(), was[i]);
+          if (was[i] < kSinks || i + kRecent >= was.size()) {
+            ASSERT_TRUE(kept) << what << " row " << r << ": forced position " << was[i] << " dropped";
+          } else if (kept) {
+            ASSERT_GE(t.sums[r][was[i]], kth - eps) << what << " row " << r << ": kept light position " << was[i];
+          } else {
+            ASSERT_LE(t.sums[r][was[i]], kth + eps) << what << " row " << r << ": dropped heavy position " << was[i];
+          }
+        }
+        for (auto it = t.sums[r].begin(); it != t.sums[r].end();)  // evicted positions leave
+          it = std::binary_search(rows[r].begin(), rows[r].end(), int32_t(it->first)) ? std::next(it)
+                                                                                      : t.sums[r].erase(it);
+      }
+    };
+    auto step = [&](Tracked& t, int64_t& logical, const std::string& what) {
+      const auto before = d.positions(t.id);
+      accumulate(t, before, logical);
+      std::vector<int64_t> l{logical};
+      ASSERT_TRUE(d.step({t.id}, l).ok()) << what;
+      const auto rows = d.positions(t.id);
+      if (d.info(t.id).compactions > t.compactions) {
+        t.compactions = d.info(t.id).compactions;
+        auto with_step = before;
+        for (auto& row : with_step) row.push_back(int32_t(logical));
+        check_compaction(t, with_step, rows, what + " compaction " + std::to_string(t.compactions));
+      }
+      logical = l[0];
+    };
+
+    Tracked p{parent, INT64_MAX, std::vector<std::map<int64_t, double>>(size_t(g.num_layers) * hk)};
+    int64_t logical = kPrompt;
+    while (p.compactions < 1) {
+      step(p, logical, "parent");
+      ASSERT_LT(logical, kCMax + 2) << "h2o never compacted";
+    }
+    for (int i = 0; i < 10; ++i) step(p, logical, "parent");
+    // The fork starts from a copy of the parent's sums; both go on to a second compaction.
+    auto child_id = d.reg->fork_sequence(d.session, parent);
+    ASSERT_TRUE(child_id.ok()) << child_id.status();
+    Tracked c{*child_id, logical, p.sums, p.compactions};
+    int64_t child_logical = logical;
+    while (p.compactions < 2 || c.compactions < 2) {
+      step(p, logical, "parent");
+      step(c, child_logical, "child");
+      ASSERT_LT(logical, kPrompt + 3 * (kCMax - kCTarget) + 60) << "h2o stopped compacting";
+    }
+    // Two sequences' sums, 4 rows of 512 slots each (grown past 256 during the steps).
+    EXPECT_EQ(d.reg->stats().score_bytes, 2u * g.num_layers * hk * 512 * sizeof(float));
+  }
+}
+
+// A backend whose allocate() fails while *fail is set (device memory used up).
+class NoMemoryBackend : public karakv::testing::DelegatingBackend {
+ public:
+  explicit NoMemoryBackend(const bool* fail) : DelegatingBackend(kernels::make_cpu_backend(1)), fail_(fail) {}
+  KernelStatus allocate(size_t bytes, void** out) override {
+    if (*fail_) return {KernelStatus::Code::kInternal, "allocate: out of memory for " + std::to_string(bytes) + " bytes"};
+    return DelegatingBackend::allocate(bytes, out);
+  }
+
+ private:
+  const bool* fail_;
+};
+
+// H2O's sums live in backend memory: when that cannot be had, the Append, Step or Fork that needed
+// it is refused with RESOURCE_EXHAUSTED naming the sequence, the policy and the sizes, and nothing
+// changes; the same request succeeds once memory is there.
+TEST(H2OPolicyTest, StateMemoryThatCannotBeHadRefusesTheRequestAndChangesNothing) {
+  bool fail = false;
+  Driver d(1, 4096, std::make_unique<NoMemoryBackend>(&fail));
+  SequenceOptions o;
+  o.policy = "h2o";
+  o.params = {{"c_max", 1024}, {"c_target", 512}};
+  const uint64_t seq = *d.create(o);  // no sums yet: nothing allocated
+  fail = true;
+  absl::Status s = d.append(seq, 0, 20);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("sequence " + std::to_string(seq) +
+                                                  " policy 'h2o' cannot grow its state to 20 slots: accumulated "
+                                                  "attention of 4 rows x 256 slots (4096 bytes) does not fit"));
+  EXPECT_EQ(d.info(seq).length, 0u);
+  fail = false;
+  ASSERT_TRUE(d.append(seq, 0, 256).ok());
+  std::vector<int64_t> logical{256};
+  fail = true;  // the step's token is slot 257: the sums move to a larger allocation
+  s = d.step({seq}, logical);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("cannot grow its state to 257 slots"));
+  EXPECT_EQ(d.info(seq).length, 256u);
+  EXPECT_EQ(logical[0], 256);
+  const int32_t sequences = d.reg->stats().sequences;
+  auto child = d.reg->fork_sequence(d.session, seq);
+  EXPECT_EQ(child.status().code(), absl::StatusCode::kResourceExhausted) << child.status();
+  EXPECT_THAT(std::string(child.status().message()), HasSubstr("accumulated attention for the fork"));
+  EXPECT_EQ(d.reg->stats().sequences, sequences);
+  fail = false;
+  ASSERT_TRUE(d.step({seq}, logical).ok());
+  EXPECT_EQ(d.info(seq).length, 257u);
+  ASSERT_TRUE(d.reg->fork_sequence(d.session, seq).ok());
+  EXPECT_TRUE(d.reg->check_invariants().ok());
+}
+
 TEST(PrefillPolicyTest, SnapKVCompressesThePromptOnceAtTheFirstStep) {
   Driver d(3);
   SequenceOptions o;

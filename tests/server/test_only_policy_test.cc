@@ -23,7 +23,7 @@ constexpr char kName[] = "test_keep_newest";
 
 struct RunsState final : PolicyState {
   int runs = 0;
-  std::unique_ptr<PolicyState> clone() const override { return std::make_unique<RunsState>(*this); }
+  absl::StatusOr<std::unique_ptr<PolicyState>> clone() const override { return std::make_unique<RunsState>(*this); }
 };
 
 // At c_max keeps the newest c_target tokens (block-aligned by construction: whole cache).
@@ -34,9 +34,12 @@ class KeepNewestPolicy final : public Policy {
   const std::string& name() const override { return name_; }
   Trigger trigger() const override { return Trigger::kThreshold; }
   std::vector<kernels::Op> required_ops() const override { return {kernels::Op::kGatherTokens}; }
-  std::unique_ptr<State> make_state(const kernels::Geometry&) const override { return std::make_unique<RunsState>(); }
-  void on_compacted(State* state, const CompactionPlan&, int32_t, bool own) const override {
+  std::unique_ptr<State> make_state(const kernels::Geometry&, kernels::Backend&) const override {
+    return std::make_unique<RunsState>();
+  }
+  absl::Status on_compacted(State* state, const CompactionPlan&, int32_t, bool own) const override {
     if (own) ++static_cast<RunsState*>(state)->runs;
+    return absl::OkStatus();
   }
   bool due(const SequenceView& seq, bool forced) const override {
     const int runs = seq.state != nullptr ? static_cast<const RunsState*>(seq.state)->runs : 0;
