@@ -463,6 +463,12 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
   }
   for (Sequence* seq : seqs) seq->last_used = ++use_clock_;
   if (layer == 0) {
+    // Policy state first, before anything is fixed: memory it cannot have refuses the Step with
+    // every sequence as it was (a first Step's prefill compaction only shortens the cache, so the
+    // second call below has room already).
+    for (Sequence* seq : seqs) {
+      if (absl::Status s = compactor_->on_grow(*seq, seq->length + 1); !s.ok()) return s;
+    }
     for (Sequence* seq : seqs) {
       if (!seq->decoding) {
         if (absl::Status s = compactor_->begin_decode(*seq); !s.ok()) return s;

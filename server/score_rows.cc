@@ -76,19 +76,21 @@ absl::Status ScoreRows::remap(const CompactionPlan& plan, int32_t resident_befor
   }
   const int32_t after = plan.begin + plan.num_kept + (resident_before - plan.end);
   std::vector<float> all;
-  if (absl::Status s = download(&all); !s.ok()) return s;
-  std::vector<float> next(all.size(), 0.0f);
-  for (size_t r = 0; r < rows_; ++r) {
+  const absl::Status read = download(&all);
+  std::vector<float> next(rows_ * size_t(capacity_), 0.0f);
+  for (size_t r = 0; read.ok() && r < rows_; ++r) {
     const float* from = all.data() + r * size_t(capacity_);
     float* to = next.data() + r * size_t(capacity_);
     to = std::copy_n(from, plan.begin, to);
     for (int32_t i = 0; i < plan.num_kept; ++i) *to++ = from[plan.kept[r * size_t(plan.num_kept) + i]];
     std::copy(from + plan.end, from + resident_before, to);
   }
-  if (data_ != nullptr)
-    if (absl::Status s = to_status(backend_->copy_in(data_, next.data(), bytes())); !s.ok()) return s;
+  // The cache is compacted already, so the rows follow it even when the sums cannot: a failed read
+  // leaves them zero (lost), never misaligned with the slots.
+  const absl::Status write =
+      data_ != nullptr ? to_status(backend_->copy_in(data_, next.data(), bytes())) : absl::OkStatus();
   length_ = after;
-  return absl::OkStatus();
+  return !read.ok() ? read : write;
 }
 
 absl::StatusOr<std::unique_ptr<ScoreRows>> ScoreRows::clone() const {

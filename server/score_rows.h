@@ -36,6 +36,8 @@ class ScoreRows {
   absl::Status read(int32_t slots, std::vector<float>* out) const;
   // The plan was applied to a cache of `resident_before` slots: slots [0, begin) stay, then per row
   // its kept slots, then [end, resident_before) shift down; what is past the new length is zeroed.
+  // A plan that does not fit is refused without a change; a failed copy still moves the length
+  // (the cache has moved), with the sums lost.
   absl::Status remap(const CompactionPlan& plan, int32_t resident_before);
   // A copy in fresh backend memory (ForkSequence).
   absl::StatusOr<std::unique_ptr<ScoreRows>> clone() const;

@@ -38,12 +38,16 @@ class Allocations {
     return static_cast<long long>(it->second / block_bytes);
   }
   // Whether p lies inside one of these allocations.
-  bool contains(const void* p) const {
+  bool contains(const void* p) const { return bytes_from(p) > 0; }
+  // Bytes from p to the end of the allocation p lies in, or 0 when it lies in none.
+  size_t bytes_from(const void* p) const {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = map_.upper_bound(p);
-    if (it == map_.begin()) return false;
+    if (it == map_.begin()) return 0;
     --it;
-    return std::less<const void*>()(p, static_cast<const char*>(it->first) + it->second);
+    const char* end = static_cast<const char*>(it->first) + it->second;
+    if (!std::less<const void*>()(p, end)) return 0;
+    return size_t(end - static_cast<const char*>(p));
   }
   // Calls f(pointer) for every live allocation and forgets them (a backend's destructor).
   template <typename F>

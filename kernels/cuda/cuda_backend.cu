@@ -633,7 +633,7 @@ class CudaBackend final : public Backend {
     std::vector<float*> row_acc;
     std::vector<char> row_on_device;
     if (score_acc != nullptr) {
-      KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv.num_seqs, g.num_kv_heads, score_acc, &device));
+      KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv, &qkv, score_acc, &device));
       if (!device.rows.empty()) {
         row_acc.assign(size_t(rows) * g.num_kv_heads, nullptr);
         row_on_device.assign(rows, 0);
@@ -934,18 +934,31 @@ class CudaBackend final : public Backend {
     std::vector<char> row_on_device;
     bool on_device(int r) const { return !row_on_device.empty() && row_on_device[r]; }
   };
-  // Every non-null accumulator of one row (sequence) must be on the same side.
-  KernelStatus device_accumulators(std::string_view op, int num_rows, int kv_heads, float* const* score_acc,
-                                   DeviceAccumulators* out) const {
+  // Every non-null accumulator of one sequence must be on the same side, and one in device memory
+  // must be an allocation of this backend holding the sequence's slots (quantized ones included
+  // with qkv): a device staging region or a row cut short would be written out of place.
+  KernelStatus device_accumulators(std::string_view op, const PagedKV& kv, const QuantizedKV* qkv,
+                                   float* const* score_acc, DeviceAccumulators* out) const {
     out->rows.clear();
     out->row_on_device.clear();
     if (score_acc == nullptr) return KernelStatus::ok();
+    const int num_rows = kv.num_seqs, kv_heads = kv.geometry.num_kv_heads;
     for (int r = 0; r < num_rows; ++r) {
       int on_device = 0, on_host = 0;
+      const size_t need = (size_t(kv.seq_len[r]) + (qkv != nullptr ? qkv->quantized(r) : 0)) * sizeof(float);
       for (int h = 0; h < kv_heads; ++h) {
         const float* acc = score_acc[size_t(r) * kv_heads + h];
         if (acc == nullptr) continue;
-        (allocations_.contains(acc) ? on_device : on_host) += 1;
+        const size_t room = allocations_.bytes_from(acc);
+        if (room == 0 && shared_allocations_.contains(acc))
+          return KernelStatus::invalid(std::string(op) + ": score_acc[" + std::to_string(size_t(r) * kv_heads + h) +
+                                       "] points into device staging; expected host memory or memory from allocate()");
+        if (room > 0 && room < need)
+          return KernelStatus::invalid(std::string(op) + ": score_acc[" + std::to_string(size_t(r) * kv_heads + h) +
+                                       "] has " + std::to_string(room / sizeof(float)) +
+                                       " floats left in its allocation; expected at least the sequence's " +
+                                       std::to_string(need / sizeof(float)) + " slots");
+        (room > 0 ? on_device : on_host) += 1;
       }
       if (on_device > 0 && on_host > 0)
         return KernelStatus::invalid(std::string(op) + ": score_acc of sequence " + std::to_string(r) + " has " +
@@ -979,7 +992,7 @@ class CudaBackend final : public Backend {
     DeviceAccumulators device;
     if (observing) {
       first = common::first_observed_slots(kv, score_acc, acc_begin);
-      KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv.num_seqs, geo.num_kv_heads, score_acc, &device));
+      KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv, nullptr, score_acc, &device));
     }
     std::vector<int64_t> offset(kv.num_seqs, -1);
     int64_t total = 0;

@@ -270,8 +270,9 @@ TEST_P(BackendOpsTest, DecodeAttentionAccumulate) {
 // Accumulators in the backend's own memory (allocate(): H2O's sums, added into on a device with no
 // copy back) for every other sequence, host memory for the rest, through decode_attention_accumulate
 // and decode_attention_observe (from a first slot): every row equals the reference's host
-// accumulators. On a backend with device memory a sequence with heads of both kinds is refused,
-// naming the sequence, and nothing is added.
+// accumulators (sequence 4's first head, in backend memory, has none). On a backend with device
+// memory a sequence with heads of both kinds is refused, naming the sequence, and nothing is added;
+// so is a row whose allocation ends before the sequence does.
 TEST_P(BackendOpsTest, AccumulatorsInBackendMemory) {
   if (!supported(Op::kWriteKV) || !supported(Op::kDecodeAttentionObserve)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
@@ -286,8 +287,10 @@ TEST_P(BackendOpsTest, AccumulatorsInBackendMemory) {
   for (size_t i = 0; i < host.size(); ++i) {
     host[i] = random_values(lens_[i / hk], 0.0f, 2.0f, rng_);
     ref[i] = host[i];
-    refp.push_back(ref[i].data());
-    if (in_backend(i)) {
+    refp.push_back(i == size_t(4) * hk ? nullptr : ref[i].data());
+    if (i == size_t(4) * hk) {
+      accp.push_back(nullptr);
+    } else if (in_backend(i)) {
       dev[i] = std::make_unique<BackendBuffer>(*backend_, host[i].size() * 4);
       dev[i]->upload(host[i]);
       accp.push_back(dev[i]->get<float>());
@@ -297,9 +300,9 @@ TEST_P(BackendOpsTest, AccumulatorsInBackendMemory) {
   }
   auto expect_rows = [&](const char* what) {
     for (size_t i = 0; i < host.size(); ++i) {
-      const std::vector<float> got = in_backend(i) ? dev[i]->download<float>(host[i].size()) : host[i];
+      const std::vector<float> got = dev[i] != nullptr ? dev[i]->download<float>(host[i].size()) : host[i];
       EXPECT_LE(max_rel_diff(got, ref[i]), tolerance(Op::kDecodeAttentionAccumulate))
-          << what << ", row " << i << (in_backend(i) ? " (backend memory)" : " (host memory)");
+          << what << ", row " << i << (dev[i] != nullptr ? " (backend memory)" : " (host memory)");
     }
   };
   ASSERT_TRUE(backend_->decode_attention_accumulate(caches.test->view(), 1, qb.get<float>(), ob.get<float>(), 0.125f,
@@ -329,6 +332,16 @@ TEST_P(BackendOpsTest, AccumulatorsInBackendMemory) {
             std::string::npos)
       << st.message;
   EXPECT_EQ(dev[row]->download<float>(host[row].size()), before) << "a refused call added";
+  // A row in backend memory shorter than its sequence would be written past its end.
+  std::vector<float*> short_row = accp;
+  BackendBuffer one(*backend_, sizeof(float));
+  short_row[row] = one.get<float>();
+  const KernelStatus cut = backend_->decode_attention_accumulate(caches.test->view(), 1, qb.get<float>(),
+                                                                 ob.get<float>(), 0.125f, short_row.data(), nullptr);
+  EXPECT_EQ(cut.code, KernelStatus::Code::kInvalidArgument);
+  EXPECT_NE(cut.message.find("has 1 floats left in its allocation; expected at least the sequence's 16 slots"),
+            std::string::npos)
+      << cut.message;
 }
 
 // Kara's decode observers: the accumulated probabilities from each sequence's first slot on (the

@@ -724,6 +724,7 @@ TEST(H2OPolicyTest, StateMemoryThatCannotBeHadRefusesTheRequestAndChangesNothing
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("cannot grow its state to 257 slots"));
   EXPECT_EQ(d.info(seq).length, 256u);
+  EXPECT_EQ(d.info(seq).prompt_length, 0u) << "a refused first Step fixed the prompt";
   EXPECT_EQ(logical[0], 256);
   const int32_t sequences = d.reg->stats().sequences;
   auto child = d.reg->fork_sequence(d.session, seq);
@@ -733,6 +734,7 @@ TEST(H2OPolicyTest, StateMemoryThatCannotBeHadRefusesTheRequestAndChangesNothing
   fail = false;
   ASSERT_TRUE(d.step({seq}, logical).ok());
   EXPECT_EQ(d.info(seq).length, 257u);
+  EXPECT_EQ(d.info(seq).prompt_length, 256u);
   ASSERT_TRUE(d.reg->fork_sequence(d.session, seq).ok());
   EXPECT_TRUE(d.reg->check_invariants().ok());
 }

@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "server/policy.h"
+#include "tests/server/delegating_backend.h"
 
 namespace karakv::server {
 namespace {
@@ -100,6 +101,60 @@ TEST(ScoreRowsTest, GrowRemapAndCloneMatchAHostModel) {
   EXPECT_EQ(s.read(s.length() + 1, &got).code(), absl::StatusCode::kInternal);
   ASSERT_TRUE(s.read(s.length(), &got).ok());
   EXPECT_EQ(got, flat(model));
+}
+
+// The CPU backend with allocate() or copy_out failing on demand.
+class FailingBackend : public karakv::testing::DelegatingBackend {
+ public:
+  FailingBackend() : DelegatingBackend(kernels::make_cpu_backend(1)) {}
+  kernels::KernelStatus allocate(size_t bytes, void** out) override {
+    if (fail_allocate) return {kernels::KernelStatus::Code::kInternal, "no memory"};
+    return DelegatingBackend::allocate(bytes, out);
+  }
+  kernels::KernelStatus copy_out(void* dst, const void* src, size_t bytes) override {
+    if (fail_copy_out) return {kernels::KernelStatus::Code::kInternal, "copy failed"};
+    return DelegatingBackend::copy_out(dst, src, bytes);
+  }
+  bool fail_allocate = false, fail_copy_out = false;
+};
+
+// A growth that cannot have its memory, or cannot read the old sums, changes nothing; a remap whose
+// read fails still follows the compacted cache (length moved, sums zero) and says why.
+TEST(ScoreRowsTest, FailuresKeepTheRowsConsistent) {
+  FailingBackend backend;
+  constexpr size_t kRows = 2;
+  std::mt19937 rng(3);
+  ScoreRows s(backend, kRows);
+  Model model(kRows, std::vector<float>(100, 0.0f));
+  ASSERT_TRUE(s.grow(100).ok());
+  add_everywhere(s, model, rng);
+  std::vector<float> got;
+  for (const bool allocate : {true, false}) {
+    backend.fail_allocate = allocate;
+    backend.fail_copy_out = !allocate;
+    const absl::Status st = s.grow(300);
+    EXPECT_FALSE(st.ok());
+    if (allocate) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    }
+    backend.fail_allocate = backend.fail_copy_out = false;
+    EXPECT_EQ(s.length(), 100);
+    EXPECT_EQ(s.capacity(), 256);
+    ASSERT_TRUE(s.read(100, &got).ok());
+    EXPECT_EQ(got, flat(model)) << (allocate ? "failed allocate" : "failed copy_out");
+  }
+  CompactionPlan plan;
+  plan.begin = 0;
+  plan.end = 96;
+  plan.num_kept = 4;
+  plan.kept = {0, 1, 2, 3, 92, 93, 94, 95};
+  backend.fail_copy_out = true;
+  EXPECT_EQ(s.remap(plan, 100).code(), absl::StatusCode::kInternal);
+  backend.fail_copy_out = false;
+  EXPECT_EQ(s.length(), 8);
+  ASSERT_TRUE(s.read(8, &got).ok());
+  EXPECT_EQ(got, std::vector<float>(kRows * 8, 0.0f));
+  expect_zero_past_length(s);
 }
 
 // A state that never grew holds nothing and copies to nothing.
