@@ -205,8 +205,11 @@ void accumulate_run(const element_t<D>* v, int len, int head_dim, const float* w
   }
 }
 
-// e^x for x <= 0, the AVX2 loop's Cephes polynomial (simd.h) on 16 lanes; below -87.3 gives 0.
+// e^x for x <= 0, the AVX2 loop's Cephes polynomial (simd.h) on 16 lanes; below -87.3 gives 0,
+// NaN gives NaN.
 inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 given = x;
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -222,7 +225,7 @@ inline __m512 exp_nonpositive(__m512 x) {
   const __m512 r2 = _mm512_mul_ps(r, r);
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(normal, y, _mm512_castsi512_ps(e));
+  return _mm512_mask_mov_ps(_mm512_maskz_mul_ps(normal, y, _mm512_castsi512_ps(e)), nan, given);
 }
 
 struct Isa {

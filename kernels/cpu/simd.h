@@ -73,8 +73,11 @@ inline float hmax(__m256 v) {
 
 // e^x for x <= 0 (softmax arguments after subtracting the max), within ~2 ulp of std::exp.
 // Cephes expf: x = n ln2 + r with |r| <= ln2/2, degree-6 polynomial for e^r, scale by 2^n.
-// Arguments below -87.3 (where 2^n would leave the normal range) give exactly 0.
+// Arguments below -87.3 (where 2^n would leave the normal range) give exactly 0; NaN gives NaN, as
+// std::exp does (a NaN logit must not become a weight near 0).
 inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 given = x;
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -91,7 +94,7 @@ inline __m256 exp_nonpositive(__m256 x) {
   const __m256 r2 = _mm256_mul_ps(r, r);
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(_mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e))), given, nan);
 }
 #endif
 

@@ -246,6 +246,50 @@ TEST_P(CpuAttentionTest, DecodeMatchesFloat64) {
   }
 }
 
+// A NaN in a query or a key makes the heads that read it NaN, as the float64 loop says, and leaves
+// every other head as it was: the vector exp must not turn NaN logits into weights near 0 (a
+// silent, plausible output). Sequence 1 has a NaN in query head 0; sequence 3 (1029 tokens, many
+// chunks) a NaN key of KV head 0 at position 500; sequence 2 a NaN value (one dimension only).
+TEST_P(CpuAttentionTest, NaNPropagatesAsInFloat64) {
+  const Geometry g = geometry();
+  const std::vector<int> lens = {5, 37, 100, 1029};
+  PagedCache cache(*backend_, g, lens, rng_);
+  std::vector<DenseKV> dense;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    const size_t n = size_t(g.num_layers) * lens[s] * g.kv_token_elems();
+    std::vector<float> k = random_values(n, -1.0f, 1.0f, rng_), v = random_values(n, -1.0f, 1.0f, rng_);
+    DenseKV probe;
+    probe.len = lens[s];
+    if (s == 3) k[probe.index(g, 1, 500, 0, 0)] = NAN;
+    if (s == 2) v[probe.index(g, 1, 60, 0, g.head_dim - 1)] = NAN;
+    dense.push_back(dense_kv(g, lens[s], k, v));
+    write_sequence(*backend_, cache, int(s), dense.back());
+  }
+  const size_t qe = g.q_token_elems();
+  std::vector<float> q = random_values(lens.size() * qe, -3.0f, 3.0f, rng_);
+  q[1 * qe + 0] = NAN;
+  std::vector<float> out(q.size(), 0.0f);
+  const KernelStatus st = backend_->decode_attention(cache.view(), 1, q.data(), out.data(), 0.125f);
+  ASSERT_TRUE(st.is_ok()) << st.message;
+  int nans = 0;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    const auto want = naive_attention(g, dense[s], 1, lens[s], q.data() + s * qe, 0.125f);
+    for (size_t i = 0; i < qe; ++i) {
+      const float got = out[s * qe + i];
+      ASSERT_EQ(std::isnan(got), std::isnan(want[i])) << "seq " << s << " head " << i / g.head_dim << " dim "
+                                                      << i % g.head_dim << ": " << got << " vs " << want[i];
+      nans += std::isnan(want[i]);
+      if (!std::isnan(want[i])) {
+        EXPECT_LE(std::fabs(got - want[i]), kAttentionTolerance) << "seq " << s << " i " << i;
+      }
+    }
+  }
+  // Query head 0 of sequence 1 (all dims); every query head of KV head 0 in sequence 3; one dim of
+  // each of KV head 0's query heads in sequence 2.
+  const int group = g.num_q_heads / g.num_kv_heads;
+  EXPECT_EQ(nans, g.head_dim + group * g.head_dim + group);
+}
+
 // One thread runs whole-sequence tasks (4 sequences per thread), two threads split by KV head:
 // both must give bit-identical results.
 TEST_P(CpuAttentionTest, DecodeDoesNotDependOnThreadCount) {
