@@ -396,6 +396,7 @@ struct Request {
   int generated = 0;     // output tokens produced so far (kept across preemptions)
   bool started = false;  // its first token was produced (TTFT counted)
   double arrival_t = 0;  // open loop: when it arrived (run seconds)
+  double queued_t = 0;   // when it last joined the queue (arrival, preemption, refused prefill)
   double first_token_t = -1, last_token_t = -1;
   int decode_tokens = 0;  // tokens after the first, within the run
 };
@@ -446,7 +447,9 @@ struct RunResult {
   // that grows over the run: the rate is above what the engine serves). TTFT counts the latter with
   // their wait so far.
   int arrived = 0, unserved = 0;
-  double mean_waiting = 0;
+  // Queue length: the mean over engine steps (idle time, when no step runs, not counted), and the
+  // mean over the run's time (Little's law: request-seconds spent queued / run seconds).
+  double mean_waiting = 0, mean_queue = 0;
   double mean_decoding = 0, mean_kv_mib = 0, peak_kv_mib = 0;
   double step_call_ms = 0;  // per engine step, the workers' time inside Step calls, summed
   double compaction_s = 0;
@@ -566,7 +569,7 @@ class Scheduler {
   void arrive() {
     while (next_arrival_ <= now()) {
       Request r = source_.next();
-      r.arrival_t = next_arrival_;
+      r.arrival_t = r.queued_t = next_arrival_;
       waiting_.push_back(r);
       ++result_.arrived;
       next_arrival_ = source_.next_arrival();
@@ -581,6 +584,7 @@ class Scheduler {
       if (waiting_.empty()) {
         if (rate_ > 0) break;  // open loop: nobody is waiting
         waiting_.push_back(source_.next());
+        waiting_.back().queued_t = now();
       }
       Request& r = waiting_.front();
       const int context = r.prompt + r.generated;
@@ -595,6 +599,7 @@ class Scheduler {
       const int remaining = r.started ? r.output - r.generated : r.output - 1;
       const bool windowed = r.started && absl::GetFlag(FLAGS_serve_recompute_windows);
       absl::StrAppend(&commands[wi], "admit ", r.id, " ", context, " ", remaining, " ", windowed ? 1 : 0, "\n");
+      queued_s_ += now() - r.queued_t;
       running_.push_back({r, wi, ++order_});
       waiting_.pop_front();
       ++result_.admitted;
@@ -612,7 +617,10 @@ class Scheduler {
     auto it = std::find_if(running_.begin(), running_.end(), [&](const Running& r) { return r.req.id == req; });
     if (it == running_.end()) return;
     --workers_[it->worker].running;
-    if (requeue) waiting_.push_front(it->req);
+    if (requeue) {
+      waiting_.push_front(it->req);
+      waiting_.front().queued_t = now();
+    }
     running_.erase(it);
   }
 
@@ -696,7 +704,10 @@ class Scheduler {
     // In their admission order, ahead of everything that waits (several refusals in one step
     // would otherwise come back reversed).
     std::sort(refused.begin(), refused.end(), [](const Running& a, const Running& b) { return a.order > b.order; });
-    for (const Running& r : refused) waiting_.push_front(r.req);
+    for (const Running& r : refused) {
+      waiting_.push_front(r.req);
+      waiting_.front().queued_t = now();
+    }
     return full;
   }
 
@@ -783,6 +794,7 @@ class Scheduler {
     for (const Running& r : running_) record_tpot(r.req);
     for (const Request& r : waiting_) {
       record_tpot(r);
+      queued_s_ += result_.seconds - r.queued_t;
       if (r.started || rate_ <= 0) continue;
       // Open loop: a request still without a first token counts with its wait so far, a lower
       // bound, so an overloaded run's TTFT is not judged by the few requests it served.
@@ -804,6 +816,7 @@ class Scheduler {
     result_.ttft_p50_ms = 1e3 * percentile(ttft_, 50);
     result_.ttft_p99_ms = 1e3 * percentile(ttft_, 99);
     result_.mean_waiting = result_.steps ? waiting_sum / result_.steps : 0;
+    result_.mean_queue = result_.seconds > 0 ? queued_s_ / result_.seconds : 0;
     for (int b = 0; b < kBuckets; ++b) {
       result_.ratio[b] = bucket_held_[b] ? double(bucket_fp16_[b]) / bucket_held_[b] : 0;
     }
@@ -827,6 +840,7 @@ class Scheduler {
   RunResult result_;
   std::vector<double> tpot_, ttft_;
   double step_rpc_s_ = 0;
+  double queued_s_ = 0;  // request-seconds spent in the queue (mean_queue)
   int step_decoded_ = 0;  // sequences that decoded a token in the current engine step
   uint64_t bucket_fp16_[kBuckets] = {}, bucket_held_[kBuckets] = {};
 };
@@ -840,7 +854,7 @@ std::string run_csv(const std::vector<RunResult>& runs) {
       "policy,max_batch,seconds,steps,output_tokens,throughput_tok_s,tpot_mean_ms,tpot_p99_ms,ttft_mean_ms,"
       "mean_decoding,preemptions,prefill_refusals,admitted,finished,mean_kv_mib,peak_kv_mib,compactions,"
       "compaction_s,compaction_share,ratio_lt1k,ratio_1_4k,ratio_4_16k,ratio_ge16k,rate_req_s,arrived,unserved,"
-      "ttft_p50_ms,ttft_p99_ms,mean_waiting\n";
+      "ttft_p50_ms,ttft_p99_ms,mean_waiting,mean_queue\n";
   for (const RunResult& r : runs) {
     absl::StrAppend(&out, r.policy, ",", r.max_batch, ",", absl::StrFormat("%.3f", r.seconds), ",", r.steps, ",",
                     r.tokens, ",", absl::StrFormat("%.2f", r.throughput()), ",",
@@ -850,7 +864,8 @@ std::string run_csv(const std::vector<RunResult>& runs) {
                     absl::StrFormat("%.4f,%.5f", r.compaction_s, r.seconds > 0 ? r.compaction_s / r.seconds : 0));
     for (int b = 0; b < kBuckets; ++b) absl::StrAppend(&out, ",", absl::StrFormat("%.4f", r.ratio[b]));
     absl::StrAppend(&out, ",", absl::StrFormat("%g", r.rate), ",", r.arrived, ",", r.unserved, ",",
-                    absl::StrFormat("%.3f,%.3f,%.2f", r.ttft_p50_ms, r.ttft_p99_ms, r.mean_waiting), "\n");
+                    absl::StrFormat("%.3f,%.3f,%.2f,%.3f", r.ttft_p50_ms, r.ttft_p99_ms, r.mean_waiting, r.mean_queue),
+                    "\n");
   }
   return out;
 }
@@ -880,7 +895,7 @@ std::string run_table(const std::vector<RunResult>& runs) {
                                                   "ratio <1k", "1-4k", "4-16k"}};
   if (open) {
     cells[0].insert(cells[0].begin() + 2, "req/s");
-    cells[0].insert(cells[0].begin() + 7, {"p50 TTFT", "p99 TTFT", "waiting", "unserved"});
+    cells[0].insert(cells[0].begin() + 7, {"p50 TTFT", "p99 TTFT", "waiting", "queue", "unserved"});
   }
   for (const RunResult& r : runs) {
     auto ratio = [&](int b) { return r.ratio_samples[b] ? absl::StrFormat("%.2fx", r.ratio[b]) : std::string("-"); };
@@ -893,7 +908,8 @@ std::string run_table(const std::vector<RunResult>& runs) {
     if (open) {
       line.insert(line.begin() + 2, r.rate > 0 ? absl::StrFormat("%g", r.rate) : std::string("closed"));
       line.insert(line.begin() + 7, {absl::StrFormat("%.1f", r.ttft_p50_ms), absl::StrFormat("%.1f", r.ttft_p99_ms),
-                                     absl::StrFormat("%.1f", r.mean_waiting), absl::StrCat(r.unserved)});
+                                     absl::StrFormat("%.1f", r.mean_waiting), absl::StrFormat("%.2f", r.mean_queue),
+                                     absl::StrCat(r.unserved)});
     }
     cells.push_back(std::move(line));
   }
@@ -1012,8 +1028,9 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
       "serve: one run per (policy, max batch", open ? ", rate" : "", "); tok/s = output tokens / run seconds; ",
       "TPOT per request (first to last token of the run, preemption stalls included); ",
       open ? "TTFT = arrival to first token (queueing included; a request unserved at the end counts with its wait "
-                     "so far, a lower bound), waiting = mean queue length per step, unserved = arrivals without a first "
-                     "token at the end; "
+                     "so far, a lower bound), waiting = mean queue length per engine step, queue = mean queue length over "
+                     "time (queued request-seconds / run seconds), unserved = arrivals without a first token at the "
+                     "end; "
                    : "TTFT = admission to first token; ",
       "ratio = fp16 bytes of logical tokens / bytes held, by context length:\n", run_table(runs));
   // P4: at the largest max batch, kara against none and snapkv; kara's and snapkv's throughput

@@ -22,7 +22,7 @@ RUN_COLUMNS = [
     "policy", "max_batch", "seconds", "steps", "output_tokens", "throughput_tok_s", "tpot_mean_ms", "tpot_p99_ms",
     "ttft_mean_ms", "mean_decoding", "preemptions", "prefill_refusals", "admitted", "finished", "mean_kv_mib",
     "peak_kv_mib", "compactions", "compaction_s", "compaction_share", "ratio_lt1k", "ratio_1_4k", "ratio_4_16k",
-    "ratio_ge16k", "rate_req_s", "arrived", "unserved", "ttft_p50_ms", "ttft_p99_ms", "mean_waiting"]
+    "ratio_ge16k", "rate_req_s", "arrived", "unserved", "ttft_p50_ms", "ttft_p99_ms", "mean_waiting", "mean_queue"]
 SERIES_COLUMNS = ["policy", "max_batch", "step", "t_s", "decoding", "waiting", "blocks_used", "kv_mib", "rate_req_s"]
 
 
@@ -142,6 +142,9 @@ def check_open_loop(bench, karakvd, plot):
                 fail(f"{what}: {unserved} unserved of {arrived} arrivals, {r['admitted']} admitted")
             if unserved > 0 and float(r["mean_waiting"]) <= 0:
                 fail(f"{what}: {unserved} requests never served, yet the queue was empty at every step")
+            queue = float(r["mean_queue"])
+            if queue < 0 or queue > arrived or (unserved > 0 and queue <= 0):
+                fail(f"{what}: mean queue over time {queue} with {unserved} unserved of {arrived} arrivals")
             p50, p99 = float(r["ttft_p50_ms"]), float(r["ttft_p99_ms"])
             if not 0 < p50 <= p99:
                 fail(f"{what}: TTFT p50 {p50} and p99 {p99} ms are not 0 < p50 <= p99")
