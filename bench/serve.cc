@@ -613,14 +613,17 @@ class Scheduler {
     return nullptr;
   }
 
+  // Back to the queue's front (preempted, or its prefill refused), queued again from now.
+  void requeue_front(Request r) {
+    r.queued_t = now();
+    waiting_.push_front(r);
+  }
+
   void drop(uint64_t req, bool requeue) {
     auto it = std::find_if(running_.begin(), running_.end(), [&](const Running& r) { return r.req.id == req; });
     if (it == running_.end()) return;
     --workers_[it->worker].running;
-    if (requeue) {
-      waiting_.push_front(it->req);
-      waiting_.front().queued_t = now();
-    }
+    if (requeue) requeue_front(it->req);
     running_.erase(it);
   }
 
@@ -704,10 +707,7 @@ class Scheduler {
     // In their admission order, ahead of everything that waits (several refusals in one step
     // would otherwise come back reversed).
     std::sort(refused.begin(), refused.end(), [](const Running& a, const Running& b) { return a.order > b.order; });
-    for (const Running& r : refused) {
-      waiting_.push_front(r.req);
-      waiting_.front().queued_t = now();
-    }
+    for (const Running& r : refused) requeue_front(r.req);
     return full;
   }
 

@@ -42,12 +42,12 @@ class Allocations {
   // Bytes from p to the end of the allocation p lies in, or 0 when it lies in none.
   size_t bytes_from(const void* p) const {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = map_.upper_bound(p);
-    if (it == map_.begin()) return 0;
-    --it;
-    const char* end = static_cast<const char*>(it->first) + it->second;
-    if (!std::less<const void*>()(p, end)) return 0;
-    return size_t(end - static_cast<const char*>(p));
+    return room_locked(p);
+  }
+  // bytes_from for each of n pointers, under one lock (a decode layer's accumulators).
+  void bytes_from(const void* const* ptrs, size_t n, size_t* out) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) out[i] = ptrs[i] == nullptr ? 0 : room_locked(ptrs[i]);
   }
   // Calls f(pointer) for every live allocation and forgets them (a backend's destructor).
   template <typename F>
@@ -58,6 +58,15 @@ class Allocations {
   }
 
  private:
+  size_t room_locked(const void* p) const {
+    auto it = map_.upper_bound(p);
+    if (it == map_.begin()) return 0;
+    --it;
+    const char* end = static_cast<const char*>(it->first) + it->second;
+    if (!std::less<const void*>()(p, end)) return 0;
+    return size_t(end - static_cast<const char*>(p));
+  }
+
   mutable std::mutex mu_;
   std::map<const void*, size_t> map_;  // live allocate() results -> requested bytes
 };

@@ -596,9 +596,9 @@ class CudaBackend final : public Backend {
 
   // Rows of quantized attention (launch_quantized_attention, arguments validated); with score_acc,
   // the probabilities of slots [first[r], slots) summed over each KV head's query heads and added
-  // into row r's sequence's accumulators, device or host (first empty: from 0); with lse_out, each sequence's
-  // per-query-head log-sum-exp. first is indexed by row and lse_out by sequence: both are meant for
-  // decode, where row r is sequence r (the causal path passes neither).
+  // into row r's sequence's accumulators, device or host (first empty: from 0); with lse_out, each
+  // sequence's per-query-head log-sum-exp. first is indexed by row and lse_out by sequence: both are
+  // meant for decode, where row r is sequence r (the causal path passes neither).
   KernelStatus quantized_attention(std::string_view op, const PagedKV& kv, const QuantizedKV& qkv, int layer,
                                    const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
                                    const std::vector<int32_t>& row_fp, const std::vector<int32_t>& first,
@@ -628,33 +628,24 @@ class CudaBackend final : public Backend {
     KARAKV_RETURN_IF_ERROR(call.output(out, bytes, &dout));
     auto first_of = [&](int r) { return first.empty() ? 0 : first[r]; };
     // Rows whose sequence accumulates in device memory are added into on the device; the others'
-    // probabilities come back.
+    // probabilities come back. With score_acc, row r is sequence r (decode).
     DeviceAccumulators device;
-    std::vector<float*> row_acc;
-    std::vector<char> row_on_device;
     if (score_acc != nullptr) {
+      for (int r = 0; r < rows; ++r)
+        if (row_seq[r] != r)
+          return KernelStatus::invalid(std::string(op) + ": accumulating rows must be the sequences in order");
       KARAKV_RETURN_IF_ERROR(device_accumulators(op, kv, &qkv, score_acc, &device));
-      if (!device.rows.empty()) {
-        row_acc.assign(size_t(rows) * g.num_kv_heads, nullptr);
-        row_on_device.assign(rows, 0);
-        for (int r = 0; r < rows; ++r) {
-          row_on_device[r] = device.on_device(row_seq[r]);
-          std::copy_n(device.rows.begin() + size_t(row_seq[r]) * g.num_kv_heads, g.num_kv_heads,
-                      row_acc.begin() + size_t(r) * g.num_kv_heads);
-        }
-      }
     }
-    auto on_device = [&](int r) { return !row_on_device.empty() && row_on_device[r]; };
     std::vector<float> probs;
     float* dprobs = nullptr;
     float* const* dacc = nullptr;
     if (score_acc != nullptr) {
       size_t total = 0;
       for (int r = 0; r < rows; ++r)
-        if (!on_device(r)) total += (size_t(row_quantized[r]) + row_fp[r] - first_of(r)) * g.num_kv_heads;
+        if (!device.on_device(r)) total += (size_t(row_quantized[r]) + row_fp[r] - first_of(r)) * g.num_kv_heads;
       probs.resize(std::max<size_t>(total, 1));
       if (total > 0) KARAKV_RETURN_IF_ERROR(call.output(probs.data(), total * sizeof(float), &dprobs));
-      if (!row_acc.empty()) KARAKV_RETURN_IF_ERROR(call.upload(row_acc, &dacc));
+      if (!device.rows.empty()) KARAKV_RETURN_IF_ERROR(call.upload(device.rows, &dacc));
     }
     std::vector<float> lse_host;
     float* dlse = nullptr;
@@ -664,7 +655,7 @@ class CudaBackend final : public Backend {
     }
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
       return cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized, row_fp, first, dq_in,
-                                              dout, scale, dprobs, row_on_device, dacc, dlse, arena_, stream);
+                                              dout, scale, dprobs, device.row_on_device, dacc, dlse, arena_, stream);
     }));
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int r = 0; lse_out != nullptr && r < rows; ++r) {
@@ -675,7 +666,7 @@ class CudaBackend final : public Backend {
     if (score_acc == nullptr) return KernelStatus::ok();
     size_t offset = 0;
     for (int r = 0; r < rows; ++r) {
-      if (on_device(r)) continue;
+      if (device.on_device(r)) continue;
       const int32_t f = first_of(r);
       const size_t n = size_t(row_quantized[r]) + row_fp[r] - f;
       for (int h = 0; h < g.num_kv_heads; ++h) {
@@ -943,14 +934,18 @@ class CudaBackend final : public Backend {
     out->row_on_device.clear();
     if (score_acc == nullptr) return KernelStatus::ok();
     const int num_rows = kv.num_seqs, kv_heads = kv.geometry.num_kv_heads;
+    const size_t entries = size_t(num_rows) * kv_heads;
+    // One lock per table for the whole call, not one per pointer: this runs every decode layer.
+    std::vector<size_t> own(entries), shared(entries);
+    allocations_.bytes_from(reinterpret_cast<const void* const*>(score_acc), entries, own.data());
+    shared_allocations_.bytes_from(reinterpret_cast<const void* const*>(score_acc), entries, shared.data());
     for (int r = 0; r < num_rows; ++r) {
       int on_device = 0, on_host = 0;
       const size_t need = (size_t(kv.seq_len[r]) + (qkv != nullptr ? qkv->quantized(r) : 0)) * sizeof(float);
       for (int h = 0; h < kv_heads; ++h) {
-        const float* acc = score_acc[size_t(r) * kv_heads + h];
-        if (acc == nullptr) continue;
-        const size_t room = allocations_.bytes_from(acc);
-        if (room == 0 && shared_allocations_.contains(acc))
+        if (score_acc[size_t(r) * kv_heads + h] == nullptr) continue;
+        const size_t room = own[size_t(r) * kv_heads + h];
+        if (room == 0 && shared[size_t(r) * kv_heads + h] > 0)
           return KernelStatus::invalid(std::string(op) + ": score_acc[" + std::to_string(size_t(r) * kv_heads + h) +
                                        "] points into device staging; expected host memory or memory from allocate()");
         if (room > 0 && room < need)

@@ -120,8 +120,8 @@ class Backend {
   // For sequence s and KV head h, score_acc[s * num_kv_heads + h] is null (no accumulation) or
   // points to seq_len[s] floats, of which slots [acc_begin[s], seq_len[s]) get their probability
   // added (slot t into acc[t]). The accumulators of one sequence are all host memory or all memory
-  // from allocate() (H2O keeps its sums there, so that on a GPU nothing is copied back per layer); the probabilities are the softmax over all seq_len[s] keys
-  // whatever acc_begin says. acc_begin null: from slot 0. Older slots that a policy never reads
+  // from allocate() (H2O keeps its sums there, so that on a GPU nothing is copied back per layer);
+  // the probabilities are the softmax over all seq_len[s] keys whatever acc_begin says. acc_begin null: from slot 0. Older slots that a policy never reads
   // again (Kara's compressed prompt and windows) then cost neither the scoring pass nor, on a
   // device, the copy back.
   //   acc_begin: null or [num_seqs] int32, 0 <= acc_begin[s] <= seq_len[s]
