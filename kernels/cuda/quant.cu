@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "../common/quant_codebook.h"
+#include "karakv/kernels/half.h"
 #include "quant.cuh"
 
 namespace karakv::kernels::cuda {
@@ -56,7 +57,8 @@ __device__ __forceinline__ void store_half(uint8_t* p, uint16_t h) {
   p[0] = uint8_t(h);
   p[1] = uint8_t(h >> 8);
 }
-__device__ __forceinline__ uint16_t half_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+// fp16 bits of x, round to nearest even, in integer arithmetic (half.h says why not __float2half_rn).
+__device__ __forceinline__ uint16_t half_bits(float x) { return float_to_half(x); }
 
 // Code i of a stream of B-bit codes packed LSB first (3-bit codes may straddle two bytes).
 template <int B>

@@ -8,20 +8,39 @@
 
 #include "karakv/kernels/types.h"
 
+// The scalar conversions compile for the device too (nvcc), in integer arithmetic: the CUDA
+// quantize kernels take their fp16 record fields from float_to_half, so no fp16 register is ever
+// stored a byte at a time. CUDA 13.0's ptxas compiles a byte store of the low half of an fp16
+// register (the cvt.rn.f16.f32 result) as a conversion of the half's value to an 8-bit integer
+// (F2I.U8.F16.TRUNC): 0x4512 (5.07) stored its low byte as 0x05.
+#if defined(__CUDACC__)
+#define KARAKV_SCALAR_FN __host__ __device__ inline
+#else
+#define KARAKV_SCALAR_FN inline
+#endif
+
 namespace karakv::kernels {
 
-inline float bits_to_float(uint32_t b) {
+KARAKV_SCALAR_FN float bits_to_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
   float f;
   std::memcpy(&f, &b, 4);
   return f;
+#endif
 }
-inline uint32_t float_to_bits(float f) {
+KARAKV_SCALAR_FN uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t b;
   std::memcpy(&b, &f, 4);
   return b;
+#endif
 }
 
-inline float half_to_float(uint16_t h) {
+KARAKV_SCALAR_FN float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -35,7 +54,7 @@ inline float half_to_float(uint16_t h) {
   return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
 }
 
-inline uint16_t float_to_half(float f) {
+KARAKV_SCALAR_FN uint16_t float_to_half(float f) {
   const uint32_t x = float_to_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t abs = x & 0x7fffffffu;
@@ -53,9 +72,9 @@ inline uint16_t float_to_half(float f) {
   return uint16_t(sign | (m >> 13));
 }
 
-inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+KARAKV_SCALAR_FN float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
-inline uint16_t float_to_bf16(float f) {
+KARAKV_SCALAR_FN uint16_t float_to_bf16(float f) {
   uint32_t x = float_to_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // quiet NaN
   x += 0x7fffu + ((x >> 16) & 1u);
