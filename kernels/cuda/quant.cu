@@ -339,16 +339,41 @@ __global__ void rotate_queries_kernel(int hq, int hk, int d, int layer, const ui
   for (int c = threadIdx.x; c < d; c += blockDim.x) qrot[base + c] = s_q[c];
 }
 
-// The scaled logit of slot `slot` of sequence `seq` (nq of its slots quantized) for query q of KV head
-// `head`; TurboQuant's quantized slots read the rotated query qrot instead.
+// Query heads a CTA of the logits and values kernels serves at once: the heads of one KV head (its
+// group) share every code read; a larger group takes several passes (grid.y = hk x passes).
+constexpr int kHeadsPerPass = 4;
+__host__ __device__ inline int head_passes(int group) { return (group + kHeadsPerPass - 1) / kHeadsPerPass; }
+
+// The KV head and the query heads [j0, j0 + nh) of pass blockIdx.y.
+struct HeadPass {
+  int head, j0, nh;
+};
+__device__ __forceinline__ HeadPass head_pass(const DeviceKV& kv) {
+  const int g = kv.group_size(), passes = head_passes(g);
+  const int head = blockIdx.y / passes, first = (blockIdx.y % passes) * kHeadsPerPass;
+  return {head, head * g + first, min(kHeadsPerPass, g - first)};
+}
+
+// The scaled logits of slot `slot` of sequence `seq` (nq of its slots quantized) for the nh queries
+// q[h * d ..] of KV head `head`, into logit[h]; TurboQuant's quantized slots read the rotated queries
+// qrot instead. Each head's sum runs in channel order as for a head alone.
 template <typename T, int B, bool kKivi>
-__device__ __forceinline__ float slot_logit(const DeviceKV& kv, const DeviceQuant& qd, int layer, int seq, int nq,
-                                            int head, int slot, const float* q, const float* qrot, float scale,
-                                            const float* centroid) {
+__device__ __forceinline__ void slot_logits(const DeviceKV& kv, const DeviceQuant& qd, int layer, int seq, int nq,
+                                            int head, int slot, const float* q, const float* qrot, int nh, float scale,
+                                            const float* centroid, float (&logit)[kHeadsPerPass]) {
   const int d = kv.head_dim;
+  float acc[kHeadsPerPass] = {}, bias[kHeadsPerPass] = {};
   if (slot >= nq) {
     const T* k = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot - nq, layer, 0, head);
-    return dot_row(q, k, d) * scale;
+    for (int c = 0; c < d; ++c) {
+      const float kc = to_float(k[c]);
+#pragma unroll
+      for (int h = 0; h < kHeadsPerPass; ++h)
+        if (h < nh) acc[h] = fmaf(q[h * d + c], kc, acc[h]);
+    }
+#pragma unroll
+    for (int h = 0; h < kHeadsPerPass; ++h) logit[h] = acc[h] * scale;
+    return;
   }
   const int tpb = qd.tokens_per_block, i = slot % tpb;
   const int32_t block = qd.block_table[qd.table_offset[seq] + slot / tpb];
@@ -358,40 +383,60 @@ __device__ __forceinline__ float slot_logit(const DeviceKV& kv, const DeviceQuan
     const uint8_t* rec = run + (i / kKiviGroup) * kivi_key_group_bytes(B, d);
     const uint8_t* codes = rec + 4 * size_t(d);
     const int tt = i % kKiviGroup;
-    float acc = 0.0f, bias = 0.0f;
     for (int c = 0; c < d; ++c) {
-      acc = fmaf(q[c] * load_half(rec + 2 * c), float(code_at<B>(codes + size_t(c) * (kKiviGroup * B / 8), tt)), acc);
-      bias = fmaf(q[c], load_half(rec + 2 * (d + c)), bias);
+      const float sc = load_half(rec + 2 * c), zc = load_half(rec + 2 * (d + c));
+      const float code = float(code_at<B>(codes + size_t(c) * (kKiviGroup * B / 8), tt));
+#pragma unroll
+      for (int h = 0; h < kHeadsPerPass; ++h)
+        if (h < nh) {
+          acc[h] = fmaf(q[h * d + c] * sc, code, acc[h]);
+          bias[h] = fmaf(q[h * d + c], zc, bias[h]);
+        }
     }
-    return scale * (acc + bias);
+#pragma unroll
+    for (int h = 0; h < kHeadsPerPass; ++h) logit[h] = scale * (acc[h] + bias[h]);
   } else {
     // q . R^T (norm c) = norm * (H D q) . centroid / d
     const uint8_t* rec = run + size_t(i) * tq_token_bytes(B, d);
-    float dot = 0.0f;
-    for (int c = 0; c < d; ++c) dot = fmaf(qrot[c], centroid[code_at<B>(rec + 2, c)], dot);
-    return scale / float(d) * load_half(rec) * dot;
+    for (int c = 0; c < d; ++c) {
+      const float cent = centroid[code_at<B>(rec + 2, c)];
+#pragma unroll
+      for (int h = 0; h < kHeadsPerPass; ++h)
+        if (h < nh) acc[h] = fmaf(qrot[h * d + c], cent, acc[h]);
+    }
+    const float norm = load_half(rec);
+#pragma unroll
+    for (int h = 0; h < kHeadsPerPass; ++h) logit[h] = scale / float(d) * norm * acc[h];
   }
 }
 
-// Scaled logits of every slot of (row, query head): one thread per slot.
+// Scaled logits of every slot of (row, the query heads of one pass): one thread per slot.
 template <typename T, int B, bool kKivi>
 __global__ void __launch_bounds__(kScoreThreads)
     quant_logits_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ q,
                         const float* __restrict__ qrot, float scale, Codebook book, float* __restrict__ logits) {
-  extern __shared__ float s_q[];  // [d] the query, then (TurboQuant) [d] its rotation
+  extern __shared__ float s_q[];  // [kHeadsPerPass][d] the queries, then (TurboQuant) their rotations
   __shared__ float s_centroid[16];
-  const int r = blockIdx.x, j = blockIdx.y;
-  const int hq = kv.num_q_heads, d = kv.head_dim, head = j / kv.group_size();
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
-    s_q[c] = q[(size_t(r) * hq + j) * d + c];
-    if constexpr (!kKivi) s_q[d + c] = qrot[(size_t(r) * hq + j) * d + c];
+  const int r = blockIdx.x;
+  const int hq = kv.num_q_heads, d = kv.head_dim;
+  const HeadPass pass = head_pass(kv);
+  for (int e = threadIdx.x; e < pass.nh * d; e += blockDim.x) {
+    const size_t at = (size_t(r) * hq + pass.j0) * d + e;
+    s_q[e] = q[at];
+    if constexpr (!kKivi) s_q[kHeadsPerPass * d + e] = qrot[at];
   }
   if (threadIdx.x < 16) s_centroid[threadIdx.x] = book.centroid[threadIdx.x];
   __syncthreads();
   const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r];
-  float* out = logits + rows.offset[r] + size_t(j) * n;
-  for (int slot = blockIdx.z * kScoreThreads + threadIdx.x; slot < n; slot += gridDim.z * kScoreThreads)
-    out[slot] = slot_logit<T, B, kKivi>(kv, qd, layer, seq, nq, head, slot, s_q, s_q + d, scale, s_centroid);
+  float* out = logits + rows.offset[r] + size_t(pass.j0) * n;
+  for (int slot = blockIdx.z * kScoreThreads + threadIdx.x; slot < n; slot += gridDim.z * kScoreThreads) {
+    float logit[kHeadsPerPass];
+    slot_logits<T, B, kKivi>(kv, qd, layer, seq, nq, pass.head, slot, s_q, s_q + kHeadsPerPass * d, pass.nh, scale,
+                             s_centroid, logit);
+#pragma unroll
+    for (int h = 0; h < kHeadsPerPass; ++h)
+      if (h < pass.nh) out[size_t(h) * n + slot] = logit[h];
+  }
 }
 
 // Softmax of one (row, query head) in place: p = exp(l - max) / sum, the sum in fp64; with lse
@@ -422,45 +467,65 @@ __global__ void quant_softmax_kernel(int hq, Rows rows, float* __restrict__ logi
   if (lse != nullptr && n > 0 && threadIdx.x == 0) lse[size_t(r) * hq + j] = mx + float(log(sum));
 }
 
-// Values over slots [split * slots_per_split, ...) of (row, query head): one thread per channel;
-// the quantized part (TurboQuant: in the rotated space, norm folded into the weight) and the
-// unquantized part apart, into part[row][head][split][2][d].
+// Values over slots [split * slots_per_split, ...) of (row, the query heads of one pass): one thread
+// per channel, each code read once for the pass's heads; the quantized part (TurboQuant: in the
+// rotated space, norm folded into the weight) and the unquantized part apart, into
+// part[row][head][split][2][d].
 template <typename T, int B, bool kKivi>
 __global__ void quant_values_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ probs,
                                     int num_splits, int slots_per_split, Codebook book, float* __restrict__ part) {
-  const int r = blockIdx.x, j = blockIdx.y, split = blockIdx.z, c = threadIdx.x;
-  const int hq = kv.num_q_heads, d = kv.head_dim, head = j / kv.group_size();
+  const int r = blockIdx.x, split = blockIdx.z, c = threadIdx.x;
+  const int hq = kv.num_q_heads, d = kv.head_dim;
+  const HeadPass pass = head_pass(kv);
   const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r];
-  const float* p = probs + rows.offset[r] + size_t(j) * n;
+  const float* p = probs + rows.offset[r] + size_t(pass.j0) * n;  // head h's at p[h * n + slot]
   const int tpb = qd.tokens_per_block, groups = d / kKiviGroup;
   const int begin = min(n, split * slots_per_split), end = min(n, begin + slots_per_split);
-  float acc_q = 0.0f, acc_f = 0.0f;
-  if (c < d) {
-    for (int slot = begin; slot < end; ++slot) {
-      const float w = p[slot];
-      if (w == 0.0f) continue;
-      if (slot < nq) {
-        const int i = slot % tpb;
-        const int32_t block = qd.block_table[qd.table_offset[seq] + slot / tpb];
-        const uint8_t* run = run_at(kv, sizeof(T), block, layer, 1, head);
-        if constexpr (kKivi) {
-          const uint8_t* rec = run + size_t(i) * kivi_value_token_bytes(B, d);
-          const int g = c / kKiviGroup;
-          const float ws = w * load_half(rec + 2 * g), wz = w * load_half(rec + 2 * (groups + g));
-          acc_q += fmaf(ws, float(code_at<B>(rec + 4 * size_t(groups), c)), wz);
-        } else {
-          const uint8_t* rec = run + size_t(i) * tq_token_bytes(B, d);
-          acc_q = fmaf(w * load_half(rec), book.centroid[code_at<B>(rec + 2, c)], acc_q);
-        }
-      } else {
-        const T* v = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot - nq, layer, 1, head);
-        acc_f = fmaf(w, to_float(v[c]), acc_f);
-      }
+  float acc_q[kHeadsPerPass] = {}, acc_f[kHeadsPerPass] = {};
+  if (c >= d) return;
+  for (int slot = begin; slot < end; ++slot) {
+    float w[kHeadsPerPass];
+    bool any = false;
+#pragma unroll
+    for (int h = 0; h < kHeadsPerPass; ++h) {
+      w[h] = h < pass.nh ? p[size_t(h) * n + slot] : 0.0f;
+      any |= w[h] != 0.0f;
     }
-    float* out = part + ((size_t(r) * hq + j) * num_splits + split) * 2 * d;
-    out[c] = acc_q;
-    out[d + c] = acc_f;
+    if (!any) continue;
+    if (slot < nq) {
+      const int i = slot % tpb;
+      const int32_t block = qd.block_table[qd.table_offset[seq] + slot / tpb];
+      const uint8_t* run = run_at(kv, sizeof(T), block, layer, 1, pass.head);
+      if constexpr (kKivi) {
+        const uint8_t* rec = run + size_t(i) * kivi_value_token_bytes(B, d);
+        const int g = c / kKiviGroup;
+        const float sc = load_half(rec + 2 * g), zc = load_half(rec + 2 * (groups + g));
+        const float code = float(code_at<B>(rec + 4 * size_t(groups), c));
+#pragma unroll
+        for (int h = 0; h < kHeadsPerPass; ++h)
+          if (w[h] != 0.0f) acc_q[h] += fmaf(w[h] * sc, code, w[h] * zc);
+      } else {
+        const uint8_t* rec = run + size_t(i) * tq_token_bytes(B, d);
+        const float norm = load_half(rec), cent = book.centroid[code_at<B>(rec + 2, c)];
+#pragma unroll
+        for (int h = 0; h < kHeadsPerPass; ++h)
+          if (w[h] != 0.0f) acc_q[h] = fmaf(w[h] * norm, cent, acc_q[h]);
+      }
+    } else {
+      const T* v = static_cast<const T*>(kv.pool) + kv.token_offset(seq, slot - nq, layer, 1, pass.head);
+      const float vc = to_float(v[c]);
+#pragma unroll
+      for (int h = 0; h < kHeadsPerPass; ++h)
+        if (w[h] != 0.0f) acc_f[h] = fmaf(w[h], vc, acc_f[h]);
+    }
   }
+#pragma unroll
+  for (int h = 0; h < kHeadsPerPass; ++h)
+    if (h < pass.nh) {
+      float* out = part + ((size_t(r) * hq + pass.j0 + h) * num_splits + split) * 2 * d;
+      out[c] = acc_q[h];
+      out[d + c] = acc_f[h];
+    }
 }
 
 // Sums the splits; TurboQuant de-rotates the quantized part once (D H acc / d). One thread per
@@ -687,16 +752,17 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
             hq, hk, d, layer, q.head_seeds, cq, qrot);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention rotate");
       }
-      quant_logits_kernel<T, B, kKivi><<<dim3(rows, hq, std::min(ceil_div(slots, kScoreThreads), 65535)), kScoreThreads,
-                                         (kKivi ? 1 : 2) * d * sizeof(float), stream>>>(kv, q, layer, chunk, cq, qrot, scale,
-                                                                                     book, logits);
+      const int passes = hk * head_passes(hq / hk);
+      quant_logits_kernel<T, B, kKivi><<<dim3(rows, passes, std::min(ceil_div(slots, kScoreThreads), 65535)),
+                                         kScoreThreads, (kKivi ? 1 : 2) * kHeadsPerPass * d * sizeof(float), stream>>>(
+          kv, q, layer, chunk, cq, qrot, scale, book, logits);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention logits");
       quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits,
                                                                    lse != nullptr ? lse + size_t(r0) * hq : nullptr);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
       const int per_split = split_slots(slots), splits = std::max(1, ceil_div(slots, per_split));
       const int threads = (d + 31) / 32 * 32;
-      quant_values_kernel<T, B, kKivi><<<dim3(rows, hq, splits), threads, 0, stream>>>(
+      quant_values_kernel<T, B, kKivi><<<dim3(rows, passes, splits), threads, 0, stream>>>(
           kv, q, layer, chunk, logits, splits, per_split, book, part);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention values");
       quant_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
