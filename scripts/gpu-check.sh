@@ -39,14 +39,17 @@
 # skipped for "no device" (the CUDA backend could not be created on the GPU machine).
 #
 # Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun): the
-# correctness runs (every op at five geometries and three dtypes) take about a minute, one dtype's
+# correctness runs (every op at five geometries and three dtypes) take about two minutes, one dtype's
 # ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, the attention tests under
 # synccheck and racecheck at most 60 and 90 seconds, each kernel benchmark (fp16 decode, a Kara
 # tick, and decode straight from each quantized format: kivi2, kivi4, tq2, tq3, tq4) well under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256, then kara at 256
 # with workers on device staging) at most GPU_CHECK_SERVE_SECONDS per run, and karakv-bench p3
 # (a Step through device staging, then shm staging, against an empty Ping) seconds. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; kernels_bench gets
-# 240 seconds per model, sdpa_bench 180), GPU_CHECK_SERVE_STEPS (300), GPU_CHECK_SERVE_SECONDS (20), GPU_CHECK_MEMCHECK_TIMEOUT (120),
+# 240 seconds per model, sdpa_bench 180), GPU_CHECK_SERVE_STEPS (300: too few for any context to grow long enough to compact; the
+# compaction seconds in the serve rows say whether the policies did anything), GPU_CHECK_SERVE_SECONDS (20),
+# GPU_CHECK_SERVE_BATCHES (64,256), GPU_CHECK_SERVE_POLICIES (none,snapkv,kara), GPU_CHECK_TEST_FILTER
+# (the test step's gtest filter; default every cuda op test), GPU_CHECK_MEMCHECK_TIMEOUT (120),
 # GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging: a
 # rerun after a fix can take only the steps that failed; the others print "skipped").
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
@@ -268,7 +271,7 @@ if want tests; then
   # backend's geometry limits (cuda_limits_test). Not --gtest_brief: it prints no line for a passed or
   # skipped test, and no failed count.
   with_timeout "$TEST_TIMEOUT" "${BIN_ENV[@]}" "$B/tests/kernels/kernels_test" \
-    --gtest_filter='AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*' \
+    --gtest_filter="${GPU_CHECK_TEST_FILTER:-AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*}" \
     > /tmp/gpu-tests.txt 2>&1
   tests_rc=$?
   read -r passed failed skipped running < <(gtest_counts /tmp/gpu-tests.txt)
@@ -383,21 +386,25 @@ fi
 
 SERVE_STEPS=${GPU_CHECK_SERVE_STEPS:-300}
 SERVE_SECONDS=${GPU_CHECK_SERVE_SECONDS:-20}
+SERVE_BATCHES=${GPU_CHECK_SERVE_BATCHES:-64,256}
+SERVE_POLICIES=${GPU_CHECK_SERVE_POLICIES:-none,snapkv,kara}
+SERVE_RUNS=$(( $(tr ',' '\n' <<< "$SERVE_BATCHES" | grep -c .) * $(tr ',' '\n' <<< "$SERVE_POLICIES" | grep -c .) ))
 declare -A serve
 if want serve; then
   # 4. karakv-bench serve on the GPU: none, snapkv, kara at max batch 64 and 256, karakvd --backend=cuda.
-  with_timeout $((SERVE_SECONDS * 6 + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
-    --serve_policies=none,snapkv,kara --serve_batches=64,256 --serve_steps="$SERVE_STEPS" \
+  with_timeout $((SERVE_SECONDS * SERVE_RUNS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+    --serve_policies="$SERVE_POLICIES" --serve_batches="$SERVE_BATCHES" --serve_steps="$SERVE_STEPS" \
     --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve" > /tmp/gpu-serve.txt 2>&1
   serve_rc=$?
   serve_status=$(describe_rc "$serve_rc")
   [ "$serve_rc" -eq 0 ] || { echo "karakv-bench serve failed ($serve_status):"; tail -20 /tmp/gpu-serve.txt; }
-  # policy,max_batch -> "tok/s; TPOT mean ms" from serve_runs.csv
+  # policy,max_batch -> "tok/s; TPOT mean ms; compaction s" from serve_runs.csv
   if [ -f "$RESULTS/serve/serve_runs.csv" ]; then
     while IFS=, read -r policy batch value; do serve[$policy.$batch]=$value; done < <(python3 - "$RESULTS/serve/serve_runs.csv" <<'PY'
 import csv, sys
 for row in csv.DictReader(open(sys.argv[1])):
-    print(f"{row['policy']},{row['max_batch']},{float(row['throughput_tok_s']):.0f}; {float(row['tpot_mean_ms']):.2f}")
+    print(f"{row['policy']},{row['max_batch']},{float(row['throughput_tok_s']):.0f}; {float(row['tpot_mean_ms']):.2f}; "
+          f"{float(row['compaction_s']):.2f}")
 PY
   )
   fi
@@ -471,9 +478,9 @@ echo "| paged decode time / sdpa time | $(ratio "${r[smollm2.decode_layer_us]:-}
 echo "| paged decode time / sdpa time, both synchronized per call | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_sync_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_sync_us]:-}") |"
 echo "| device staging, two processes (device_staging_test passed / failed / skipped; exit status) | $ipc_passed / $ipc_failed / $ipc_skipped; $ipc_status | (same run) |"
 echo "| karakv-bench serve on the GPU (exit status) | $serve_status | (serve geometry: 4 layers, Hq 4, Hk 2, D 64, fp16) |"
-for policy in none snapkv kara; do
-  for batch in 64 256; do
-    echo "| serve $policy, max batch $batch: tok/s; TPOT mean ms | ${serve[$policy.$batch]:-n/a} | - |"
+for policy in ${SERVE_POLICIES//,/ }; do
+  for batch in ${SERVE_BATCHES//,/ }; do
+    echo "| serve $policy, max batch $batch: tok/s; TPOT mean ms; compaction s | ${serve[$policy.$batch]:-n/a} | - |"
   done
 done
 echo "| Step via device staging vs Ping, same karakvd (target <= 1x) | ${p3[device]:-n/a} | - |"
