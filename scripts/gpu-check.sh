@@ -417,11 +417,14 @@ if want staging; then
   # 5. A one-token Step through device staging (CUDA IPC) against an empty gRPC Ping on the same
   # karakvd --backend=cuda (target p50 <= 1x), by gRPC and through the fast path's ring, shm staging
   # on the same daemon for comparison; and one serve run whose workers use device staging.
-  for st in device device-ring shm; do
-    ring_flag=--p3_fast_path=false
+  # device-idle: the worker writes its staging once, not before every Step, so no copy of its own
+  # reaches the GPU between Steps (what the worker's GPU work costs the daemon's Step).
+  for st in device device-ring shm device-idle; do
+    ring_flag=--p3_fast_path=false write_every=--p3_write_every=1
     [ "$st" = device-ring ] && ring_flag=--p3_fast_path=true
-    with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging="${st%-ring}" \
-      "$ring_flag" --csv > /tmp/gpu-p3-$st.txt 2> /tmp/gpu-p3-$st.log
+    [ "$st" = device-idle ] && write_every=--p3_write_every=1000000
+    with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging="${st%-*}" \
+      "$ring_flag" "$write_every" --csv > /tmp/gpu-p3-$st.txt 2> /tmp/gpu-p3-$st.log
     rc=$?
     p3[$st]="$(describe_rc "$rc")"
     if [ "$rc" -eq 0 ]; then
@@ -452,7 +455,7 @@ PY
   fi
   [ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging failed:"; tail -20 /tmp/gpu-serve-device.txt; }
 else
-  p3=([device]="skipped (GPU_CHECK_STEPS)" [device-ring]=skipped [shm]=skipped)
+  p3=([device]="skipped (GPU_CHECK_STEPS)" [device-ring]=skipped [shm]=skipped [device-idle]=skipped)
   serve_device_rc=0 serve_device="skipped (GPU_CHECK_STEPS)"
 fi
 
@@ -485,6 +488,7 @@ for policy in ${SERVE_POLICIES//,/ }; do
 done
 echo "| Step via device staging vs Ping, same karakvd (target <= 1x) | ${p3[device]:-n/a} | - |"
 echo "| Step via device staging through the ring vs Ping (target <= 1x) | ${p3[device-ring]:-n/a} | - |"
+echo "| Step via device staging, staging written once (no worker copies between Steps) vs Ping | ${p3[device-idle]:-n/a} | - |"
 echo "| Step via shm staging vs Ping, same karakvd (for comparison) | ${p3[shm]:-n/a} | - |"
 echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
