@@ -50,8 +50,10 @@
 # compaction seconds in the serve rows say whether the policies did anything), GPU_CHECK_SERVE_SECONDS (20),
 # GPU_CHECK_SERVE_BATCHES (64,256), GPU_CHECK_SERVE_POLICIES (none,snapkv,kara), GPU_CHECK_TEST_FILTER
 # (the test step's gtest filter; default every cuda op test), GPU_CHECK_MEMCHECK_TIMEOUT (120),
-# GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging: a
-# rerun after a fix can take only the steps that failed; the others print "skipped").
+# GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,profile:
+# a rerun after a fix can take only the steps that failed; the others print "skipped"). The profile
+# step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
+# are left alone) over the paged decode and the quantized decode kernels, at most 150 s per run.
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB):
 #   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
@@ -150,7 +152,7 @@ echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --forma
 mkdir -p "$RESULTS"
 # The steps to run (a rerun after a fix can take only what failed): tests, sanitize, bench, ipc,
 # serve, staging (P3 and the serve run with device staging workers).
-STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging}
+STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging,profile}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 FULL="$PWD/build-gpu/carry/full"
 if [ ! -d "$FULL" ] && [ -f build-gpu/carry/full.tar.xz ]; then
@@ -459,7 +461,60 @@ else
   serve_device_rc=0 serve_device="skipped (GPU_CHECK_STEPS)"
 fi
 
-cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt "$RESULTS/" 2> /dev/null
+profile_rows=()
+if want profile; then
+  # 6. Nsight Compute over the kernels the targets miss on: the fp16 paged decode (partial_kernel)
+  # and the quantized decode's logits, softmax and values kernels (kivi4), a few launches each, at
+  # SmolLM2's geometry. --clock-control none: the GPU's clocks stay as they are. The raw CSV goes to
+  # the results folder; the table takes time, DRAM and SM throughput, warps active and registers.
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+  if [ -z "$NCU" ]; then
+    profile_rows+=("ncu: not found on this machine (no profile)")
+  else
+    NCU_METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+    NCU_METRICS=$NCU_METRICS,sm__throughput.avg.pct_of_peak_sustained_elapsed
+    NCU_METRICS=$NCU_METRICS,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+    for what in decode:partial_kernel:2 quant:'quant_(logits|softmax|values)_kernel':3; do
+      IFS=: read -r tag regex count <<< "$what"
+      quant_flag=()
+      [ "$tag" = quant ] && quant_flag=(--quant=kivi4)
+      with_timeout 150 "${BIN_ENV[@]}" "$NCU" --clock-control none --csv --page raw --metrics "$NCU_METRICS" \
+        -k "regex:$regex" -c "$count" "$B/bench/kernels/kernels_bench" --backend=cuda --model=smollm2 \
+        --seqs="$SEQS" --tokens="$TOKENS" --iters=1 "${quant_flag[@]}" > /tmp/gpu-ncu-$tag.csv 2> /tmp/gpu-ncu-$tag.log
+      rc=$?
+      if [ "$rc" -ne 0 ]; then
+        profile_rows+=("ncu $tag: $(describe_rc "$rc"): $(grep -m1 -E 'ERR|rror' /tmp/gpu-ncu-$tag.log /tmp/gpu-ncu-$tag.csv | cut -c1-160)")
+        continue
+      fi
+      while IFS= read -r line; do profile_rows+=("$line"); done < <(python3 - /tmp/gpu-ncu-$tag.csv <<'PY'
+import csv, re, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+rows = list(csv.reader(lines))
+if len(rows) < 3:
+    print("ncu: no kernel profiled (see the CSV)")
+    sys.exit(0)
+head, units = rows[0], rows[1]
+name_col = next((head.index(c) for c in ("Kernel Name", "Function Name", "Demangled Name") if c in head), None)
+def value(row, metric):
+    return row[head.index(metric)] if metric in head else "?"
+for row in rows[2:]:
+    found = re.search(r"(\w+_kernel)\b", row[name_col]) if name_col is not None else None
+    name = found.group(1) if found else (row[name_col][:60] if name_col is not None else "?")
+    t = value(row, "gpu__time_duration.sum")
+    t_unit = units[head.index("gpu__time_duration.sum")] if "gpu__time_duration.sum" in head else ""
+    print(f"ncu {name}: time {t} {t_unit}; DRAM {value(row, 'dram__throughput.avg.pct_of_peak_sustained_elapsed')}% of peak; "
+          f"SM {value(row, 'sm__throughput.avg.pct_of_peak_sustained_elapsed')}%; "
+          f"warps active {value(row, 'sm__warps_active.avg.pct_of_peak_sustained_active')}%; "
+          f"{value(row, 'launch__registers_per_thread')} registers")
+PY
+      )
+    done
+  fi
+else
+  profile_rows+=("ncu profile: skipped (GPU_CHECK_STEPS)")
+fi
+
+cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
@@ -490,6 +545,7 @@ echo "| Step via device staging vs Ping, same karakvd (target <= 1x) | ${p3[devi
 echo "| Step via device staging through the ring vs Ping (target <= 1x) | ${p3[device-ring]:-n/a} | - |"
 echo "| Step via device staging, staging written once (no worker copies between Steps) vs Ping | ${p3[device-idle]:-n/a} | - |"
 echo "| Step via shm staging vs Ping, same karakvd (for comparison) | ${p3[shm]:-n/a} | - |"
+for row in "${profile_rows[@]}"; do echo "| profile (SmolLM2 geometry, 64 x $TOKENS tokens) | $row | - |"; done
 echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
