@@ -1,8 +1,22 @@
-// Names of the kernel ops, for logs and error messages.
+// Names of the kernel ops, for logs and error messages; the Backend defaults that are built from
+// other ops.
 #include "karakv/kernels/backend.h"
 #include "karakv/kernels/types.h"
+#include "common/checks.h"
+#include "common/validate.h"
 
 namespace karakv::kernels {
+
+KernelStatus Backend::write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                                    const void* v) {
+  // Checked whole first, so a refusal writes nothing (the pool's size is write_kv's to check).
+  KARAKV_RETURN_IF_ERROR(common::validate_write_step_kv(kv, layer, positions, k, v, -1));
+  const size_t stride = kv.geometry.kv_token_elems() * dtype_size(kv.geometry.dtype);
+  for (int s = 0; s < kv.num_seqs; ++s)
+    KARAKV_RETURN_IF_ERROR(write_kv(kv, s, positions[s], 1, layer, 1, static_cast<const char*>(k) + s * stride,
+                                    static_cast<const char*>(v) + s * stride));
+  return KernelStatus::ok();
+}
 
 const char* op_name(Op op) {
   switch (op) {

@@ -310,16 +310,11 @@ absl::Status SequenceStore::write_step(absl::Span<Sequence* const> seqs, int lay
   for (const Sequence* seq : seqs) lengths.push_back(seq->fp_length() + 1);
   std::vector<const Sequence*> members(seqs.begin(), seqs.end());
   PagedView pv = view(members, lengths);
-  const Geometry& g = config_.geometry;
-  const size_t kv_stride = g.kv_token_elems() * kernels::dtype_size(g.dtype);
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    if (auto s = backend_.write_kv(pv.kv, static_cast<int>(i), seqs[i]->fp_length(), 1, layer, 1,
-                                   k.data() + i * kv_stride, v.data() + i * kv_stride);
-        !s.is_ok()) {
-      return to_status(s);
-    }
-  }
-  return absl::OkStatus();
+  std::vector<int32_t> positions;
+  positions.reserve(seqs.size());
+  for (const Sequence* seq : seqs) positions.push_back(seq->fp_length());
+  // One backend call for the batch: on a device, one upload, launch and synchronize per step.
+  return to_status(backend_.write_step_kv(pv.kv, layer, positions.data(), k.data(), v.data()));
 }
 
 absl::Status SequenceStore::decode_attention(absl::Span<Sequence* const> seqs, int layer, const float* q, float* out,

@@ -94,6 +94,21 @@ KernelStatus validate_write_kv(const PagedKV& kv, int seq, int start_pos, int nu
   return check_covered(op, kv, seq, start_pos, static_cast<long long>(start_pos) + num_tokens, pool_blocks);
 }
 
+KernelStatus validate_write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                                    const void* v, long long pool_blocks) {
+  constexpr std::string_view op = "write_step_kv";
+  KARAKV_RETURN_IF_ERROR(check_tables(op, kv));
+  KARAKV_RETURN_IF_ERROR(check_layer(op, kv, layer));
+  if (kv.num_seqs == 0) return KernelStatus::ok();
+  if (positions == nullptr || k == nullptr || v == nullptr) return invalid(op, "positions, k and v must be non-null");
+  for (int s = 0; s < kv.num_seqs; ++s) {
+    if (positions[s] < 0)
+      return invalid(op, "positions[" + std::to_string(s) + "] " + std::to_string(positions[s]) + " must be >= 0");
+    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, positions[s], static_cast<long long>(positions[s]) + 1, pool_blocks));
+  }
+  return KernelStatus::ok();
+}
+
 KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, const float* q, const float* out,
                              long long pool_blocks) {
   KARAKV_RETURN_IF_ERROR(check_tables(op, kv));

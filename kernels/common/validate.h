@@ -15,6 +15,9 @@ namespace karakv::kernels::common {
 
 KernelStatus validate_write_kv(const PagedKV& kv, int seq, int start_pos, int num_tokens, int layer_begin,
                                int num_layers, const void* k, const void* v, long long pool_blocks);
+// write_step_kv: every sequence's position covered at `layer` (the message names the sequence).
+KernelStatus validate_write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                                    const void* v, long long pool_blocks);
 // decode_attention and decode_attention_accumulate (`op` names which).
 KernelStatus validate_decode(std::string_view op, const PagedKV& kv, int layer, const float* q, const float* out,
                              long long pool_blocks);

@@ -130,6 +130,13 @@ class CpuBackend final : public Backend {
     return KernelStatus::ok();
   }
 
+  // The default's loop, checked against this pool's size first so that a refusal writes nothing.
+  KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                             const void* v) override {
+    KARAKV_RETURN_IF_ERROR(common::validate_write_step_kv(kv, layer, positions, k, v, pool_blocks(kv)));
+    return Backend::write_step_kv(kv, layer, positions, k, v);
+  }
+
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,
                                 float scale) override {
     KARAKV_RETURN_IF_ERROR(common::validate_decode("decode_attention", kv, layer, q, out, pool_blocks(kv)));

@@ -220,6 +220,28 @@ class CudaBackend final : public Backend {
     return call.finish();
   }
 
+  // One upload of the tables and the positions, one launch and one synchronize for the whole
+  // step, where write_kv per sequence paid each of them per sequence.
+  KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                             const void* v) override {
+    KARAKV_RETURN_IF_ERROR(common::validate_write_step_kv(kv, layer, positions, k, v, pool_blocks(kv)));
+    if (kv.num_seqs == 0) return KernelStatus::ok();
+    const Geometry& geo = kv.geometry;
+    Call call(*this, "write_step_kv");
+    DeviceKV dkv;
+    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    const size_t bytes = size_t(kv.num_seqs) * geo.kv_token_elems() * dtype_size(geo.dtype);
+    const void *dk = nullptr, *dv = nullptr;
+    const int32_t* dpos = nullptr;
+    KARAKV_RETURN_IF_ERROR(call.input(positions, size_t(kv.num_seqs) * sizeof(int32_t), &dpos));
+    KARAKV_RETURN_IF_ERROR(call.input(k, bytes, &dk));
+    KARAKV_RETURN_IF_ERROR(call.input(v, bytes, &dv));
+    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+      return cuda::launch_write_step_kv(dkv, dtype_size(geo.dtype), layer, dpos, dk, dv, stream);
+    }));
+    return call.finish();
+  }
+
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
     return decode(kv, layer, q, out, scale, nullptr, nullptr, nullptr, "decode_attention");
   }

@@ -170,6 +170,86 @@ TEST_P(BackendOpsTest, WriteKv) {
   EXPECT_EQ(caches.test->pool_bytes(), caches.ref->pool_bytes());
 }
 
+// "" when a and b are equal, else how many bytes differ and where the first is.
+std::string byte_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " and " + std::to_string(b.size());
+  size_t differ = 0, first = a.size();
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) {
+      ++differ;
+      first = std::min(first, i);
+    }
+  if (differ == 0) return "";
+  return std::to_string(differ) + " bytes differ, the first at byte " + std::to_string(first);
+}
+
+// byte_difference of two pools of geometry g, and where in the pool the first difference is: its
+// block, (layer, K/V, head) run and byte within the run, with the eight bytes from there of each
+// (a first), and how many runs differ.
+std::string pool_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, const Geometry& g) {
+  std::string out = byte_difference(a, b);
+  if (out.empty() || a.size() != b.size()) return out;
+  const size_t run = size_t(g.block_size) * g.head_dim * dtype_size(g.dtype);
+  size_t first = 0, runs = 0;
+  while (a[first] == b[first]) ++first;
+  for (size_t r0 = 0; r0 < a.size(); r0 += run)
+    runs += !std::equal(a.begin() + r0, a.begin() + std::min(a.size(), r0 + run), b.begin() + r0);
+  const size_t r = (first % g.block_bytes()) / run, hk = size_t(g.num_kv_heads);
+  auto hex8 = [&](const std::vector<uint8_t>& v) {
+    std::string h;
+    char buf[4];
+    for (size_t i = first; i < std::min(v.size(), first + 8); ++i) {
+      std::snprintf(buf, sizeof buf, "%02x", v[i]);
+      h += buf;
+    }
+    return h;
+  };
+  return out + " (block " + std::to_string(first / g.block_bytes()) + ", layer " + std::to_string(r / (2 * hk)) +
+         ((r / hk) % 2 == 0 ? " keys" : " values") + " head " + std::to_string(r % hk) + ", byte " +
+         std::to_string(first % run) + " of the run: " + hex8(a) + " vs " + hex8(b) + "; " + std::to_string(runs) +
+         " of " + std::to_string(a.size() / run) + " runs differ)";
+}
+
+// A step's writes in one call (one token per sequence at one layer) equal write_kv per sequence,
+// byte for byte, with K/V in this backend's memory; a position its sequence's blocks do not cover
+// is refused like write_kv's and nothing of the step is written, not even the earlier sequences'.
+TEST_P(BackendOpsTest, WriteStepKvIsWriteKvPerSequence) {
+  if (!supported(Op::kWriteKV)) GTEST_SKIP() << "not supported";
+  // Every sequence with a block (a Step appends where its table already covers the slot).
+  const std::vector<int> lens(std::find_if(lens_.begin(), lens_.end(), [](int len) { return len > 0; }), lens_.end());
+  const Pair caches = filled_caches(lens);
+  const int n = int(lens.size()), layer = geo_.num_layers - 1;
+  const std::vector<int32_t>& offsets = caches.test->table_offset();
+  auto covered = [&](int s) { return (offsets[s + 1] - offsets[s]) * geo_.block_size; };
+  std::vector<int32_t> positions;
+  for (int s = 0; s < n; ++s) positions.push_back(std::uniform_int_distribution<int>(0, covered(s) - 1)(rng_));
+  positions[0] = covered(0) - 1;  // past the sequence's length, inside its last block
+  const DenseKV step = random_dense_kv(geo_, n, rng_);  // its first layer: [n][kv heads][head_dim]
+  const size_t bytes = size_t(n) * geo_.kv_token_elems() * dtype_size(geo_.dtype);
+  BackendBuffer k(*backend_, bytes), v(*backend_, bytes);
+  k.upload(step.k_bytes.data(), bytes);
+  v.upload(step.v_bytes.data(), bytes);
+  ASSERT_TRUE(backend_->write_step_kv(caches.test->view(), layer, positions.data(), k.get(), v.get()).is_ok());
+  const size_t stride = geo_.kv_token_elems() * dtype_size(geo_.dtype);
+  for (int s = 0; s < n; ++s)
+    ASSERT_TRUE(reference_
+                    ->write_kv(caches.ref->view(), s, positions[s], 1, layer, 1, step.k_bytes.data() + s * stride,
+                               step.v_bytes.data() + s * stride)
+                    .is_ok());
+  EXPECT_EQ(pool_difference(caches.test->pool_bytes(), caches.ref->pool_bytes(), geo_), "");
+
+  const std::vector<uint8_t> before = caches.test->pool_bytes();
+  std::vector<int32_t> bad = positions;
+  bad[n - 1] = covered(n - 1);
+  const KernelStatus st = backend_->write_step_kv(caches.test->view(), layer, bad.data(), k.get(), v.get());
+  const KernelStatus per_seq = reference_->write_kv(caches.ref->view(), n - 1, bad[n - 1], 1, layer, 1,
+                                                    step.k_bytes.data(), step.v_bytes.data());
+  EXPECT_EQ(int(st.code), int(KernelStatus::Code::kInvalidArgument)) << st.message;
+  EXPECT_EQ(int(st.code), int(per_seq.code)) << st.message << " | " << per_seq.message;
+  EXPECT_NE(st.message.find("write_step_kv"), std::string::npos) << st.message;
+  EXPECT_EQ(byte_difference(caches.test->pool_bytes(), before), "") << "a refused step wrote";
+}
+
 TEST_P(BackendOpsTest, ReadKv) {
   if (!supported(Op::kWriteKV) || !supported(Op::kReadKV)) GTEST_SKIP() << "not supported";
   const Pair caches = filled_caches(lens_);
@@ -647,46 +727,6 @@ QuantizedLayout quantized_layout(const PagedCache& cache, int tokens_per_block, 
     q.fp_len.push_back(len - nq);
   }
   return q;
-}
-
-// "" when a and b are equal, else how many bytes differ and where the first is.
-std::string byte_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " and " + std::to_string(b.size());
-  size_t differ = 0, first = a.size();
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) {
-      ++differ;
-      first = std::min(first, i);
-    }
-  if (differ == 0) return "";
-  return std::to_string(differ) + " bytes differ, the first at byte " + std::to_string(first);
-}
-
-// byte_difference of two pools of geometry g, and where in the pool the first difference is: its
-// block, (layer, K/V, head) run and byte within the run, with the eight bytes from there of each
-// (a first), and how many runs differ.
-std::string pool_difference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, const Geometry& g) {
-  std::string out = byte_difference(a, b);
-  if (out.empty() || a.size() != b.size()) return out;
-  const size_t run = size_t(g.block_size) * g.head_dim * dtype_size(g.dtype);
-  size_t first = 0, runs = 0;
-  while (a[first] == b[first]) ++first;
-  for (size_t r0 = 0; r0 < a.size(); r0 += run)
-    runs += !std::equal(a.begin() + r0, a.begin() + std::min(a.size(), r0 + run), b.begin() + r0);
-  const size_t r = (first % g.block_bytes()) / run, hk = size_t(g.num_kv_heads);
-  auto hex8 = [&](const std::vector<uint8_t>& v) {
-    std::string h;
-    char buf[4];
-    for (size_t i = first; i < std::min(v.size(), first + 8); ++i) {
-      std::snprintf(buf, sizeof buf, "%02x", v[i]);
-      h += buf;
-    }
-    return h;
-  };
-  return out + " (block " + std::to_string(first / g.block_bytes()) + ", layer " + std::to_string(r / (2 * hk)) +
-         ((r / hk) % 2 == 0 ? " keys" : " values") + " head " + std::to_string(r % hk) + ", byte " +
-         std::to_string(first % run) + " of the run: " + hex8(a) + " vs " + hex8(b) + "; " + std::to_string(runs) +
-         " of " + std::to_string(a.size() / run) + " runs differ)";
 }
 
 // Quantizes every sequence's prefix as quantized_layout lays it out.

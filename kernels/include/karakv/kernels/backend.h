@@ -101,6 +101,16 @@ class Backend {
                                 int layer_begin, int num_layers, const void* k,
                                 const void* v) = 0;
 
+  // A decode step's writes: one token of every sequence s in [0, kv.num_seqs), at slot
+  // positions[s] of `layer`, as write_kv(kv, s, positions[s], 1, layer, 1, ...) for each s in turn
+  // (what this default does); a backend whose calls cost more than their copies (a device: one
+  // table upload, launch and synchronize per call) does it in one call. Every sequence is checked
+  // before anything is written: a refusal writes nothing and names the sequence.
+  //   positions: [num_seqs] host memory
+  //   k, v: [num_seqs][num_kv_heads][head_dim] in kv.geometry.dtype
+  virtual KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                                     const void* v);
+
   // One query per sequence over its first seq_len[s] tokens at `layer`, GQA (query head j reads
   // KV head j / group_size), fp32 accumulation, softmax(q.k * scale).
   //   q:   [num_seqs][num_q_heads][head_dim] fp32
