@@ -151,7 +151,7 @@ CARRY_LIB="$PWD/build-gpu/carry/lib"
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 mkdir -p "$RESULTS"
 # The steps to run (a rerun after a fix can take only what failed): tests, sanitize, bench, ipc,
-# serve, staging (P3 and the serve run with device staging workers).
+# serve, staging (P3 and the serve run with device staging workers), profile (ncu).
 STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging,profile}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 FULL="$PWD/build-gpu/carry/full"
@@ -480,7 +480,7 @@ if want profile; then
       [ "$tag" = quant ] && quant_flag=(--quant=kivi4)
       with_timeout 150 "${BIN_ENV[@]}" "$NCU" --clock-control none --csv --page raw --metrics "$NCU_METRICS" \
         -k "regex:$regex" -c "$count" "$B/bench/kernels/kernels_bench" --backend=cuda --model=smollm2 \
-        --seqs="$SEQS" --tokens="$TOKENS" --iters=1 "${quant_flag[@]}" > /tmp/gpu-ncu-$tag.csv 2> /tmp/gpu-ncu-$tag.log
+        --seqs="$SEQS" --tokens="$TOKENS" --iters=1 ${quant_flag[@]+"${quant_flag[@]}"} > /tmp/gpu-ncu-$tag.csv 2> /tmp/gpu-ncu-$tag.log
       rc=$?
       if [ "$rc" -ne 0 ]; then
         profile_rows+=("ncu $tag: $(describe_rc "$rc"): $(grep -m1 -E 'ERR|rror' /tmp/gpu-ncu-$tag.log /tmp/gpu-ncu-$tag.csv | cut -c1-160)")
