@@ -38,7 +38,8 @@
 # it was running). The script exits with the tests' status, or 1 when no test passed or a test was
 # skipped for "no device" (the CUDA backend could not be created on the GPU machine).
 #
-# Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun): the
+# Meant to finish within 8 minutes on an H200 (a 10-minute call with room for a rerun; the first
+# run, 2026-12-04, took 246 s before the profile step and the P3 row with staging written once): the
 # correctness runs (every op at five geometries and three dtypes) take about two minutes, one dtype's
 # ops under compute-sanitizer memcheck at most GPU_CHECK_MEMCHECK_TIMEOUT, the attention tests under
 # synccheck and racecheck at most 60 and 90 seconds, each kernel benchmark (fp16 decode, a Kara
@@ -53,7 +54,7 @@
 # GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,profile:
 # a rerun after a fix can take only the steps that failed; the others print "skipped"). The profile
 # step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
-# are left alone) over the paged decode and the quantized decode kernels, at most 150 s per run.
+# are left alone) over the paged decode and the quantized decode kernels, at most 120 s per run.
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB):
 #   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
@@ -478,12 +479,12 @@ if want profile; then
       IFS=: read -r tag regex count <<< "$what"
       quant_flag=()
       [ "$tag" = quant ] && quant_flag=(--quant=kivi4)
-      with_timeout 150 "${BIN_ENV[@]}" "$NCU" --clock-control none --csv --page raw --metrics "$NCU_METRICS" \
+      with_timeout 120 "${BIN_ENV[@]}" "$NCU" --clock-control none --csv --page raw --metrics "$NCU_METRICS" \
         -k "regex:$regex" -c "$count" "$B/bench/kernels/kernels_bench" --backend=cuda --model=smollm2 \
         --seqs="$SEQS" --tokens="$TOKENS" --iters=1 ${quant_flag[@]+"${quant_flag[@]}"} > /tmp/gpu-ncu-$tag.csv 2> /tmp/gpu-ncu-$tag.log
       rc=$?
       if [ "$rc" -ne 0 ]; then
-        profile_rows+=("ncu $tag: $(describe_rc "$rc"): $(grep -m1 -E 'ERR|rror' /tmp/gpu-ncu-$tag.log /tmp/gpu-ncu-$tag.csv | cut -c1-160)")
+        profile_rows+=("ncu $tag: $(describe_rc "$rc"): $(cat /tmp/gpu-ncu-$tag.log /tmp/gpu-ncu-$tag.csv | grep -m1 -E 'ERR|rror' | cut -c1-160)")
         continue
       fi
       while IFS= read -r line; do profile_rows+=("$line"); done < <(python3 - /tmp/gpu-ncu-$tag.csv <<'PY'
@@ -545,7 +546,7 @@ echo "| Step via device staging vs Ping, same karakvd (target <= 1x) | ${p3[devi
 echo "| Step via device staging through the ring vs Ping (target <= 1x) | ${p3[device-ring]:-n/a} | - |"
 echo "| Step via device staging, staging written once (no worker copies between Steps) vs Ping | ${p3[device-idle]:-n/a} | - |"
 echo "| Step via shm staging vs Ping, same karakvd (for comparison) | ${p3[shm]:-n/a} | - |"
-for row in "${profile_rows[@]}"; do echo "| profile (SmolLM2 geometry, 64 x $TOKENS tokens) | $row | - |"; done
+for row in ${profile_rows[@]+"${profile_rows[@]}"}; do echo "| profile (SmolLM2 geometry, $SEQS x $TOKENS tokens) | $row | - |"; done
 echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"

@@ -104,7 +104,11 @@ KernelStatus validate_write_step_kv(const PagedKV& kv, int layer, const int32_t*
   for (int s = 0; s < kv.num_seqs; ++s) {
     if (positions[s] < 0)
       return invalid(op, "positions[" + std::to_string(s) + "] " + std::to_string(positions[s]) + " must be >= 0");
-    KARAKV_RETURN_IF_ERROR(check_covered(op, kv, s, positions[s], static_cast<long long>(positions[s]) + 1, pool_blocks));
+    if (KernelStatus st = check_covered(op, kv, s, positions[s], static_cast<long long>(positions[s]) + 1, pool_blocks);
+        !st.is_ok()) {
+      st.message += " (positions[" + std::to_string(s) + "] " + std::to_string(positions[s]) + ")";
+      return st;
+    }
   }
   return KernelStatus::ok();
 }

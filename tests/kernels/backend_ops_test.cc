@@ -231,13 +231,28 @@ TEST_P(BackendOpsTest, WriteStepKvIsWriteKvPerSequence) {
   v.upload(step.v_bytes.data(), bytes);
   ASSERT_TRUE(backend_->write_step_kv(caches.test->view(), layer, positions.data(), k.get(), v.get()).is_ok());
   const size_t stride = geo_.kv_token_elems() * dtype_size(geo_.dtype);
-  for (int s = 0; s < n; ++s)
-    ASSERT_TRUE(reference_
-                    ->write_kv(caches.ref->view(), s, positions[s], 1, layer, 1, step.k_bytes.data() + s * stride,
-                               step.v_bytes.data() + s * stride)
-                    .is_ok());
-  EXPECT_EQ(pool_difference(caches.test->pool_bytes(), caches.ref->pool_bytes(), geo_), "");
+  auto reference_step = [&](const DenseKV& kv, const std::vector<int32_t>& at, int l) {
+    for (int s = 0; s < n; ++s)
+      ASSERT_TRUE(reference_
+                      ->write_kv(caches.ref->view(), s, at[s], 1, l, 1, kv.k_bytes.data() + s * stride,
+                                 kv.v_bytes.data() + s * stride)
+                      .is_ok());
+  };
+  reference_step(step, positions, layer);
+  EXPECT_EQ(pool_difference(caches.test->pool_bytes(), caches.ref->pool_bytes(), geo_), "") << "device K/V";
 
+  // K/V in host memory (a request's inline tensors, shm staging), at another layer.
+  const DenseKV host_step = random_dense_kv(geo_, n, rng_);
+  ASSERT_TRUE(
+      backend_->write_step_kv(caches.test->view(), 0, positions.data(), host_step.k_bytes.data(), host_step.v_bytes.data())
+          .is_ok());
+  reference_step(host_step, positions, 0);
+  EXPECT_EQ(pool_difference(caches.test->pool_bytes(), caches.ref->pool_bytes(), geo_), "") << "host K/V";
+
+  // New values for every sequence, the last one's position outside its table: nothing may change.
+  const DenseKV fresh = random_dense_kv(geo_, n, rng_);
+  k.upload(fresh.k_bytes.data(), bytes);
+  v.upload(fresh.v_bytes.data(), bytes);
   const std::vector<uint8_t> before = caches.test->pool_bytes();
   std::vector<int32_t> bad = positions;
   bad[n - 1] = covered(n - 1);
@@ -247,6 +262,7 @@ TEST_P(BackendOpsTest, WriteStepKvIsWriteKvPerSequence) {
   EXPECT_EQ(int(st.code), int(KernelStatus::Code::kInvalidArgument)) << st.message;
   EXPECT_EQ(int(st.code), int(per_seq.code)) << st.message << " | " << per_seq.message;
   EXPECT_NE(st.message.find("write_step_kv"), std::string::npos) << st.message;
+  EXPECT_NE(st.message.find("positions[" + std::to_string(n - 1) + "]"), std::string::npos) << st.message;
   EXPECT_EQ(byte_difference(caches.test->pool_bytes(), before), "") << "a refused step wrote";
 }
 

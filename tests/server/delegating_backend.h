@@ -47,6 +47,11 @@ class DelegatingBackend : public kernels::Backend {
     Guard in_call(*this);
     return inner_->write_kv(kv, seq, start_pos, num_tokens, layer_begin, num_layers, k, v);
   }
+  KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                             const void* v) override {
+    Guard in_call(*this);
+    return inner_->write_step_kv(kv, layer, positions, k, v);
+  }
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
     Guard in_call(*this);
     return inner_->decode_attention(kv, layer, q, out, scale);

@@ -104,8 +104,10 @@ class Backend {
   // A decode step's writes: one token of every sequence s in [0, kv.num_seqs), at slot
   // positions[s] of `layer`, as write_kv(kv, s, positions[s], 1, layer, 1, ...) for each s in turn
   // (what this default does); a backend whose calls cost more than their copies (a device: one
-  // table upload, launch and synchronize per call) does it in one call. Every sequence is checked
-  // before anything is written: a refusal writes nothing and names the sequence.
+  // table upload, launch and synchronize per call) does it in one call. Every position is checked
+  // against its sequence's table before anything is written, and a refusal names the sequence;
+  // this default leaves the pool-size check to write_kv (a block id past the pool is refused after
+  // the earlier sequences were written), the CPU and CUDA backends make it up front too.
   //   positions: [num_seqs] host memory
   //   k, v: [num_seqs][num_kv_heads][head_dim] in kv.geometry.dtype
   virtual KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,

@@ -99,3 +99,5 @@ inline void store_element(void* base, size_t i, float v, DType d) {
 }
 
 }  // namespace karakv::kernels
+
+#undef KARAKV_SCALAR_FN
