@@ -11,6 +11,11 @@ KernelStatus Backend::write_step_kv(const PagedKV& kv, int layer, const int32_t*
                                     const void* v) {
   // Checked whole first, so a refusal writes nothing (the pool's size is write_kv's to check).
   KARAKV_RETURN_IF_ERROR(common::validate_write_step_kv(kv, layer, positions, k, v, -1));
+  return write_step_kv_per_sequence(kv, layer, positions, k, v);
+}
+
+KernelStatus Backend::write_step_kv_per_sequence(const PagedKV& kv, int layer, const int32_t* positions,
+                                                 const void* k, const void* v) {
   const size_t stride = kv.geometry.kv_token_elems() * dtype_size(kv.geometry.dtype);
   for (int s = 0; s < kv.num_seqs; ++s)
     KARAKV_RETURN_IF_ERROR(write_kv(kv, s, positions[s], 1, layer, 1, static_cast<const char*>(k) + s * stride,

@@ -305,14 +305,15 @@ absl::Status SequenceStore::write_prompt(Sequence& seq, int32_t num_tokens, Cons
 }
 
 absl::Status SequenceStore::write_step(absl::Span<Sequence* const> seqs, int layer, ConstBytes k, ConstBytes v) {
-  std::vector<int32_t> lengths;
+  std::vector<int32_t> positions, lengths;  // the new token's slot; the view covers it
+  positions.reserve(seqs.size());
   lengths.reserve(seqs.size());
-  for (const Sequence* seq : seqs) lengths.push_back(seq->fp_length() + 1);
+  for (const Sequence* seq : seqs) {
+    positions.push_back(seq->fp_length());
+    lengths.push_back(seq->fp_length() + 1);
+  }
   std::vector<const Sequence*> members(seqs.begin(), seqs.end());
   PagedView pv = view(members, lengths);
-  std::vector<int32_t> positions;
-  positions.reserve(seqs.size());
-  for (const Sequence* seq : seqs) positions.push_back(seq->fp_length());
   // One backend call for the batch: on a device, one upload, launch and synchronize per step.
   return to_status(backend_.write_step_kv(pv.kv, layer, positions.data(), k.data(), v.data()));
 }

@@ -134,7 +134,7 @@ class CpuBackend final : public Backend {
   KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
                              const void* v) override {
     KARAKV_RETURN_IF_ERROR(common::validate_write_step_kv(kv, layer, positions, k, v, pool_blocks(kv)));
-    return Backend::write_step_kv(kv, layer, positions, k, v);
+    return write_step_kv_per_sequence(kv, layer, positions, k, v);
   }
 
   KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out,

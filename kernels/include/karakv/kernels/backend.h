@@ -298,6 +298,12 @@ class Backend {
                                      const int32_t* dst_blocks) {
     return KernelStatus::unsupported("gather_tokens");
   }
+
+ protected:
+  // write_step_kv's writes, write_kv per sequence in turn, for an override that checked the step
+  // whole already (each write_kv still checks its own token).
+  KernelStatus write_step_kv_per_sequence(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                                          const void* v);
 };
 
 // The reference backend: host memory, multi-threaded over sequences and heads. num_threads <= 0
