@@ -49,7 +49,9 @@ Codebook codebook() {
   return c;
 }
 
-// fp16 fields are read and written a byte at a time: TurboQuant records may be of odd length.
+// fp16 fields are read and written a byte at a time: TurboQuant records may be of odd length. The
+// bits stored come from half.h's integer float_to_half, never from an fp16 register (half.h: CUDA
+// 13.0's ptxas miscompiles a byte store of one).
 __device__ __forceinline__ float load_half(const uint8_t* p) {
   return __half2float(__ushort_as_half(uint16_t(p[0] | (uint16_t(p[1]) << 8))));
 }
@@ -57,8 +59,6 @@ __device__ __forceinline__ void store_half(uint8_t* p, uint16_t h) {
   p[0] = uint8_t(h);
   p[1] = uint8_t(h >> 8);
 }
-// fp16 bits of x, round to nearest even, in integer arithmetic (half.h says why not __float2half_rn).
-__device__ __forceinline__ uint16_t half_bits(float x) { return float_to_half(x); }
 
 // Code i of a stream of B-bit codes packed LSB first (3-bit codes may straddle two bytes).
 template <int B>
@@ -166,7 +166,7 @@ __global__ void kivi_quantize_keys_kernel(DeviceKV kv, int seq, int slot_begin, 
       lo = x[t] < lo ? x[t] : lo;  // std::min(lo, x), std::max(hi, x)
       hi = hi < x[t] ? x[t] : hi;
     }
-    const uint16_t scale_bits = half_bits(__fdiv_rn(__fsub_rn(hi, lo), kLevels)), zero_bits = half_bits(lo);
+    const uint16_t scale_bits = float_to_half(__fdiv_rn(__fsub_rn(hi, lo), kLevels)), zero_bits = float_to_half(lo);
     const float scale = __half2float(__ushort_as_half(scale_bits)), zero = __half2float(__ushort_as_half(zero_bits));
     uint8_t* rec = run_at(kv, sizeof(T), dst, layer, 0, head) + g * kivi_key_group_bytes(B, d);
     store_half(rec + 2 * c, scale_bits);
@@ -205,7 +205,7 @@ __global__ void kivi_quantize_values_kernel(DeviceKV kv, int seq, int slot_begin
       lo = x[c] < lo ? x[c] : lo;
       hi = hi < x[c] ? x[c] : hi;
     }
-    const uint16_t scale_bits = half_bits(__fdiv_rn(__fsub_rn(hi, lo), kLevels)), zero_bits = half_bits(lo);
+    const uint16_t scale_bits = float_to_half(__fdiv_rn(__fsub_rn(hi, lo), kLevels)), zero_bits = float_to_half(lo);
     const float scale = __half2float(__ushort_as_half(scale_bits)), zero = __half2float(__ushort_as_half(zero_bits));
     uint8_t* rec = run_at(kv, sizeof(T), dst, layer, 1, head) + size_t(t) * kivi_value_token_bytes(B, d);
     store_half(rec + 2 * g, scale_bits);
@@ -248,7 +248,7 @@ __global__ void tq_quantize_kernel(DeviceKV kv, int seq, int slot_begin, int n, 
     const int tt = e / octets, o = e % octets, t = t0 + tt;
     const float norm = norms[size_t(r) * n + t];
     uint8_t* rec = run + size_t(t) * record;
-    if (o == 0) store_half(rec, half_bits(norm));
+    if (o == 0) store_half(rec, float_to_half(norm));
     int code[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
