@@ -7,7 +7,7 @@
 #                                    its tests and benchmark into build-gpu/ (KARAKV_KERNELS_ONLY: no
 #                                    gRPC needed; libstdc++ and libgcc linked in statically), and copies
 #                                    the shared libraries they still need that are not part of the C
-#                                    library (ldd: libgomp) plus GoogleTest (its sources, and the built
+#                                    library (ldd; none since the kernels left OpenMP) plus GoogleTest (its sources, and the built
 #                                    libraries, to rebuild there) into build-gpu/carry/. Then the full
 #                                    CUDA build (build-gpu-full/: karakvd, karakv-bench,
 #                                    device_staging_test, which need gRPC) goes to build-gpu/carry/full/
@@ -86,7 +86,8 @@ if [ "${1:-}" = "--prepare" ]; then
   cmake --build "$B" -j "$JOBS" --target kernels_test kernels_bench
   rm -rf "$B/carry" && mkdir -p "$B/carry/lib"
   for bin in "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench"; do
-    ldd "$bin" | awk '/=> \//{print $3}' | grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so' |
+    # (kernels_test may need none beyond the C library's: its kernels no longer use OpenMP.)
+    ldd "$bin" | awk '/=> \//{print $3}' | { grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so' || true; } |
       xargs -r -I{} cp -L {} "$B/carry/lib/"
   done
   # GoogleTest for a rebuild on the GPU machine: its sources, built there with that machine's

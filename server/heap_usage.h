@@ -40,7 +40,7 @@ bool fix_malloc_mmap_threshold(int bytes);
 // glibc's per-thread caches (tcache) keep up to 7 freed chunks of each size up to 1,032 bytes on
 // every thread, and mallinfo2 counts them as in use: the arena cannot hand them to another thread.
 // A thread's cache fills as it frees chunk sizes it has not cached yet, so with ~40 threads that
-// allocate (gRPC's, the ring threads, their OpenMP teams) the daemon's RSS creeps for minutes
+// allocate (gRPC's, the ring threads, the kernels' helpers) the daemon's RSS creeps for minutes
 // (docs/RELIABILITY.md, soak). glibc reads the cache's limits only from GLIBC_TUNABLES at exec.
 //
 // The GLIBC_TUNABLES value that caps cached chunks at `max_bytes` (glibc.malloc.tcache_max),

@@ -11,9 +11,9 @@
 // that attach and detach all the time reuse threads instead of making and ending one per session
 // (which also grew the heap's arenas). karakvd starts that many threads with the daemon
 // (`start_threads`), so the set of threads is fixed unless more sessions than that are open at
-// once. Ring threads have no kernel threads of their own: the CPU backend runs every caller's
-// kernels on its one OpenMP team (kernels/cpu/team_thread.h), so N ring threads add N threads, not
-// N teams.
+// once. Ring threads have no kernel threads of their own: the CPU backend's loops run on the caller
+// and its one pool of helpers (kernels/cpu/work_pool.h), so N ring threads add N threads, not N
+// teams.
 // Waiting: spin for `spin` after the last command, then FUTEX_WAIT on the doorbell in slices of
 // `poll`, checking between slices that the session still exists (detach, lease expiry): the thread
 // ends within one slice of its session. A ring with impossible indices or a command with an unknown op

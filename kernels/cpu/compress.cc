@@ -6,6 +6,7 @@
 // the path for one decode query, where it beats the libraries). Work is split over query heads and
 // the per-head sums are reduced in a fixed order, so results do not depend on the thread count.
 #include "compress.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,7 +35,7 @@ namespace {
 
 std::atomic<uint64_t> g_libxsmm_products{0};
 
-// Below this many bytes a gather is not worth waking the thread team for.
+// Below this many bytes a gather is not worth waking the helpers for.
 constexpr size_t kParallelGatherBytes = size_t(1) << 20;
 
 // Keys are stored for scoring in tiles of kKeyTile keys, [tiles][head_dim][kKeyTile] fp32 with the
@@ -383,17 +384,14 @@ KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin
   std::vector<float> partial(size_t(hq) * window);
   const KernelStatus dispatched = common::dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-#pragma omp parallel
-    {
-#pragma omp for schedule(dynamic)
-      for (int qh = 0; qh < hq; ++qh) {
+    parallel_for(hq, 1, [&](int64_t begin, int64_t end) {
+      for (int qh = int(begin); qh < int(end); ++qh) {
         ScoreScratch& scratch = thread_scratch();
         load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, use_gemm(gemm, window), scratch);
         softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, window, scale, window, hd,
                             [window](int) { return window; }, scratch, partial.data() + size_t(qh) * window);
       }
-      release_large_scratch(thread_scratch());
-    }
+    }, true, [] { release_large_scratch(thread_scratch()); });
   });
   if (!dispatched.is_ok()) return dispatched;
   sum_over_groups(partial.data(), geo, window, out);
@@ -412,10 +410,8 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
   std::vector<float> partial(size_t(hq) * window, 0.0f);
   const KernelStatus dispatched = common::dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-#pragma omp parallel
-    {
-#pragma omp for schedule(dynamic)
-      for (int qh = 0; qh < hq; ++qh) {
+    parallel_for(hq, 1, [&](int64_t begin, int64_t end) {
+      for (int qh = int(begin); qh < int(end); ++qh) {
         ScoreScratch& scratch = thread_scratch();
         load_key_tiles<D>(kv, seq, layer, qh / g, slot_begin, window, use_gemm(gemm, window), scratch);
         const size_t stride = padded_stride(window);
@@ -442,8 +438,7 @@ KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int s
           }
         }
       }
-      release_large_scratch(thread_scratch());
-    }
+    }, true, [] { release_large_scratch(thread_scratch()); });
   });
   if (!dispatched.is_ok()) return dispatched;
   sum_over_groups(partial.data(), geo, window, out);
@@ -463,17 +458,14 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
   std::vector<float> partial(size_t(hq) * n);
   const KernelStatus dispatched = common::dispatch_dtype(geo.dtype, [&](auto dtype) {
     constexpr DType D = decltype(dtype)::value;
-#pragma omp parallel
-    {
-#pragma omp for schedule(dynamic)
-      for (int qh = 0; qh < hq; ++qh) {
+    parallel_for(hq, 1, [&](int64_t begin, int64_t end) {
+      for (int qh = int(begin); qh < int(end); ++qh) {
         ScoreScratch& scratch = thread_scratch();
         load_key_tiles<D>(kv, seq, layer, qh / g, 0, n, use_gemm(gemm, num_obs), scratch);
         softmax_column_sums(q + size_t(qh) * hd, size_t(hq) * hd, num_obs, scale, n, hd,
                             [prefix](int i) { return prefix + i + 1; }, scratch, partial.data() + size_t(qh) * n);
       }
-      release_large_scratch(thread_scratch());
-    }
+    }, true, [] { release_large_scratch(thread_scratch()); });
   });
   if (!dispatched.is_ok()) return dispatched;
   // Every query counts in the mean, including those that cannot see a slot.
@@ -550,12 +542,13 @@ void token2chunk_row(const float* scores, int n, int budget, int num_candidates,
     if (kept[i]) out[w++] = i;
 }
 
-// row(r) for r in [0, rows), on the team when the rows are large enough. Rows are independent and
+// row(r) for r in [0, rows), on the pool when the rows are large enough. Rows are independent and
 // cannot fail (the arguments were validated), so the order they run in does not matter.
 template <typename Row>
 void for_each_row(int rows, int n, const Row& row) {
-#pragma omp parallel for schedule(dynamic) if (selection_is_parallel(rows, n))
-  for (int r = 0; r < rows; ++r) row(r);
+  parallel_for(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int r = int(begin); r < int(end); ++r) row(r);
+  }, selection_is_parallel(rows, n));
 }
 
 }  // namespace
@@ -586,9 +579,12 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
   const size_t row_bytes = size_t(geo.head_dim) * esize;
   auto* pool = static_cast<char*>(kv.pool);
   const size_t total = size_t(rows) * num_kept * row_bytes * 2;
-#pragma omp parallel for collapse(2) schedule(static) if (total >= kParallelGatherBytes)
-  for (int l = 0; l < geo.num_layers; ++l) {
-    for (int h = 0; h < geo.num_kv_heads; ++h) {
+  // One task per (layer, KV head) row, a few per thread.
+  const int64_t grain = std::max<int64_t>(1, rows / (4 * int64_t(pool_width())));
+  parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+  for (int64_t task = begin; task < end; ++task) {
+    const int l = int(task / geo.num_kv_heads), h = int(task % geo.num_kv_heads);
+    {
       const int32_t* row = kept + (size_t(l) * geo.num_kv_heads + h) * num_kept;
       for (int kv_index = 0; kv_index < 2; ++kv_index) {
         for (int i = 0; i < num_kept; ++i) {
@@ -601,6 +597,7 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
       }
     }
   }
+  }, total >= kParallelGatherBytes);
   return KernelStatus::ok();
 }
 

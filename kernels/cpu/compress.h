@@ -53,9 +53,9 @@ uint64_t libxsmm_products();
 void tile_product(const float* query, int num_rows, int head_dim, const float* key_tiles, int num_keys, float* rows,
                   size_t row_stride);
 
-// The selections split their rows over the OpenMP team when they hold at least this many scores
+// The selections split their rows over the backend's pool when they hold at least this many scores
 // in all: SmolLM2's Kara tick (90 rows of 128) does; a 4-layer, 2-head model's (8 rows) is not worth
-// waking the team for.
+// waking the helpers for.
 inline constexpr size_t kParallelSelectScores = 8192;
 inline bool selection_is_parallel(int rows, int n) {
   return rows > 1 && n > 0 && size_t(rows) * size_t(n) >= kParallelSelectScores;

@@ -1,8 +1,8 @@
 // The CPU backend: the reference every other backend is tested against, and the production backend
 // on machines without a GPU. Validation is cheap (O(blocks touched)) and happens before any write,
-// so an invalid call changes nothing. Work is split over OpenMP threads: one team for the backend,
-// whose master is the team thread (team_thread.h), whichever thread calls.
-#include <omp.h>
+// so an invalid call changes nothing. Work is split over the backend's WorkPool (work_pool.h): the
+// calling thread and whichever helpers are scheduled claim chunks, so a busy machine costs
+// parallelism, never progress. Memory copies (write_kv, read_kv) run on the calling thread.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -23,7 +23,7 @@
 #include "merge.h"
 #include "quant_storage.h"
 #include "simd.h"
-#include "team_thread.h"
+#include "work_pool.h"
 
 namespace karakv::kernels {
 namespace {
@@ -34,10 +34,8 @@ namespace {
 // nearly every block.
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kCacheLine = 64;
-// Below this many bytes a copy is not worth waking the thread team for.
-constexpr size_t kParallelCopyBytes = size_t(1) << 20;
-// Attention reading less K/V than this runs on the calling thread: handing it to the team thread
-// and waking the team costs more than the work (a one-token Step over a short context).
+// Attention reading less K/V than this runs on the calling thread alone: waking the helpers costs
+// more than the work (a one-token Step over a short context).
 constexpr size_t kParallelAttentionBytes = size_t(1) << 20;
 // decode_attention gives each task a whole sequence once there are this many per thread (enough
 // for dynamic scheduling to balance unequal lengths).
@@ -64,9 +62,9 @@ class CpuBackend final : public Backend {
            std::string(cpu_gemm_name(gemm_)) + " scorer)";
   }
 
-  // The calling thread needs nothing of its own: parallel regions run on the team thread, whose
-  // OpenMP team this starts if it is not running yet.
-  void prepare_thread() override { team_.start(); }
+  // The calling thread needs nothing of its own; this starts the pool's helpers if they are not
+  // running yet.
+  void prepare_thread() override { pool_.start(); }
 
   bool supports(Op op, DType dtype) const override {
     return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
@@ -105,28 +103,24 @@ class CpuBackend final : public Backend {
 
     const size_t esize = dtype_size(geo.dtype);
     const size_t row_bytes = size_t(geo.head_dim) * esize;
-    const size_t total = size_t(num_layers) * num_tokens * geo.kv_token_elems() * esize * 2;
     auto* pool = static_cast<char*>(kv.pool);
     const auto* ks = static_cast<const char*>(k);
     const auto* vs = static_cast<const char*>(v);
-    // Split over (layer, token): one layer of many tokens (a Step, or a single-layer model) must
-    // still spread, and a tiny copy must not wake the thread team at all (it runs on the caller).
-    const bool parallel = total >= kParallelCopyBytes;
-    parallel_if(parallel, [&] {
-#pragma omp parallel for collapse(2) num_threads(num_threads_) if (parallel) schedule(static)
-      for (int l = 0; l < num_layers; ++l) {
-        for (int i = 0; i < num_tokens; ++i) {
-          const int pos = start_pos + i;
-          const int32_t block = kv.block_of(seq, pos);
-          const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
-          for (int h = 0; h < geo.num_kv_heads; ++h) {
-            const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
-            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
-            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
-          }
+    // On the calling thread, whatever the size: a copy is bound by memory bandwidth, which one
+    // thread nearly fills, and a copy handed to threads that are not scheduled waited for them (a
+    // 1 MiB write_kv at 0.11 GB/s on a busy machine; docs/BENCHMARKS.md, "Busy machine").
+    for (int l = 0; l < num_layers; ++l) {
+      for (int i = 0; i < num_tokens; ++i) {
+        const int pos = start_pos + i;
+        const int32_t block = kv.block_of(seq, pos);
+        const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
+        for (int h = 0; h < geo.num_kv_heads; ++h) {
+          const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
+          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
+          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
         }
       }
-    });
+    }
     return KernelStatus::ok();
   }
 
@@ -167,9 +161,9 @@ class CpuBackend final : public Backend {
     const size_t group_elems = size_t(geo.group_size()) * geo.head_dim;
     const size_t seq_elems = geo.q_token_elems();
     const bool parallel = attention_is_large(kv);
-    parallel_if(parallel, [&] {
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads_) if (parallel)
-      for (long long task = 0; task < static_cast<long long>(kv.num_seqs) * slices; ++task) {
+    with_pool([&] {
+      cpu::parallel_for(int64_t(kv.num_seqs) * slices, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
         const int s = int(task / slices);
         const int h = int(task % slices) * heads_per_task;
         const int heads = std::min(heads_per_task, geo.num_kv_heads - h);
@@ -185,6 +179,7 @@ class CpuBackend final : public Backend {
         cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch(), isa_,
                           task_lse, keep);
       }
+      }, parallel);
     });
   }
 
@@ -202,14 +197,14 @@ class CpuBackend final : public Backend {
     // Each query reads at most the whole sequence.
     const bool parallel =
         size_t(num_queries) * size_t(len) * geo.kv_token_elems() * dtype_size(geo.dtype) * 2 >= kParallelAttentionBytes;
-    parallel_if(parallel, [&] {
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_) if (parallel)
-      for (int i = 0; i < num_queries; ++i) {
-        for (int h = 0; h < num_kv_heads; ++h) {
+    with_pool([&] {
+      cpu::parallel_for(int64_t(num_queries) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int i = int(task / num_kv_heads), h = int(task % num_kv_heads);
           const size_t off = size_t(i) * query_elems + size_t(h) * group_elems;
           cpu::attend_heads(kv, seq, layer, h, 1, first_pos + i + 1, q + off, out + off, scale, thread_scratch(), isa_);
         }
-      }
+      }, parallel);
     });
     return KernelStatus::ok();
   }
@@ -222,25 +217,21 @@ class CpuBackend final : public Backend {
     const Geometry& geo = kv.geometry;
     const size_t esize = dtype_size(geo.dtype);
     const size_t row_bytes = size_t(geo.head_dim) * esize;
-    const size_t total = size_t(geo.num_layers) * len * geo.kv_token_elems() * esize * 2;
     const auto* pool = static_cast<const char*>(kv.pool);
     auto* kd = static_cast<char*>(k);
     auto* vd = static_cast<char*>(v);
-    const bool parallel = total >= kParallelCopyBytes;
-    parallel_if(parallel, [&] {
-#pragma omp parallel for num_threads(num_threads_) if (parallel) schedule(static)
-      for (int l = 0; l < geo.num_layers; ++l) {
-        for (int t = 0; t < len; ++t) {
-          const int32_t block = kv.block_of(seq, t);
-          const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
-          for (int h = 0; h < geo.num_kv_heads; ++h) {
-            const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
-            std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
-            std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
-          }
+    // On the calling thread, as write_kv.
+    for (int l = 0; l < geo.num_layers; ++l) {
+      for (int t = 0; t < len; ++t) {
+        const int32_t block = kv.block_of(seq, t);
+        const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
+        for (int h = 0; h < geo.num_kv_heads; ++h) {
+          const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
+          std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
+          std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
         }
       }
-    });
+    }
     return KernelStatus::ok();
   }
 
@@ -253,42 +244,41 @@ class CpuBackend final : public Backend {
     return KernelStatus::ok();
   }
 
-  // Compression kernels live in compress.cc; they run on the team thread, whose default width
-  // (omp_set_num_threads) is this backend's thread count.
+  // Compression kernels live in compress.cc; their loops run on this backend's pool (with_pool).
   KernelStatus window_scores(const PagedKV& kv, int seq, int layer, int slot_begin, int window, const float* q,
                              float scale, float* out) override {
-    return team_.run(
+    return with_pool(
         [&] { return cpu::window_scores(kv, seq, layer, slot_begin, window, q, scale, out, pool_blocks(kv), gemm_); });
   }
   KernelStatus window_scores_observed(const PagedKV& kv, int seq, int layer, int slot_begin, int window,
                                       const float* q, float scale, const float* lse, bool later_keys_only,
                                       float* out) override {
-    return team_.run([&] {
+    return with_pool([&] {
       return cpu::window_scores_observed(kv, seq, layer, slot_begin, window, q, scale, lse, later_keys_only, out,
                                          pool_blocks(kv), gemm_);
     });
   }
   KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, const float* q, float scale,
                              int pool, float* out) override {
-    return team_.run([&] {
+    return with_pool([&] {
       return cpu::snapkv_scores(kv, seq, layer, num_obs, q, scale, pool, out, pool_blocks(kv), gemm_);
     });
   }
   KernelStatus top_k(const float* scores, int rows, int n, int k, int32_t* out) override {
-    return parallel_if(cpu::selection_is_parallel(rows, n), [&] { return cpu::top_k(scores, rows, n, k, out); });
+    return with_pool([&] { return cpu::top_k(scores, rows, n, k, out); });
   }
   KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int num_candidates, int max_gap,
                            int32_t* out) override {
-    return parallel_if(cpu::selection_is_parallel(rows, n),
+    return with_pool(
                        [&] { return cpu::token2chunk(scores, rows, n, budget, num_candidates, max_gap, out); });
   }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {
-    return team_.run([&] { return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)); });
+    return with_pool([&] { return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)); });
   }
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
-    return team_.run([&] {
+    return with_pool([&] {
       return cpu::cam_merge_values(kv, seq, begin, end, kept, num_kept, scores, merge_tokens, dst_blocks,
                                    pool_blocks(kv));
     });
@@ -298,7 +288,7 @@ class CpuBackend final : public Backend {
   }
   KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q,
                                int32_t dst) override {
-    return team_.run([&] { return cpu::quantize_tokens(kv, seq, slot_begin, q, dst); });
+    return with_pool([&] { return cpu::quantize_tokens(kv, seq, slot_begin, q, dst); });
   }
   KernelStatus dequantize_block(const PagedKV& kv, const QuantizedKV& q, int32_t block, void* k, void* v) override {
     return cpu::dequantize_block(kv, q, block, k, v);
@@ -306,12 +296,12 @@ class CpuBackend final : public Backend {
   KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int layer, const float* q,
                                           float* out, float scale, float* const* score_acc, const int32_t* acc_begin,
                                           float* const* lse) override {
-    return team_.run(
+    return with_pool(
         [&] { return cpu::decode_attention_quantized(kv, qkv, layer, q, out, scale, score_acc, acc_begin, lse); });
   }
   KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qkv, int seq, int layer,
                                           int num_queries, const float* q, float* out, float scale) override {
-    return team_.run([&] { return cpu::causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale); });
+    return with_pool([&] { return cpu::causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale); });
   }
   KernelStatus decode_attention_accumulate(const PagedKV& kv, int layer, const float* q, float* out, float scale,
                                            float* const* score_acc, const int32_t* acc_begin) override {
@@ -344,7 +334,7 @@ class CpuBackend final : public Backend {
       total += size_t(geo.num_q_heads) * size_t(kv.seq_len[s] - logits.first[s]);
     }
     // The calling thread's, kept between calls (a decode step calls this once per layer); the
-    // loops below run on the team's threads, so they see them through these references.
+    // loops below run on the pool's threads too, so they see them through these references.
     static thread_local std::vector<float> thread_rows, thread_lse;
     std::vector<float>& rows = thread_rows;
     std::vector<float>& lse = thread_lse;
@@ -352,11 +342,11 @@ class CpuBackend final : public Backend {
     lse.resize(size_t(kv.num_seqs) * geo.num_q_heads);
     logits.rows = rows.data();
     const bool parallel = attention_is_large(kv);
-    parallel_if(parallel, [&] {  // one hand-over for both loops
+    with_pool([&] {
       decode(kv, layer, q, out, scale, lse.data(), &logits);
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads_) if (parallel)
-      for (int s = 0; s < kv.num_seqs; ++s) {
-        for (int h = 0; h < hk; ++h) {
+      cpu::parallel_for(int64_t(kv.num_seqs) * hk, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int s = int(task / hk), h = int(task % hk);
           float* acc = score_acc[size_t(s) * hk + h];
           const int first = logits.first[s], n = kv.seq_len[s] - first;
           if (acc == nullptr || n <= 0) continue;
@@ -367,7 +357,7 @@ class CpuBackend final : public Backend {
             for (int i = 0; i < n; ++i) acc[first + i] += row[i];
           }
         }
-      }
+      }, parallel);
     });
     for (int s = 0; s < kv.num_seqs && lse_out != nullptr; ++s) {
       // An empty sequence's normaliser is left as it was.
@@ -378,23 +368,13 @@ class CpuBackend final : public Backend {
     return KernelStatus::ok();
   }
 
-  // Runs f on the team thread when `parallel`, else on the calling thread without a team: its
-  // regions' if clauses are false there, and those that name no width take this thread's default,
-  // set to 1 here.
+  // Runs f on the calling thread with this backend's pool for its loops (cpu::parallel_for).
   template <class F>
-  auto parallel_if(bool parallel, F&& f) -> std::invoke_result_t<F&> {
-    if (parallel) return team_.run(f);
-    serial_on_this_thread();
+  auto with_pool(F&& f) -> std::invoke_result_t<F&> {
+    cpu::ScopedPool scope(&pool_);
     return f();
   }
-  static void serial_on_this_thread() {
-    static thread_local bool set = false;
-    if (!set && !cpu::on_a_team_thread()) {
-      omp_set_num_threads(1);
-      set = true;
-    }
-  }
-  // Whether decode attention over `kv` reads enough K/V to be worth the team.
+  // Whether decode attention over `kv` reads enough K/V to be worth the helpers.
   static bool attention_is_large(const PagedKV& kv) {
     size_t tokens = 0;
     for (int s = 0; s < kv.num_seqs; ++s) tokens += size_t(kv.seq_len[s]);
@@ -404,7 +384,7 @@ class CpuBackend final : public Backend {
   const int num_threads_;
   const CpuIsa isa_;
   const CpuGemm gemm_;
-  cpu::TeamThread team_{num_threads_};
+  cpu::WorkPool pool_{num_threads_};
   common::Allocations allocations_;
 };
 

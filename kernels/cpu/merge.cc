@@ -8,6 +8,7 @@
 #include "merge.h"
 
 #include <algorithm>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "../common/validate.h"
 #include "karakv/kernels/half.h"
 #include "quant.h"
+#include "work_pool.h"
 
 namespace karakv::kernels::cpu {
 
@@ -28,8 +30,9 @@ KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, co
   // Nothing kept: nothing to write. Nothing evicted: every kept value stays as it is.
   if (num_kept == 0 || num_kept == n) return KernelStatus::ok();
   KernelStatus failed = KernelStatus::ok();
-#pragma omp parallel for schedule(dynamic)
-  for (int r = 0; r < rows; ++r) {
+  std::mutex failed_mu;
+  parallel_for(rows, 1, [&](int64_t row_begin, int64_t row_end) {
+  for (int r = int(row_begin); r < int(row_end); ++r) {
     const int l = r / g.num_kv_heads, h = r % g.num_kv_heads;
     const int32_t* row = kept + size_t(r) * num_kept;
     auto dst_index = [&](int i) {
@@ -52,13 +55,14 @@ KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, co
     const KernelStatus st = cam_merge(scores + size_t(r) * n, n, local.data(), num_kept, merge_tokens, values.data(),
                                       d, merged.data());
     if (!st.is_ok()) {
-#pragma omp critical
+      std::lock_guard<std::mutex> lock(failed_mu);
       failed = st;
       continue;
     }
     for (int i = 0; i < num_kept; ++i)
       for (int c = 0; c < d; ++c) store_element(kv.pool, dst_index(i) + c, merged[size_t(i) * d + c], g.dtype);
   }
+  });
   return failed;
 }
 

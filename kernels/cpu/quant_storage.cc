@@ -2,9 +2,8 @@
 // sits where an unquantized block keeps that run, so one block layout serves both.
 #include "quant_storage.h"
 
-#include <omp.h>
-
 #include <algorithm>
+#include <mutex>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -16,6 +15,7 @@
 #include "quant.h"
 #include "scratch.h"
 #include "simd.h"
+#include "work_pool.h"
 
 namespace karakv::kernels::cpu {
 namespace {
@@ -228,8 +228,9 @@ KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const Q
   const QuantFormat f = q.format;
   const int rows = g.num_layers * g.num_kv_heads;
   KernelStatus failed = KernelStatus::ok();
-#pragma omp parallel for schedule(dynamic)
-  for (int r = 0; r < rows; ++r) {
+  std::mutex failed_mu;
+  parallel_for(rows, 1, [&](int64_t row_begin, int64_t row_end) {
+  for (int r = int(row_begin); r < int(row_end); ++r) {
     const int l = r / g.num_kv_heads, h = r % g.num_kv_heads;
     std::vector<float> x(size_t(n) * g.head_dim);
     for (int kvi = 0; kvi < 2; ++kvi) {
@@ -242,11 +243,12 @@ KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const Q
       KernelStatus st = kvi == 0 ? quantize_keys(f, x.data(), n, g.head_dim, seed, run)
                                  : quantize_values(f, x.data(), n, g.head_dim, seed, run);
       if (!st.is_ok()) {
-#pragma omp critical
+        std::lock_guard<std::mutex> lock(failed_mu);
         failed = st;
       }
     }
   }
+  });
   return failed;
 }
 
@@ -288,13 +290,12 @@ KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
   if (score_acc != nullptr) KARAKV_RETURN_IF_ERROR(common::validate_accumulators(op, kv, score_acc, acc_begin, &qkv));
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
-#pragma omp parallel
-  {
+  // One work item per (sequence, KV head): it alone adds into that head's accumulator.
+  parallel_for(int64_t(kv.num_seqs) * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float>& p = thread_probs();
-    // One work item per (sequence, KV head): it alone adds into that head's accumulator.
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int s = 0; s < kv.num_seqs; ++s) {
-      for (int h = 0; h < g.num_kv_heads; ++h) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int s = int(task / g.num_kv_heads), h = int(task % g.num_kv_heads);
+      {
         float* acc = score_acc ? score_acc[size_t(s) * g.num_kv_heads + h] : nullptr;
         const int acc_from = acc_begin != nullptr ? acc_begin[s] : 0;
         float* head_lse = lse != nullptr && lse[s] != nullptr ? lse[s] + size_t(h) * gs : nullptr;
@@ -303,8 +304,7 @@ KernelStatus decode_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
                      head_lse, p);
       }
     }
-    release_if_large(p);
-  }
+  }, true, [] { release_if_large(thread_probs()); });
   return KernelStatus::ok();
 }
 
@@ -316,19 +316,17 @@ KernelStatus causal_attention_quantized(const PagedKV& kv, const QuantizedKV& qk
   const int len = kv.seq_len[seq];
   const Geometry& g = kv.geometry;
   const int gs = g.group_size(), d = g.head_dim;
-#pragma omp parallel
-  {
+  parallel_for(int64_t(num_queries) * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float>& p = thread_probs();
-#pragma omp for collapse(2) schedule(dynamic)
-    for (int i = 0; i < num_queries; ++i) {
-      for (int h = 0; h < g.num_kv_heads; ++h) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int i = int(task / g.num_kv_heads), h = int(task % g.num_kv_heads);
+      {
         const size_t first = size_t(i) * g.num_q_heads + size_t(h) * gs;
         attend_group(kv, qkv, seq, layer, h, q + first * d, gs, len - num_queries + i + 1, scale, out + first * d,
                      nullptr, 0, nullptr, p);
       }
     }
-    release_if_large(p);
-  }
+  }, true, [] { release_if_large(thread_probs()); });
   return KernelStatus::ok();
 }
 

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 #include <dlfcn.h>
 
-#include <omp.h>
 
 #include <cmath>
 #include <condition_variable>
@@ -492,10 +491,6 @@ TEST(CpuBackendTest, NamesAndSupport) {
 namespace karakv::kernels::test {
 namespace {
 
-// LLVM's OpenMP runtime (the clang + TSan/Archer tree) keeps a team's threads in a pool after its
-// master ends and may add a helper thread, so exact thread counts hold for GCC's libgomp only.
-bool openmp_is_libgomp() { return dlsym(RTLD_DEFAULT, "__kmpc_fork_call") == nullptr; }
-
 // Threads of this process, as the kernel lists them.
 int process_threads() {
   int n = 0;
@@ -503,17 +498,15 @@ int process_threads() {
   return n;
 }
 
-// Callers on many threads (a ring thread per fast-path session) share the backend's one OpenMP
-// team: while 6 fresh threads have each run kernels, small (on the caller) and large (on the team),
-// the process has the 6 callers plus the team thread and its width - 1 workers, not a team per
-// caller (6 x (width - 1) more), and the results still match the float64 reference. The team ends
-// with the backend.
-TEST(CpuTeamThreadTest, CallersOnManyThreadsShareOneTeam) {
+// Callers on many threads (a ring thread per fast-path session) share the backend's one pool:
+// while 6 fresh threads have each run kernels, small (on the caller alone) and large (on the pool),
+// the process has the 6 callers plus the pool's width - 1 helpers, not helpers per caller, and the
+// results still match the float64 reference. The helpers end with the backend.
+TEST(CpuWorkPoolTest, CallersOnManyThreadsShareOnePool) {
   const int width = 3, callers = 6;
-  const int limit = omp_get_thread_limit();  // OMP_THREAD_LIMIT=1 leaves no workers to make
-  const int workers = std::min(width, limit) - 1;
+  const int workers = width - 1;
   // 40 tokens x 2 KV heads x dim 16: a few KiB of K/V, run on the caller; 600 tokens x dim 128:
-  // over 1 MiB, run on the team.
+  // over 1 MiB, run on the pool.
   const Geometry small{1, 4, 2, 16, 8, DType::kFloat32}, large{1, 4, 2, 128, 8, DType::kFloat32};
   const int small_len = 40, large_len = 600;
   const int baseline = process_threads();
@@ -562,13 +555,7 @@ TEST(CpuTeamThreadTest, CallersOnManyThreadsShareOneTeam) {
       cv.notify_all();
     }
     for (std::thread& t : threads) t.join();
-    const bool exact = openmp_is_libgomp();
-    if (exact) {
-      EXPECT_EQ(during - baseline, callers + 1 + workers);
-    } else {
-      EXPECT_GE(during - baseline, callers + 1 + workers);  // at least the team; not a team per caller
-      EXPECT_LT(during - baseline, callers * (1 + workers));
-    }
+    EXPECT_EQ(during - baseline, callers + workers);
     for (int c = 0; c < callers; ++c) {
       ASSERT_EQ(small_outs[c].size(), small_want.size());
       ASSERT_EQ(large_outs[c].size(), large_want.size());
@@ -577,17 +564,13 @@ TEST(CpuTeamThreadTest, CallersOnManyThreadsShareOneTeam) {
       for (size_t i = 0; i < large_want.size(); ++i)
         EXPECT_NEAR(large_outs[c][i], large_want[i], kAttentionTolerance) << c << " " << i;
     }
-    if (exact) EXPECT_EQ(process_threads() - baseline, 1 + workers);  // the callers ended; the team stays
+    EXPECT_EQ(process_threads() - baseline, workers);  // the callers ended; the helpers stay
   }
-  if (!openmp_is_libgomp()) return;
-  // libgomp lets go of a team's threads as its master ends; they take a moment to exit.
-  for (int i = 0; i < 200 && process_threads() != baseline; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  EXPECT_EQ(process_threads(), baseline);
+  EXPECT_EQ(process_threads(), baseline);  // joined by the backend's destructor
 }
 
-// One thread: no team and no team thread; kernels run on the caller, including those whose
-// parallel regions name no width (which would otherwise take OpenMP's default, every CPU).
-TEST(CpuTeamThreadTest, OneThreadRunsOnTheCallerWithoutATeam) {
+// One thread: no helpers; kernels run on the caller, every loop included.
+TEST(CpuWorkPoolTest, OneThreadRunsOnTheCallerWithoutHelpers) {
   const Geometry g{1, 4, 2, 16, 8, DType::kFloat32};
   std::unique_ptr<Backend> backend = make_cpu_backend(1);
   std::mt19937 rng(11);

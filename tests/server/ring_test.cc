@@ -409,8 +409,8 @@ TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
   EXPECT_EQ(rings_->waiting(), 3);  // counted as waiting at once, before they have made their teams
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads_started_total", {}) - started0, 3);
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 3);
-  // Named, so top -H and /proc show them (the kernels' team threads they make inherit the name;
-  // this registry's backend runs one thread, so there are none here).
+  // Named, so top -H and /proc show them (this registry's backend runs one kernel thread, so it
+  // has no helper threads).
   for (int j = 0; j < 400 && threads_named("karakv-ring") < 3; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(threads_named("karakv-ring"), 3);
 

@@ -168,7 +168,7 @@ inline void futex_wake(std::atomic<uint32_t>* word) {
 }
 
 // One turn of a bounded spin. It yields the CPU rather than pausing in place: the peer (and, in the
-// daemon, the kernels' OpenMP team) must run for the spin to end, and on a machine with few cores
+// daemon, the kernels' pool helpers) must run for the spin to end, and on a machine with few cores
 // a spinner that does not yield steals exactly the time it is waiting for.
 inline void spin_once() { sched_yield(); }
 

@@ -62,8 +62,8 @@ class Backend {
   virtual bool supports(Op op, DType dtype) const = 0;
 
   // Makes what kernels called from this thread need, so a long-lived serving thread pays for it
-  // when it starts instead of in its first request (the CPU backend: its one OpenMP team, shared by
-  // every calling thread, if not started yet). Optional; kernels work without it.
+  // when it starts instead of in its first request (the CPU backend: its pool's helper threads,
+  // shared by every calling thread, if not started yet). Optional; kernels work without it.
   virtual void prepare_thread() {}
 
   // Memory for the block pool. Returned memory is zero-filled.
@@ -308,8 +308,9 @@ class Backend {
 
 // The reference backend: host memory, multi-threaded over sequences and heads. num_threads <= 0
 // uses the CPUs this process may use (usable_cpus() in karakv/kernels/cpus.h: the affinity mask
-// capped by the cgroup CPU quota). Whichever threads call it, its kernels run on one OpenMP team
-// of num_threads threads (kernels/cpu/team_thread.h); with one thread, on the caller.
+// capped by the cgroup CPU quota). Kernels run on the calling thread, and their parallel loops
+// share chunks with the backend's one pool of num_threads - 1 helpers (kernels/cpu/work_pool.h),
+// whichever threads call; a helper that is not scheduled never holds a call up.
 // Attention runs with $KARAKV_CPU_ISA (auto, avx2, avx512; karakv/kernels/cpu_isa.h) and the
 // scorers' products with $KARAKV_CPU_GEMM (auto, tile, libxsmm), unset meaning the best this CPU and
 // build have; a value that is invalid or cannot run here is reported on stderr and the best is used
