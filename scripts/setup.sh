@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Installs what karakv needs on Debian 12 (only what is missing) and builds it into build/.
 # Used by scripts/demo.sh and scripts/test.sh; safe to run again (ccache makes rebuilds cheap).
+# --install-only: the packages, no build (scripts/test.sh --stage for stages with trees of their own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+install_only=0
+case "${1:-}" in
+  "") ;;
+  --install-only) install_only=1 ;;
+  *) echo "scripts/setup.sh: unknown argument '$1' (expected nothing or --install-only)" >&2; exit 2 ;;
+esac
 
 # python3-venv: the suite makes <build>/pyvenv for the Python SDK, Helm chart and Dockerfile tests
 # (tests/tools/make_venv.sh installs their pinned PyPI packages there).
@@ -36,6 +43,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" > /dev/null
 fi
+
+[ "$install_only" = 1 ] && exit 0
 
 jobs=$(nproc)
 echo "==> configuring and building (build/, $jobs jobs)"
