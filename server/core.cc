@@ -327,14 +327,21 @@ absl::StatusOr<const float*> Core::host_floats(ConstBytes bytes, bool needed, st
   return copy->data();
 }
 
-absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t sequence_id, int32_t num_tokens,
-                                     ConstBytes k, ConstBytes v, ConstBytes q, int32_t num_query_tokens,
+absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t sequence_id, int64_t sent_tokens,
+                                     ConstBytes k, ConstBytes v, ConstBytes q, int64_t sent_query_tokens,
                                      absl::Span<const int32_t> token_ids) {
   const auto received = std::chrono::steady_clock::now();
   const Geometry& g = config_.geometry;
-  if (num_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("num_tokens is ", num_tokens, ", expected >= 1"));
+  if (sent_tokens < 1 || sent_tokens > kMaxAppendTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens is ", sent_tokens, ", expected 1..", kMaxAppendTokens));
   }
+  if (sent_query_tokens < 0 || sent_query_tokens > sent_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("num_query_tokens is ", sent_query_tokens,
+                                                   ", expected 0..num_tokens (", sent_tokens, ")"));
+  }
+  const auto num_tokens = static_cast<int32_t>(sent_tokens);
+  const auto num_query_tokens = static_cast<int32_t>(sent_query_tokens);
   if (!token_ids.empty() && token_ids.size() != size_t(num_tokens)) {
     return absl::InvalidArgumentError(absl::StrCat("token_ids has ", token_ids.size(), " entries, expected ",
                                                    "num_tokens = ", num_tokens, " (or none)"));
@@ -345,10 +352,6 @@ absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t seq
   };
   if (auto s = check_size("k", k.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
   if (auto s = check_size("v", v.size(), append_bytes(num_tokens), layout); !s.ok()) return s;
-  if (num_query_tokens < 0 || num_query_tokens > num_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("num_query_tokens is ", num_query_tokens,
-                                                   ", expected 0..num_tokens (", num_tokens, ")"));
-  }
   if (auto s = check_size("q", q.size(), size_t(g.num_layers) * q_bytes(num_query_tokens),
                           [&] {
                             return absl::StrFormat("[L=%d][Nq=%d][Hq=%d][D=%d] fp32", g.num_layers, num_query_tokens,

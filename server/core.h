@@ -126,9 +126,12 @@ class Core {
   // last Nq tokens. Returns the new resident length.
   //   token_ids (optional): [T] the appended tokens' ids; full prompt blocks with ids are published
   // to the prefix cache.
+  //   The counts are taken as sent (64 bits, so a wire value of 2^32 - 1 is refused as itself, never
+  // as -1): num_tokens 1..kMaxAppendTokens, num_query_tokens 0..num_tokens.
+  static constexpr int64_t kMaxAppendTokens = INT32_MAX / 2;
   absl::StatusOr<int32_t> append(const std::string& session_id, uint64_t sequence_id,
-                                 int32_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q = {},
-                                 int32_t num_query_tokens = 0, absl::Span<const int32_t> token_ids = {});
+                                 int64_t num_tokens, ConstBytes k, ConstBytes v, ConstBytes q = {},
+                                 int64_t num_query_tokens = 0, absl::Span<const int32_t> token_ids = {});
   struct StepResult {
     uint64_t decode_step = 0;
     int compactions = 0;

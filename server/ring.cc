@@ -329,8 +329,8 @@ void RingServer::append(const Worker& w, const ring::Command& cmd, ring::Complet
       if (!s.ok()) {
         r = s;
       } else {
-        r = core_->append(w.session_id, e.sequence_id, static_cast<int32_t>(e.num_tokens), k, v, q,
-                          static_cast<int32_t>(e.num_query_tokens),
+        r = core_->append(w.session_id, e.sequence_id, int64_t{e.num_tokens}, k, v, q,
+                          int64_t{e.num_query_tokens},
                           absl::MakeConstSpan(reinterpret_cast<const int32_t*>(ids.data()), ids.size() / 4));
       }
       if (!r.ok()) return append_entry_status(r.status(), i, n, e.sequence_id);

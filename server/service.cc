@@ -6,6 +6,7 @@
 #include "karakv/v1/ring.h"
 #include "server/heap_usage.h"
 #include "server/ring.h"
+#include "server/validation.h"
 
 #include <algorithm>
 #include <chrono>
@@ -17,6 +18,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "spdlog/spdlog.h"
 
 namespace karakv::server {
@@ -108,6 +110,43 @@ grpc::Status to_grpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+namespace {
+
+bool geometry_sent(const v1::Geometry& g) {
+  return g.num_layers() != 0 || g.num_q_heads() != 0 || g.num_kv_heads() != 0 || g.head_dim() != 0 ||
+         g.block_size() != 0 || g.dtype() != v1::DTYPE_UNSPECIFIED;
+}
+
+// A geometry with any field set is compared field by field, the zero ones included (a worker that
+// sends only dtype and block_size has not said which model it runs), and every field that differs is
+// named with the daemon's value.
+absl::Status check_sent_geometry(const v1::Geometry& sent, const kernels::Geometry& daemon) {
+  std::vector<std::string> diffs;
+  auto compare = [&](const char* field, int64_t got, int64_t want) {
+    if (got != want) diffs.push_back(absl::StrCat(field, " ", got, " (the daemon's: ", want, ")"));
+  };
+  compare("num_layers", sent.num_layers(), daemon.num_layers);
+  compare("num_q_heads", sent.num_q_heads(), daemon.num_q_heads);
+  compare("num_kv_heads", sent.num_kv_heads(), daemon.num_kv_heads);
+  compare("head_dim", sent.head_dim(), daemon.head_dim);
+  compare("block_size", sent.block_size(), daemon.block_size);
+  const char* daemon_dtype = kernels::dtype_name(daemon.dtype);
+  if (sent.dtype() == v1::DTYPE_UNSPECIFIED) {
+    diffs.push_back(absl::StrCat("dtype unspecified (the daemon's: ", daemon_dtype, ")"));
+  } else if (!v1::DType_IsValid(sent.dtype())) {
+    diffs.push_back(absl::StrCat("dtype ", static_cast<int>(sent.dtype()), " unknown (the daemon's: ", daemon_dtype, ")"));
+  } else if (from_proto(sent).dtype != daemon.dtype) {
+    diffs.push_back(absl::StrCat("dtype ", kernels::dtype_name(from_proto(sent).dtype), " (the daemon's: ",
+                                 daemon_dtype, ")"));
+  }
+  if (diffs.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "worker geometry differs from the daemon's in ", absl::StrJoin(diffs, ", "), "; send the daemon's whole geometry (",
+      geometry_string(daemon), "), or none to be served it"));
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* KaraKVService::finish(grpc::CallbackServerContext* ctx, const absl::Status& status) {
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(to_grpc(status));
@@ -116,11 +155,10 @@ grpc::ServerUnaryReactor* KaraKVService::finish(grpc::CallbackServerContext* ctx
 
 absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachReply* reply) {
   // No geometry (or every field zero) means "the daemon's"; any field sent and all are compared.
-  kernels::Geometry wg;
-  wg.dtype = core_->geometry().dtype;
-  if (req.has_geometry()) {
+  kernels::Geometry wg{.num_layers = 0, .num_q_heads = 0, .num_kv_heads = 0, .head_dim = 0};  // none
+  if (req.has_geometry() && geometry_sent(req.geometry())) {
+    if (absl::Status s = check_sent_geometry(req.geometry(), core_->geometry()); !s.ok()) return s;
     wg = from_proto(req.geometry());
-    if (req.geometry().dtype() == v1::DTYPE_UNSPECIFIED) wg.dtype = core_->geometry().dtype;
   }
   if (req.fast_path() && rings_ == nullptr) {
     return absl::FailedPreconditionError("fast_path: this karakvd runs with --fast_path=false; attach without it");
@@ -183,8 +221,8 @@ absl::Status KaraKVService::DoAppend(const std::string& session_id, const v1::Ap
   if (req.num_query_tokens() > 0 || req.q().location_case() != v1::TensorRef::LOCATION_NOT_SET) {
     if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
   }
-  auto r = core_->append(session_id, req.sequence_id(), static_cast<int32_t>(req.num_tokens()),
-                             k.bytes, v.bytes, q.bytes, static_cast<int32_t>(req.num_query_tokens()),
+  auto r = core_->append(session_id, req.sequence_id(), int64_t{req.num_tokens()},
+                             k.bytes, v.bytes, q.bytes, int64_t{req.num_query_tokens()},
                              absl::MakeConstSpan(req.token_ids().data(), req.token_ids_size()));
   if (!r.ok()) return r.status();
   reply->set_length(static_cast<uint32_t>(*r));

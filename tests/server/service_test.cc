@@ -315,7 +315,78 @@ TEST_F(ServiceTest, AttachComparesAnyGeometryItIsSent) {
   *same.mutable_geometry() = v1::to_proto(g);
   EXPECT_TRUE(service_->Handle(same, &reply).ok());
   same.mutable_geometry()->set_num_kv_heads(g.num_kv_heads * 2);
-  EXPECT_EQ(service_->Handle(same, &reply).code(), absl::StatusCode::kInvalidArgument);
+  st = service_->Handle(same, &reply);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr(absl::StrCat("num_kv_heads ", g.num_kv_heads * 2, " (the daemon's: ", g.num_kv_heads, ")")));
+  EXPECT_THAT(std::string(st.message()), ::testing::Not(HasSubstr("num_layers")));  // only what differs
+}
+
+// A geometry that sets only dtype and block_size has not said which model the worker runs: it is
+// refused (it was once served the daemon's geometry silently), naming every field that differs,
+// the zero ones too, with the daemon's values.
+TEST_F(ServiceTest, AttachRefusesAPartialGeometryNamingTheFieldsThatDiffer) {
+  const kernels::Geometry& g = core_->geometry();  // fp32, block 4
+  v1::AttachRequest partial;
+  partial.mutable_geometry()->set_dtype(v1::DTYPE_FP16);
+  partial.mutable_geometry()->set_block_size(g.block_size * 8);
+  v1::AttachReply reply;
+  absl::Status st = service_->Handle(partial, &reply);
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  const std::string m(st.message());
+  EXPECT_THAT(m, HasSubstr(absl::StrCat("num_layers 0 (the daemon's: ", g.num_layers, ")")));
+  EXPECT_THAT(m, HasSubstr(absl::StrCat("num_q_heads 0 (the daemon's: ", g.num_q_heads, ")")));
+  EXPECT_THAT(m, HasSubstr(absl::StrCat("num_kv_heads 0 (the daemon's: ", g.num_kv_heads, ")")));
+  EXPECT_THAT(m, HasSubstr(absl::StrCat("head_dim 0 (the daemon's: ", g.head_dim, ")")));
+  EXPECT_THAT(m, HasSubstr(absl::StrCat("block_size ", g.block_size * 8, " (the daemon's: ", g.block_size, ")")));
+  EXPECT_THAT(m, HasSubstr("dtype fp16 (the daemon's: fp32)"));
+  EXPECT_TRUE(reply.session_id().empty());
+  // The whole geometry but the dtype left unspecified: the dtype is named, nothing else.
+  v1::AttachRequest no_dtype;
+  *no_dtype.mutable_geometry() = v1::to_proto(g);
+  no_dtype.mutable_geometry()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  st = service_->Handle(no_dtype, &reply);
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("dtype unspecified (the daemon's: fp32)"));
+  EXPECT_THAT(std::string(st.message()), ::testing::Not(HasSubstr("num_layers")));
+  // Only a block size, equal to the daemon's: still partial.
+  v1::AttachRequest block_only;
+  block_only.mutable_geometry()->set_block_size(g.block_size);
+  EXPECT_EQ(service_->Handle(block_only, &reply).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->stats().sessions, 0);
+}
+
+// Counts are reported as they were sent: 2^32 - 1 tokens is "4294967295", never "-1".
+TEST_F(ServiceTest, ARefusedCountIsReportedAsTheNumberSent) {
+  const std::string session = attach();
+  v1::CreateSequenceRequest c;
+  c.set_session_id(session);
+  v1::CreateSequenceReply cr;
+  ASSERT_TRUE(service_->Handle(c, &cr).ok());
+  v1::AppendRequest a;
+  a.set_session_id(session);
+  a.set_sequence_id(cr.sequence_id());
+  a.set_num_tokens(4294967295u);
+  a.mutable_k()->set_data(std::string(core_->append_bytes(1), '\0'));
+  a.mutable_v()->set_data(std::string(core_->append_bytes(1), '\0'));
+  v1::AppendReply ar;
+  absl::Status st = service_->Handle(a, &ar);
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr(absl::StrCat("num_tokens is 4294967295, expected 1..", Core::kMaxAppendTokens)));
+  a.set_num_tokens(2147483648u);  // INT32_MAX + 1: was negative once cast
+  st = service_->Handle(a, &ar);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("num_tokens is 2147483648"));
+  a.set_num_tokens(1);
+  a.set_num_query_tokens(4294967295u);
+  a.mutable_q()->set_data(std::string(core_->q_bytes(1) * core_->geometry().num_layers, '\0'));
+  st = service_->Handle(a, &ar);
+  ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("num_query_tokens is 4294967295, expected 0..num_tokens (1)"));
+  a.set_num_query_tokens(0);
+  a.clear_q();
+  ASSERT_TRUE(service_->Handle(a, &ar).ok());  // the same request with honest counts is served
+  EXPECT_EQ(ar.length(), 1u);
 }
 
 }  // namespace
