@@ -28,13 +28,8 @@ for _ in $(seq 100); do
 done
 ./build/client/karakv --target="unix:$sock" health
 
-workload=(--target="unix:$sock" --sequences="${SEQUENCES:-16}" --prompt="${PROMPT:-512}"
-          --generate="${GENERATE:-256}" --check_every=16)
-echo "==> driving the workload without compression"
-./build/examples/synthetic_worker "${workload[@]}" --policy=none
-echo
-echo "==> the same workload with Kara (periodic sliding-window compression of generated tokens)"
-./build/examples/synthetic_worker "${workload[@]}" --policy=kara
+SEQUENCES="${SEQUENCES:-16}" PROMPT="${PROMPT:-512}" GENERATE="${GENERATE:-256}" \
+  bash scripts/demo_workload.sh build "unix:$sock"
 
 if [ -n "$smollm2" ]; then
   # A few hundred generated tokens, so that Kara (window 64, a tick every 8 steps) compresses
