@@ -56,6 +56,21 @@ void register_cleanup_path(const std::string& path);
 // The handler for SIGINT, SIGTERM, SIGALRM and SIGHUP: stops the children, removes the files, exits.
 void on_fatal_signal(int sig);
 
+// karakv-bench --busy: one process per hardware thread that spins until it is stopped or this
+// process ends (PR_SET_PDEATHSIG), so that every mode, its baselines included, runs on CPUs that other
+// work keeps busy, as a sidecar's node is. At normal priority, like the node's other processes.
+class Burners {
+ public:
+  explicit Burners(int count);
+  ~Burners();
+  Burners(const Burners&) = delete;
+  Burners& operator=(const Burners&) = delete;
+  int count() const { return static_cast<int>(pids_.size()); }
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
 class ChildProcess {
  public:
   // Starts argv[0] (PATH searched) with stdout and stderr going to `log_path`. When `pass_fd` is

@@ -57,6 +57,9 @@ ABSL_FLAG(std::string, out_dir, "",
           "into this directory");
 ABSL_FLAG(bool, csv, false, "Also print the results as CSV on stdout");
 ABSL_FLAG(int32_t, timeout_s, 2400, "Abort (and stop the child processes) after this many seconds");
+ABSL_FLAG(bool, busy, false,
+          "Run every mode with one CPU-burning process per hardware thread beside it (baselines included): "
+          "the numbers of a busy node");
 ABSL_FLAG(bool, strict, false, "Exit with status 3 when any target is missed");
 
 namespace {
@@ -219,6 +222,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (soak) return run_soak(*dir, absl::GetFlag(FLAGS_out_dir));
+  std::unique_ptr<Burners> burners;
+  if (absl::GetFlag(FLAGS_busy)) {
+    burners = std::make_unique<Burners>(int(std::max(1u, std::thread::hardware_concurrency())));
+    progress(absl::StrFormat("--busy: %d burner processes keep every CPU busy until the end", burners->count()));
+  }
   std::vector<Row> all;
   std::vector<std::string> busy;  // other processes' CPU use just before each mode
   for (const std::string& m : modes) {
@@ -266,9 +274,15 @@ int main(int argc, char** argv) {
   for (const std::string& m : modes) {
     if (m == "prefix") how.push_back(prefix_how());
   }
-  std::printf("\nkarakv-bench %s on %d hardware threads; CPU busy with other work in the second before each "
-              "mode: %s (above a few %% the ratios are unreliable)\n%s\n\n",
-              mode.c_str(), int(std::thread::hardware_concurrency()), absl::StrJoin(busy, ", ").c_str(),
+  const std::string busy_note =
+      burners ? absl::StrFormat("; --busy: %d burner processes on every CPU (karakv and its baselines under the "
+                                "same load)", burners->count())
+              : "";
+  std::printf("\nkarakv-bench %s on %d hardware threads%s; CPU busy with other work in the second before each "
+              "mode: %s (%s)\n%s\n\n",
+              mode.c_str(), int(std::thread::hardware_concurrency()), busy_note.c_str(),
+              absl::StrJoin(busy, ", ").c_str(),
+              burners ? "the burners' share, by design" : "above a few % the ratios are unreliable",
               absl::StrJoin(how, "\n").c_str());
   print_table(all);
   for (const std::string& r : extra_reports()) std::printf("\n%s", r.c_str());

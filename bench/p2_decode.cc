@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench_common.h"
+#include "karakv/kernels/cpus.h"
 #include "common/synthetic.h"
 #include "harness.h"
 #include "karakv/client.h"
@@ -304,7 +305,13 @@ absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
   const kn::Geometry g = smollm_geometry();
   const int seqs = absl::GetFlag(FLAGS_p2_sequences), tokens = absl::GetFlag(FLAGS_p2_tokens);
   const int reps = std::max(1, absl::GetFlag(FLAGS_p2_reps));
-  const int threads = omp_get_max_threads();
+  // Every CPU this process may use (affinity and cgroup quota, as the CPU backend's default and
+  // karakvd's --threads), whatever OpenMP's defaults have become: a mode run before this one in the
+  // same process can leave omp_get_max_threads() at 1 (the backend sets it on the threads it uses).
+  const kn::UsableCpus usable = kn::usable_cpus();
+  const int threads = usable.count;
+  progress(absl::StrFormat("P2: %d threads for the decode and its streaming-read baseline (%s)", threads,
+                           usable.reason()));
 
   auto stream = StreamBaseline::make(threads);
   if (!stream.ok()) return stream.status();
@@ -331,20 +338,21 @@ absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
     via_daemon = *d;
   }
   const std::string base = absl::StrFormat("streaming read, %d threads", threads);
-  const std::string what = absl::StrFormat(", %d seqs x %d tokens", seqs, tokens);
+  const std::string what = absl::StrFormat(", %d seqs x %d tokens, %d threads", seqs, tokens, threads);
   std::vector<Row> rows;
   const std::string isa_name(kn::cpu_isa_name(isa));
   rows.push_back({"P2", absl::StrCat("decode_attention (CPU backend, ", isa_name, " attention)", what),
                   direct->scattered.karakv, base, direct->scattered.baseline, "GB/s", true,
                   Target{Target::Kind::kAtLeast, 0.60}});
-  rows.push_back({"P2", "decode_attention, blocks in order", direct->in_order->karakv, base,
+  rows.push_back({"P2", absl::StrCat("decode_attention, blocks in order, ", threads, " threads"), direct->in_order->karakv, base,
                   direct->in_order->baseline, "GB/s", true, std::nullopt});
   if (other_direct) {
-    rows.push_back({"P2", absl::StrCat("decode_attention, ", std::string(kn::cpu_isa_name(other)), " attention"),
+    rows.push_back({"P2", absl::StrCat("decode_attention, ", std::string(kn::cpu_isa_name(other)), " attention, ",
+                                       threads, " threads"),
                     other_direct->karakv, base, other_direct->baseline, "GB/s", true, std::nullopt});
   }
   if (via_daemon) {
-    rows.push_back({"P2", "decode through karakvd Step, 30 layers", via_daemon->karakv, base, via_daemon->baseline,
+    rows.push_back({"P2", absl::StrCat("decode through karakvd Step, 30 layers, ", threads, " threads"), via_daemon->karakv, base, via_daemon->baseline,
                     "GB/s", true, std::nullopt});
   }
   rows.push_back({"P2", "streaming read, 1 thread", one_thread.karakv, base, one_thread.baseline, "GB/s", true,
