@@ -2,7 +2,7 @@
 // on machines without a GPU. Validation is cheap (O(blocks touched)) and happens before any write,
 // so an invalid call changes nothing. Work is split over the backend's WorkPool (work_pool.h): the
 // calling thread and whichever helpers are scheduled claim chunks, so a busy machine costs
-// parallelism, never progress. Memory copies (write_kv, read_kv) run on the calling thread.
+// parallelism, never progress.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -34,6 +34,8 @@ namespace {
 // nearly every block.
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kCacheLine = 64;
+// Copies smaller than this run on the calling thread alone.
+constexpr size_t kParallelCopyBytes = size_t(1) << 20;
 // Attention reading less K/V than this runs on the calling thread alone: waking the helpers costs
 // more than the work (a one-token Step over a short context).
 constexpr size_t kParallelAttentionBytes = size_t(1) << 20;
@@ -106,21 +108,27 @@ class CpuBackend final : public Backend {
     auto* pool = static_cast<char*>(kv.pool);
     const auto* ks = static_cast<const char*>(k);
     const auto* vs = static_cast<const char*>(v);
-    // On the calling thread, whatever the size: a copy is bound by memory bandwidth, which one
-    // thread nearly fills, and a copy handed to threads that are not scheduled waited for them (a
-    // 1 MiB write_kv at 0.11 GB/s on a busy machine; docs/BENCHMARKS.md, "Busy machine").
-    for (int l = 0; l < num_layers; ++l) {
-      for (int i = 0; i < num_tokens; ++i) {
-        const int pos = start_pos + i;
-        const int32_t block = kv.block_of(seq, pos);
-        const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
-        for (int h = 0; h < geo.num_kv_heads; ++h) {
-          const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
-          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
-          std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
+    // Split over (layer, token) rows: one layer of many tokens (a Step, or a single-layer model)
+    // must still spread. Under 1 MiB the caller copies alone; above, measured side by side
+    // (docs/BENCHMARKS.md, "Busy machine"), the pool doubles a quiet ring Append of 1 MiB, and on a
+    // busy machine the caller copies on alone when no helper is scheduled.
+    const size_t total = size_t(num_layers) * num_tokens * geo.kv_token_elems() * esize * 2;
+    const int64_t rows = int64_t(num_layers) * num_tokens;
+    with_pool([&] {
+      cpu::parallel_for(rows, std::max<int64_t>(1, rows / (4 * int64_t(num_threads_))), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const int l = int(r / num_tokens), i = int(r % num_tokens);
+          const int pos = start_pos + i;
+          const int32_t block = kv.block_of(seq, pos);
+          const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
+          for (int h = 0; h < geo.num_kv_heads; ++h) {
+            const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
+            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
+            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
+          }
         }
-      }
-    }
+      }, total >= kParallelCopyBytes);
+    });
     return KernelStatus::ok();
   }
 
@@ -220,18 +228,22 @@ class CpuBackend final : public Backend {
     const auto* pool = static_cast<const char*>(kv.pool);
     auto* kd = static_cast<char*>(k);
     auto* vd = static_cast<char*>(v);
-    // On the calling thread, as write_kv.
-    for (int l = 0; l < geo.num_layers; ++l) {
-      for (int t = 0; t < len; ++t) {
-        const int32_t block = kv.block_of(seq, t);
-        const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
-        for (int h = 0; h < geo.num_kv_heads; ++h) {
-          const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
-          std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
-          std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
+    const size_t total = size_t(geo.num_layers) * len * geo.kv_token_elems() * esize * 2;
+    const int64_t rows = int64_t(geo.num_layers) * len;
+    with_pool([&] {  // as write_kv
+      cpu::parallel_for(rows, std::max<int64_t>(1, rows / (4 * int64_t(num_threads_))), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const int l = int(r / len), t = int(r % len);
+          const int32_t block = kv.block_of(seq, t);
+          const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
+          for (int h = 0; h < geo.num_kv_heads; ++h) {
+            const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
+            std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
+            std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
+          }
         }
-      }
-    }
+      }, total >= kParallelCopyBytes);
+    });
     return KernelStatus::ok();
   }
 
