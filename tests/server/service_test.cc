@@ -50,21 +50,29 @@ class ServiceTest : public ::testing::Test {
     EXPECT_TRUE(service_->Handle(req, &reply).ok());
     return reply.session_id();
   }
-  // A sequence with `tokens` tokens appended inline.
-  uint64_t sequence(const std::string& session, int tokens) {
+  uint64_t create_sequence(const std::string& session) {
     v1::CreateSequenceRequest c;
     c.set_session_id(session);
     v1::CreateSequenceReply cr;
     EXPECT_TRUE(service_->Handle(c, &cr).ok());
+    return cr.sequence_id();
+  }
+  // An inline Append claiming `num_tokens` tokens, carrying K and V of `data_tokens`.
+  v1::AppendRequest inline_append(const std::string& session, uint64_t id, uint32_t num_tokens, int data_tokens) {
     v1::AppendRequest a;
     a.set_session_id(session);
-    a.set_sequence_id(cr.sequence_id());
-    a.set_num_tokens(tokens);
-    a.mutable_k()->set_data(std::string(core_->append_bytes(tokens), '\0'));
-    a.mutable_v()->set_data(std::string(core_->append_bytes(tokens), '\0'));
+    a.set_sequence_id(id);
+    a.set_num_tokens(num_tokens);
+    a.mutable_k()->set_data(std::string(core_->append_bytes(data_tokens), '\0'));
+    a.mutable_v()->set_data(std::string(core_->append_bytes(data_tokens), '\0'));
+    return a;
+  }
+  // A sequence with `tokens` tokens appended inline.
+  uint64_t sequence(const std::string& session, int tokens) {
+    const uint64_t id = create_sequence(session);
     v1::AppendReply ar;
-    EXPECT_TRUE(service_->Handle(a, &ar).ok());
-    return cr.sequence_id();
+    EXPECT_TRUE(service_->Handle(inline_append(session, id, tokens, tokens), &ar).ok());
+    return id;
   }
 
   std::unique_ptr<Core> core_;
@@ -359,16 +367,7 @@ TEST_F(ServiceTest, AttachRefusesAPartialGeometryNamingTheFieldsThatDiffer) {
 // Counts are reported as they were sent: 2^32 - 1 tokens is "4294967295", never "-1".
 TEST_F(ServiceTest, ARefusedCountIsReportedAsTheNumberSent) {
   const std::string session = attach();
-  v1::CreateSequenceRequest c;
-  c.set_session_id(session);
-  v1::CreateSequenceReply cr;
-  ASSERT_TRUE(service_->Handle(c, &cr).ok());
-  v1::AppendRequest a;
-  a.set_session_id(session);
-  a.set_sequence_id(cr.sequence_id());
-  a.set_num_tokens(4294967295u);
-  a.mutable_k()->set_data(std::string(core_->append_bytes(1), '\0'));
-  a.mutable_v()->set_data(std::string(core_->append_bytes(1), '\0'));
+  v1::AppendRequest a = inline_append(session, create_sequence(session), 4294967295u, 1);
   v1::AppendReply ar;
   absl::Status st = service_->Handle(a, &ar);
   ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
