@@ -577,16 +577,34 @@ def test_networkpolicy_opens_only_metrics_and_extra_ingress():
     assert np["spec"]["podSelector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
     assert np["spec"]["policyTypes"] == ["Ingress"]
     assert np["spec"]["ingress"] == [{
-        "ports": [{"port": "metrics", "protocol": "TCP"}],
+        "ports": [{"port": 9464, "protocol": "TCP"}],
         "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}]
     # The gRPC probe's port serves the whole API: the policy does not open it.
     (np,) = by_kind(render({"networkPolicy": {"enabled": True}, "probes": {"type": "grpc"}}), "NetworkPolicy")
-    assert np["spec"]["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]}]
+    assert np["spec"]["ingress"] == [{"ports": [{"port": 9464, "protocol": "TCP"}]}]
     (np,) = by_kind(render({"networkPolicy": {"enabled": True}, "metrics": {"enabled": False}}), "NetworkPolicy")
     assert np["spec"]["ingress"] == []  # nothing in
     (np,) = by_kind(render(REAL_WORKER), "NetworkPolicy")
     assert {"ports": [{"port": "http", "protocol": "TCP"}]} in np["spec"]["ingress"]
     assert not by_kind(render({}), "NetworkPolicy")
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_scrape_ports_are_numbers_that_need_no_name_resolution(mode):
+    """The metrics Service's targetPort and every NetworkPolicy port the scrape needs are numbers
+    equal to karakvd's container port: named ports of init containers (the native sidecar) resolve
+    for Service endpoints only from Kubernetes 1.32, and not in every network plugin."""
+    values = dict(MODES[mode])
+    values["networkPolicy"] = {"enabled": True}
+    values["metrics"] = {"enabled": True, "port": 9555}
+    docs = render(values)
+    ports = {p["name"]: p["containerPort"] for p in daemon_container(pod_spec(docs))["ports"]}
+    assert ports["metrics"] == 9555
+    (svc,) = by_kind(docs, "Service")
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(9555, 9555)]
+    (np,) = by_kind(docs, "NetworkPolicy")
+    scrape = [p for rule in np["spec"]["ingress"] for p in rule.get("ports", [])]
+    assert scrape == [{"port": 9555, "protocol": "TCP"}]
 
 
 def test_name_overrides():
