@@ -67,9 +67,9 @@ REAL_WORKER = {
 MODES["sidecar-real-worker"] = REAL_WORKER
 
 
-def render(values):
+def render(values, name="kv", namespace="llm"):
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="kv", namespace="llm")
+        out = chart.render(values, name=name, namespace=namespace)
     docs = []
     for path, text in sorted(out.items()):
         if path.endswith("NOTES.txt"):
@@ -359,8 +359,15 @@ def scraped_target(docs):
         assert selector.items() <= pod_labels.items()
         job = pod_labels.get(job_label) or f"llm/{monitor['metadata']['name']}"
         extra = {}
+    # targetLabels (Service labels) and podTargetLabels (pod labels) are copied onto the series under
+    # Prometheus-safe names.
+    copied = {}
+    source = svc["metadata"]["labels"] if monitor["kind"] == "ServiceMonitor" else pod_labels
+    for name in monitor["spec"].get("targetLabels", []) + monitor["spec"].get("podTargetLabels", []):
+        if name in source:
+            copied[re.sub(r"[^a-zA-Z0-9_]", "_", name)] = source[name]
     return {"job": job, "namespace": "llm", "pod": workload["metadata"]["name"] + "-7d9f8-x2k4q",
-            "container": "karakvd", "instance": "10.1.2.3:9464", **extra}
+            "container": "karakvd", "instance": "10.1.2.3:9464", **extra, **copied}
 
 
 def dashboard_from(docs):
@@ -430,6 +437,7 @@ def test_rules_and_dashboard_select_the_job_the_monitor_produces(mode, monitor, 
                    "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}})
     target = scraped_target(docs)
     assert target["job"] == names.get("nameOverride", "karakv")
+    assert target["app_kubernetes_io_instance"] == "kv"  # the release, which the rules select too
     (rule,) = by_kind(docs, "PrometheusRule")
     rules = [(r["alert"], r["expr"]) for g in rule["spec"]["groups"] for r in g["rules"]]
     assert check_selects_the_target(rules, target) >= 1  # KarakvDown's up{job=...}
@@ -477,10 +485,59 @@ def test_prometheusrule_is_deploy_alerts_with_the_charts_job():
         (rule,) = by_kind(docs, "PrometheusRule")
         assert rule["apiVersion"] == "monitoring.coreos.com/v1"
         assert rule["metadata"]["labels"]["release"] == "prom"
-        expected = yaml.safe_load(text.replace('job="karakv"', f'job="{job}"'))
+        expected = yaml.safe_load(
+            text.replace('job="karakv"', f'job="{job}",namespace="llm",app_kubernetes_io_instance="kv"'))
         assert rule["spec"]["groups"] == expected["groups"]
         assert len(expected["groups"][0]["rules"]) >= 8
     assert not by_kind(render({}), "PrometheusRule")
+
+
+def test_two_releases_alert_only_on_their_own_daemons(tmp_path):
+    """Two releases of the chart in one namespace, both scraped by one Prometheus with the same job:
+    promtool evaluates both releases' rules over both daemons' series (the labels the monitors
+    give them), and each alert fires once, for the release whose daemon it is about."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found (scripts/setup.sh installs Debian's prometheus package)")
+    files = []
+    for release in ("kv", "kv2"):
+        docs = render({"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}, name=release)
+        (rule,) = by_kind(docs, "PrometheusRule")
+        path = tmp_path / f"{release}.yml"
+        path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        files.append(path.name)
+
+    def series(metric, release, values):
+        labels = (f'namespace="llm",pod="{release}-worker-0",job="karakv",instance="10.0.0.{len(release)}:9464",'
+                  f'app_kubernetes_io_instance="{release}"')
+        return {"series": f"{metric}{{{labels}}}", "values": values}
+
+    down_labels = {"severity": "critical", "namespace": "llm", "pod": "kv2-worker-0", "job": "karakv",
+                   "instance": "10.0.0.3:9464", "app_kubernetes_io_instance": "kv2"}
+    tests = {"rule_files": files, "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [series("up", "kv", "1x10"), series("up", "kv2", "1 1 0 0 0 0 0 0 0 0"),
+                         series("karakv_lease_expiries_total", "kv", "0+1x10"),
+                         series("karakv_lease_expiries_total", "kv2", "0x10")],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "KarakvDown", "exp_alerts": [{
+                "exp_labels": down_labels,
+                "exp_annotations": {
+                    "summary": "karakvd 10.0.0.3:9464 is not answering scrapes",
+                    "description": "Prometheus could not scrape /metrics for 1 minute: the daemon is down or "
+                                   "--metrics_listen is wrong. Workers on this node lose their KV cache."}}]},
+            {"eval_time": "9m", "alertname": "KarakvAbsent", "exp_alerts": []},
+            {"eval_time": "9m", "alertname": "KarakvLeaseExpiries", "exp_alerts": [{
+                "exp_labels": {**down_labels, "severity": "warning", "pod": "kv-worker-0",
+                               "instance": "10.0.0.2:9464", "app_kubernetes_io_instance": "kv"},
+                "exp_annotations": {
+                    "summary": "workers of karakvd 10.0.0.2:9464 keep losing their sessions",
+                    "description": "9 sessions expired in 10 minutes: workers crash or stop sending heartbeats "
+                                   "(their blocks were freed)."}}]},
+        ]}]}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(tests))
+    r = subprocess.run([promtool, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def chart_files(chart):

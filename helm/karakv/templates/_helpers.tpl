@@ -25,6 +25,16 @@ the PrometheusRule selects job="<karakv.name>" and the two cannot disagree.
 app.kubernetes.io/name
 {{- end -}}
 
+{{/*
+What the PrometheusRule's selectors match in place of deploy/prometheus/alerts.yml's job="karakv":
+the job above, this release's namespace, and the release itself (the ServiceMonitor and PodMonitor
+copy the app.kubernetes.io/instance label onto the series as app_kubernetes_io_instance), so two
+releases of the chart never alert on each other's daemons, in one namespace or in two.
+*/}}
+{{- define "karakv.ruleSelector" -}}
+{{- printf "job=\"%s\",namespace=\"%s\",app_kubernetes_io_instance=\"%s\"" (include "karakv.name" .) .Release.Namespace .Release.Name -}}
+{{- end -}}
+
 {{- define "karakv.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
