@@ -43,14 +43,8 @@ fi
 want() { [[ ",$stages," == *",$1,"* ]]; }
 
 start_seconds=$SECONDS
-if want ctest; then
-  bash scripts/setup.sh
-else
-  bash scripts/setup.sh --install-only
-fi
-
-# The burner: one busy process per CPU this script may run on, for the whole run (builds included,
-# as on a shared node). They end with the script, however it ends.
+# The burner: one busy process per CPU, for the whole run (the installs and builds included, as on a
+# shared node). They end with the script, however it ends.
 burners=()
 stop_burners() {
   if [ ${#burners[@]} -gt 0 ]; then kill "${burners[@]}" 2> /dev/null || true; fi
@@ -62,6 +56,12 @@ if [ "$busy" = 1 ]; then
     burners+=($!)
   done
   echo "==> --busy: ${#burners[@]} burner processes keep every CPU busy until the end of the run"
+fi
+
+if want ctest; then
+  bash scripts/setup.sh
+else
+  bash scripts/setup.sh --install-only
 fi
 
 # Sanitizer findings from every process (test binaries, the karakvd daemons they start, workers,
