@@ -112,23 +112,17 @@ class CpuBackend final : public Backend {
     // must still spread. Under 1 MiB the caller copies alone; above, measured side by side
     // (docs/BENCHMARKS.md, "Busy machine"), the pool doubles a quiet ring Append of 1 MiB, and on a
     // busy machine the caller copies on alone when no helper is scheduled.
-    const size_t total = size_t(num_layers) * num_tokens * geo.kv_token_elems() * esize * 2;
-    const int64_t rows = int64_t(num_layers) * num_tokens;
-    with_pool([&] {
-      cpu::parallel_for(rows, std::max<int64_t>(1, rows / (4 * int64_t(num_threads_))), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int l = int(r / num_tokens), i = int(r % num_tokens);
-          const int pos = start_pos + i;
-          const int32_t block = kv.block_of(seq, pos);
-          const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
-          for (int h = 0; h < geo.num_kv_heads; ++h) {
-            const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
-            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
-            std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
-          }
-        }
-      }, total >= kParallelCopyBytes);
-    });
+    copy_rows(int64_t(num_layers) * num_tokens, [&](int64_t r) {
+      const int l = int(r / num_tokens), i = int(r % num_tokens);
+      const int pos = start_pos + i;
+      const int32_t block = kv.block_of(seq, pos);
+      const size_t slot = size_t(pos % geo.block_size) * geo.head_dim;
+      for (int h = 0; h < geo.num_kv_heads; ++h) {
+        const size_t src = ((size_t(l) * num_tokens + i) * geo.num_kv_heads + h) * row_bytes;
+        std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 0, h) + slot) * esize, ks + src, row_bytes);
+        std::memcpy(pool + (kv.run_offset(block, layer_begin + l, 1, h) + slot) * esize, vs + src, row_bytes);
+      }
+    }, geo.num_kv_heads * row_bytes * 2);
     return KernelStatus::ok();
   }
 
@@ -228,22 +222,16 @@ class CpuBackend final : public Backend {
     const auto* pool = static_cast<const char*>(kv.pool);
     auto* kd = static_cast<char*>(k);
     auto* vd = static_cast<char*>(v);
-    const size_t total = size_t(geo.num_layers) * len * geo.kv_token_elems() * esize * 2;
-    const int64_t rows = int64_t(geo.num_layers) * len;
-    with_pool([&] {  // as write_kv
-      cpu::parallel_for(rows, std::max<int64_t>(1, rows / (4 * int64_t(num_threads_))), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int l = int(r / len), t = int(r % len);
-          const int32_t block = kv.block_of(seq, t);
-          const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
-          for (int h = 0; h < geo.num_kv_heads; ++h) {
-            const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
-            std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
-            std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
-          }
-        }
-      }, total >= kParallelCopyBytes);
-    });
+    copy_rows(int64_t(geo.num_layers) * len, [&](int64_t r) {
+      const int l = int(r / len), t = int(r % len);
+      const int32_t block = kv.block_of(seq, t);
+      const size_t slot = size_t(t % geo.block_size) * geo.head_dim;
+      for (int h = 0; h < geo.num_kv_heads; ++h) {
+        const size_t dst = ((size_t(l) * len + t) * geo.num_kv_heads + h) * row_bytes;
+        std::memcpy(kd + dst, pool + (kv.run_offset(block, l, 0, h) + slot) * esize, row_bytes);
+        std::memcpy(vd + dst, pool + (kv.run_offset(block, l, 1, h) + slot) * esize, row_bytes);
+      }
+    }, geo.num_kv_heads * row_bytes * 2);
     return KernelStatus::ok();
   }
 
@@ -385,6 +373,16 @@ class CpuBackend final : public Backend {
   auto with_pool(F&& f) -> std::invoke_result_t<F&> {
     cpu::ScopedPool scope(&pool_);
     return f();
+  }
+  // row(r) for every (layer, token) row r of a copy of `rows` rows of `row_bytes` each, a few chunks
+  // per thread; under kParallelCopyBytes in all the caller copies alone.
+  template <class Row>
+  void copy_rows(int64_t rows, const Row& row, size_t row_bytes) {
+    with_pool([&] {
+      cpu::parallel_for(rows, std::max<int64_t>(1, rows / (4 * int64_t(num_threads_))), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) row(r);
+      }, size_t(rows) * row_bytes >= kParallelCopyBytes);
+    });
   }
   // Whether decode attention over `kv` reads enough K/V to be worth the helpers.
   static bool attention_is_large(const PagedKV& kv) {
