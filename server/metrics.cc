@@ -20,6 +20,7 @@
 #include "util/version.h"
 #include "google/protobuf/descriptor.h"
 #include "karakv/v1/karakv.pb.h"
+#include "karakv/kernels/cpus.h"
 #include "server/heap_usage.h"
 #include "server/policy.h"
 
@@ -209,6 +210,13 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->heap_in_use_bytes_ = gauge("karakv_heap_in_use_bytes", "Bytes the daemon's malloc has handed out and not got back");
   m->heap_held_bytes_ = gauge("karakv_heap_held_bytes",
                               "Bytes the daemon's malloc has taken from the OS (in use plus free chunks it keeps)");
+  // The container's memory limit, read once: the dashboard sets the heap against it. No series
+  // where there is no limit (a pod without limits.memory, a bare host).
+  if (const kernels::MemoryLimit limit = kernels::memory_limit(); limit.bytes > 0) {
+    gauge("karakv_memory_limit_bytes", "The cgroup memory limit of the daemon's container (the smallest over its "
+                                       "cgroup's levels), in bytes; absent when unlimited")
+        ->Set(double(limit.bytes));
+  }
   m->prefix_lookups_ = counter("karakv_prefix_lookups_total", "Prefix cache lookups (Lookup, CreateSequence from a prefix)");
   m->prefix_lookup_tokens_ = counter("karakv_prefix_lookup_tokens_total", "Token ids the prefix lookups carried");
   m->prefix_hit_tokens_ = counter("karakv_prefix_hit_tokens_total", "Tokens the prefix lookups found cached");

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <initializer_list>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -120,6 +121,31 @@ std::optional<double> read_v1(const fs::path& dir, std::string* problem, fs::pat
   return double(*q) / double(*p);
 }
 
+// Memory limits in bytes, in the same shape: 0 for none ("max", v1's page-counter maximum).
+std::optional<double> read_memory_file(const fs::path& file, std::string* problem) {
+  const std::optional<std::string> text = read_text(file);
+  if (!text) return 0.0;
+  const std::string_view t = trim(*text);
+  if (t == "max") return 0.0;
+  const std::optional<long long> b = parse_int(t);
+  if (!b || *b <= 0) {
+    *problem = file.string() + " reads " + in_quotes(t) + ", expected 'max' or a number of bytes";
+    return std::nullopt;
+  }
+  if (*b >= (1LL << 62)) return 0.0;  // v1's "unlimited": PAGE_COUNTER_MAX pages
+  return double(*b);
+}
+
+std::optional<double> read_memory_v2(const fs::path& dir, std::string* problem, fs::path* file) {
+  *file = dir / "memory.max";
+  return read_memory_file(*file, problem);
+}
+
+std::optional<double> read_memory_v1(const fs::path& dir, std::string* problem, fs::path* file) {
+  *file = dir / "memory.limit_in_bytes";
+  return read_memory_file(*file, problem);
+}
+
 // The smallest quota over the levels of `cgroup_path` below `base`.
 CpuQuota walk(const fs::path& base, std::string_view cgroup_path, const char* version, LevelReader reader) {
   CpuQuota out;
@@ -161,7 +187,13 @@ std::string format_cpus(double cpus) {
 
 }  // namespace
 
-CpuQuota read_cgroup_cpu_quota(const std::string& mount_root, std::string_view proc_self_cgroup) {
+namespace {
+
+// The smallest limit of one controller over the cgroup named in `proc_self_cgroup`: a v1 hierarchy
+// with `controller` (mounted as its list of controllers or one of `v1_dirs`) wins over v2.
+CpuQuota read_cgroup_limit(const std::string& mount_root, std::string_view proc_self_cgroup,
+                           std::string_view controller, std::initializer_list<const char*> v1_dirs,
+                           LevelReader v1_reader, LevelReader v2_reader) {
   const fs::path root(mount_root);
   std::optional<std::string> v1_controllers, v1_path, v2_path;
   std::string_view text = proc_self_cgroup;
@@ -183,7 +215,7 @@ CpuQuota read_cgroup_cpu_quota(const std::string& mount_root, std::string_view p
     std::string_view rest = controllers;
     while (!rest.empty()) {
       const size_t comma = rest.find(',');
-      if (rest.substr(0, comma) == "cpu") {
+      if (rest.substr(0, comma) == controller) {
         v1_controllers = std::string(controllers);
         v1_path = std::string(path);
       }
@@ -191,21 +223,44 @@ CpuQuota read_cgroup_cpu_quota(const std::string& mount_root, std::string_view p
     }
   }
   if (v1_path) {
-    for (const std::string& name : {*v1_controllers, std::string("cpu"), std::string("cpu,cpuacct"),
-                                    std::string("cpuacct,cpu")}) {
-      if (is_dir(root / name)) return walk(root / name, *v1_path, "v1", read_v1);
+    if (is_dir(root / *v1_controllers)) return walk(root / *v1_controllers, *v1_path, "v1", v1_reader);
+    for (const char* name : v1_dirs) {
+      if (is_dir(root / name)) return walk(root / name, *v1_path, "v1", v1_reader);
     }
     CpuQuota none;
     none.version = "v1";
-    none.problem = "no cgroup v1 cpu controller mounted under " + root.string();
+    none.problem = "no cgroup v1 " + std::string(controller) + " controller mounted under " + root.string();
     return none;
   }
   if (v2_path) {
     // Hybrid hosts mount the v2 hierarchy at <root>/unified.
     const fs::path base = is_dir(root / "unified") && !is_file(root / "cgroup.controllers") ? root / "unified" : root;
-    return walk(base, *v2_path, "v2", read_v2);
+    return walk(base, *v2_path, "v2", v2_reader);
   }
   return {};
+}
+
+}  // namespace
+
+CpuQuota read_cgroup_cpu_quota(const std::string& mount_root, std::string_view proc_self_cgroup) {
+  return read_cgroup_limit(mount_root, proc_self_cgroup, "cpu", {"cpu", "cpu,cpuacct", "cpuacct,cpu"}, read_v1,
+                           read_v2);
+}
+
+MemoryLimit read_cgroup_memory_limit(const std::string& mount_root, std::string_view proc_self_cgroup) {
+  const CpuQuota q =
+      read_cgroup_limit(mount_root, proc_self_cgroup, "memory", {"memory"}, read_memory_v1, read_memory_v2);
+  MemoryLimit out;
+  out.bytes = int64_t(q.cpus);
+  out.source = q.source;
+  out.version = q.version;
+  out.problem = q.problem;
+  return out;
+}
+
+MemoryLimit memory_limit() {
+  const std::optional<std::string> cgroup = read_text("/proc/self/cgroup");
+  return cgroup ? read_cgroup_memory_limit("/sys/fs/cgroup", *cgroup) : MemoryLimit{};
 }
 
 UsableCpus usable_cpus(int affinity, CpuQuota quota) {

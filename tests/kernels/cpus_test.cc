@@ -159,6 +159,42 @@ TEST_F(CgroupTree, MalformedLevelKeepsTheOthers) {
   EXPECT_NE(u.reason().find("; also ignored: "), std::string::npos) << u.reason();
 }
 
+// The memory limit walks the same levels: the smallest limit wins, "max" and v1's page-counter
+// maximum are no limit, a malformed file is named and skipped.
+TEST_F(CgroupTree, MemoryLimitV2SmallestLevelWins) {
+  put("kubepods/memory.max", "8589934592\n");
+  put("kubepods/pod1/memory.max", "max\n");
+  put("kubepods/pod1/c1/memory.max", "2147483648\n");
+  MemoryLimit m = read_cgroup_memory_limit(root_.string(), "0::/kubepods/pod1/c1\n");
+  EXPECT_EQ(m.version, "v2");
+  EXPECT_EQ(m.bytes, int64_t{2} << 30);
+  EXPECT_EQ(m.source, (root_ / "kubepods/pod1/c1/memory.max").string());
+  m = read_cgroup_memory_limit(root_.string(), "0::/kubepods/pod1\n");
+  EXPECT_EQ(m.bytes, int64_t{8} << 30);
+  put("kubepods/memory.max", "max\n");
+  EXPECT_EQ(read_cgroup_memory_limit(root_.string(), "0::/kubepods/pod1\n").bytes, 0);
+}
+
+TEST_F(CgroupTree, MemoryLimitV1AndItsUnlimitedValue) {
+  put("memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n");
+  MemoryLimit m = read_cgroup_memory_limit(root_.string(), "4:memory:/docker/abc\n0::/\n");
+  EXPECT_EQ(m.version, "v1");
+  EXPECT_EQ(m.bytes, 0);
+  put("memory/docker/abc/memory.limit_in_bytes", "1073741824\n");
+  m = read_cgroup_memory_limit(root_.string(), "4:memory:/docker/abc\n0::/\n");
+  EXPECT_EQ(m.bytes, int64_t{1} << 30);
+  // The CPU quota of the same tree is not confused with it.
+  EXPECT_EQ(read("4:memory:/docker/abc\n0::/\n").cpus, 0);
+}
+
+TEST_F(CgroupTree, MemoryLimitMalformedIsNamedAndSkipped) {
+  put("a/memory.max", "lots\n");
+  put("a/b/memory.max", "1048576\n");
+  const MemoryLimit m = read_cgroup_memory_limit(root_.string(), "0::/a/b\n");
+  EXPECT_EQ(m.bytes, 1 << 20);
+  EXPECT_EQ(m.problem, (root_ / "a/memory.max").string() + " reads 'lots', expected 'max' or a number of bytes");
+}
+
 TEST(UsableCpus, AffinitySmallerThanQuota) {
   CpuQuota q;
   q.cpus = 4;

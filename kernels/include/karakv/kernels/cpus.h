@@ -10,6 +10,7 @@
 // its own cgroup is mounted at the root). A fractional quota rounds up: 1.5 CPUs is 2 threads.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -27,6 +28,18 @@ struct CpuQuota {
 // cgroup v1 ("N:cpu,cpuacct:/path") wins over the v2 line ("0::/path"), as it does in the kernel on
 // hybrid hosts.
 CpuQuota read_cgroup_cpu_quota(const std::string& mount_root, std::string_view proc_self_cgroup);
+
+// The same walk for the memory controller: the smallest cgroup memory limit over the levels (v2
+// memory.max, v1 memory.limit_in_bytes), for the daemon's karakv_memory_limit_bytes gauge.
+struct MemoryLimit {
+  int64_t bytes = 0;      // 0: no limit
+  std::string source;     // the file the limit came from ("" when none)
+  std::string version;    // "v2", "v1", or ""
+  std::string problem;    // a file that was there but could not be used
+};
+MemoryLimit read_cgroup_memory_limit(const std::string& mount_root, std::string_view proc_self_cgroup);
+// This process's: /proc/self/cgroup and the files under /sys/fs/cgroup.
+MemoryLimit memory_limit();
 
 struct UsableCpus {
   int count = 1;     // min(affinity, ceil(quota)), at least 1
