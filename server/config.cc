@@ -66,6 +66,10 @@ ABSL_FLAG(int32_t, threads, 0,
           "affinity mask capped by its cgroup CPU quota, rounded up)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text | json");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace | debug | info | warn | error");
+ABSL_FLAG(std::string, heartbeat_file, "",
+          "Liveness: the maintenance loop (lease expiry, under the core's lock) sets this file's mtime every "
+          "second; `karakv liveness` fails when it is older than its --max_age, i.e. the daemon is wedged, "
+          "whatever its gRPC threads are doing. Empty: <--socket>.alive; 'none': off");
 ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may take to finish");
 ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
           "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
@@ -297,6 +301,9 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   }
   if (absl::Status s = tls_from_flags(c); !s.ok()) return s;
   c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  c.heartbeat_file = absl::GetFlag(FLAGS_heartbeat_file);
+  if (c.heartbeat_file.empty() && !c.socket_path.empty()) c.heartbeat_file = c.socket_path + ".alive";
+  if (c.heartbeat_file == "none") c.heartbeat_file.clear();
   c.backend = absl::GetFlag(FLAGS_backend);
   if (c.backend != "auto" && c.backend != "cpu" && c.backend != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--backend=", c.backend, ", expected auto, cpu or cuda"));

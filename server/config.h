@@ -15,6 +15,7 @@ struct DaemonConfig {
   std::string socket_path;   // Unix domain socket; empty disables it
   std::string tcp_address;   // host:port; empty disables TCP
   std::string metrics_listen;
+  std::string heartbeat_file;  // mtime set each second by the maintenance loop (karakv liveness); empty: none
   std::string backend;       // auto | cpu | cuda
   int cuda_device = 0;
   std::string staging_fd_socket;  // VMM device staging fd socket (staging_fd_server.h); empty: none

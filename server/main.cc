@@ -1,11 +1,14 @@
 // karakvd: builds the config, the backend, the core and the gRPC server, then serves until
 // SIGTERM/SIGINT, when it drains (new calls get UNAVAILABLE, running calls finish) and exits 0.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -157,6 +160,19 @@ int main(int argc, char** argv) {
     metrics_ptr->set_events_dropped(events->dropped_total());
   });
 
+  // The liveness heartbeat (`karakv liveness`): the loop below sets its mtime after each pass,
+  // which takes the core's lock, so it goes stale only when the daemon is wedged or stopped.
+  int heartbeat_fd = -1;
+  if (!config->heartbeat_file.empty()) {
+    heartbeat_fd = open(config->heartbeat_file.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (heartbeat_fd < 0) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "--heartbeat_file=", config->heartbeat_file, ": cannot create it (", std::strerror(errno),
+          "); give a writable path, or 'none' to run without the liveness heartbeat")));
+    }
+    futimens(heartbeat_fd, nullptr);
+  }
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -260,6 +276,7 @@ int main(int argc, char** argv) {
         (*metrics)->lease_expired(n);
       }
       rings.reap();
+      if (heartbeat_fd >= 0) futimens(heartbeat_fd, nullptr);
     }
   });
 
@@ -282,6 +299,10 @@ int main(int argc, char** argv) {
   reaper.join();
   rings.stop_all();
   if (!config->socket_path.empty()) unlink(config->socket_path.c_str());
+  if (heartbeat_fd >= 0) {
+    close(heartbeat_fd);
+    unlink(config->heartbeat_file.c_str());
+  }
   spdlog::info("stopped");
   return 0;
 }

@@ -1,7 +1,9 @@
 // karakv: the operator's command line for karakvd. `karakv health | stats | sequences | inspect |
-// compact | top`, text or --json (protobuf's JSON printer: the messages of karakv.v1 and of
+// compact | top | liveness`, text or --json (protobuf's JSON printer: the messages of karakv.v1 and of
 // karakv/tools/v1/output.proto, one line each). Exit status: 0 ok (--help and --version too), 1 the
 // daemon answered with an error or is not serving, 2 usage.
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -46,6 +49,9 @@ ABSL_FLAG(std::string, tenant, "default", "compact: the tenant whose sequences t
 ABSL_FLAG(bool, dry_run, false, "compact: show what would be kept, change nothing");
 ABSL_FLAG(int, iterations, 0, "top: frames to show before exiting (0: until interrupted)");
 ABSL_FLAG(double, interval, 1.0, "top: seconds between frames");
+ABSL_FLAG(std::string, heartbeat_file, "",
+          "liveness: the file karakvd --heartbeat_file keeps fresh (default: <socket>.alive of --target)");
+ABSL_FLAG(double, max_age, 60.0, "liveness: seconds the heartbeat may be old before the daemon counts as wedged");
 ABSL_FLAG(int, rows, 20, "top: most sequences listed (largest first)");
 
 namespace {
@@ -100,6 +106,47 @@ const char* dtype_name(v1::DType d) {
     case v1::DTYPE_FP16: return "fp16";
     default: return "unspecified";
   }
+}
+
+// Liveness without a call: karakvd's maintenance loop, which takes the core's lock, sets the
+// heartbeat file's mtime every second. A daemon whose gRPC threads are all busy (a slow, loaded
+// daemon) still beats; a deadlocked or stopped one does not. So the kubelet's liveness probe kills
+// only a wedged daemon, never one that is merely slow to answer health.
+int cmd_liveness() {
+  std::string path = absl::GetFlag(FLAGS_heartbeat_file);
+  if (path.empty()) {
+    const std::string t = target();
+    if (!absl::StartsWith(t, "unix:")) {
+      std::fprintf(stderr, "karakv: liveness needs --heartbeat_file (the target %s is not a Unix socket to derive it from)\n",
+                   t.c_str());
+      return 2;
+    }
+    path = t.substr(5) + ".alive";
+  }
+  const double max_age = absl::GetFlag(FLAGS_max_age);
+  if (!(max_age > 0)) {
+    std::fprintf(stderr, "karakv: --max_age=%g, expected seconds > 0\n", max_age);
+    return 2;
+  }
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    std::fprintf(stderr, "karakv: liveness: heartbeat %s: %s (is karakvd running with --heartbeat_file=%s?)\n",
+                 path.c_str(), std::strerror(errno), path.c_str());
+    return 1;
+  }
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  const double age = double(now.tv_sec - st.st_mtim.tv_sec) + 1e-9 * double(now.tv_nsec - st.st_mtim.tv_nsec);
+  if (age > max_age) {
+    std::fprintf(stderr,
+                 "karakv: liveness: heartbeat %s is %.1f s old (limit --max_age=%g s): karakvd's maintenance loop "
+                 "has not run since; the daemon is wedged or stopped\n",
+                 path.c_str(), age, max_age);
+    return 1;
+  }
+  if (absl::GetFlag(FLAGS_json)) std::printf("{\"alive\":true,\"heartbeat_age_seconds\":%.3f}\n", std::max(0.0, age));
+  else std::printf("alive: heartbeat %.1f s old\n", std::max(0.0, age));
+  return 0;
 }
 
 int cmd_health(const std::shared_ptr<grpc::Channel>& ch) {
@@ -556,16 +603,18 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "talk to a running karakvd.\n"
       "  karakv [--target=unix:/tmp/karakv.sock] [--json] health | stats | sequences | inspect SEQ |\n"
-      "         compact [SEQ] [--dry_run] [--tenant=T] | top [--iterations=N] [--interval=S]\n"
+      "         compact [SEQ] [--dry_run] [--tenant=T] | top [--iterations=N] [--interval=S] |\n"
+      "         liveness [--heartbeat_file=F] [--max_age=S]   (no call: the age of karakvd's heartbeat file)\n"
       "The target defaults to $KARAKV_TARGET, else unix:/tmp/karakv.sock.");
   std::vector<char*> args = karakv::parse_command_line(argc, argv, "karakv");
   if (args.size() < 2 || args.size() > 3) {
     std::fprintf(stderr,
-                 "usage: karakv [flags] health | stats | sequences | inspect SEQ | compact [SEQ] | top   (karakv --help for flags)\n");
+                 "usage: karakv [flags] health | stats | sequences | inspect SEQ | compact [SEQ] | top | liveness   (karakv --help for flags)\n");
     return 2;
   }
   const std::string cmd = args[1];
   const std::string arg = args.size() == 3 ? args[2] : "";
+  if (cmd == "liveness") return cmd_liveness();
   auto credentials = channel_credentials();
   if (!credentials) return 2;
   auto channel = grpc::CreateChannel(target(), credentials);
@@ -575,7 +624,7 @@ int main(int argc, char** argv) {
   if (cmd == "inspect") return cmd_inspect(channel, arg);
   if (cmd == "compact") return cmd_compact(channel, arg);
   if (cmd == "top") return cmd_top(channel);
-  std::fprintf(stderr, "karakv: unknown command '%s'; expected health, stats, sequences, inspect, compact or top\n",
+  std::fprintf(stderr, "karakv: unknown command '%s'; expected health, stats, sequences, inspect, compact, top or liveness\n",
                cmd.c_str());
   return 2;
 }

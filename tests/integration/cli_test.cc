@@ -2,12 +2,15 @@
 // exit 0, the target comes from KARAKV_TARGET (the CLI and the C++ SDK), --json is protobuf's JSON
 // printer and parses back into the messages it was printed from (karakv top and synthetic_worker
 // included), and gRPC status codes are shown by name.
+#include <signal.h>
+
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -91,6 +94,59 @@ TEST(CliTest, TargetComesFromKaraKvTargetUnlessGiven) {
       run(absl::StrCat("KARAKV_TARGET=unix:/nonexistent.sock ", KARAKV_CLI_PATH, " --timeout=1 health 2>&1"), &code);
   EXPECT_EQ(code, 1);
   EXPECT_THAT(out, HasSubstr("karakv: health failed (UNAVAILABLE): "));
+}
+
+// `karakv liveness` reads the age of the heartbeat file karakvd's maintenance loop keeps fresh
+// (<socket>.alive by default): it passes while the daemon runs, fails naming the age once the
+// daemon is stopped (SIGSTOP: a wedged daemon as the kubelet sees it), passes again when it runs
+// on, and fails when the daemon has exited (the file is gone).
+TEST(CliTest, LivenessIsTheAgeOfTheDaemonsHeartbeat) {
+  Daemon d(geometry());
+  ASSERT_TRUE(d.ready());
+  const std::string cli = absl::StrCat(KARAKV_CLI_PATH, " --target=", d.target(), " ");
+  int code = -1;
+  EXPECT_THAT(run(cli + "liveness", &code), MatchesRegex("alive: heartbeat [0-9.]+ s old\n"));
+  EXPECT_EQ(code, 0);
+  EXPECT_THAT(run(cli + "--json liveness", &code), MatchesRegex("\\{\"alive\":true,\"heartbeat_age_seconds\":[0-9.]+\\}\n"));
+  EXPECT_EQ(code, 0);
+  // The explicit path is the same file.
+  EXPECT_THAT(run(absl::StrCat(KARAKV_CLI_PATH, " --heartbeat_file=", d.socket(), ".alive liveness"), &code),
+              HasSubstr("alive"));
+  EXPECT_EQ(code, 0);
+
+  ASSERT_EQ(kill(d.pid(), SIGSTOP), 0);
+  absl::SleepFor(absl::Milliseconds(2500));
+  const std::string stale = run(cli + "--max_age=1 liveness 2>&1", &code);
+  ASSERT_EQ(kill(d.pid(), SIGCONT), 0);
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(stale, MatchesRegex("karakv: liveness: heartbeat .*\\.alive is [0-9.]+ s old \\(limit --max_age=1 s\\).*"));
+  // Running again, the loop beats within its one-second period.
+  bool alive = false;
+  for (int i = 0; i < 100 && !alive; ++i) {
+    run(cli + "--max_age=1 liveness", &code);
+    alive = code == 0;
+    if (!alive) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(alive) << "the heartbeat did not resume after SIGCONT";
+
+  // Usage errors: no file to derive from a TCP target, a max_age that is not positive.
+  run(absl::StrCat(KARAKV_CLI_PATH, " --target=127.0.0.1:1 liveness 2>/dev/null"), &code);
+  EXPECT_EQ(code, 2);
+  run(cli + "--max_age=0 liveness 2>/dev/null", &code);
+  EXPECT_EQ(code, 2);
+
+  const std::string socket = d.socket();
+  d.stop();
+  EXPECT_THAT(run(cli + "liveness 2>&1", &code), HasSubstr("(is karakvd running with --heartbeat_file="));
+  EXPECT_EQ(code, 1);
+
+  // heartbeat_file=none: no file, so liveness cannot pass.
+  std::vector<std::string> args = geometry();
+  args.push_back("--heartbeat_file=none");
+  Daemon off(args);
+  ASSERT_TRUE(off.ready());
+  run(absl::StrCat(KARAKV_CLI_PATH, " --target=", off.target(), " liveness 2>/dev/null"), &code);
+  EXPECT_EQ(code, 1);
 }
 
 TEST(CliTest, SdkReadsKaraKvTargetWhenTheTargetIsEmpty) {

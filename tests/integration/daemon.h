@@ -49,6 +49,7 @@ class Daemon {
   }
   ~Daemon() {
     if (pid_ > 0) stop();
+    unlink((socket_ + ".alive").c_str());  // the heartbeat a killed daemon leaves behind
   }
 
   bool ready() const { return ready_; }
