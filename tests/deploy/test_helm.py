@@ -4,12 +4,14 @@ matter checked on the parsed YAML. The rendered karakvd config file and the exec
 then run for real: karakvd must accept the config, and the probe must report a serving daemon.
 The monitoring objects are checked against each other: the job label the ServiceMonitor or
 PodMonitor gives karakvd's series is what the PrometheusRule's and the dashboard's selectors match."""
+import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -193,21 +195,103 @@ def test_non_root_and_resources(mode):
     assert daemon["resources"]["limits"]["memory"] == "2Gi"
 
 
+HEARTBEAT = "/run/karakv/karakv.sock.alive"
+
+
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
-def test_exec_probes_use_the_health_cli_on_the_socket(mode):
+def test_exec_probes_use_the_health_cli_and_liveness_only_the_heartbeat(mode):
     daemon = daemon_container(pod_spec(render(MODES[mode])))
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert daemon[probe]["exec"]["command"] == [
             "karakv", "--target=unix:/run/karakv/karakv.sock", "--timeout=5", "health"]
+    # Liveness makes no call: a slow daemon is NotReady, only a wedged one is restarted.
+    assert daemon["livenessProbe"]["exec"]["command"] == [
+        "karakv", f"--heartbeat_file={HEARTBEAT}", "--max_age=60", "liveness"]
+    # The defaults: 120 s to start, three slow answers before NotReady, killed after its heartbeat
+    # has been over 60 s old for three probes.
+    assert (daemon["startupProbe"]["periodSeconds"], daemon["startupProbe"]["failureThreshold"]) == (2, 60)
+    assert (daemon["readinessProbe"]["periodSeconds"], daemon["readinessProbe"]["failureThreshold"]) == (10, 3)
+    assert (daemon["livenessProbe"]["periodSeconds"], daemon["livenessProbe"]["failureThreshold"]) == (10, 3)
+    (cm,) = [c for c in by_kind(render(MODES[mode]), "ConfigMap")]
+    assert f"heartbeat_file={HEARTBEAT}" in cm["data"]["karakvd.conf"].splitlines()
+
+
+def test_probe_thresholds_and_the_startup_budget_are_values():
+    daemon = daemon_container(pod_spec(render({"probes": {
+        "startup": {"periodSeconds": 5, "failureThreshold": 120},
+        "readiness": {"periodSeconds": 15, "failureThreshold": 4},
+        "liveness": {"periodSeconds": 20, "failureThreshold": 6, "maxAgeSeconds": 300}}})))
+    assert (daemon["startupProbe"]["periodSeconds"], daemon["startupProbe"]["failureThreshold"]) == (5, 120)
+    assert (daemon["readinessProbe"]["periodSeconds"], daemon["readinessProbe"]["failureThreshold"]) == (15, 4)
+    assert (daemon["livenessProbe"]["periodSeconds"], daemon["livenessProbe"]["failureThreshold"]) == (20, 6)
+    assert "--max_age=300" in daemon["livenessProbe"]["exec"]["command"]
 
 
 def test_grpc_probe_opens_the_tcp_port_it_probes():
     docs = render(MODES["daemonset-servicemonitor-grpc-probe"])
     daemon = daemon_container(pod_spec(docs))
-    assert daemon["livenessProbe"]["grpc"] == {"port": 50051}
+    assert daemon["readinessProbe"]["grpc"] == daemon["startupProbe"]["grpc"] == {"port": 50051}
+    assert daemon["livenessProbe"]["exec"]["command"][-1] == "liveness"
     assert {"name": "grpc", "containerPort": 50051, "protocol": "TCP"} in daemon["ports"]
     (cm,) = by_kind(docs, "ConfigMap")
     assert "listen_tcp=0.0.0.0:50051" in cm["data"]["karakvd.conf"].splitlines()
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "sidecar-plain-container", "daemonset"])
+def test_image_digest_pins_every_chart_image(mode):
+    spec = pod_spec(render({**MODES[mode], "image": {"digest": DIGEST}}))
+    images = {c["name"]: c["image"] for c in spec.get("initContainers", []) + spec["containers"]}
+    # karakvd, the DaemonSet's host-dirs init container and the example worker all run this image.
+    assert images and set(images.values()) == {f"ghcr.io/karakv/karakvd:0.1.0@{DIGEST}"}, images
+    # Without a digest: the tag, appVersion by default, for the example worker too.
+    spec = pod_spec(render({**MODES[mode], "image": {"tag": "0.1.1"}}))
+    assert {c["image"] for c in spec.get("initContainers", []) + spec["containers"]} == {
+        "ghcr.io/karakv/karakvd:0.1.1"}
+    # A worker image of its own is left alone.
+    if mode.startswith("sidecar"):
+        spec = pod_spec(render({**MODES[mode], "image": {"digest": DIGEST},
+                                "sidecar": {"worker": {"image": "vllm/vllm-openai:v0.9.0"}}}))
+        (worker,) = [c for c in spec["containers"] if c["name"] == "model-worker"]
+        assert worker["image"] == "vllm/vllm-openai:v0.9.0"
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_no_service_account_token_and_the_priority_class(mode):
+    for sa in ({}, {"serviceAccount": {"create": False}}):
+        spec = pod_spec(render({**MODES[mode], **sa}))
+        assert spec["automountServiceAccountToken"] is False
+        assert "priorityClassName" not in spec
+    spec = pod_spec(render({**MODES[mode], "priorityClassName": "system-node-critical",
+                            "serviceAccount": {"automountToken": True}}))
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["automountServiceAccountToken"] is True
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_tls_secret_is_mounted_and_configured(mode):
+    docs = render({**MODES[mode], "tls": {"secretName": "kv-tls", "port": 50443, "clientCA": True}})
+    spec = pod_spec(docs)
+    daemon = daemon_container(spec)
+    assert mounts(daemon)["tls"] == "/etc/karakv/tls"
+    assert [m for m in daemon["volumeMounts"] if m["name"] == "tls"][0]["readOnly"] is True
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+    assert vol["secret"] == {"secretName": "kv-tls", "defaultMode": 0o440}
+    assert {"name": "grpc-tls", "containerPort": 50443, "protocol": "TCP"} in daemon["ports"]
+    (cm,) = by_kind(docs, "ConfigMap")
+    lines = cm["data"]["karakvd.conf"].splitlines()
+    for line in ("listen_tcp=0.0.0.0:50443", "tls_cert=/etc/karakv/tls/tls.crt", "tls_key=/etc/karakv/tls/tls.key",
+                 "tls_client_ca=/etc/karakv/tls/ca.crt"):
+        assert line in lines
+    # The worker does not see the key.
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        if c["name"] != "karakvd":
+            assert "tls" not in mounts(c)
+    lines = by_kind(render({"tls": {"secretName": "kv-tls"}}), "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+    assert not [l for l in lines if l.startswith("tls_client_ca=")]
+    assert "tls" not in mounts(daemon_container(pod_spec(render({}))))
 
 
 def test_servicemonitor_scrapes_the_metrics_service():
@@ -238,6 +322,14 @@ def test_chart_refuses_bad_values():
         render({"sidecar": {"worker": {"securityContext": {"runAsUser": 0}}}})
     with pytest.raises(helm.HelmError, match="volume name dshm is the chart's own"):
         render({"sidecar": {"volumes": [{"name": "dshm", "emptyDir": {}}]}})
+    with pytest.raises(helm.HelmError, match="volume name tls is the chart's own"):
+        render({"sidecar": {"volumes": [{"name": "tls", "emptyDir": {}}]}})
+    with pytest.raises(helm.HelmError, match="config.heartbeat_file is set by the chart"):
+        render({"config": {"heartbeat_file": "/tmp/x"}})
+    with pytest.raises(helm.HelmError, match="config.tls_cert is set by the chart"):
+        render({"config": {"tls_cert": "/x.pem"}})
+    with pytest.raises(helm.HelmError, match="tls.secretName needs probes.type=exec"):
+        render({"tls": {"secretName": "kv-tls"}, "probes": {"type": "grpc"}})
 
 
 @pytest.mark.parametrize("values, where", [
@@ -253,6 +345,14 @@ def test_chart_refuses_bad_values():
     ({"networkPolicy": {"enabled": "yes"}}, "/networkPolicy/enabled"),
     ({"grafanaDashboard": {"enabled": True, "labels": {"grafana_dashboard": 1}}},
      "/grafanaDashboard/labels/grafana_dashboard"),
+    ({"image": {"digest": "sha256:1234"}}, "/image/digest"),
+    ({"image": {"digest": "ab" * 32}}, "/image/digest"),
+    ({"probes": {"periodSeconds": 10}}, "/probes"),           # the old flat settings: said, not ignored
+    ({"probes": {"liveness": {"maxAgeSeconds": 0}}}, "/probes/liveness/maxAgeSeconds"),
+    ({"probes": {"startup": {"failureThreshold": "60"}}}, "/probes/startup/failureThreshold"),
+    ({"tls": {"secretName": "KV_TLS"}}, "/tls/secretName"),
+    ({"priorityClassName": "High Priority"}, "/priorityClassName"),
+    ({"serviceAccount": {"automountToken": "no"}}, "/serviceAccount/automountToken"),
 ])
 def test_values_schema_rejects_bad_values(values, where):
     with pytest.raises(helm.HelmValuesError, match=re.escape(f"at '{where}'")):
@@ -268,25 +368,201 @@ def test_templates_refuse_bad_values_without_the_schema(tmp_path):
             c.render({"mode": "deployment"}, name="kv", namespace="llm")
         with pytest.raises(helm.HelmError, match="probes.type=tcp unknown"):
             c.render({"probes": {"type": "tcp"}}, name="kv", namespace="llm")
+        with pytest.raises(helm.HelmError, match="image.digest=sha256:12 is not a digest"):
+            c.render({"image": {"digest": "sha256:12"}}, name="kv", namespace="llm")
 
 
-@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
-def test_karakvd_accepts_the_config_and_the_probe_passes(mode, tmp_path):
+# --- Pod Security Standards ------------------------------------------------------------------------
+# The checks of https://kubernetes.io/docs/concepts/security/pod-security-standards/ that a pod
+# spec can fail, as the admission controller applies them (v1.29+): the level a namespace must
+# allow for the pod, "restricted", "baseline" or "privileged".
+BASELINE_CAPS = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+                 "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def pod_security_violations(spec):
+    containers = spec.get("initContainers", []) + spec["containers"]
+    pod_sc = spec.get("securityContext", {})
+    baseline, restricted = [], []
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            baseline.append(key)
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if "hostPath" in kinds:
+            baseline.append(f"volume {v['name']}: hostPath")
+        if not kinds <= RESTRICTED_VOLUMES:
+            restricted.append(f"volume {v['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    if pod_sc.get("seccompProfile", {}).get("type") == "Unconfined":
+        baseline.append("pod seccomp Unconfined")
+    for c in containers:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            baseline.append(f"{name}: privileged")
+        added = set(sc.get("capabilities", {}).get("add", []))
+        if added - BASELINE_CAPS:
+            baseline.append(f"{name}: adds {sorted(added - BASELINE_CAPS)}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            baseline.append(f"{name}: hostPort")
+        if sc.get("procMount", "Default") != "Default":
+            baseline.append(f"{name}: procMount")
+        if sc.get("seccompProfile", {}).get("type") == "Unconfined":
+            baseline.append(f"{name}: seccomp Unconfined")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            restricted.append(f"{name}: allowPrivilegeEscalation not false")
+        if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+            restricted.append(f"{name}: runAsNonRoot not true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            restricted.append(f"{name}: runAsUser 0")
+        if sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type") not in ("RuntimeDefault", "Localhost"):
+            restricted.append(f"{name}: no RuntimeDefault seccomp")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            restricted.append(f"{name}: capabilities not dropped")
+        if added - {"NET_BIND_SERVICE"}:
+            restricted.append(f"{name}: adds {sorted(added)}")
+    return baseline, restricted
+
+
+def pod_security_level(spec):
+    baseline, restricted = pod_security_violations(spec)
+    return "privileged" if baseline else "baseline" if restricted else "restricted"
+
+
+def test_pod_security_check_can_fail():
+    spec = pod_spec(render({}))
+    assert pod_security_level(spec) == "restricted"
+    daemon_container(spec)["securityContext"]["allowPrivilegeEscalation"] = True
+    assert pod_security_level(spec) == "baseline"
+    daemon_container(spec)["securityContext"]["privileged"] = True
+    assert pod_security_level(spec) == "privileged"
+
+
+# The levels helm/README.md promises ("Pod Security"): sidecar mode meets restricted (with the
+# TLS Secret too); the DaemonSet's hostPaths need privileged, with or without its root init
+# container; a worker that adds a capability outside baseline's list (IPC_LOCK) needs privileged.
+@pytest.mark.parametrize("values, level", [
+    ({}, "restricted"),
+    ({"sidecar": {"native": False}}, "restricted"),
+    ({"tls": {"secretName": "kv-tls"}, "sidecar": {"shareProcessNamespace": True}}, "restricted"),
+    ({"mode": "daemonset"}, "privileged"),
+    ({"mode": "daemonset", "daemonset": {"fixPermissions": False}}, "privileged"),
+    (REAL_WORKER, "privileged"),
+])
+def test_pod_security_level_of_each_mode(values, level):
+    assert pod_security_level(pod_spec(render(values))) == level, pod_security_violations(pod_spec(render(values)))
+
+
+# --- checkov ---------------------------------------------------------------------------------------
+# checkov's Kubernetes policies over every rendered mode, as an operator following helm/README.md
+# deploys them (images pinned by digest, the worker's too). The classes the chart promises, image
+# digest (CKV_K8S_43) and service-account token (CKV_K8S_38), fail nowhere; every other failing
+# check is one helm/README.md lists under "checkov" with its reason, and it lists no check that
+# passes everywhere (a stale entry).
+PROMISED = {"CKV_K8S_43", "CKV_K8S_38"}
+README = os.path.join(ROOT, "helm", "README.md")
+
+
+def checkov_failures(values_by_mode, tmp_path):
+    venv = os.environ.get("CHECKOV_VENV", "")
+    checkov = os.path.join(venv, "bin", "checkov")
+    if not os.path.exists(checkov):
+        reason = open(venv + ".skip").read().strip() if os.path.exists(venv + ".skip") else "no checkov venv"
+        pytest.skip(f"checkov: {reason}")
+    out = tmp_path / "rendered"
+    out.mkdir(parents=True)
+    for mode, values in values_by_mode.items():
+        with open(out / f"{mode}.yaml", "w") as f:
+            yaml.safe_dump_all(render(values), f)
+    run = subprocess.run([checkov, "-d", str(out), "--framework", "kubernetes", "-o", "json", "--quiet", "--compact",
+                          "--skip-download"], capture_output=True, text=True)
+    assert run.returncode in (0, 1), run.stderr
+    reports = json.loads(run.stdout)
+    failed = {}
+    for report in reports if isinstance(reports, list) else [reports]:
+        if report.get("check_type", "kubernetes") != "kubernetes":
+            continue
+        for f in report.get("results", {}).get("failed_checks", []):
+            failed.setdefault(f["check_id"], set()).add(f"{os.path.basename(f['file_path'])}: {f['resource']}")
+    return failed
+
+
+def readme_checkov_exceptions():
+    text = open(README).read()
+    section = text[text.index("### checkov"):]
+    section = section[:section.index("\n## ") if "\n## " in section else len(section)]
+    return set(re.findall(r"^\| (CKV_K8S_\d+) \|", section, re.M))
+
+
+def test_checkov_finds_only_what_the_readme_explains(tmp_path):
+    pinned = {"image": {"digest": DIGEST}}
+    modes = {m: {**v, **pinned} for m, v in MODES.items()}
+    worker = modes["sidecar-real-worker"]["sidecar"]["worker"]
+    modes["sidecar-real-worker"]["sidecar"] = {**modes["sidecar-real-worker"]["sidecar"],
+                                              "worker": {**worker, "image": f"vllm/vllm-openai@{DIGEST}"}}
+    modes["sidecar-tls-priority"] = {**pinned, "tls": {"secretName": "kv-tls"}, "priorityClassName": "kv-high"}
+    failed = checkov_failures(modes, tmp_path)
+    assert not (PROMISED & set(failed)), {k: sorted(failed[k]) for k in PROMISED & set(failed)}
+    listed = readme_checkov_exceptions()
+    assert set(failed) <= listed, {k: sorted(v) for k, v in failed.items() if k not in listed}
+    assert listed <= set(failed), f"helm/README.md explains checks that no longer fail: {sorted(listed - set(failed))}"
+    # Without a digest the digest check fails: the scan sees what it is asked to.
+    assert "CKV_K8S_43" in checkov_failures({"sidecar": {}}, tmp_path / "nodigest")
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_namespaced_object_names_the_release_namespace(mode):
+    for doc in render(MODES[mode], namespace="llm"):
+        want = MODES[mode].get("grafanaDashboard", {}).get("namespace") if doc["metadata"]["name"].endswith(
+            "-dashboard") else None
+        assert doc["metadata"].get("namespace") == (want or "llm"), (doc["kind"], doc["metadata"]["name"])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def self_signed(directory):
+    """A certificate for 127.0.0.1 and its key, as a kubernetes.io/tls Secret would hold them."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=karakvd",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(directory / "tls.key"),
+                    "-out", str(directory / "tls.crt")], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset", "sidecar-tls"])
+def test_karakvd_accepts_the_config_and_the_probes_pass(mode, tmp_path):
     karakvd, cli = os.environ.get("KARAKVD"), os.environ.get("KARAKV_CLI")
     if not (karakvd and cli):
         pytest.skip("KARAKVD and KARAKV_CLI are not set (ctest sets them)")
     # The chart's defaults, with a small pool so the test is light; metrics off so no fixed port.
-    docs = render({**MODES[mode], "config": {"pool_bytes": "8MiB"}, "metrics": {"enabled": False}})
+    values = {**MODES.get(mode, {}), "config": {"pool_bytes": "8MiB"}, "metrics": {"enabled": False}}
+    tls_dir = tmp_path / "tls"
+    if mode == "sidecar-tls":
+        tls_dir.mkdir()
+        self_signed(tls_dir)
+        values["tls"] = {"secretName": "kv-tls", "port": free_port(), "clientCA": False}
+    docs = render(values)
     (cm,) = by_kind(docs, "ConfigMap")
     conf = cm["data"]["karakvd.conf"]
     assert "socket=/run/karakv/karakv.sock" in conf.splitlines()
     sock = str(tmp_path / "karakv.sock")
-    (tmp_path / "karakvd.conf").write_text(conf.replace("/run/karakv/karakv.sock", sock))
+    (tmp_path / "karakvd.conf").write_text(
+        conf.replace("/run/karakv/karakv.sock", sock).replace("/etc/karakv/tls", str(tls_dir)))
     daemon = daemon_container(pod_spec(docs))
     assert daemon["args"] == ["--config=/etc/karakv/karakvd.conf"]
     args = [karakvd, f"--config={tmp_path / 'karakvd.conf'}"]
-    probe = [cli if a == "karakv" else a.replace("/run/karakv/karakv.sock", sock)
-             for a in daemon["readinessProbe"]["exec"]["command"]]
+
+    def command(probe):
+        return [cli if a == "karakv" else a.replace("/run/karakv/karakv.sock", sock)
+                for a in daemon[probe]["exec"]["command"]]
+
+    probe, liveness = command("readinessProbe"), command("livenessProbe")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 20
@@ -299,11 +575,22 @@ def test_karakvd_accepts_the_config_and_the_probe_passes(mode, tmp_path):
         assert proc.poll() is None, f"karakvd refused the chart's config: {proc.stdout.read()}"
         assert result is not None and result.returncode == 0, shlex.join(probe) + ": " + result.stderr
         assert result.stdout.strip() == "SERVING"
+        alive = subprocess.run(liveness, capture_output=True, text=True)
+        assert alive.returncode == 0 and alive.stdout.startswith("alive"), shlex.join(liveness) + ": " + alive.stderr
+        if mode == "sidecar-tls":
+            # A worker outside the pod: TLS on the chart's port, with the Secret's certificate.
+            port = values["tls"]["port"]
+            tls = subprocess.run([cli, f"--target=127.0.0.1:{port}", f"--tls_ca={tls_dir / 'tls.crt'}", "health"],
+                                 capture_output=True, text=True)
+            assert tls.returncode == 0 and tls.stdout.strip() == "SERVING", tls.stderr
+            plain = subprocess.run([cli, f"--target=127.0.0.1:{port}", "--timeout=2", "health"], capture_output=True)
+            assert plain.returncode != 0
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(15)
-    # A stopped daemon fails the probe, so the probe can fail.
+    # A stopped daemon fails both probes, so the probes can fail.
     assert subprocess.run(probe, capture_output=True).returncode != 0
+    assert subprocess.run(liveness, capture_output=True).returncode != 0
 
 
 # --- Monitoring: the job label, the rules, the dashboard -------------------------------------------
@@ -562,22 +849,73 @@ def test_chart_files_are_deploys_and_survive_packaging(tmp_path):
         assert chart_files(packaged)["files/karakv-dashboard.json"] == dashboard
         out = packaged.render({"grafanaDashboard": {"enabled": True}}, name="kv", namespace="llm")
     (cm,) = [d for d in yaml.safe_load_all(out["karakv/templates/grafana-dashboard.yaml"]) if d]
-    assert json.loads(cm["data"]["karakv.json"]) == json.loads(dashboard)
+    assert json.loads(cm["data"]["karakv.json"]) == release_dashboard(json.loads(dashboard), "llm", "kv")
+
+
+def release_dashboard(dash, namespace, release):
+    """The dashboard as the chart ships it for a release: the file's, with its own uid ("karakv-" and
+    12 hex digits of the sha256 of "<namespace>/<release>") and a title naming the release."""
+    ident = f"{namespace}/{release}"
+    return {**dash, "uid": "karakv-" + hashlib.sha256(ident.encode()).hexdigest()[:12],
+            "title": f"{dash['title']} ({ident})"}
 
 
 def test_dashboard_configmap_for_the_grafana_sidecar():
     docs = render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring",
                                         "annotations": {"grafana_folder": "LLM serving"}}})
-    (cm,) = [c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"] == "kv-karakv-dashboard"]
+    # In Grafana's namespace the name carries the release's namespace: releases "kv" of two
+    # namespaces would clash there otherwise.
+    (cm,) = [c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"] == "kv-karakv-llm-dashboard"]
+    (other,) = [c for c in by_kind(render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}},
+                                          namespace="staging"), "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
+    assert other["metadata"]["name"] == "kv-karakv-staging-dashboard"
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["metadata"]["namespace"] == "monitoring"
     assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
     with open(DASHBOARD) as f:
-        assert cm["data"]["karakv.json"] == f.read()
+        dash = json.load(f)
+    # The file's dashboard, all of it but the uid and title, which are the release's (the file's
+    # own uid "karakv" is for a standalone import).
+    assert dash["uid"] == "karakv" and dash["title"] == "karakv"
+    shipped = json.loads(cm["data"]["karakv.json"])
+    assert shipped == release_dashboard(dash, "llm", "kv")
+    assert shipped["uid"] == "karakv-92e5e8374a2e" and shipped["title"] == "karakv (llm/kv)"
     (cm,) = [c for c in by_kind(render({"grafanaDashboard": {"enabled": True}}), "ConfigMap")
              if c["metadata"]["name"].endswith("-dashboard")]
-    assert cm["metadata"]["namespace"] == "llm"
+    assert cm["metadata"]["namespace"] == "llm" and cm["metadata"]["name"] == "kv-karakv-dashboard"
     assert [c["metadata"]["name"] for c in by_kind(render({}), "ConfigMap")] == ["kv-karakv-config"]
+
+
+def test_two_releases_get_their_own_dashboard():
+    """Grafana keys dashboards by uid (at most 40 characters, letters, digits, - and _): two
+    releases' ConfigMaps with one uid would replace each other in a Grafana that loads both, so each
+    release's uid is its own, whether the names or the namespaces differ; an upgrade keeps it."""
+    releases = [("llm", "kv"), ("llm", "kv2"), ("staging", "kv"), ("llm", "llama-70b-kvcache-" + "x" * 35)]
+    uids = {}
+    for namespace, release in releases:
+        dash = dashboard_from(render({"grafanaDashboard": {"enabled": True}}, name=release, namespace=namespace))
+        assert re.fullmatch(r"[A-Za-z0-9_-]{1,40}", dash["uid"]), dash["uid"]
+        assert dash["title"] == f"karakv ({namespace}/{release})"
+        uids[namespace, release] = dash["uid"]
+    assert len(set(uids.values())) == len(releases), uids
+    assert "karakv" not in uids.values()
+    # The ConfigMap in another namespace (Grafana's) does not change it: the uid is the release's.
+    dash = dashboard_from(render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}}))
+    assert dash["uid"] == uids["llm", "kv"]
+
+
+AGGREGATION = re.compile(r'\b(sum|avg|min|max|count|group|stddev|stdvar|topk|bottomk|quantile)\s*'
+                         r'(?:by\s*\(([^()]*)\))?\s*\(')
+
+
+def legend_labels(expr):
+    """The labels a panel query's series keep: those of every aggregation's `by`, or None for the
+    labels of the selected series (no aggregation)."""
+    kept = None
+    for m in AGGREGATION.finditer(expr):
+        group = {l.strip() for l in (m.group(2) or "").split(",") if l.strip()}
+        kept = group if kept is None else kept & group
+    return kept
 
 
 def test_dashboard_has_the_kubernetes_variables_and_panels():
@@ -607,6 +945,55 @@ def test_dashboard_has_the_kubernetes_variables_and_panels():
         'instance=~"$instance"})']
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+    # No panel overlaps another (Grafana would push one down); all fit the 24 columns.
+    boxes = [(p["title"], p["gridPos"]) for p in dash["panels"]]
+    for i, (title, a) in enumerate(boxes):
+        assert a["x"] >= 0 and a["x"] + a["w"] <= 24, title
+        for other, b in boxes[i + 1:]:
+            apart = (a["x"] + a["w"] <= b["x"] or b["x"] + b["w"] <= a["x"] or
+                     a["y"] + a["h"] <= b["y"] or b["y"] + b["h"] <= a["y"])
+            assert apart, f"panels {title!r} and {other!r} overlap: {a} {b}"
+
+    # Legends name the pod, not its IP:port: {{instance}} only where the query has no pod label;
+    # an aggregation that keeps instance keeps namespace and pod; no selector repeats a matcher.
+    panels = [p for p in dash["panels"]] + [c for p in dash["panels"] for c in p.get("panels", [])]
+    for p in panels:
+        for t in p.get("targets", []):
+            expr, legend = t["expr"], t.get("legendFormat", "")
+            for m in AGGREGATION.finditer(expr):
+                group = {l.strip() for l in (m.group(2) or "").split(",")}
+                assert "instance" not in group or {"namespace", "pod"} <= group, f"{p['title']!r}: {expr}"
+            kept = legend_labels(expr)
+            used = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+            assert kept is None or used <= kept, f"{p['title']!r}: legend {legend!r} names labels {expr} drops"
+            if kept is None or "pod" in kept:
+                assert "instance" not in used, f"{p['title']!r}: legend {legend!r} shows the pod's IP, not its name"
+            for metric, matchers in selectors(expr):
+                names = [n for n, _, _ in matchers]
+                assert len(names) == len(set(names)), f"{p['title']!r}: {metric} repeats a matcher: {expr}"
+    assert legend_labels('sum by (le, instance) (rate(x[1m]))') == {"le", "instance"}
+    assert legend_labels('sum(rate(x[1m]))') == set() and legend_labels('x{a="b"}') is None
+
+    # Memory, prefix evictions and build.
+    by_panel = {p["title"]: p for p in panels}
+    heap = by_panel["Heap against the memory limit"]
+    assert metrics["Heap against the memory limit"] == {
+        "karakv_heap_in_use_bytes", "karakv_heap_held_bytes", "karakv_memory_limit_bytes"}
+    assert heap["type"] == "timeseries" and heap["fieldConfig"]["defaults"]["unit"] == "bytes"
+    (limit,) = [t for t in heap["targets"] if "karakv_memory_limit_bytes" in t["expr"]]
+    (override,) = heap["fieldConfig"]["overrides"]  # the limit: a dashed line, not filled
+    assert override["matcher"] == {"id": "byFrameRefID", "options": limit["refId"]}
+    props = {o["id"]: o["value"] for o in override["properties"]}
+    assert props["custom.lineStyle"]["fill"] == "dash" and props["custom.fillOpacity"] == 0
+    assert metrics["Prefix-cache evictions"] == {"karakv_prefix_evictions_total"}
+    (evictions,) = by_title["Prefix-cache evictions"]
+    assert "rate(karakv_prefix_evictions_total{" in evictions and "pod" in legend_labels(evictions)
+    build = by_panel["Build info"]
+    assert metrics["Build info"] == {"karakv_build_info"}
+    assert build["type"] == "table" and build["targets"][0]["format"] == "table" and build["targets"][0]["instant"]
+    (shown,) = [t["options"]["include"]["names"] for t in build["transformations"] if t["id"] == "filterFieldsByName"]
+    assert {"pod", "version", "revision", "backend"} <= set(shown)  # server/metrics.cc's labels, by pod
 
 
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])

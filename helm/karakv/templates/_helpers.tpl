@@ -56,8 +56,26 @@ app.kubernetes.io/component: {{ .Values.mode }}
 {{- end -}}
 {{- end -}}
 
+{{/* karakvd's image: <repository>:<tag or appVersion>, and @<digest> when image.digest pins it. */}}
 {{- define "karakv.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- $ref := printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- with .Values.image.digest -}}
+{{- if not (regexMatch "^sha256:[a-f0-9]{64}$" .) -}}
+{{- fail (printf "image.digest=%s is not a digest; expected sha256:<64 lowercase hex digits>" .) -}}
+{{- end -}}
+{{- $ref = printf "%s@%s" $ref . -}}
+{{- end -}}
+{{- $ref -}}
+{{- end -}}
+
+{{/* The heartbeat file karakvd keeps fresh (--heartbeat_file's default, <socket>.alive). */}}
+{{- define "karakv.heartbeat" -}}
+{{- printf "%s.alive" (include "karakv.socket" .) -}}
+{{- end -}}
+
+{{/* Where the TLS Secret is mounted in karakvd's container. */}}
+{{- define "karakv.tlsDir" -}}
+/etc/karakv/tls
 {{- end -}}
 
 {{- define "karakv.socket" -}}
@@ -99,18 +117,25 @@ ports:
     containerPort: {{ .Values.probes.grpcPort }}
     protocol: TCP
 {{- end }}
+{{- if .Values.tls.secretName }}
+  - name: grpc-tls
+    containerPort: {{ .Values.tls.port }}
+    protocol: TCP
+{{- end }}
 startupProbe:
   {{- include "karakv.probeHandler" . | trim | nindent 2 }}
-  periodSeconds: 1
-  failureThreshold: 60
+  periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+  failureThreshold: {{ .Values.probes.startup.failureThreshold }}
 livenessProbe:
-  {{- include "karakv.probeHandler" . | trim | nindent 2 }}
-  periodSeconds: {{ .Values.probes.periodSeconds }}
-  failureThreshold: {{ .Values.probes.failureThreshold }}
+  exec:
+    command: ["karakv", "--heartbeat_file={{ include "karakv.heartbeat" . }}", "--max_age={{ .Values.probes.liveness.maxAgeSeconds }}", "liveness"]
+  timeoutSeconds: {{ .Values.probes.timeoutSeconds }}
+  periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
 readinessProbe:
   {{- include "karakv.probeHandler" . | trim | nindent 2 }}
-  periodSeconds: {{ .Values.probes.periodSeconds }}
-  failureThreshold: 1
+  periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
 resources:
   {{- toYaml .Values.resources | nindent 2 }}
 securityContext:
@@ -123,6 +148,21 @@ volumeMounts:
   - name: config
     mountPath: /etc/karakv
     readOnly: true
+{{- if .Values.tls.secretName }}
+  - name: tls
+    mountPath: {{ include "karakv.tlsDir" . }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The pod volume of the TLS Secret (listed after the chart's other volumes). */}}
+{{- define "karakv.tlsVolume" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- end -}}
 
 {{- define "karakv.containerSecurityContext" -}}
@@ -148,6 +188,10 @@ seccompProfile:
 
 {{- define "karakv.podCommon" -}}
 serviceAccountName: {{ include "karakv.serviceAccountName" . }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
