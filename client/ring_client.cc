@@ -80,8 +80,8 @@ absl::StatusOr<std::optional<ring::Completion>> RingClient::call(ring::Command& 
       return closed_status();
     }
     const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-    if (waited < spin_ns_) {
-      ring::spin_once();
+    if (waited < spin_ns_ && spinning_.may_spin(ring::monotonic_ns())) {
+      spinning_.spin_once();  // a slow one (busy CPUs): sleep on the futex for a while instead (ring.h)
       continue;
     }
     const absl::Time now = absl::Now();

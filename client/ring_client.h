@@ -1,6 +1,7 @@
 // The worker's end of the decode fast path (karakv/v1/ring.h): submits one command, then waits for
-// its completion by spinning briefly and then sleeping on the completion doorbell, every wait
-// bounded by a deadline and interrupted by a liveness check of the daemon.
+// its completion by spinning briefly (not at all for a while after a yield was slow: a busy
+// machine) and then sleeping on the completion doorbell, every wait bounded by a deadline and
+// interrupted by a liveness check of the daemon.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +41,7 @@ class RingClient {
   ring::Producer<ring::Command> sq_;
   ring::Consumer<ring::Completion> cq_;
   const int64_t spin_ns_;
+  ring::SpinPolicy spinning_;  // whether a wait spins first (not while yields are slow)
   uint64_t next_tag_ = 1;
   bool usable_ = true;
   uint64_t calls_ = 0, sleeps_ = 0;

@@ -50,6 +50,12 @@ RingServer::RingServer(RequestGate* gate, Core* core, Metrics* metrics, RingConf
                   .Help("Times a ring thread left FUTEX_WAIT because the worker rang the doorbell")
                   .Register(*reg)
                   .Add({});
+  slow_yields_ = &prometheus::BuildCounter()
+                      .Name("karakv_ring_slow_yields_total")
+                      .Help("Idle spins a ring thread cut short to sleep on its doorbell because a yield lost the "
+                            "CPU to another task for a time slice (a busy node)")
+                      .Register(*reg)
+                      .Add({});
   corrupt_ = &prometheus::BuildCounter()
                   .Name("karakv_ring_corrupt_total")
                   .Help("Sessions closed because their ring held impossible indices or a garbage command")
@@ -458,6 +464,7 @@ void RingServer::run(Worker* w) {
   const auto spin = std::chrono::nanoseconds(absl::ToInt64Nanoseconds(config_.spin));
   const int64_t poll_ns = absl::ToInt64Nanoseconds(config_.poll);
   auto last_work = Clock::now();
+  ring::SpinPolicy spinning;
   while (!w->stop.load(std::memory_order_relaxed)) {
     const Turn t = turn(w);
     if (t == Turn::kClosed) break;
@@ -466,8 +473,8 @@ void RingServer::run(Worker* w) {
       continue;
     }
     // Nothing to do (or no room to answer): spin a little, then sleep on the doorbell.
-    if (Clock::now() - last_work < spin) {
-      ring::spin_once();
+    if (Clock::now() - last_work < spin && spinning.may_spin(ring::monotonic_ns())) {
+      if (!spinning.spin_once()) slow_yields_->Increment();
       continue;
     }
     const uint32_t bell = h->sq_doorbell.load(std::memory_order_seq_cst);

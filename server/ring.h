@@ -149,6 +149,7 @@ class RingServer {
   std::shared_ptr<prometheus::Registry> keepalive_;  // owns the families below when metrics is null
   prometheus::Family<prometheus::Counter>* commands_ = nullptr;
   prometheus::Counter* wakeups_ = nullptr;
+  prometheus::Counter* slow_yields_ = nullptr;
   prometheus::Counter* corrupt_ = nullptr;
   prometheus::Histogram* depth_ = nullptr;
   prometheus::Gauge* active_ = nullptr;

@@ -130,5 +130,43 @@ TEST(Ring, FutexWaitTimesOutAndWakes) {
   EXPECT_EQ(word.load(), 8u);
 }
 
+// The spin policy (ring.h): quick yields keep spinning; a slow one (another task took the CPU)
+// opens a window without spinning that doubles with each slow yield up to 100 ms, and only a long
+// run of quick yields brings it back to 1 ms.
+TEST(SpinPolicy, SlowYieldsOpenDoublingWindowsThatOnlyALongQuickRunResets) {
+  using P = ring::SpinPolicy;
+  P p;
+  const int64_t quick = 1'000, slow = 2'000'000;
+  int64_t now = 1'000'000'000;
+  EXPECT_TRUE(p.may_spin(now));
+  EXPECT_TRUE(p.record(quick, now));
+  EXPECT_TRUE(p.may_spin(now));
+  EXPECT_FALSE(p.record(slow, now));
+  EXPECT_FALSE(p.may_spin(now + P::kMinWindowNs - 1));
+  EXPECT_TRUE(p.may_spin(now + P::kMinWindowNs));
+  // Busy: slow yields keep coming, each window twice the last, capped.
+  int64_t window = P::kMinWindowNs;
+  for (int i = 0; i < 12; ++i) {
+    now += window;
+    window = std::min(P::kMaxWindowNs, window * 2);
+    ASSERT_TRUE(p.may_spin(now));
+    EXPECT_FALSE(p.record(slow, now));
+    EXPECT_FALSE(p.may_spin(now + window - 1)) << i;
+    EXPECT_TRUE(p.may_spin(now + window)) << i;
+  }
+  EXPECT_EQ(window, P::kMaxWindowNs);
+  // Mostly quick yields with an odd slow one (EEVDF lets a yielder run on when the other task is
+  // not eligible): the window stays long.
+  now += window;
+  for (int i = 0; i < P::kQuickYieldsToReset - 1; ++i) EXPECT_TRUE(p.record(quick, now));
+  EXPECT_FALSE(p.record(slow, now));
+  EXPECT_FALSE(p.may_spin(now + P::kMaxWindowNs - 1));
+  // Quiet again: a thousand quick yields in a row, and the next slow one costs 1 ms.
+  now += P::kMaxWindowNs;
+  for (int i = 0; i < P::kQuickYieldsToReset; ++i) EXPECT_TRUE(p.record(quick, now));
+  EXPECT_FALSE(p.record(slow, now));
+  EXPECT_TRUE(p.may_spin(now + P::kMinWindowNs));
+}
+
 }  // namespace
 }  // namespace karakv

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <linux/futex.h>
+
+#include <algorithm>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -167,10 +169,63 @@ inline void futex_wake(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
 }
 
-// One turn of a bounded spin. It yields the CPU rather than pausing in place: the peer (and, in the
-// daemon, the kernels' pool helpers) must run for the spin to end, and on a machine with few cores
-// a spinner that does not yield steals exactly the time it is waiting for.
-inline void spin_once() { sched_yield(); }
+inline int64_t monotonic_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+// How a waiting side spins before it sleeps on a futex. Each turn yields the CPU rather than
+// pausing in place: the peer (and, in the daemon, the kernels' pool helpers) must run for the spin
+// to end, and on a machine with few cores a spinner that does not yield steals exactly the time it
+// is waiting for.
+//
+// But on a busy machine (other runnable tasks on every CPU) a yield hands the CPU to such a task
+// for a whole time slice (0.75 ms and up; the peer's own turns, a command or a kernel helper's
+// chunk, are far shorter), and a side that spins after each command loses a slice per command:
+// ring Appends fell 50-400x under a CPU burner. A yield that took longer than kSlowYieldNs opens
+// a window in which the side does not spin but sleeps on the futex at once; a woken sleeper runs
+// ahead of a task that has been running (the scheduler's wake-up preemption), a yielder does not.
+// Spinning saves ~10 us a command over a futex wake, a slow yield costs ~1-4 ms, so it pays only
+// where slow yields are rarer than about one in a few hundred. Measured on the 2-CPU VM: quiet,
+// 6 slow in 600,000 yields of a ring thread; with a burner per CPU, 184 in 500 (the rest quick).
+// So windows double with each slow yield (to kMaxWindowNs: a busy machine loses about one slice
+// per 100 ms) and fall back to kMinWindowNs only after kQuickYieldsToReset quick yields in a row
+// (an odd slow yield on a quiet machine costs a millisecond of sleeping waits).
+class SpinPolicy {
+ public:
+  static constexpr int64_t kSlowYieldNs = 250'000;
+  static constexpr int64_t kMinWindowNs = 1'000'000;
+  static constexpr int64_t kMaxWindowNs = 100'000'000;
+  static constexpr int kQuickYieldsToReset = 1000;
+
+  // Whether to spin now (false: inside a window, sleep instead).
+  bool may_spin(int64_t now_ns) const { return now_ns >= no_spin_until_ns_; }
+  // One turn: yields; returns false when the yield was slow (a window is open from now).
+  bool spin_once() {
+    const int64_t before = monotonic_ns();
+    sched_yield();
+    const int64_t after = monotonic_ns();
+    return record(after - before, after);
+  }
+  // The bookkeeping of spin_once for a yield of `yield_ns` that ended at `now_ns`.
+  bool record(int64_t yield_ns, int64_t now_ns) {
+    if (yield_ns < kSlowYieldNs) {
+      if (++quick_in_a_row_ >= kQuickYieldsToReset) window_ns_ = kMinWindowNs;
+      return true;
+    }
+    quick_in_a_row_ = 0;
+    no_spin_until_ns_ = now_ns + window_ns_;
+    window_ns_ = std::min(kMaxWindowNs, window_ns_ * 2);
+    return false;
+  }
+  int64_t window_ns() const { return window_ns_; }
+
+ private:
+  int64_t no_spin_until_ns_ = 0;
+  int64_t window_ns_ = kMinWindowNs;
+  int quick_in_a_row_ = 0;
+};
 
 // The writing end of one ring. It keeps its own index: the shared copy is only published, never
 // read back, so a peer that scribbles on it cannot move this side.
