@@ -70,6 +70,18 @@ ABSL_FLAG(std::string, heartbeat_file, "",
           "Liveness: the maintenance loop (lease expiry, under the core's lock) sets this file's mtime every "
           "second; `karakv liveness` fails when it is older than its --max_age, i.e. the daemon is wedged, "
           "whatever its gRPC threads are doing. Empty: <--socket>.alive; 'none': off");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "Publish the prefix cache's blocks as KV-cache events for cluster routers, in vLLM's format (ZeroMQ "
+          "PUB, msgpack; docs/CLUSTER.md) on this endpoint, e.g. tcp://*:5557 or ipc:///run/karakv/kv-events "
+          "(empty: off)");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "ZeroMQ ROUTER endpoint that replays buffered event batches from a sequence number, e.g. tcp://*:5558 "
+          "(empty: no replay; needs --kv_events_endpoint)");
+ABSL_FLAG(std::string, kv_events_topic, "", "The topic frame of every KV-cache event message");
+ABSL_FLAG(std::string, kv_events_encoding, "array",
+          "KV-cache events as msgpack arrays tagged by their first element (array) or maps with a \"type\" key "
+          "(map); routers accept both");
+ABSL_FLAG(int32_t, kv_events_buffer_batches, 10000, "Event batches kept for replay");
 ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may take to finish");
 ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
           "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
@@ -302,6 +314,23 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   if (absl::Status s = tls_from_flags(c); !s.ok()) return s;
   c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   c.heartbeat_file = absl::GetFlag(FLAGS_heartbeat_file);
+  c.kv_events_endpoint = absl::GetFlag(FLAGS_kv_events_endpoint);
+  c.kv_events_replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
+  c.kv_events_topic = absl::GetFlag(FLAGS_kv_events_topic);
+  c.kv_events_encoding = absl::GetFlag(FLAGS_kv_events_encoding);
+  c.kv_events_buffer_batches = absl::GetFlag(FLAGS_kv_events_buffer_batches);
+  if (c.kv_events_encoding != "array" && c.kv_events_encoding != "map") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_events_encoding=", c.kv_events_encoding, ", expected array or map"));
+  }
+  if (c.kv_events_buffer_batches < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_events_buffer_batches=", c.kv_events_buffer_batches,
+                                                   ", expected 0 or more"));
+  }
+  if (c.kv_events_endpoint.empty() && !c.kv_events_replay_endpoint.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_events_replay_endpoint=", c.kv_events_replay_endpoint,
+                                                   " replays the events of --kv_events_endpoint, which is empty"));
+  }
   if (c.heartbeat_file.empty() && !c.socket_path.empty()) c.heartbeat_file = c.socket_path + ".alive";
   if (c.heartbeat_file == "none") c.heartbeat_file.clear();
   c.backend = absl::GetFlag(FLAGS_backend);

@@ -629,6 +629,11 @@ void Core::set_event_observer(std::function<void(const CoreEvent&)> observer) {
   compactor_->set_event_observer(std::move(observer));
 }
 
+void Core::set_prefix_event_sink(PrefixEventSink* sink) {
+  absl::MutexLock lock(&mu_);
+  store_->set_prefix_event_sink(sink);
+}
+
 void Core::set_compaction_observer(std::function<void(const CompactionResult&)> observer) {
   absl::MutexLock lock(&mu_);
   compactor_->set_compaction_observer(std::move(observer));

@@ -164,6 +164,9 @@ class Core {
   void set_compaction_observer(std::function<void(const CompactionResult&)> observer);
   // Called, under the core's lock, for every CoreEvent (preemption, compaction, session end).
   void set_event_observer(std::function<void(const CoreEvent&)> observer);
+  // The prefix cache's stores and removals go to `sink` (server/kv_events.h); it must outlive the
+  // core or be unset (null) first.
+  void set_prefix_event_sink(PrefixEventSink* sink);
   // Whether the session exists now (WatchEvents checks it before subscribing).
   bool has_session(const std::string& session_id) const;
 

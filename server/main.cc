@@ -29,6 +29,7 @@
 #include "server/backend_select.h"
 #include "server/config.h"
 #include "server/heap_usage.h"
+#include "server/kv_events.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/peer_gate.h"
@@ -159,6 +160,24 @@ int main(int argc, char** argv) {
     metrics_ptr->update_state(core_ptr->stats(), core_ptr->geometry().block_bytes(), core_ptr->geometry());
     metrics_ptr->set_events_dropped(events->dropped_total());
   });
+
+  // KV-cache events for cluster routers: the prefix cache's blocks, as vLLM publishes them.
+  std::unique_ptr<karakv::server::KvEventPublisher> kv_events;
+  if (!config->kv_events_endpoint.empty()) {
+    karakv::server::KvEventsConfig ec;
+    ec.endpoint = config->kv_events_endpoint;
+    ec.replay_endpoint = config->kv_events_replay_endpoint;
+    ec.topic = config->kv_events_topic;
+    ec.encoding = config->kv_events_encoding;
+    ec.buffer_batches = config->kv_events_buffer_batches;
+    ec.medium = backend_name == "cuda" ? "GPU" : "CPU";
+    auto p = karakv::server::KvEventPublisher::start(ec, (*core)->geometry().block_size, metrics_ptr);
+    if (!p.ok()) return fail(p.status());
+    kv_events = std::move(*p);
+    (*core)->set_prefix_event_sink(kv_events.get());
+    spdlog::info("kv events on {}{} ({} encoding, medium {})", ec.endpoint,
+                 ec.replay_endpoint.empty() ? "" : ", replay on " + ec.replay_endpoint, ec.encoding, ec.medium);
+  }
 
   // The liveness heartbeat (`karakv liveness`): the loop below sets its mtime after each pass,
   // which takes the core's lock, so it goes stale only when the daemon is wedged or stopped.
@@ -297,6 +316,10 @@ int main(int argc, char** argv) {
                                                                                 drain_deadline - absl::Now()))));
   stop.Notify();
   reaper.join();
+  if (kv_events) {
+    (*core)->set_prefix_event_sink(nullptr);
+    kv_events.reset();  // publishes what is queued
+  }
   rings.stop_all();
   if (!config->socket_path.empty()) unlink(config->socket_path.c_str());
   if (heartbeat_fd >= 0) {

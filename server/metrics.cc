@@ -161,6 +161,14 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
                              "Sequences preempted to free blocks for a higher-priority request (--preempt_on_pressure)");
   m->event_drops_ = counter("karakv_events_dropped_total",
                             "Events discarded because a WatchEvents reader fell behind its queue");
+  m->kv_events_published_ = counter("karakv_kv_events_published_total",
+                                    "KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) published on "
+                                    "--kv_events_endpoint");
+  m->kv_events_dropped_ = counter("karakv_kv_events_dropped_total",
+                                  "KV-cache events dropped because more than the publisher's queue held waited "
+                                  "for the next batch");
+  m->kv_events_replays_ = counter("karakv_kv_events_replay_requests_total",
+                                  "Replay requests served on --kv_events_replay_endpoint");
   m->decode_tokens_ = counter("karakv_decode_tokens_total", "Tokens produced by completed decode steps");
   m->decode_steps_ = counter("karakv_decode_steps_total", "Completed decode steps (last layer's Step)");
   m->decode_step_seconds_ = &prometheus::BuildHistogram()
@@ -341,6 +349,10 @@ void Metrics::set_events_dropped(uint64_t total) {
   const double now = event_drops_->Value();
   if (double(total) > now) event_drops_->Increment(double(total) - now);
 }
+
+void Metrics::kv_events_published(size_t n) { kv_events_published_->Increment(double(n)); }
+void Metrics::kv_events_dropped(uint64_t n) { kv_events_dropped_->Increment(double(n)); }
+void Metrics::kv_events_replay_request() { kv_events_replays_->Increment(); }
 
 void Metrics::decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds) {
   decode_steps_->Increment();

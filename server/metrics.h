@@ -39,6 +39,11 @@ class Metrics {
   void preempted();
   // Events the WatchEvents streams have dropped so far (the counter follows this total).
   void set_events_dropped(uint64_t total);
+  // KV-cache events for routers (server/kv_events.h): events published, dropped before a batch,
+  // and replay requests served.
+  void kv_events_published(size_t n);
+  void kv_events_dropped(uint64_t n);
+  void kv_events_replay_request();
   // A completed decode step (the last layer's Step) of `tokens` sequences: its duration from the
   // batch's first-layer Step, and the time to first step of the sequences it was the first for.
   void decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds);
@@ -85,6 +90,9 @@ class Metrics {
   prometheus::Gauge* query_cache_bytes_ = nullptr;
   prometheus::Gauge* score_bytes_ = nullptr;
   prometheus::Gauge* heap_in_use_bytes_ = nullptr;
+  prometheus::Counter* kv_events_published_ = nullptr;
+  prometheus::Counter* kv_events_dropped_ = nullptr;
+  prometheus::Counter* kv_events_replays_ = nullptr;
   prometheus::Gauge* heap_held_bytes_ = nullptr;
   prometheus::Gauge* kv_cache_usage_ = nullptr;
   prometheus::Family<prometheus::Gauge>* compression_factor_ = nullptr;

@@ -37,6 +37,16 @@ struct PrefixKey {
 PrefixKey prefix_block_key(const PrefixKey& parent, absl::Span<const int32_t> tokens,
                            const kernels::Geometry& geometry, std::string_view cache_namespace);
 
+// Told of every block the cache indexes and drops (server/kv_events.h publishes them). Called under
+// the core's lock: an implementation only queues.
+class PrefixEventSink {
+ public:
+  virtual ~PrefixEventSink() = default;
+  // `parent` is the zero key for a chain's first block.
+  virtual void stored(const PrefixKey& key, const PrefixKey& parent, absl::Span<const int32_t> tokens) = 0;
+  virtual void removed(const PrefixKey& key) = 0;
+};
+
 class PrefixCache {
  public:
   struct Entry {

@@ -162,6 +162,7 @@ int32_t SequenceStore::evict_unused_cached(int32_t count) {
     const int32_t block = prefix_cache_.entries().at(key).block;
     if (pool_.refcount(block) != 1) continue;  // a sequence still reads it
     prefix_cache_.erase(key);
+    if (prefix_events_ != nullptr) prefix_events_->removed(key);
     pool_.release(block);  // the cache held the only reference: one block freed
     ++prefix_evictions_;
     ++evicted;
@@ -242,6 +243,7 @@ void SequenceStore::publish_prompt(Sequence& seq, absl::Span<const int32_t> toke
     e.tokens.assign(tokens.begin(), tokens.end());
     e.block = block;
     if (prefix_cache_.insert(key, std::move(e))) {
+      if (prefix_events_ != nullptr) prefix_events_->stored(key, parent, tokens);
       pool_.add_ref(block);
       ++prefix_published_;
       published = true;

@@ -74,6 +74,9 @@ class SequenceStore {
   kernels::Backend& backend() const { return backend_; }
   const BlockPool& pool() const { return pool_; }
 
+  // Where the prefix cache's stores and removals are announced (null: nowhere).
+  void set_prefix_event_sink(PrefixEventSink* sink) { prefix_events_ = sink; }
+
   // ---- records ----
   Sequence& add();  // a new empty record with a fresh id
   Sequence* find(uint64_t id);
@@ -178,6 +181,7 @@ class SequenceStore {
   uint64_t next_id_ = 1;
   uint64_t tokens_appended_ = 0;
   PrefixCache prefix_cache_;
+  PrefixEventSink* prefix_events_ = nullptr;
   uint64_t prefix_lookups_ = 0, prefix_lookup_tokens_ = 0, prefix_hit_tokens_ = 0;
   uint64_t prefix_evictions_ = 0, prefix_published_ = 0;
 };

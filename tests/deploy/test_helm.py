@@ -237,6 +237,31 @@ def test_grpc_probe_opens_the_tcp_port_it_probes():
     assert "listen_tcp=0.0.0.0:50051" in cm["data"]["karakvd.conf"].splitlines()
 
 
+def test_kv_events_config_ports_and_network_policy():
+    values = {"kvEvents": {"enabled": True, "from": [{"podSelector": {"matchLabels": {"app": "router"}}}]},
+              "networkPolicy": {"enabled": True}}
+    for mode in ("sidecar", "daemonset"):
+        docs = render({**values, "mode": mode})
+        lines = by_kind(docs, "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+        for line in ("kv_events_endpoint=tcp://*:5557", "kv_events_replay_endpoint=tcp://*:5558",
+                     "kv_events_encoding=array"):
+            assert line in lines
+        ports = {p["name"]: p["containerPort"] for p in daemon_container(pod_spec(docs))["ports"]}
+        assert ports["kv-events"] == 5557 and ports["kv-events-replay"] == 5558
+        (np,) = by_kind(docs, "NetworkPolicy")
+        (rule,) = [r for r in np["spec"]["ingress"] if {"port": 5557, "protocol": "TCP"} in r["ports"]]
+        assert rule["ports"] == [{"port": 5557, "protocol": "TCP"}, {"port": 5558, "protocol": "TCP"}]
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"app": "router"}}}]
+    docs = render({"kvEvents": {"enabled": True, "replayPort": 0, "encoding": "map"}})
+    lines = by_kind(docs, "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+    assert "kv_events_encoding=map" in lines and not [l for l in lines if l.startswith("kv_events_replay")]
+    assert "kv-events-replay" not in {p["name"] for p in daemon_container(pod_spec(docs))["ports"]}
+    assert not [l for l in by_kind(render({}), "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+                if l.startswith("kv_events")]
+    with pytest.raises(helm.HelmError, match="config.kv_events_endpoint is set by the chart"):
+        render({"config": {"kv_events_endpoint": "tcp://*:1"}})
+
+
 DIGEST = "sha256:" + "ab" * 32
 
 
@@ -352,6 +377,7 @@ def test_chart_refuses_bad_values():
     ({"probes": {"startup": {"failureThreshold": "60"}}}, "/probes/startup/failureThreshold"),
     ({"tls": {"secretName": "KV_TLS"}}, "/tls/secretName"),
     ({"priorityClassName": "High Priority"}, "/priorityClassName"),
+    ({"kvEvents": {"encoding": "json"}}, "/kvEvents/encoding"),
     ({"serviceAccount": {"automountToken": "no"}}, "/serviceAccount/automountToken"),
 ])
 def test_values_schema_rejects_bad_values(values, where):
@@ -535,7 +561,7 @@ def self_signed(directory):
                     "-out", str(directory / "tls.crt")], check=True, capture_output=True)
 
 
-@pytest.mark.parametrize("mode", ["sidecar", "daemonset", "sidecar-tls"])
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset", "sidecar-tls", "daemonset-kv-events"])
 def test_karakvd_accepts_the_config_and_the_probes_pass(mode, tmp_path):
     karakvd, cli = os.environ.get("KARAKVD"), os.environ.get("KARAKV_CLI")
     if not (karakvd and cli):
@@ -547,6 +573,9 @@ def test_karakvd_accepts_the_config_and_the_probes_pass(mode, tmp_path):
         tls_dir.mkdir()
         self_signed(tls_dir)
         values["tls"] = {"secretName": "kv-tls", "port": free_port(), "clientCA": False}
+    if mode == "daemonset-kv-events":
+        values["mode"] = "daemonset"
+        values["kvEvents"] = {"enabled": True, "port": free_port(), "replayPort": free_port()}
     docs = render(values)
     (cm,) = by_kind(docs, "ConfigMap")
     conf = cm["data"]["karakvd.conf"]

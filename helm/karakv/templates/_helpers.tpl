@@ -117,6 +117,16 @@ ports:
     containerPort: {{ .Values.probes.grpcPort }}
     protocol: TCP
 {{- end }}
+{{- if .Values.kvEvents.enabled }}
+  - name: kv-events
+    containerPort: {{ .Values.kvEvents.port }}
+    protocol: TCP
+{{- if .Values.kvEvents.replayPort }}
+  - name: kv-events-replay
+    containerPort: {{ .Values.kvEvents.replayPort }}
+    protocol: TCP
+{{- end }}
+{{- end }}
 {{- if .Values.tls.secretName }}
   - name: grpc-tls
     containerPort: {{ .Values.tls.port }}
