@@ -30,6 +30,9 @@
 ABSL_FLAG(std::string, redis_server, "redis-server", "redis-server binary for the P1 baseline (PATH is searched)");
 ABSL_FLAG(double, seconds, 1.0, "P1: seconds per measurement of one configuration in one round");
 ABSL_FLAG(int32_t, rounds, 5, "P1: interleaved rounds; the round with the median ratio is reported");
+ABSL_FLAG(bool, p1_token_ids, false,
+          "P1: Appends carry token ids (fresh ones per sequence), so every full block is published to the prefix "
+          "cache (and announced, with karakvd --kv_events_endpoint): the publishing path's cost");
 
 namespace karakv::bench {
 namespace {
@@ -184,7 +187,15 @@ class AppendLoop {
       seq_ = *id;
       length_ = 0;
     }
-    auto len = client_.Append(seq_, tokens_, k_, v_);
+    absl::StatusOr<int> len;
+    if (absl::GetFlag(FLAGS_p1_token_ids)) {
+      // Ids no other sequence used: each block is new to the cache, published, later evicted.
+      ids_.resize(size_t(tokens_));
+      for (int i = 0; i < tokens_; ++i) ids_[size_t(i)] = int32_t(next_id_++ & 0x3fffffff);
+      len = client_.Append(seq_, std::span<const int32_t>(ids_), k_, v_);
+    } else {
+      len = client_.Append(seq_, tokens_, k_, v_);
+    }
     if (!len.ok()) return len.status();
     length_ = *len;
     return absl::OkStatus();
@@ -197,6 +208,8 @@ class AppendLoop {
   const int max_tokens_;
   uint64_t seq_ = 0;
   int length_ = 0;
+  std::vector<int32_t> ids_;
+  uint64_t next_id_ = uint64_t(reinterpret_cast<uintptr_t>(this)) & 0xffff0000;  // apart from other loops' ids
 };
 
 // A prefill batch: `n` sequences each get the same payload in one AppendBatch (one ring command),
