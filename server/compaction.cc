@@ -178,7 +178,7 @@ absl::Status Compactor::begin_decode(Sequence& seq) {
   return absl::OkStatus();
 }
 
-Observers Compactor::observers(absl::Span<Sequence* const> seqs, int layer) const {
+Observers Compactor::observers(absl::Span<Sequence* const> seqs, int layer, float scale) const {
   const int hk = store_.geometry().num_kv_heads;
   Observers out;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -194,7 +194,7 @@ Observers Compactor::observers(absl::Span<Sequence* const> seqs, int layer) cons
       out.accumulators[i * hk + h] = acc;
       out.first_slot[i] = b.policy->first_accumulated_slot(b.state.get());
     }
-    if (float* lse = b.policy->lse_output(b.state.get(), layer); lse != nullptr) {
+    if (float* lse = b.policy->lse_output(b.state.get(), layer, scale); lse != nullptr) {
       if (out.lse.empty()) out.lse.assign(seqs.size(), nullptr);
       out.lse[i] = lse;
     }

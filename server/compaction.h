@@ -63,7 +63,8 @@ class Compactor {
   // The first Step: runs the prefill policy, fixes the prompt and tells the policy.
   absl::Status begin_decode(Sequence& seq);
   // What a Step's decode attention records for the policies (Observers); empty when nothing.
-  Observers observers(absl::Span<Sequence* const> seqs, int layer) const;
+  // `scale`: the step's softmax scale (the log-sum-exp a policy records is taken at it).
+  Observers observers(absl::Span<Sequence* const> seqs, int layer, float scale) const;
   // A decode step (every layer) completed for the sequence.
   void on_step(Sequence& seq) const;
 

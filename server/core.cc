@@ -484,9 +484,9 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
   if (absl::Status s = store_->write_step(seqs, static_cast<int>(layer), k, v); !s.ok()) return s;
   const float* qf = reinterpret_cast<const float*>(q.data());
   float* of = reinterpret_cast<float*>(out.data());
-  const Observers observers = compactor_->observers(seqs, static_cast<int>(layer));
-  if (absl::Status s = store_->decode_attention(seqs, static_cast<int>(layer), qf, of,
-                                                effective_scale(scale, g.head_dim), observers);
+  const float step_scale = effective_scale(scale, g.head_dim);
+  const Observers observers = compactor_->observers(seqs, static_cast<int>(layer), step_scale);
+  if (absl::Status s = store_->decode_attention(seqs, static_cast<int>(layer), qf, of, step_scale, observers);
       !s.ok()) {
     return s;
   }

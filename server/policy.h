@@ -158,8 +158,9 @@ class Policy {
   // read again (Kara: the tail's start), so their keys are not scored at all. Default: every slot.
   virtual int32_t first_accumulated_slot(const State* state) const { return 0; }
   // Where a decode step writes, for its new token at `layer`, each query head's log-sum-exp over
-  // the keys it attended (Backend::decode_attention_observe), or null. [num_q_heads] fp32.
-  virtual float* lse_output(State* state, int layer) const { return nullptr; }
+  // the keys it attended (Backend::decode_attention_observe), or null. [num_q_heads] fp32. `scale`
+  // is the step's softmax scale, the one the log-sum-exp is taken at.
+  virtual float* lse_output(State* state, int layer, float scale) const { return nullptr; }
   // A decode step (every layer) completed for the sequence; `seq` includes the step's token.
   virtual void on_step(State* state, const SequenceView& seq) const {}
   // Periodic policies: whether the step just completed is one of the sequence's turns to be

@@ -29,11 +29,13 @@ struct KaraState final : PolicyState {
   std::vector<std::vector<float>> received;
   std::vector<float> seen;
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
-  // [slots][L][Hq]; NaN where the token came without a decode step (Append).
+  // [slots][L][Hq]; NaN where the token came without a decode step (Append). And the softmax scale
+  // that step used, per layer [slots][L] (the window's logits must be taken at the same scale).
   std::vector<float> lse;
+  std::vector<float> lse_scale;
   absl::StatusOr<std::unique_ptr<PolicyState>> clone() const override { return std::make_unique<KaraState>(*this); }
   size_t bytes() const override {
-    size_t n = seen.size() + lse.size();
+    size_t n = seen.size() + lse.size() + lse_scale.size();
     for (const auto& row : received) n += row.size();
     return n * sizeof(float);
   }
@@ -114,7 +116,10 @@ class KaraPolicy final : public Policy {
     auto& s = *static_cast<KaraState*>(state);
     for (auto& row : s.received) row.resize(slots, 0.0f);
     if (observers_ != Observers::kWindow) s.seen.resize(slots, 0.0f);
-    if (records_lse()) s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
+    if (records_lse()) {
+      s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
+      s.lse_scale.resize(size_t(slots) * layers_, std::numeric_limits<float>::quiet_NaN());
+    }
     return absl::OkStatus();
   }
   void on_decode_start(State* state, const SequenceView& seq) const override {
@@ -132,6 +137,7 @@ class KaraPolicy final : public Policy {
     }
     remap(s.seen, 1, plan, resident_before);
     remap(s.lse, lse_width(), plan, resident_before);
+    remap(s.lse_scale, size_t(layers_), plan, resident_before);
     if (own) s.tail_start = plan.begin + plan.num_kept;
     return absl::OkStatus();
   }
@@ -144,10 +150,11 @@ class KaraPolicy final : public Policy {
   int32_t first_accumulated_slot(const State* state) const override {
     return static_cast<const KaraState*>(state)->tail_start;
   }
-  float* lse_output(State* state, int layer) const override {
+  float* lse_output(State* state, int layer, float scale) const override {
     auto& s = *static_cast<KaraState*>(state);
     if (!records_lse() || s.lse.empty()) return nullptr;
     const size_t newest = s.lse.size() / lse_width() - 1;  // the step's token (on_grow ran first)
+    s.lse_scale[newest * size_t(layers_) + size_t(layer)] = scale;
     return s.lse.data() + newest * lse_width() + size_t(layer) * q_heads_;
   }
   void on_step(State* state, const SequenceView& seq) const override {
@@ -205,8 +212,8 @@ class KaraPolicy final : public Policy {
     std::vector<float> window_part(size_t(g.num_kv_heads) * window_, 0.0f);
     // Every (layer, KV head) row's scores, selected in one backend call at the end.
     std::vector<float> all_scores(size_t(g.num_layers) * g.num_kv_heads * window_);
-    const float scale = 1.0f / std::sqrt(float(g.head_dim));
     for (int l = 0; l < g.num_layers; ++l) {
+      float scale = 1.0f / std::sqrt(float(g.head_dim));
       if (uses_window_queries()) {
         policy_util::gather_queries(seq, plan.begin, window_, l, q.data());
         const int slot = plan.begin - seq.fp_offset;
@@ -214,8 +221,24 @@ class KaraPolicy final : public Policy {
         if (observers_ == Observers::kWindow && norm_ == Norm::kWindow) {  // version 1
           st = to_status(backend.window_scores(kv, 0, l, slot, window_, q.data(), scale, window_part.data()));
         } else {
+          // norm = full: p = exp(logit - lse) is a probability only with the logit at the scale the
+          // lse was taken at, the query's own Step's. The window takes its first recorded scale; a
+          // query whose Step used another (a worker that changed it) gets the window softmax, as a
+          // query without a recorded lse does.
+          auto scale_of = [&](int t) {
+            return s.lse_scale.empty() ? std::numeric_limits<float>::quiet_NaN()
+                                       : s.lse_scale[size_t(plan.begin + t) * layers_ + size_t(l)];
+          };
           for (int t = 0; t < window_ && !lse.empty(); ++t) {
-            const float* from = s.lse.empty() ? nullptr : s.lse.data() + size_t(plan.begin + t) * lse_width() + size_t(l) * g.num_q_heads;
+            if (!std::isnan(scale_of(t))) {
+              scale = scale_of(t);
+              break;
+            }
+          }
+          for (int t = 0; t < window_ && !lse.empty(); ++t) {
+            const float* from = s.lse.empty() || scale_of(t) != scale
+                                    ? nullptr
+                                    : s.lse.data() + size_t(plan.begin + t) * lse_width() + size_t(l) * g.num_q_heads;
             for (int j = 0; j < g.num_q_heads; ++j) {
               lse[size_t(t) * g.num_q_heads + j] = from != nullptr ? from[j] : std::numeric_limits<float>::quiet_NaN();
             }
@@ -232,13 +255,18 @@ class KaraPolicy final : public Policy {
         const float* received = s.received.empty() ? nullptr : s.received[size_t(l) * g.num_kv_heads + h].data();
         for (int i = 0; i < window_; ++i) {
           const int32_t slot = plan.begin + i;
-          float sum = observers_ == Observers::kDecode ? 0.0f : own[i];
-          float count = observers_ == Observers::kBoth ? float(i) : 0.0f;  // window queries before key i
-          if (observers_ != Observers::kWindow) {
-            sum += received[slot];
-            count += s.seen[slot];
+          if (observers_ == Observers::kWindow) {
+            scores[i] = own[i];
+          } else if (agg_ == Agg::kSum) {
+            scores[i] = received[slot] + (observers_ == Observers::kBoth ? own[i] : 0.0f);
+          } else {
+            // The mean of each part over the queries that made it: the decode steps that saw the key,
+            // and (both) the window queries before it. One mean over both parts would divide every
+            // key of a window built by Step by the same count (i window queries before key i, and
+            // the decode steps from i on), which would make agg = mean rank as agg = sum does.
+            scores[i] = received[slot] / std::max(1.0f, s.seen[slot]);
+            if (observers_ == Observers::kBoth) scores[i] += own[i] / std::max(1.0f, float(i));
           }
-          scores[i] = observers_ != Observers::kWindow && agg_ == Agg::kMean ? sum / std::max(1.0f, count) : sum;
         }
       }
     }

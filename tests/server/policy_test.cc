@@ -52,8 +52,9 @@ class Driver {
         .status();
   }
 
-  // One whole decode step of every sequence in `seqs`, token positions from `logical`.
-  absl::Status step(const std::vector<uint64_t>& seqs, std::vector<int64_t>& logical) {
+  // One whole decode step of every sequence in `seqs`, token positions from `logical`, at softmax
+  // scale `scale` (0: the daemon's default, 1/sqrt(head_dim)).
+  absl::Status step(const std::vector<uint64_t>& seqs, std::vector<int64_t>& logical, float scale = 0.0f) {
     const auto& g = reg->geometry();
     const size_t kvb = g.kv_token_elems() * 2;
     for (int l = 0; l < g.num_layers; ++l) {
@@ -65,7 +66,7 @@ class Driver {
         synthetic::fill_query(q.data() + i * g.q_token_elems(), g, seed_, seqs[i], l, logical[i]);
       }
       auto r = reg->step(session, l, seqs, k, v, ConstBytes(reinterpret_cast<uint8_t*>(q.data()), q.size() * 4),
-                         MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), 0.0f);
+                         MutableBytes(reinterpret_cast<uint8_t*>(out.data()), out.size() * 4), scale);
       if (!r.ok()) return r.status();
     }
     for (auto& p : logical) ++p;
@@ -220,14 +221,19 @@ TEST(KaraPolicyTest, KeepsWhatAFloat64ReferenceChoosesFromTheStepsQueries) {
 //   decode: s_i = D_i (sum) or D_i / c_i (mean), D_i the decode attention probability key i
 //           received at every step since it arrived (summed over the group's query heads), c_i the
 //           number of those steps;
-//   both:   s_i = D_i + W_i (sum) or (D_i + W_i) / (c_i + i) (mean), W_i what the window's queries
+//   both:   s_i = D_i + W_i (sum) or D_i / c_i + W_i / i (mean, each part's own), W_i what the window's queries
 //           before key i pay it, normalised over the window's keys (norm = window) or over every key
 //           the query saw at its own decode step (norm = full).
+// Steps run at the daemon's default scale and, with norm = full, at other scales a worker may
+// send (Step.scale): the decode probabilities and the window's logits are then taken at the
+// Step's scale, so each query's probabilities stay a distribution.
 TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
   struct Variant {
     int observers, norm, agg;
+    double scale_factor = 1.0;  // the Step's scale in units of 1/sqrt(head_dim)
   };
-  for (const Variant v : {Variant{1, 0, 0}, Variant{1, 0, 1}, Variant{2, 0, 0}, Variant{2, 1, 0}, Variant{2, 1, 1}}) {
+  for (const Variant v : {Variant{1, 0, 0}, Variant{1, 0, 1}, Variant{2, 0, 0}, Variant{2, 1, 0}, Variant{2, 1, 1},
+                          Variant{2, 1, 0, 2.0}, Variant{2, 1, 1, 0.5}, Variant{1, 0, 0, 3.0}}) {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       Driver d(seed);
       const auto& g = d.reg->geometry();
@@ -239,8 +245,9 @@ TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
+      const float step_scale = v.scale_factor == 1.0 ? 0.0f : float(v.scale_factor / std::sqrt(double(g.head_dim)));
       while (d.info(seq).compactions == 0) {
-        ASSERT_TRUE(d.step({seq}, logical).ok());
+        ASSERT_TRUE(d.step({seq}, logical, step_scale).ok());
         ASSERT_LT(logical[0], kPrompt + 3 * kWindow) << "Kara never compacted";
       }
       // P = 1: compacted at the first step with W + R tail tokens; that step's token is the last
@@ -249,32 +256,34 @@ TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
       ASSERT_EQ(last, kPrompt + kWindow + kRecent - 1);
       const auto rows = d.positions(seq);
       const int group = g.num_q_heads / g.num_kv_heads;
-      const double scale = 1.0 / std::sqrt(double(g.head_dim));
+      // The Step's scale; the window's own softmax (norm = window) is version 1's, at 1/sqrt(d).
+      const double scale = v.scale_factor / std::sqrt(double(g.head_dim));
+      const double window_scale = v.norm == 1 ? scale : 1.0 / std::sqrt(double(g.head_dim));
       for (int l = 0; l < g.num_layers; ++l) {
         for (int h = 0; h < g.num_kv_heads; ++h) {
           auto key = [&](int pos, int dim) {
             const float x = synthetic::value(seed, Tensor::kKey, seq, l, pos, h, dim);
             return double(kernels::half_to_float(kernels::float_to_half(x)));
           };
-          // logit(query position t, query head j, key position i)
-          auto logit = [&](int t, int j, int i) {
+          // logit(query position t, query head j, key position i) at softmax scale `sc`
+          auto logit = [&](int t, int j, int i, double sc) {
             double dot = 0;
             for (int dim = 0; dim < g.head_dim; ++dim)
               dot += double(synthetic::value(seed, Tensor::kQuery, seq, l, t, j, dim)) * key(i, dim);
-            return dot * scale;
+            return dot * sc;
           };
-          auto log_sum_exp = [&](int t, int j, int first, int end) {
+          auto log_sum_exp = [&](int t, int j, int first, int end, double sc) {
             double mx = -INFINITY, sum = 0;
-            for (int i = first; i < end; ++i) mx = std::max(mx, logit(t, j, i));
-            for (int i = first; i < end; ++i) sum += std::exp(logit(t, j, i) - mx);
+            for (int i = first; i < end; ++i) mx = std::max(mx, logit(t, j, i, sc));
+            for (int i = first; i < end; ++i) sum += std::exp(logit(t, j, i, sc) - mx);
             return mx + std::log(sum);
           };
           std::vector<double> received(kWindow, 0.0), seen(kWindow, 0.0), own(kWindow, 0.0);
           for (int t = kPrompt; t <= last; ++t) {  // decode steps: the query at t sees keys 0..t
             for (int j = h * group; j < (h + 1) * group; ++j) {
-              const double lse = log_sum_exp(t, j, 0, t + 1);
+              const double lse = log_sum_exp(t, j, 0, t + 1, scale);
               for (int i = 0; i < kWindow; ++i) {
-                if (kPrompt + i <= t) received[i] += std::exp(logit(t, j, kPrompt + i) - lse);
+                if (kPrompt + i <= t) received[i] += std::exp(logit(t, j, kPrompt + i, scale) - lse);
               }
             }
             for (int i = 0; i < kWindow; ++i) seen[i] += kPrompt + i <= t ? 1 : 0;
@@ -283,24 +292,24 @@ TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
             for (int t = 0; t < kWindow; ++t) {  // window query at kPrompt + t over later window keys
               for (int j = h * group; j < (h + 1) * group; ++j) {
                 const int qt = kPrompt + t;
-                const double lse = v.norm == 1 ? log_sum_exp(qt, j, 0, qt + 1)
-                                               : log_sum_exp(qt, j, kPrompt, kPrompt + kWindow);
-                for (int i = t + 1; i < kWindow; ++i) own[i] += std::exp(logit(qt, j, kPrompt + i) - lse);
+                const double lse = v.norm == 1 ? log_sum_exp(qt, j, 0, qt + 1, window_scale)
+                                               : log_sum_exp(qt, j, kPrompt, kPrompt + kWindow, window_scale);
+                for (int i = t + 1; i < kWindow; ++i) own[i] += std::exp(logit(qt, j, kPrompt + i, window_scale) - lse);
               }
             }
           }
           std::vector<float> s(kWindow);
           for (int i = 0; i < kWindow; ++i) {
-            const double sum = received[i] + own[i];
-            const double count = seen[i] + (v.observers == 2 ? i : 0);
-            s[i] = float(v.agg == 0 ? sum / std::max(1.0, count) : sum);
+            // agg = mean: each part's own mean (decode steps that saw key i; window queries before it).
+            s[i] = float(v.agg == 0 ? received[i] / std::max(1.0, seen[i]) + own[i] / std::max(1.0, double(i))
+                                    : received[i] + own[i]);
           }
           std::vector<int32_t> want = kernels::test::naive_token2chunk(s, kBudget, kCandidates, kMaxGap);
           for (int32_t& x : want) x += kPrompt;
           const auto& row = rows[size_t(l) * g.num_kv_heads + h];
           const std::vector<int32_t> got(row.begin() + kPrompt, row.begin() + kPrompt + kBudget);
-          EXPECT_EQ(got, want) << "observers " << v.observers << " norm " << v.norm << " agg " << v.agg << " seed "
-                               << seed << " layer " << l << " kv head " << h;
+          EXPECT_EQ(got, want) << "observers " << v.observers << " norm " << v.norm << " agg " << v.agg << " scale x"
+                               << v.scale_factor << " seed " << seed << " layer " << l << " kv head " << h;
         }
       }
     }
