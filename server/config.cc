@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "server/kv_events.h"
 #include "server/peer_gate.h"
 
 ABSL_FLAG(std::string, config, "", "Config file of flag=value lines, applied before the command line");
@@ -319,14 +320,7 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.kv_events_topic = absl::GetFlag(FLAGS_kv_events_topic);
   c.kv_events_encoding = absl::GetFlag(FLAGS_kv_events_encoding);
   c.kv_events_buffer_batches = absl::GetFlag(FLAGS_kv_events_buffer_batches);
-  if (c.kv_events_encoding != "array" && c.kv_events_encoding != "map") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv_events_encoding=", c.kv_events_encoding, ", expected array or map"));
-  }
-  if (c.kv_events_buffer_batches < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_events_buffer_batches=", c.kv_events_buffer_batches,
-                                                   ", expected 0 or more"));
-  }
+  if (absl::Status s = check_kv_events_options(c.kv_events_encoding, c.kv_events_buffer_batches); !s.ok()) return s;
   if (c.kv_events_endpoint.empty() && !c.kv_events_replay_endpoint.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_events_replay_endpoint=", c.kv_events_replay_endpoint,
                                                    " replays the events of --kv_events_endpoint, which is empty"));

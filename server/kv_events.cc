@@ -29,54 +29,50 @@ void pack_hashes(Packer& pk, uint64_t hash) {
   pk.pack_uint64(hash);
 }
 
+// An event's header: a map of `fields` + 1 entries starting with "type": `name`, or an array of
+// `fields` + 1 elements starting with `name` (vLLM's tag).
+void begin_event(Packer& pk, bool map, const char* name, uint32_t fields) {
+  if (map) {
+    pk.pack_map(fields + 1);
+    pack_str(pk, "type");
+  } else {
+    pk.pack_array(fields + 1);
+  }
+  pack_str(pk, name);
+}
+
 void pack_event(Packer& pk, const KvEvent& e, int block_size, const std::string& medium, bool map) {
+  // A field's name, in the map encoding only (the array's order is the struct's).
+  auto field = [&](const char* name) {
+    if (map) pack_str(pk, name);
+  };
   switch (e.kind) {
     case KvEvent::Kind::kStored:
-      if (map) {
-        pk.pack_map(7);
-        pack_str(pk, "type");
-        pack_str(pk, "BlockStored");
-        pack_str(pk, "block_hashes");
-      } else {
-        pk.pack_array(7);
-        pack_str(pk, "BlockStored");
-      }
+      begin_event(pk, map, "BlockStored", 6);
+      field("block_hashes");
       pack_hashes(pk, e.hash);
-      if (map) pack_str(pk, "parent_block_hash");
+      field("parent_block_hash");
       if (e.parent) pk.pack_uint64(*e.parent);
       else pk.pack_nil();
-      if (map) pack_str(pk, "token_ids");
+      field("token_ids");
       pk.pack_array(uint32_t(e.tokens.size()));
       for (int32_t t : e.tokens) pk.pack_int32(t);
-      if (map) pack_str(pk, "block_size");
+      field("block_size");
       pk.pack_int32(block_size);
-      if (map) pack_str(pk, "lora_id");
+      field("lora_id");
       pk.pack_nil();
-      if (map) pack_str(pk, "medium");
+      field("medium");
       pack_str(pk, medium);
       return;
     case KvEvent::Kind::kRemoved:
-      if (map) {
-        pk.pack_map(3);
-        pack_str(pk, "type");
-        pack_str(pk, "BlockRemoved");
-        pack_str(pk, "block_hashes");
-      } else {
-        pk.pack_array(3);
-        pack_str(pk, "BlockRemoved");
-      }
+      begin_event(pk, map, "BlockRemoved", 2);
+      field("block_hashes");
       pack_hashes(pk, e.hash);
-      if (map) pack_str(pk, "medium");
+      field("medium");
       pack_str(pk, medium);
       return;
     case KvEvent::Kind::kCleared:
-      if (map) {
-        pk.pack_map(1);
-        pack_str(pk, "type");
-      } else {
-        pk.pack_array(1);
-      }
-      pack_str(pk, "AllBlocksCleared");
+      begin_event(pk, map, "AllBlocksCleared", 0);
       return;
   }
 }
@@ -111,16 +107,20 @@ struct KvEventPublisher::Sockets {
 KvEventPublisher::KvEventPublisher(const KvEventsConfig& config, int block_size, Metrics* metrics)
     : config_(config), block_size_(block_size), metrics_(metrics), sockets_(std::make_unique<Sockets>()) {}
 
-absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::start(const KvEventsConfig& config,
-                                                                          int block_size, Metrics* metrics) {
-  if (config.encoding != "array" && config.encoding != "map") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv_events_encoding=", config.encoding, ", expected array or map"));
+absl::Status check_kv_events_options(const std::string& encoding, int buffer_batches) {
+  if (encoding != "array" && encoding != "map") {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_events_encoding=", encoding, ", expected array or map"));
   }
-  if (config.buffer_batches < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_events_buffer_batches=", config.buffer_batches,
+  if (buffer_batches < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_events_buffer_batches=", buffer_batches,
                                                    ", expected 0 or more batches kept for replay"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::start(const KvEventsConfig& config,
+                                                                          int block_size, Metrics* metrics) {
+  if (absl::Status s = check_kv_events_options(config.encoding, config.buffer_batches); !s.ok()) return s;
   std::unique_ptr<KvEventPublisher> p(new KvEventPublisher(config, block_size, metrics));
   try {
     p->sockets_->pub.set(zmq::sockopt::linger, 1000);

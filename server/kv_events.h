@@ -60,6 +60,9 @@ struct KvEvent {
   std::vector<int32_t> tokens;
 };
 
+// The options a flag sets, checked before anything starts: an error names the flag.
+absl::Status check_kv_events_options(const std::string& encoding, int buffer_batches);
+
 // The msgpack payload of one batch, in `encoding` ("array" or "map"). Exposed for tests.
 std::string encode_kv_event_batch(double timestamp, const std::vector<KvEvent>& events, int block_size,
                                   const std::string& medium, const std::string& encoding);
