@@ -190,9 +190,14 @@ class AppendLoop {
     absl::StatusOr<int> len;
     if (absl::GetFlag(FLAGS_p1_token_ids)) {
       // Ids no other sequence used: each block is new to the cache, published, later evicted.
-      ids_.resize(size_t(tokens_));
-      for (int i = 0; i < tokens_; ++i) ids_[size_t(i)] = int32_t(next_id_++ & 0x3fffffff);
-      len = client_.Append(seq_, std::span<const int32_t>(ids_), k_, v_);
+      // With K and V in staging the ids go there too, which keeps a fast-path Append on the ring.
+      if (ids_.size() == 0) {
+        auto staged = k_.in_staging() ? client_.alloc(4 * size_t(tokens_)) : absl::StatusOr<karakv::Buffer>();
+        ids_ = staged.ok() ? *staged : karakv::Client::alloc_heap(4 * size_t(tokens_));
+      }
+      std::span<int32_t> ids = ids_.as<int32_t>();
+      for (int i = 0; i < tokens_; ++i) ids[size_t(i)] = int32_t(next_id_++ & 0x3fffffff);
+      len = client_.Append(seq_, std::span<const int32_t>(ids.data(), ids.size()), k_, v_);
     } else {
       len = client_.Append(seq_, tokens_, k_, v_);
     }
@@ -208,7 +213,7 @@ class AppendLoop {
   const int max_tokens_;
   uint64_t seq_ = 0;
   int length_ = 0;
-  std::vector<int32_t> ids_;
+  karakv::Buffer ids_;  // the token ids (--p1_token_ids), in staging when K and V are
   uint64_t next_id_ = uint64_t(reinterpret_cast<uintptr_t>(this)) & 0xffff0000;  // apart from other loops' ids
 };
 

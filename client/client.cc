@@ -801,8 +801,12 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
   const uint64_t ids[] = {sequence_id};
   v1::AppendReply reply;
   absl::Status s = impl_->call("Append", ids, [&]() -> absl::Status {
-    // Token ids live in this process's memory; an Append with them goes through gRPC.
-    if (token_ids.empty() && impl_->ring_ready_data({&k, &v}) && Impl::staged_or_empty(q)) {
+    // Token ids go on the ring when they lie in the staging region (allocated with alloc()),
+    // as AppendBatch's do; ids elsewhere in this process go through gRPC.
+    const auto* ids_begin = reinterpret_cast<const uint8_t*>(token_ids.data());
+    const bool ids_staged = !token_ids.empty() && impl_->staging != nullptr && ids_begin >= impl_->staging &&
+                            ids_begin + token_ids.size_bytes() <= impl_->staging + impl_->staging_size;
+    if ((token_ids.empty() || ids_staged) && impl_->ring_ready_data({&k, &v}) && Impl::staged_or_empty(q)) {
       ring::Command cmd{};  // fields this op does not use go out as zeros, not stack bytes
       cmd.op = uint32_t(ring::Op::kAppend);
       cmd.count = 1;
@@ -813,6 +817,7 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
       e.k = Impl::range(k);
       e.v = Impl::range(v);
       if (num_query_tokens > 0) e.q = Impl::range(q);
+      if (ids_staged) e.token_ids = {uint64_t(ids_begin - impl_->staging), token_ids.size_bytes()};
       ring::set_append_entry(cmd, 0, e);
       if (auto r = impl_->ring_call(cmd, "Append")) {
         if (!r->ok()) return r->status();

@@ -288,6 +288,38 @@ uint8_t* ring_of(Client& c) {
   return b.data() - b.offset() + c.staging_bytes();
 }
 
+// An Append with token ids stays on the ring when the ids are in the staging region, and its full
+// blocks are published as through gRPC (a second session's Lookup finds them); ids elsewhere in
+// the process send it through gRPC, with the same result.
+TEST(FastPath, AppendWithStagedTokenIdsStaysOnTheRing) {
+  Daemon d(flags());
+  ASSERT_TRUE(d.ready());
+  auto c = attach(d, true);
+  auto other = attach(d, false);
+  ASSERT_TRUE(c && other && c->fast_path());
+  const Geometry& g = c->geometry();
+  const int n = 2 * g.block_size;
+  for (bool staged : {true, false}) {
+    c->reset_staging();
+    Buffer k = *c->alloc(c->append_bytes(n)), v = *c->alloc(c->append_bytes(n));
+    synthetic::fill_prompt(k.data(), g, kSeed, Tensor::kKey, 0, 0, n);
+    synthetic::fill_prompt(v.data(), g, kSeed, Tensor::kValue, 0, 0, n);
+    Buffer ids_buffer = staged ? *c->alloc(4 * size_t(n)) : Client::alloc_heap(4 * size_t(n));
+    std::span<int32_t> ids = ids_buffer.as<int32_t>();
+    for (int i = 0; i < n; ++i) ids[size_t(i)] = (staged ? 1000 : 2000) + i;
+    auto seq = c->CreateSequence();
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    const uint64_t before = c->ring_calls();
+    auto len = c->Append(*seq, std::span<const int32_t>(ids.data(), ids.size()), k, v);
+    ASSERT_TRUE(len.ok()) << len.status();
+    EXPECT_EQ(*len, n);
+    EXPECT_EQ(c->ring_calls() - before, staged ? 1u : 0u) << (staged ? "staged ids" : "heap ids");
+    auto hit = other->Lookup(std::vector<int32_t>(ids.begin(), ids.end()));
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    EXPECT_EQ(*hit, n) << (staged ? "staged ids" : "heap ids");
+  }
+}
+
 TEST(FastPath, HostileGarbageClosesOnlyThatSession) {
   Daemon d(flags());
   ASSERT_TRUE(d.ready());

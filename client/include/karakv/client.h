@@ -305,6 +305,8 @@ class Client {
                              const Buffer& q, int num_query_tokens);
   // The same, with the appended tokens' ids ([T] int32): full prompt blocks become shareable
   // through the prefix cache (docs/PREFIX_CACHE.md). q may be an empty Buffer (num_query_tokens 0).
+  // With the fast path, ids that lie in the staging region (written into a Buffer from alloc())
+  // keep the Append on the ring; ids anywhere else send it through gRPC.
   absl::StatusOr<int> Append(uint64_t sequence_id, std::span<const int32_t> token_ids, const Buffer& k,
                              const Buffer& v, const Buffer& q = Buffer(), int num_query_tokens = 0);
   // Several sequences' Appends in one call (a prefill batch), in order, each as its own Append;
