@@ -236,7 +236,7 @@ void KvEventPublisher::run() {
     if (!batch.empty()) {
       const double ts = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
       std::string payload = encode_kv_event_batch(ts, batch, block_size_, config_.medium, config_.encoding);
-      const uint64_t seq = next_seq_.load(std::memory_order_relaxed);
+      const uint64_t seq = next_seq_;
       try {
         sockets_->pub.send(zmq::buffer(config_.topic), zmq::send_flags::sndmore);
         sockets_->pub.send(zmq::buffer(seq_bytes(int64_t(seq))), zmq::send_flags::sndmore);
@@ -249,7 +249,7 @@ void KvEventPublisher::run() {
         replay_buffer_.emplace_back(seq, std::move(payload));
         while (replay_buffer_.size() > size_t(config_.buffer_batches)) replay_buffer_.pop_front();
       }
-      next_seq_.store(seq + 1, std::memory_order_relaxed);
+      next_seq_ = seq + 1;
     }
     const uint64_t dropped = dropped_.load(std::memory_order_relaxed);
     if (dropped != dropped_logged) {

@@ -78,7 +78,6 @@ class KvEventPublisher final : public PrefixEventSink {
   void stored(const PrefixKey& key, const PrefixKey& parent, absl::Span<const int32_t> tokens) override;
   void removed(const PrefixKey& key) override;
 
-  uint64_t published_batches() const { return next_seq_.load(); }
   uint64_t dropped_events() const { return dropped_.load(); }
 
  private:
@@ -94,7 +93,8 @@ class KvEventPublisher final : public PrefixEventSink {
   absl::Mutex mu_;
   std::vector<KvEvent> pending_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<uint64_t> next_seq_{0}, dropped_{0};
+  std::atomic<uint64_t> dropped_{0};
+  uint64_t next_seq_ = 0;                                        // the thread's own
   std::deque<std::pair<uint64_t, std::string>> replay_buffer_;  // the thread's own
   std::thread thread_;
 };

@@ -499,19 +499,6 @@ int process_threads() {
   return n;
 }
 
-// Threads of this process named `name` (/proc/self/task/*/comm): the pools' helpers are
-// karakv-kernels. Counted by name, so the runtime's own threads (TSan's, an OpenMP runtime's
-// in the clang tree) do not count.
-int threads_named(const std::string& name) {
-  int n = 0;
-  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream in(e.path() / "comm");
-    std::string comm;
-    if (std::getline(in, comm) && comm == name) ++n;
-  }
-  return n;
-}
-
 // Callers on many threads (a ring thread per fast-path session) share the backend's one pool:
 // while 6 fresh threads have each run kernels, small (on the caller alone) and large (on the pool),
 // the process has the pool's width - 1 helpers (karakv-kernels), not helpers per caller, and the

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -17,6 +19,19 @@
 #include "karakv/kernels/half.h"
 
 namespace karakv::kernels::test {
+
+// Threads of this process named `name` (/proc/self/task/*/comm): the kernels' pool helpers are
+// karakv-kernels, the fast path's ring threads karakv-ring. Counted by name, so the runtime's own
+// threads (TSan's, an OpenMP runtime's in the clang tree) do not count.
+inline int threads_named(const std::string& name) {
+  int n = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++n;
+  }
+  return n;
+}
 
 inline const char* name_of(DType t) {
   return t == DType::kFloat32 ? "fp32" : t == DType::kFloat16 ? "fp16" : "bf16";

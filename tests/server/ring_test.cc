@@ -18,6 +18,7 @@
 #include "server/metrics.h"
 #include "server/service.h"
 #include "spdlog/spdlog.h"
+#include "tests/kernels/kernel_test_util.h"
 #include "tests/server/delegating_backend.h"
 
 namespace karakv::server {
@@ -99,16 +100,6 @@ class RingServerTest : public ::testing::Test {
     return false;
   }
   bool session_alive(const std::string& id) { return core_->staging(id).ok(); }
-  // Threads of this process whose name (/proc/self/task/*/comm) is `name`.
-  static int threads_named(const std::string& name) {
-    int n = 0;
-    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
-      std::ifstream comm(task.path() / "comm");
-      std::string line;
-      if (std::getline(comm, line) && line == name) ++n;
-    }
-    return n;
-  }
 
   std::unique_ptr<Core> core_;
   std::unique_ptr<Metrics> metrics_;
@@ -411,8 +402,8 @@ TEST_F(RingServerTest, ThreadsStartedWithTheServerServeTheFirstSessions) {
   EXPECT_EQ(metric(*metrics_, "karakv_ring_threads", {}), 3);
   // Named, so top -H and /proc show them (this registry's backend runs one kernel thread, so it
   // has no helper threads).
-  for (int j = 0; j < 400 && threads_named("karakv-ring") < 3; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  EXPECT_EQ(threads_named("karakv-ring"), 3);
+  for (int j = 0; j < 400 && kernels::test::threads_named("karakv-ring") < 3; ++j) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(kernels::test::threads_named("karakv-ring"), 3);
 
   std::vector<Session> sessions = {attach(), attach(), attach()};
   EXPECT_EQ(rings_->threads(), 3);

@@ -219,7 +219,6 @@ class SpinPolicy {
     window_ns_ = std::min(kMaxWindowNs, window_ns_ * 2);
     return false;
   }
-  int64_t window_ns() const { return window_ns_; }
 
  private:
   int64_t no_spin_until_ns_ = 0;
