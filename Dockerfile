@@ -17,7 +17,7 @@ RUN apt-get update \
       cmake ninja-build g++ pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
       libabsl-dev libspdlog-dev prometheus-cpp-dev libxsmm-dev \
-      libzmq3-dev cppzmq-dev libmsgpack-cxx-dev \
+      libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libhiredis-dev libxxhash-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY CMakeLists.txt ./
@@ -54,7 +54,7 @@ FROM debian:12-slim AS runtime-base
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc++1.51 libprotobuf32 libabsl20220623 libspdlog1.10 libfmt9 \
-      libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libgomp1 libzmq5 \
+      libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libgomp1 libzmq5 libhiredis0.14 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 karakv \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin karakv \

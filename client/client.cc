@@ -327,6 +327,7 @@ absl::Status Client::Impl::attach_rpc(v1::AttachReply* reply) {
   req.set_tenant(options.tenant);
   req.set_staging_bytes(options.staging_bytes);
   req.set_cache_namespace(options.cache_namespace);
+  req.set_model_fingerprint(options.model_fingerprint);
   req.set_fast_path(options.fast_path && options.staging_bytes > 0);
   if (options.staging == Staging::kDevice) req.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
   if (options.staging == Staging::kDeviceFd) req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);

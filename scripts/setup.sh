@@ -16,8 +16,8 @@ esac
 packages=(cmake ninja-build g++ ccache pkg-config python3-venv
           libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
           libabsl-dev libspdlog-dev prometheus-cpp-dev
-          # KV-cache events for cluster routers: ZeroMQ and msgpack
-          libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
+          # beyond one node: ZeroMQ and msgpack for KV events, hiredis and xxHash for the prefix tier
+          libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libhiredis-dev libxxhash-dev
           libgtest-dev libgmock-dev libbenchmark-dev redis-server
           # the CPU scorers' matrix products: static archives, nothing needed at run time; the
           # build falls back to its own tile code without it, see kernels/CMakeLists.txt

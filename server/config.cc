@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "server/kv_events.h"
+#include "server/prefix_tier.h"
 #include "server/peer_gate.h"
 
 ABSL_FLAG(std::string, config, "", "Config file of flag=value lines, applied before the command line");
@@ -83,6 +84,17 @@ ABSL_FLAG(std::string, kv_events_encoding, "array",
           "KV-cache events as msgpack arrays tagged by their first element (array) or maps with a \"type\" key "
           "(map); routers accept both");
 ABSL_FLAG(int32_t, kv_events_buffer_batches, 10000, "Event batches kept for replay");
+ABSL_FLAG(std::string, prefix_tier, "",
+          "A prefix tier shared across nodes: redis://HOST:PORT, or several HOST:PORT of one Redis Cluster "
+          "separated by commas. Published prompt blocks of sessions with a model_fingerprint are written to it, "
+          "and prefix lookups that miss locally fill the pool from it (docs/CLUSTER.md). Empty: off");
+ABSL_FLAG(std::string, prefix_tier_password_file, "",
+          "File whose first line is the prefix tier's password, or 'USER PASSWORD' for a Redis ACL user");
+ABSL_FLAG(int32_t, prefix_tier_timeout_ms, 50,
+          "Prefix tier: connect and round-trip timeout; a slower answer is a local miss");
+ABSL_FLAG(int32_t, prefix_tier_queue_blocks, 256,
+          "Prefix tier: published blocks waiting to be written, each held in the pool (not evictable) until "
+          "then; beyond this they are not written, and counted");
 ABSL_FLAG(int32_t, drain_seconds, 10, "On SIGTERM, how long in-flight calls may take to finish");
 ABSL_FLAG(int32_t, max_sequences_per_tick, 0,
           "Kara: at most this many sequences compress per tick, longest tail first (0: no limit)");
@@ -324,6 +336,24 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   if (c.kv_events_endpoint.empty() && !c.kv_events_replay_endpoint.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--kv_events_replay_endpoint=", c.kv_events_replay_endpoint,
                                                    " replays the events of --kv_events_endpoint, which is empty"));
+  }
+  c.prefix_tier = absl::GetFlag(FLAGS_prefix_tier);
+  c.prefix_tier_password_file = absl::GetFlag(FLAGS_prefix_tier_password_file);
+  c.prefix_tier_timeout_ms = absl::GetFlag(FLAGS_prefix_tier_timeout_ms);
+  c.prefix_tier_queue_blocks = absl::GetFlag(FLAGS_prefix_tier_queue_blocks);
+  if (!c.prefix_tier.empty()) {
+    if (auto t = parse_prefix_tier(c.prefix_tier, c.prefix_tier_password_file); !t.ok()) return t.status();
+  } else if (!c.prefix_tier_password_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--prefix_tier_password_file=", c.prefix_tier_password_file,
+                                                   " is the password of --prefix_tier, which is empty"));
+  }
+  if (c.prefix_tier_timeout_ms < 1 || c.prefix_tier_timeout_ms > 60000) {
+    return absl::InvalidArgumentError(absl::StrCat("--prefix_tier_timeout_ms=", c.prefix_tier_timeout_ms,
+                                                   " is out of range; expected 1 to 60000"));
+  }
+  if (c.prefix_tier_queue_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--prefix_tier_queue_blocks=", c.prefix_tier_queue_blocks,
+                                                   " must be at least 1"));
   }
   if (c.heartbeat_file.empty() && !c.socket_path.empty()) c.heartbeat_file = c.socket_path + ".alive";
   if (c.heartbeat_file == "none") c.heartbeat_file.clear();

@@ -15,10 +15,14 @@ struct DaemonConfig {
   std::string socket_path;   // Unix domain socket; empty disables it
   std::string tcp_address;   // host:port; empty disables TCP
   std::string metrics_listen;
-  std::string heartbeat_file;
+  std::string heartbeat_file;  // mtime set each second by the maintenance loop (karakv liveness); empty: none
   // KV-cache events for cluster routers (server/kv_events.h); endpoint empty: off.
   std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding;
-  int kv_events_buffer_batches = 10000;  // mtime set each second by the maintenance loop (karakv liveness); empty: none
+  int kv_events_buffer_batches = 10000;
+  // The prefix tier shared across nodes (server/prefix_tier.h); empty: off.
+  std::string prefix_tier, prefix_tier_password_file;
+  int prefix_tier_timeout_ms = 50;
+  int prefix_tier_queue_blocks = 256;
   std::string backend;       // auto | cpu | cuda
   int cuda_device = 0;
   std::string staging_fd_socket;  // VMM device staging fd socket (staging_fd_server.h); empty: none

@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/prefix_tier.h"
 
 namespace karakv::server {
 namespace {
@@ -111,8 +112,14 @@ size_t Core::q_bytes(size_t rows) const { return server::q_bytes(config_.geometr
 absl::StatusOr<AttachResult> Core::attach(const std::string& worker_id, const std::string& tenant,
                                           uint64_t staging_bytes, const Geometry& worker_geometry,
                                           const std::string& cache_namespace, uint64_t reserved_bytes,
-                                          StagingKind staging_kind) {
+                                          StagingKind staging_kind, const std::string& model_fingerprint) {
   if (absl::Status s = check_worker_geometry(worker_geometry, config_.geometry); !s.ok()) return s;
+  if (model_fingerprint.size() > 256 ||
+      std::any_of(model_fingerprint.begin(), model_fingerprint.end(), [](char c) { return c < 0x21 || c > 0x7e; })) {
+    return absl::InvalidArgumentError(absl::StrCat("model_fingerprint of ", model_fingerprint.size(),
+                                                   " bytes refused; expected at most 256 printable ASCII characters "
+                                                   "without spaces (e.g. the model's name and revision or weights hash)"));
+  }
   absl::StatusOr<SessionTable::Admission> admission;
   {
     // prepare() reads only the table's immutable limits; the region is made outside the lock.
@@ -124,6 +131,12 @@ absl::StatusOr<AttachResult> Core::attach(const std::string& worker_id, const st
     admission = sessions->prepare(worker_id, tenant, staging_bytes, cache_namespace, reserved_bytes, staging_kind);
   }
   if (!admission.ok()) return admission.status();
+  if (!model_fingerprint.empty()) {
+    // Two models of one geometry must never share a cached block, here or in the tier.
+    admission->session.model_fingerprint = model_fingerprint;
+    absl::StrAppend(&admission->session.cache_namespace, "|model:", model_fingerprint);
+    admission->result.cache_namespace = admission->session.cache_namespace;
+  }
   AttachResult result = admission->result;
   absl::MutexLock lock(&mu_);
   if (absl::Status s = sessions_->add(std::move(*admission)); !s.ok()) return s;
@@ -208,6 +221,7 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
   auto spec = split_spec(options);
   if (!spec.ok()) return spec.status();
   const Geometry& g = config_.geometry;
+  fill_from_tier(session_id, options.prefix_token_ids);
   absl::MutexLock lock(&mu_);
   auto binding = compactor_->bind(spec->policy, spec->params, options.prefill_policy, options.prefill_params);
   if (!binding.ok()) return binding.status();
@@ -260,6 +274,7 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
   seq.cache_namespace = (*session)->cache_namespace;
   // A prompt the prefill policy will compress is not what another sequence's prompt would be.
   seq.publish = config_.prefix_cache && !seq.policy->prefill;
+  seq.share_tier = !(*session)->model_fingerprint.empty();
   int32_t cached = 0;
   if (!options.prefix_token_ids.empty()) {
     if (config_.prefix_cache) cached = store_->adopt_prefix(seq, hits, options.prefix_token_ids);
@@ -272,7 +287,32 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
   return std::make_pair(seq.id, cached);
 }
 
+void Core::fill_from_tier(const std::string& session_id, absl::Span<const int32_t> token_ids) {
+  PrefixTier* tier = tier_.load();
+  const size_t b = size_t(config_.geometry.block_size);
+  if (tier == nullptr || !config_.prefix_cache || token_ids.size() < b) return;
+  std::string cache_namespace;
+  size_t local = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto session = sessions_->find(session_id);
+    if (!session.ok() || (*session)->model_fingerprint.empty()) return;
+    cache_namespace = (*session)->cache_namespace;
+    local = store_->match_prefix(token_ids, cache_namespace).size();
+  }
+  if (local >= token_ids.size() / b) return;
+  const std::vector<PrefixKey> keys = prefix_chain_keys(token_ids, config_.geometry, cache_namespace);
+  std::vector<PrefixKey> missing(keys.begin() + ptrdiff_t(local), keys.end());
+  std::vector<std::string> values = tier->fetch(missing);  // without the lock: Steps go on
+  if (values.empty()) return;
+  absl::MutexLock lock(&mu_);
+  if (store_->install_prefix(cache_namespace, token_ids, keys, local, values, PrefixTier::kHeaderBytes) > 0) {
+    store_->trim_prefix_cache();
+  }
+}
+
 absl::StatusOr<int32_t> Core::lookup_prefix(const std::string& session_id, absl::Span<const int32_t> token_ids) {
+  fill_from_tier(session_id, token_ids);
   absl::MutexLock lock(&mu_);
   auto session = sessions_->find(session_id);
   if (!session.ok()) return session.status();
@@ -632,6 +672,34 @@ void Core::set_event_observer(std::function<void(const CoreEvent&)> observer) {
 void Core::set_prefix_event_sink(PrefixEventSink* sink) {
   absl::MutexLock lock(&mu_);
   store_->set_prefix_event_sink(sink);
+}
+
+void Core::set_prefix_tier(PrefixTier* tier) {
+  absl::MutexLock lock(&mu_);
+  store_->set_prefix_tier_sink(tier);
+  tier_.store(tier);
+}
+
+TierBlockSource Core::tier_block_source() {
+  TierBlockSource source;
+  source.host_block = [this](int32_t block) -> const char* {
+    absl::MutexLock lock(&mu_);  // the store's pointer; the bytes are read after, unlocked (pinned)
+    return store_->host_block(block);
+  };
+  source.copy_block = [this](int32_t block) {
+    absl::MutexLock lock(&mu_);
+    return store_->copy_block(block);
+  };
+  source.unpin = [this](const std::vector<int32_t>& blocks) {
+    absl::MutexLock lock(&mu_);
+    for (int32_t b : blocks) store_->unpin_for_tier(b);
+  };
+  return source;
+}
+
+int32_t Core::tier_pinned_blocks() const {
+  absl::MutexLock lock(&mu_);
+  return store_->tier_pinned_blocks();
 }
 
 void Core::set_compaction_observer(std::function<void(const CompactionResult&)> observer) {

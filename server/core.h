@@ -8,6 +8,7 @@
 // nothing below it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -27,6 +28,7 @@
 #include "karakv/kernels/backend.h"
 #include "server/compaction.h"
 #include "server/core_types.h"
+#include "server/prefix_tier.h"
 #include "server/sequence_store.h"
 #include "server/sessions.h"
 #include "server/device_staging.h"
@@ -89,7 +91,8 @@ class Core {
                                       uint64_t staging_bytes,
                                       const kernels::Geometry& worker_geometry,
                                       const std::string& cache_namespace = "",
-                                      uint64_t reserved_bytes = 0, StagingKind staging_kind = StagingKind::kShm);
+                                      uint64_t reserved_bytes = 0, StagingKind staging_kind = StagingKind::kShm,
+                                      const std::string& model_fingerprint = "");
   absl::StatusOr<int> detach(const std::string& session_id);
   absl::Status heartbeat(const std::string& session_id);
   // The session's staging region, kept alive by the returned pointer even if the session ends.
@@ -167,6 +170,14 @@ class Core {
   // The prefix cache's stores and removals go to `sink` (server/kv_events.h); it must outlive the
   // core or be unset (null) first.
   void set_prefix_event_sink(PrefixEventSink* sink);
+  // The prefix tier shared across nodes (server/prefix_tier.h): published blocks of sessions with a
+  // model fingerprint are written to it, and prefix lookups that miss locally ask it. It must
+  // outlive the core or be unset (null) first.
+  void set_prefix_tier(PrefixTier* tier);
+  // How the tier's writer reaches the blocks the store pinned for it.
+  TierBlockSource tier_block_source();
+  // Pool blocks the tier's writer holds until they are written (tests).
+  int32_t tier_pinned_blocks() const;
   // Whether the session exists now (WatchEvents checks it before subscribing).
   bool has_session(const std::string& session_id) const;
 
@@ -191,6 +202,9 @@ class Core {
   // through the backend. The query cache is host memory.
   absl::StatusOr<const float*> host_floats(ConstBytes bytes, bool needed, std::vector<float>* copy) const;
   std::vector<SequenceInfo> list_locked(const std::string& session_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before a prefix lookup: asks the tier for the whole blocks of `token_ids` past the local
+  // chain and indexes what it returns. Takes the lock only around the local parts.
+  void fill_from_tier(const std::string& session_id, absl::Span<const int32_t> token_ids) ABSL_LOCKS_EXCLUDED(mu_);
 
   const CoreConfig config_;
   const std::unique_ptr<kernels::Backend> backend_;
@@ -205,6 +219,7 @@ class Core {
   uint64_t decode_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void(const CoreEvent&)> event_observer_ ABSL_GUARDED_BY(mu_);
+  std::atomic<PrefixTier*> tier_{nullptr};
 };
 
 }  // namespace karakv::server

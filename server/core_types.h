@@ -122,6 +122,7 @@ struct CoreStats {
   // about and found, blocks indexed (of which no sequence holds `unused`), evictions.
   uint64_t prefix_lookups = 0, prefix_lookup_tokens = 0, prefix_hit_tokens = 0;
   int32_t prefix_cached_blocks = 0, prefix_unused_blocks = 0;
+  int32_t tier_pinned_blocks = 0;  // blocks the prefix tier's writer holds until written
   uint64_t prefix_evictions = 0, prefix_published_blocks = 0;
   // Per tenant with at least one attached session: block-table entries its sequences hold (as
   // --tenant_block_quota counts them: a block shared by two of them counts twice); 0 when none.

@@ -30,6 +30,7 @@
 #include "server/config.h"
 #include "server/heap_usage.h"
 #include "server/kv_events.h"
+#include "server/prefix_tier.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/peer_gate.h"
@@ -156,10 +157,15 @@ int main(int argc, char** argv) {
   karakv::server::RingServer rings(&service.gate(), core->get(), metrics->get(), ring_config);
   if (config->fast_path) service.set_rings(&rings);
   karakv::server::Core* core_ptr = core->get();
-  metrics_ptr->set_refresher([metrics_ptr, core_ptr, events] {
-    metrics_ptr->update_state(core_ptr->stats(), core_ptr->geometry().block_bytes(), core_ptr->geometry());
-    metrics_ptr->set_events_dropped(events->dropped_total());
-  });
+  // What a scrape refreshes first; with the prefix tier's counters while it runs.
+  auto refresher = [metrics_ptr, core_ptr, events](karakv::server::PrefixTier* tier) {
+    return [metrics_ptr, core_ptr, events, tier] {
+      metrics_ptr->update_state(core_ptr->stats(), core_ptr->geometry().block_bytes(), core_ptr->geometry());
+      metrics_ptr->set_events_dropped(events->dropped_total());
+      if (tier != nullptr) metrics_ptr->update_prefix_tier(tier->stats());
+    };
+  };
+  metrics_ptr->set_refresher(refresher(nullptr));
 
   // KV-cache events for cluster routers: the prefix cache's blocks, as vLLM publishes them.
   std::unique_ptr<karakv::server::KvEventPublisher> kv_events;
@@ -177,6 +183,20 @@ int main(int argc, char** argv) {
     (*core)->set_prefix_event_sink(kv_events.get());
     spdlog::info("kv events on {}{} ({} encoding, medium {})", ec.endpoint,
                  ec.replay_endpoint.empty() ? "" : ", replay on " + ec.replay_endpoint, ec.encoding, ec.medium);
+  }
+
+  // The prefix tier shared across nodes: a Redis (or Redis Cluster) that other karakvd daemons share.
+  std::unique_ptr<karakv::server::PrefixTier> tier;
+  if (!config->prefix_tier.empty()) {
+    auto tc = karakv::server::parse_prefix_tier(config->prefix_tier, config->prefix_tier_password_file);
+    if (!tc.ok()) return fail(tc.status());
+    tc->timeout = absl::Milliseconds(config->prefix_tier_timeout_ms);
+    tc->max_queued_blocks = size_t(config->prefix_tier_queue_blocks);
+    tier = karakv::server::PrefixTier::start(*tc, (*core)->geometry(), core_ptr->tier_block_source(), metrics_ptr);
+    (*core)->set_prefix_tier(tier.get());
+    metrics_ptr->set_refresher(refresher(tier.get()));
+    spdlog::info("prefix tier on {} (timeout {} ms; used by sessions that give a model_fingerprint)",
+                 config->prefix_tier, config->prefix_tier_timeout_ms);
   }
 
   // The liveness heartbeat (`karakv liveness`): the loop below sets its mtime after each pass,
@@ -321,6 +341,11 @@ int main(int argc, char** argv) {
     kv_events.reset();  // publishes what is queued
   }
   rings.stop_all();
+  if (tier) {
+    (*core)->set_prefix_tier(nullptr);
+    metrics_ptr->set_refresher(refresher(nullptr));
+    tier.reset();  // writes still queued are dropped: the tier is a cache
+  }
   if (!config->socket_path.empty()) unlink(config->socket_path.c_str());
   if (heartbeat_fd >= 0) {
     close(heartbeat_fd);

@@ -169,6 +169,36 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
                                   "for the next batch");
   m->kv_events_replays_ = counter("karakv_kv_events_replay_requests_total",
                                   "Replay requests served on --kv_events_replay_endpoint");
+  m->tier_blocks_ = &prometheus::BuildCounter()
+                         .Name("karakv_prefix_tier_blocks_total")
+                         .Help("Prompt blocks asked of the prefix tier (--prefix_tier), by result: hit, miss, "
+                               "corrupt (found but refused: header, geometry, key or checksum)")
+                         .Register(reg);
+  m->tier_writes_ = &prometheus::BuildCounter()
+                         .Name("karakv_prefix_tier_writes_total")
+                         .Help("Published prompt blocks for the prefix tier, by result: written, dropped (queue "
+                               "full, tier paused after an error, evicted before the write, error reply)")
+                         .Register(reg);
+  m->tier_bytes_ = &prometheus::BuildCounter()
+                        .Name("karakv_prefix_tier_bytes_total")
+                        .Help("Bytes of block values moved to and from the prefix tier, by direction")
+                        .Register(reg);
+  // Every series exists from the start (at 0), with or without a tier: a rate() has its zero.
+  for (const char* r : {"hit", "miss", "corrupt"}) m->tier_blocks_->Add({{"result", r}});
+  for (const char* r : {"written", "dropped"}) m->tier_writes_->Add({{"result", r}});
+  for (const char* d : {"read", "written"}) m->tier_bytes_->Add({{"direction", d}});
+  m->tier_errors_ = counter("karakv_prefix_tier_errors_total",
+                            "Prefix tier round trips that failed (connection, timeout, error reply); each pauses "
+                            "the tier for a while");
+  m->tier_skipped_ = counter("karakv_prefix_tier_skipped_total",
+                             "Prefix tier lookups and write batches not sent while the tier paused after an error");
+  m->tier_fetch_seconds_ = &prometheus::BuildHistogram()
+                                .Name("karakv_prefix_tier_lookup_seconds")
+                                .Help("One prefix tier lookup: a pipelined round trip for the rest of a prompt's chain")
+                                .Register(reg)
+                                .Add({}, prometheus::Histogram::BucketBoundaries{
+                                             100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+                                             100e-3, 250e-3});
   m->decode_tokens_ = counter("karakv_decode_tokens_total", "Tokens produced by completed decode steps");
   m->decode_steps_ = counter("karakv_decode_steps_total", "Completed decode steps (last layer's Step)");
   m->decode_step_seconds_ = &prometheus::BuildHistogram()
@@ -231,6 +261,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   m->prefix_evictions_ = counter("karakv_prefix_evictions_total", "Cached prompt blocks evicted");
   m->prefix_cached_blocks_ = gauge("karakv_prefix_cached_blocks", "Blocks indexed by the prefix cache");
   m->prefix_unused_blocks_ = gauge("karakv_prefix_unused_blocks", "Cached blocks no sequence holds (reclaimable)");
+  m->tier_pinned_blocks_ = gauge("karakv_prefix_tier_pinned_blocks",
+                                 "Cached blocks the prefix tier's writer holds in the pool until they are written");
   for (const std::string& policy : policy_names()) {
     m->compactions_->Add({{"policy", policy}});
     m->tokens_removed_->Add({{"policy", policy}});
@@ -301,17 +333,21 @@ void Metrics::update_state(const CoreStats& s, size_t block_bytes, const kernels
   update_prefix_cache(s);
 }
 
+namespace {
+// Counters that follow a total kept elsewhere advance by what happened since the last snapshot.
+void advance(prometheus::Counter* c, uint64_t total) {
+  if (double(total) > c->Value()) c->Increment(double(total) - c->Value());
+}
+}  // namespace
+
 void Metrics::update_prefix_cache(const CoreStats& s) {
-  // The core keeps the totals; counters advance by what happened since the last snapshot.
-  auto advance = [](prometheus::Counter* c, uint64_t total) {
-    if (double(total) > c->Value()) c->Increment(double(total) - c->Value());
-  };
   advance(prefix_lookups_, s.prefix_lookups);
   advance(prefix_lookup_tokens_, s.prefix_lookup_tokens);
   advance(prefix_hit_tokens_, s.prefix_hit_tokens);
   advance(prefix_evictions_, s.prefix_evictions);
   prefix_cached_blocks_->Set(s.prefix_cached_blocks);
   prefix_unused_blocks_->Set(s.prefix_unused_blocks);
+  tier_pinned_blocks_->Set(s.tier_pinned_blocks);
 }
 
 void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {
@@ -345,9 +381,20 @@ void Metrics::lease_expired(int n) { lease_expiries_->Increment(n); }
 
 void Metrics::preempted() { preemptions_->Increment(); }
 
-void Metrics::set_events_dropped(uint64_t total) {
-  const double now = event_drops_->Value();
-  if (double(total) > now) event_drops_->Increment(double(total) - now);
+void Metrics::set_events_dropped(uint64_t total) { advance(event_drops_, total); }
+
+void Metrics::prefix_tier_fetch(double seconds) { tier_fetch_seconds_->Observe(seconds); }
+
+void Metrics::update_prefix_tier(const PrefixTierStats& t) {
+  advance(&tier_blocks_->Add({{"result", "hit"}}), t.hits);
+  advance(&tier_blocks_->Add({{"result", "miss"}}), t.misses);
+  advance(&tier_blocks_->Add({{"result", "corrupt"}}), t.corrupt);
+  advance(&tier_writes_->Add({{"result", "written"}}), t.writes);
+  advance(&tier_writes_->Add({{"result", "dropped"}}), t.write_dropped);
+  advance(&tier_bytes_->Add({{"direction", "read"}}), t.bytes_read);
+  advance(&tier_bytes_->Add({{"direction", "written"}}), t.bytes_written);
+  advance(tier_errors_, t.errors);
+  advance(tier_skipped_, t.skipped);
 }
 
 void Metrics::kv_events_published(size_t n) { kv_events_published_->Increment(double(n)); }

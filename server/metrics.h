@@ -17,6 +17,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/core.h"
+#include "server/prefix_tier.h"
 
 namespace karakv::server {
 
@@ -44,6 +45,10 @@ class Metrics {
   void kv_events_published(size_t n);
   void kv_events_dropped(uint64_t n);
   void kv_events_replay_request();
+  // The prefix tier (server/prefix_tier.h): one lookup round trip's duration, and its counters'
+  // totals (the counters advance by what happened since the last call).
+  void prefix_tier_fetch(double seconds);
+  void update_prefix_tier(const PrefixTierStats& totals);
   // A completed decode step (the last layer's Step) of `tokens` sequences: its duration from the
   // batch's first-layer Step, and the time to first step of the sequences it was the first for.
   void decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds);
@@ -93,6 +98,12 @@ class Metrics {
   prometheus::Counter* kv_events_published_ = nullptr;
   prometheus::Counter* kv_events_dropped_ = nullptr;
   prometheus::Counter* kv_events_replays_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tier_blocks_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tier_writes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* tier_bytes_ = nullptr;
+  prometheus::Counter* tier_errors_ = nullptr;
+  prometheus::Counter* tier_skipped_ = nullptr;
+  prometheus::Histogram* tier_fetch_seconds_ = nullptr;
   prometheus::Gauge* heap_held_bytes_ = nullptr;
   prometheus::Gauge* kv_cache_usage_ = nullptr;
   prometheus::Family<prometheus::Gauge>* compression_factor_ = nullptr;
@@ -108,6 +119,7 @@ class Metrics {
   prometheus::Counter* prefix_evictions_ = nullptr;
   prometheus::Gauge* prefix_cached_blocks_ = nullptr;
   prometheus::Gauge* prefix_unused_blocks_ = nullptr;
+  prometheus::Gauge* tier_pinned_blocks_ = nullptr;
 };
 
 }  // namespace karakv::server

@@ -80,6 +80,19 @@ PrefixKey prefix_block_key(const PrefixKey& parent, absl::Span<const int32_t> to
   return PrefixKey{siphash24(kKeyHi, bytes.data(), bytes.size()), siphash24(kKeyLo, bytes.data(), bytes.size())};
 }
 
+std::vector<PrefixKey> prefix_chain_keys(absl::Span<const int32_t> tokens, const kernels::Geometry& g,
+                                         std::string_view ns) {
+  const size_t b = size_t(g.block_size);
+  std::vector<PrefixKey> keys;
+  keys.reserve(tokens.size() / b);
+  PrefixKey parent;
+  for (size_t start = 0; start + b <= tokens.size(); start += b) {
+    parent = prefix_block_key(parent, tokens.subspan(start, b), g, ns);
+    keys.push_back(parent);
+  }
+  return keys;
+}
+
 std::vector<PrefixCache::Hit> PrefixCache::match(absl::Span<const int32_t> tokens, const kernels::Geometry& g,
                                                  std::string_view ns) const {
   std::vector<Hit> hits;

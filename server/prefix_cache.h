@@ -37,6 +37,10 @@ struct PrefixKey {
 PrefixKey prefix_block_key(const PrefixKey& parent, absl::Span<const int32_t> tokens,
                            const kernels::Geometry& geometry, std::string_view cache_namespace);
 
+// The chained keys of the whole blocks of `tokens` (a partial last block has none).
+std::vector<PrefixKey> prefix_chain_keys(absl::Span<const int32_t> tokens, const kernels::Geometry& geometry,
+                                         std::string_view cache_namespace);
+
 // Told of every block the cache indexes and drops (server/kv_events.h publishes them). Called under
 // the core's lock: an implementation only queues.
 class PrefixEventSink {
@@ -45,6 +49,17 @@ class PrefixEventSink {
   // `parent` is the zero key for a chain's first block.
   virtual void stored(const PrefixKey& key, const PrefixKey& parent, absl::Span<const int32_t> tokens) = 0;
   virtual void removed(const PrefixKey& key) = 0;
+};
+
+// Told of every block a prompt publishes (server/prefix_tier.h writes them to a shared store). Called
+// under the core's lock: an implementation only queues. The store pins the block for it (one pool
+// reference, so it is neither evicted nor reused) until the sink gives it back
+// (SequenceStore::unpin_for_tier); false: not taken, and the store unpins it at once. Blocks filled
+// from that store are not told.
+class PrefixTierSink {
+ public:
+  virtual ~PrefixTierSink() = default;
+  virtual bool published(const PrefixKey& key, int32_t block) = 0;
 };
 
 class PrefixCache {

@@ -66,6 +66,7 @@ struct Sequence {
   // full blocks, and whether it still publishes (no prefill policy, never compacted).
   std::string cache_namespace;
   bool publish = false;
+  bool share_tier = false;  // its published blocks go to the prefix tier (its session gave a model fingerprint)
   std::vector<int32_t> prompt_ids;
   std::vector<PrefixKey> prompt_keys;
 

@@ -245,12 +245,84 @@ void SequenceStore::publish_prompt(Sequence& seq, absl::Span<const int32_t> toke
     if (prefix_cache_.insert(key, std::move(e))) {
       if (prefix_events_ != nullptr) prefix_events_->stored(key, parent, tokens);
       pool_.add_ref(block);
+      if (prefix_tier_ != nullptr && seq.share_tier) {
+        pool_.add_ref(block);
+        ++tier_pins_[block];
+        if (!prefix_tier_->published(key, block)) unpin_for_tier(block);
+      }
       ++prefix_published_;
       published = true;
     }
   }
   // The chain's earlier blocks become newer than its new end: eviction takes chains from the end.
   if (published) prefix_cache_.touch(seq.prompt_keys);
+}
+
+void SequenceStore::unpin_for_tier(int32_t block) {
+  auto it = tier_pins_.find(block);
+  if (it == tier_pins_.end()) return;
+  if (--it->second == 0) tier_pins_.erase(it);
+  pool_.release(block);
+}
+
+int32_t SequenceStore::tier_pinned_blocks() const {
+  int32_t n = 0;
+  for (const auto& [block, pins] : tier_pins_) n += pins;
+  return n;
+}
+
+const char* SequenceStore::host_block(int32_t block) const {
+  if (backend_.is_device_memory(pool_memory_)) return nullptr;
+  return static_cast<const char*>(pool_memory_) + size_t(block) * config_.geometry.block_bytes();
+}
+
+std::string SequenceStore::copy_block(int32_t block) const {
+  const size_t bytes = config_.geometry.block_bytes();
+  std::string out(bytes, '\0');
+  if (!backend_.copy_out(out.data(), static_cast<const char*>(pool_memory_) + size_t(block) * bytes, bytes).is_ok()) {
+    return {};
+  }
+  return out;
+}
+
+int32_t SequenceStore::install_prefix(const std::string& cache_namespace, absl::Span<const int32_t> token_ids,
+                                      const std::vector<PrefixKey>& keys, size_t first,
+                                      const std::vector<std::string>& payloads, size_t offset) {
+  if (!config_.prefix_cache) return 0;
+  const size_t b = size_t(config_.geometry.block_size);
+  const size_t bytes = config_.geometry.block_bytes();
+  int32_t added = 0;
+  // The chain's cached start becomes the newest: making room below must not evict a parent.
+  prefix_cache_.touch(absl::MakeConstSpan(keys).subspan(0, std::min(keys.size(), first)));
+  for (size_t j = 0; j < payloads.size() && first + j < keys.size(); ++j) {
+    const size_t i = first + j;
+    const PrefixKey& key = keys[i];
+    if (prefix_cache_.entries().contains(key)) continue;  // filled meanwhile (another request, a prompt)
+    const PrefixKey parent = i == 0 ? PrefixKey{} : keys[i - 1];
+    if (i > 0 && !prefix_cache_.entries().contains(parent)) break;  // a chain must start cached
+    if (payloads[j].size() != offset + bytes || !make_room(1)) break;
+    std::vector<int32_t> got;
+    if (!pool_.allocate(1, &got).ok()) break;
+    const int32_t block = got[0];
+    if (!backend_.copy_in(static_cast<char*>(pool_memory_) + size_t(block) * bytes, payloads[j].data() + offset, bytes)
+             .is_ok()) {
+      pool_.release(block);
+      break;
+    }
+    const absl::Span<const int32_t> tokens = token_ids.subspan(i * b, b);
+    PrefixCache::Entry e;
+    e.parent = parent;
+    e.cache_namespace = cache_namespace;
+    e.tokens.assign(tokens.begin(), tokens.end());
+    e.block = block;
+    prefix_cache_.insert(key, std::move(e));  // the cache holds the allocation's reference
+    if (prefix_events_ != nullptr) prefix_events_->stored(key, parent, tokens);
+    ++added;
+  }
+  if (added > 0) {
+    prefix_cache_.touch(absl::MakeConstSpan(keys).subspan(0, std::min(keys.size(), first + payloads.size())));
+  }
+  return added;
 }
 
 // ---- views and data ----
@@ -729,6 +801,7 @@ void SequenceStore::fill_stats(CoreStats& s) const {
   s.prefix_hit_tokens = prefix_hit_tokens_;
   s.prefix_cached_blocks = static_cast<int32_t>(prefix_cache_.size());
   s.prefix_unused_blocks = unused_cached_blocks();
+  s.tier_pinned_blocks = tier_pinned_blocks();
   s.prefix_evictions = prefix_evictions_;
   s.prefix_published_blocks = prefix_published_;
   for (const auto& [id, seq] : sequences_) {
@@ -775,6 +848,13 @@ absl::Status SequenceStore::check_invariants() const {
       return absl::InternalError(absl::StrCat("prefix cache holds bad block id ", e.block));
     }
     ++references[e.block];
+  }
+  // The prefix tier's writer holds a pin on each block it has yet to write.
+  for (const auto& [block, pins] : tier_pins_) {
+    if (block < 0 || block >= pool_.total()) {
+      return absl::InternalError(absl::StrCat("prefix tier pins bad block id ", block));
+    }
+    references[block] += pins;
   }
   return pool_.check(references);
 }

@@ -76,6 +76,8 @@ class SequenceStore {
 
   // Where the prefix cache's stores and removals are announced (null: nowhere).
   void set_prefix_event_sink(PrefixEventSink* sink) { prefix_events_ = sink; }
+  // Where published prompt blocks of sequences with `share_tier` go (null: nowhere).
+  void set_prefix_tier_sink(PrefixTierSink* sink) { prefix_tier_ = sink; }
 
   // ---- records ----
   Sequence& add();  // a new empty record with a fresh id
@@ -113,6 +115,18 @@ class SequenceStore {
   int32_t adopt_prefix(Sequence& seq, const std::vector<PrefixCache::Hit>& hits, absl::Span<const int32_t> token_ids);
   // Keys and indexes the sequence's newly full prompt blocks; records the appended ids first.
   void publish_prompt(Sequence& seq, absl::Span<const int32_t> token_ids, int32_t num_tokens);
+  // The tier's pins (PrefixTierSink): a block published to it keeps one pool reference until then.
+  void unpin_for_tier(int32_t block);
+  int32_t tier_pinned_blocks() const;
+  // Where a block's bytes are in host memory (null when the pool is device memory), and a copy.
+  const char* host_block(int32_t block) const;
+  std::string copy_block(int32_t block) const;
+  // Indexes blocks filled from a shared tier: values[j] holds block `first + j` of `token_ids`
+  // (whose keys are `keys`) from byte `offset` on. Stops where the chain's parent is not cached or
+  // the pool has no room (unused cached blocks are evicted for them). Returns the blocks added.
+  int32_t install_prefix(const std::string& cache_namespace, absl::Span<const int32_t> token_ids,
+                         const std::vector<PrefixKey>& keys, size_t first, const std::vector<std::string>& values,
+                         size_t offset = 0);
 
   // ---- views and data ----
   // The view of `seqs` with `lengths` full-precision slots each.
@@ -182,6 +196,8 @@ class SequenceStore {
   uint64_t tokens_appended_ = 0;
   PrefixCache prefix_cache_;
   PrefixEventSink* prefix_events_ = nullptr;
+  PrefixTierSink* prefix_tier_ = nullptr;
+  absl::flat_hash_map<int32_t, int32_t> tier_pins_;  // block -> pins the tier holds
   uint64_t prefix_lookups_ = 0, prefix_lookup_tokens_ = 0, prefix_hit_tokens_ = 0;
   uint64_t prefix_evictions_ = 0, prefix_published_ = 0;
 };

@@ -177,7 +177,7 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   }
   auto r = core_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
                              req.staging_bytes(), wg, req.cache_namespace(),
-                             req.fast_path() ? ring::kRingBytes : 0, kind);
+                             req.fast_path() ? ring::kRingBytes : 0, kind, req.model_fingerprint());
   if (!r.ok()) return r.status();
   if (req.fast_path()) {
     // The rings follow shm staging in its region; device staging's have a region of their own.

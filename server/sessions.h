@@ -42,6 +42,7 @@ struct Session {
   std::string worker_id;
   std::string tenant;
   std::string cache_namespace;
+  std::string model_fingerprint;  // from Attach; empty: the session does not use the prefix tier
   std::shared_ptr<Staging> staging;  // shm (StagingRegion) or device (DeviceStaging), or none
   // Device staging with the fast path: the shared memory the rings live in (with shm staging they
   // live in the staging region's reserved tail, and this is null).

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "karakv/client.h"
 #include "tests/integration/daemon.h"
+#include "tests/integration/redis_server.h"
 
 namespace karakv {
 namespace {
@@ -242,6 +243,158 @@ TEST(PrefixCacheAcrossWorkers, OffFlagDisablesSharingAndNamedNamespacesAreRefuse
   auto refused = Client::Attach(named);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+// ---- the prefix tier: two daemons (two "nodes") sharing one Redis ----
+
+std::vector<int32_t> tier_prompt(int variant) {
+  std::vector<int32_t> p(5 * 16 + 7);  // 5 whole blocks and a partial one
+  std::iota(p.begin(), p.end(), 200000 + variant * 1000);
+  return p;
+}
+
+ClientOptions node_options(const Daemon& d, const std::string& fingerprint, const char* worker) {
+  ClientOptions o = d.options(0);
+  o.worker_id = worker;
+  o.model_fingerprint = fingerprint;
+  o.staging_bytes = 8 << 20;
+  o.rpc_timeout = absl::Seconds(20);
+  return o;
+}
+
+// Appends `prompt` with its ids as a new sequence; the sequence stays (its blocks stay cached).
+absl::Status prefill(Client& c, const std::vector<int32_t>& prompt) {
+  auto seq = c.CreateSequence();
+  if (!seq.ok()) return seq.status();
+  return append(c, *seq, prompt, 0, int(prompt.size()), true).status();
+}
+
+// Polls `c`'s Lookup of `prompt` until it finds `want` tokens (the tier's write is asynchronous).
+int lookup_until(Client& c, const std::vector<int32_t>& prompt, int want, absl::Duration patience) {
+  const absl::Time deadline = absl::Now() + patience;
+  int hit = 0;
+  while (absl::Now() < deadline) {
+    auto h = c.Lookup(prompt);
+    EXPECT_TRUE(h.ok()) << h.status();
+    hit = h.ok() ? *h : -1;
+    if (hit == want) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return hit;
+}
+
+TEST(PrefixTierAcrossNodes, APromptPrefilledOnOneDaemonIsAHitOnAnotherWithTheSameBytes) {
+  testing::RedisServer redis;
+  ASSERT_TRUE(redis.ready()) << "redis-server did not start (apt install redis-server)";
+  const int metrics_port = 40000 + (getpid() + 7) % 20000;
+  std::vector<std::string> flags = daemon_flags();
+  flags.push_back("--prefix_tier=redis://" + redis.address());
+  flags.push_back("--prefix_tier_timeout_ms=2000");  // a loaded CI machine
+  Daemon a(flags);
+  flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(metrics_port));
+  Daemon b(flags);
+  ASSERT_TRUE(a.ready() && b.ready());
+  auto ca = Client::Attach(node_options(a, "smol-135m@r1", "node-a"));
+  auto cb = Client::Attach(node_options(b, "smol-135m@r1", "node-b"));
+  auto cb_other_model = Client::Attach(node_options(b, "smol-360m@r1", "node-b-other"));
+  auto cb_no_fingerprint = Client::Attach(node_options(b, "", "node-b-none"));
+  ASSERT_TRUE(ca.ok() && cb.ok() && cb_other_model.ok() && cb_no_fingerprint.ok());
+  const std::vector<int32_t> p = tier_prompt(0);
+  ASSERT_TRUE(prefill(**ca, p).ok());
+  ASSERT_EQ(lookup_until(**cb, p, 80, absl::Seconds(20)), 80) << "daemon B never found A's prompt in the tier";
+  // Another model (same geometry) and a session without a fingerprint share nothing.
+  EXPECT_EQ(*(*cb_other_model)->Lookup(p), 0);
+  EXPECT_EQ(*(*cb_no_fingerprint)->Lookup(p), 0);
+
+  // B starts a sequence from the tier's blocks: the K/V is what A was given, byte for byte.
+  auto created = (*cb)->CreateFromPrefix(SequenceOptions{}, p);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_EQ(created->cached_tokens, 80);
+  const Geometry& g = (*cb)->geometry();
+  Buffer k = Client::alloc_heap((*cb)->append_bytes(80)), v = Client::alloc_heap((*cb)->append_bytes(80));
+  Buffer pos = Client::alloc_heap(size_t(g.num_layers) * g.num_kv_heads * 80 * 4);
+  auto n = (*cb)->ReadKV(created->id, k, v, pos);
+  ASSERT_TRUE(n.ok()) << n.status();
+  ASSERT_EQ(*n, 80);
+  const auto want_k = prompt_kv(g, Tensor::kKey, p, 0, 80), want_v = prompt_kv(g, Tensor::kValue, p, 0, 80);
+  EXPECT_EQ(std::memcmp(k.data(), want_k.data(), want_k.size()), 0);
+  EXPECT_EQ(std::memcmp(v.data(), want_v.data(), want_v.size()), 0);
+  // ... and attends exactly as a full prefill on B does.
+  ASSERT_TRUE(append(**cb, created->id, p, 80, int(p.size()), true).ok());
+  auto full = (*cb)->CreateSequence();
+  ASSERT_TRUE(full.ok());
+  ASSERT_TRUE(append(**cb, *full, p, 0, int(p.size()), false).ok());
+  auto from_tier = outputs(**cb, created->id, int(p.size()), int(p.size()));
+  auto from_prefill = outputs(**cb, *full, int(p.size()), int(p.size()));
+  ASSERT_TRUE(from_tier.ok() && from_prefill.ok());
+  EXPECT_EQ(*from_tier, *from_prefill);
+  std::string m = http_get(metrics_port, "/metrics");
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_tier_blocks_total{result=\"hit\"} 5\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_tier_errors_total 0\n"));
+  // A prompt prefilled on B is written too, and the writer gives every pin back.
+  ASSERT_TRUE(prefill(**cb, tier_prompt(7)).ok());
+  for (int i = 0; i < 100 && (m.find("karakv_prefix_tier_pinned_blocks 0\n") == std::string::npos ||
+                              m.find("karakv_prefix_tier_writes_total{result=\"written\"} 5\n") == std::string::npos);
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    m = http_get(metrics_port, "/metrics");
+  }
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_tier_pinned_blocks 0\n"));
+  EXPECT_THAT(m, HasSubstr("karakv_prefix_tier_writes_total{result=\"written\"} 5\n"));
+  auto st = (*cb)->Stats(true);
+  ASSERT_TRUE(st.ok());
+  EXPECT_TRUE(st->invariant_error.empty()) << st->invariant_error;
+}
+
+TEST(PrefixTierAcrossNodes, ARedisKilledMidRunFailsNoRequestAndHitsResumeWhenItReturns) {
+  auto redis = std::make_unique<testing::RedisServer>();
+  ASSERT_TRUE(redis->ready());
+  const int redis_port = redis->port();
+  std::vector<std::string> flags = daemon_flags();
+  flags.push_back("--prefix_tier=redis://" + redis->address());
+  flags.push_back("--prefix_tier_timeout_ms=2000");
+  Daemon a(flags), b(flags);
+  ASSERT_TRUE(a.ready() && b.ready());
+  auto ca = Client::Attach(node_options(a, "m@1", "node-a"));
+  auto cb = Client::Attach(node_options(b, "m@1", "node-b"));
+  ASSERT_TRUE(ca.ok() && cb.ok());
+  ASSERT_TRUE(prefill(**ca, tier_prompt(1)).ok());
+  ASSERT_EQ(lookup_until(**cb, tier_prompt(1), 80, absl::Seconds(20)), 80);
+
+  redis->kill_now();
+  // Every request of both daemons goes on: prefills (whose writes fail), decode steps, lookups
+  // and creations from a prefix that now miss.
+  for (int i = 2; i < 6; ++i) {
+    ASSERT_TRUE(prefill(**ca, tier_prompt(i)).ok()) << "prefill " << i;
+    auto hit = (*cb)->Lookup(tier_prompt(i));
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    EXPECT_EQ(*hit, 0);
+    auto created = (*cb)->CreateFromPrefix(SequenceOptions{}, tier_prompt(i));
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->cached_tokens, 0);
+    const std::vector<int32_t> p = tier_prompt(i);
+    ASSERT_TRUE(append(**cb, created->id, p, 0, int(p.size()), true).ok());
+    auto steps = outputs(**cb, created->id, 4, int(p.size()));
+    ASSERT_TRUE(steps.ok()) << steps.status();
+  }
+  EXPECT_EQ(*(*cb)->Lookup(tier_prompt(1)), 80);  // what B filled before stays in its own cache
+
+  redis = std::make_unique<testing::RedisServer>(std::vector<std::string>{}, redis_port);
+  ASSERT_TRUE(redis->ready());
+  // Fresh prompts prefilled on A are hits on B again once the daemons' pause after the errors
+  // ends (a write made while A still paused is dropped: each round publishes a new prompt).
+  bool hit = false;
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  for (int variant = 100; !hit && absl::Now() < deadline; ++variant) {
+    ASSERT_TRUE(prefill(**ca, tier_prompt(variant)).ok());
+    for (int i = 0; i < 5 && !hit; ++i) {
+      absl::SleepFor(absl::Milliseconds(100));
+      auto h = (*cb)->Lookup(tier_prompt(variant));
+      ASSERT_TRUE(h.ok()) << h.status();
+      hit = *h == 80;
+    }
+  }
+  EXPECT_TRUE(hit) << "no tier hit after Redis came back";
 }
 
 }  // namespace

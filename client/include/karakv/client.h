@@ -73,6 +73,10 @@ struct ClientOptions {
   // Prefix cache namespace: empty keeps cached prompts private to the tenant; a name shares them
   // across tenants (the daemon must run with --prefix_cache_shared_namespaces).
   std::string cache_namespace;
+  // The model this worker runs (name and revision, or a weights hash; at most 256 printable
+  // characters, no spaces). Cached prompts are shared only between sessions giving the same one,
+  // and with karakvd --prefix_tier across nodes too. Empty: this session does not use the tier.
+  std::string model_fingerprint;
   // Size of the staging region to ask for; 0 attaches without one (inline tensors only).
   uint64_t staging_bytes = 64ull << 20;
   // kDevice needs karakvd --backend=cuda, this SDK built with CUDA and a process that can see the

@@ -121,11 +121,11 @@ class Client(_Session):
                       rpc_timeout: float = 60.0, auto_reattach: bool = True, reattach_timeout: float = 30.0,
                       cache_namespace: str = "", fast_path: bool = False, ring_spin: float = 50e-6,
                       ring_full_wait: float = 1e-3, tls: bool = False, tls_ca_file: str = "",
-                      tls_cert_file: str = "", tls_key_file: str = "") -> "Client":
+                      tls_cert_file: str = "", tls_key_file: str = "", model_fingerprint: str = "") -> "Client":
         self = cls()
         creds = self._configure(target, worker_id, tenant, staging_bytes, geometry, heartbeat, rpc_timeout,
                                 auto_reattach, reattach_timeout, cache_namespace, fast_path, ring_spin,
-                                ring_full_wait, tls, tls_ca_file, tls_cert_file, tls_key_file)
+                                ring_full_wait, tls, tls_ca_file, tls_cert_file, tls_key_file, model_fingerprint)
         if creds is not None:
             self._channel = grpc.aio.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
         else:

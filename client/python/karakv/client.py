@@ -363,7 +363,7 @@ class _Session:
                    geometry: Optional[Geometry], heartbeat: bool, rpc_timeout: float, auto_reattach: bool,
                    reattach_timeout: float, cache_namespace: str, fast_path: bool, ring_spin: float,
                    ring_full_wait: float, tls: bool, tls_ca_file: str, tls_cert_file: str,
-                   tls_key_file: str) -> Optional[grpc.ChannelCredentials]:
+                   tls_key_file: str, model_fingerprint: str = "") -> Optional[grpc.ChannelCredentials]:
         """Records the attach options (reattach uses them again); returns the channel credentials."""
         target = default_target(target)
         self.target = target
@@ -377,7 +377,8 @@ class _Session:
                                  auto_reattach=auto_reattach, reattach_timeout=reattach_timeout,
                                  cache_namespace=cache_namespace, fast_path=fast_path, ring_spin=ring_spin,
                                  ring_full_wait=ring_full_wait, tls=tls, tls_ca_file=tls_ca_file,
-                                 tls_cert_file=tls_cert_file, tls_key_file=tls_key_file)
+                                 tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                                 model_fingerprint=model_fingerprint)
         if fast_path:
             if staging_bytes <= 0:
                 raise errors.InvalidArgument("fast_path needs a staging region (staging_bytes > 0): the command "
@@ -387,7 +388,8 @@ class _Session:
                 raise errors.Unimplemented(why, "Attach")
         creds = channel_credentials(target, tls, tls_ca_file, tls_cert_file, tls_key_file)
         req = pb.AttachRequest(worker_id=worker_id, tenant=tenant, staging_bytes=staging_bytes,
-                               cache_namespace=cache_namespace, fast_path=fast_path)
+                               cache_namespace=cache_namespace, fast_path=fast_path,
+                               model_fingerprint=model_fingerprint)
         if geometry is not None:
             req.geometry.CopyFrom(geometry.to_proto())
         self._attach_request = req
@@ -865,7 +867,7 @@ class Client(_Session):
                rpc_timeout: float = 60.0, auto_reattach: bool = True, reattach_timeout: float = 30.0,
                cache_namespace: str = "", fast_path: bool = False, ring_spin: float = 50e-6,
                ring_full_wait: float = 1e-3, tls: bool = False, tls_ca_file: str = "", tls_cert_file: str = "",
-               tls_key_file: str = "") -> "Client":
+               tls_key_file: str = "", model_fingerprint: str = "") -> "Client":
         """Attaches to the daemon at `target` ("unix:/path" or "host:port"; default $KARAKV_TARGET,
         else unix:/tmp/karakv.sock). With `geometry` set, the daemon refuses the session unless it
         serves exactly that geometry. With `heartbeat`, a background thread sends Heartbeat every
@@ -873,6 +875,9 @@ class Client(_Session):
 
         cache_namespace: the prefix cache namespace (empty: the tenant's own; a name shares cached
         prompts across tenants, if karakvd runs with --prefix_cache_shared_namespaces).
+        model_fingerprint: the model this worker runs (name and revision, or a weights hash; at
+        most 256 printable characters, no spaces). Cached prompts are shared only between sessions
+        giving the same one, and with karakvd --prefix_tier across nodes too (empty: no tier).
 
         fast_path: Step, Attend, Append (without token_ids) and ReadKV go through a command ring in
         shared memory after the staging region (one futex doorbell each way) instead of a gRPC round trip; results, status codes and
@@ -892,7 +897,7 @@ class Client(_Session):
         self = cls()
         creds = self._configure(target, worker_id, tenant, staging_bytes, geometry, heartbeat, rpc_timeout,
                                 auto_reattach, reattach_timeout, cache_namespace, fast_path, ring_spin,
-                                ring_full_wait, tls, tls_ca_file, tls_cert_file, tls_key_file)
+                                ring_full_wait, tls, tls_ca_file, tls_cert_file, tls_key_file, model_fingerprint)
         if creds is not None:
             self._channel = grpc.secure_channel(self.target, creds, options=CHANNEL_OPTIONS)
         else:

@@ -48,6 +48,24 @@ def test_karakv_target_is_the_default_target(daemon, monkeypatch, tmp_path):
     assert karakv.default_target() == "unix:/tmp/karakv.sock"
 
 
+def test_model_fingerprint_scopes_cached_prompts_and_is_checked(daemon):
+    prompt = list(range(300, 310))
+    k, v = kv(10, seed=4)
+    with karakv.Client.attach(daemon.target, model_fingerprint="smol-135m@r1") as a:
+        seq = a.create_sequence()
+        assert a.append(seq, k, v, token_ids=np.array(prompt, np.int32)) == 10
+        assert a.lookup(prompt) == 8
+        # The same model in another session shares them; another model or none does not.
+        with karakv.Client.attach(daemon.target, model_fingerprint="smol-135m@r1") as same:
+            assert same.lookup(prompt) == 8
+        with karakv.Client.attach(daemon.target, model_fingerprint="smol-360m@r1") as other:
+            assert other.lookup(prompt) == 0
+        with karakv.Client.attach(daemon.target) as none:
+            assert none.lookup(prompt) == 0
+    with pytest.raises(karakv.InvalidArgument, match="model_fingerprint of 9 bytes refused"):
+        karakv.Client.attach(daemon.target, model_fingerprint="has space")
+
+
 def test_prefix_cache_lookup_and_create_from_prefix(daemon):
     prompt = list(range(100, 110))  # 10 tokens: 2 whole blocks of 4, then 2 more
     k, v = kv(10, seed=3)
