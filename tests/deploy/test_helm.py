@@ -262,6 +262,35 @@ def test_kv_events_config_ports_and_network_policy():
         render({"config": {"kv_events_endpoint": "tcp://*:1"}})
 
 
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_prefix_tier_address_timeout_and_password_secret(mode):
+    docs = render({"mode": mode, "prefixTier": {"address": "redis-a:6379,redis-b:6379", "passwordSecret": "redis-pw",
+                                                "passwordKey": "karakv", "timeoutMs": 80}})
+    lines = by_kind(docs, "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+    for line in ("prefix_tier=redis://redis-a:6379,redis-b:6379", "prefix_tier_timeout_ms=80",
+                 "prefix_tier_password_file=/etc/karakv/prefix-tier/karakv"):
+        assert line in lines
+    spec = pod_spec(docs)
+    assert mounts(daemon_container(spec))["prefix-tier"] == "/etc/karakv/prefix-tier"
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "prefix-tier"]
+    assert vol["secret"] == {"secretName": "redis-pw", "defaultMode": 0o440,
+                             "items": [{"key": "karakv", "path": "karakv"}]}
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        if c["name"] != "karakvd":
+            assert "prefix-tier" not in mounts(c)
+    # Without a Secret: no password file, no volume; off by default.
+    lines = by_kind(render({"prefixTier": {"address": "r:6379"}}), "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+    assert "prefix_tier=redis://r:6379" in lines and not [l for l in lines if l.startswith("prefix_tier_password")]
+    assert not [l for l in by_kind(render({}), "ConfigMap")[0]["data"]["karakvd.conf"].splitlines()
+                if l.startswith("prefix_tier")]
+    with pytest.raises(helm.HelmError, match="prefixTier.address is empty"):
+        render({"prefixTier": {"passwordSecret": "redis-pw"}})
+    with pytest.raises(helm.HelmError, match="prefixTier"):
+        render({"prefixTier": {"address": "redis://r:6379"}})  # the chart adds the scheme
+    with pytest.raises(helm.HelmError, match="config.prefix_tier is set by the chart"):
+        render({"config": {"prefix_tier": "redis://r:1"}})
+
+
 DIGEST = "sha256:" + "ab" * 32
 
 

@@ -74,6 +74,10 @@ app.kubernetes.io/component: {{ .Values.mode }}
 {{- end -}}
 
 {{/* Where the TLS Secret is mounted in karakvd's container. */}}
+{{- define "karakv.prefixTierDir" -}}
+/etc/karakv/prefix-tier
+{{- end -}}
+
 {{- define "karakv.tlsDir" -}}
 /etc/karakv/tls
 {{- end -}}
@@ -163,15 +167,30 @@ volumeMounts:
     mountPath: {{ include "karakv.tlsDir" . }}
     readOnly: true
 {{- end }}
+{{- if and .Values.prefixTier.address .Values.prefixTier.passwordSecret }}
+  - name: prefix-tier
+    mountPath: {{ include "karakv.prefixTierDir" . }}
+    readOnly: true
+{{- end }}
 {{- end -}}
 
-{{/* The pod volume of the TLS Secret (listed after the chart's other volumes). */}}
-{{- define "karakv.tlsVolume" -}}
+{{/* The pod volumes of the Secrets only karakvd mounts: TLS, the prefix tier's password (listed
+after the chart's other volumes). */}}
+{{- define "karakv.secretVolumes" -}}
 {{- if .Values.tls.secretName }}
 - name: tls
   secret:
     secretName: {{ .Values.tls.secretName }}
     defaultMode: 0440
+{{- end }}
+{{- if and .Values.prefixTier.address .Values.prefixTier.passwordSecret }}
+- name: prefix-tier
+  secret:
+    secretName: {{ .Values.prefixTier.passwordSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.prefixTier.passwordKey }}
+        path: {{ .Values.prefixTier.passwordKey }}
 {{- end }}
 {{- end -}}
 
