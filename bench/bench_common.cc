@@ -1,9 +1,16 @@
 // The pieces several karakv-bench modes share (declared and described in bench_common.h).
 #include "bench_common.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 
 namespace karakv::bench {
 
@@ -88,6 +95,22 @@ absl::Status prefill(DecodeSet& set, const kn::Geometry& g, const std::vector<st
 size_t decode_pool_bytes(const kn::Geometry& g, int seqs, int tokens) {
   const size_t blocks = size_t(seqs) * ((tokens + g.block_size - 1) / g.block_size + 2) + 64;
   return blocks * g.block_bytes();
+}
+
+double cpu_seconds(pid_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // Fields after the command name (which may hold spaces) start after the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return -1;
+  std::vector<std::string> fields = absl::StrSplit(absl::string_view(p + 2), ' ');
+  uint64_t utime = 0, stime = 0;  // fields 14 and 15 of stat(5); fields[0] is field 3
+  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &utime) || !absl::SimpleAtoi(fields[12], &stime)) return -1;
+  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
 }
 
 }  // namespace karakv::bench

@@ -81,6 +81,9 @@ std::vector<std::string> smollm_flags(size_t pool_bytes);
 // Bytes of K (or V) that Append of `tokens` tokens carries; the daemon's geometry equals `g`.
 size_t append_tensor_bytes(const kn::Geometry& g, int tokens);
 
+// CPU seconds (user + system) the process has used so far, from /proc/PID/stat; -1 if unreadable.
+double cpu_seconds(pid_t pid);
+
 // K/V/Q of one decode step for every layer and sequence, generated once and copied into each
 // client's staging buffers, so every policy decodes exactly the same tokens.
 struct StepTensors {
@@ -161,6 +164,7 @@ absl::StatusOr<std::vector<Row>> run_memory(const TempDir& dir);  // memory.cc
 absl::StatusOr<std::vector<Row>> run_quant(const TempDir& dir);   // quant.cc
 absl::StatusOr<std::vector<Row>> run_prefix(const TempDir& dir);  // prefix.cc
 absl::StatusOr<std::vector<Row>> run_ring(const TempDir& dir);    // ring.cc
+absl::StatusOr<std::vector<Row>> run_cluster(const TempDir& dir); // cluster.cc
 std::string p1_how();
 std::string p2_how();
 std::string p3_how();
@@ -169,5 +173,18 @@ std::string memory_how();
 std::string quant_how();
 std::string prefix_how();
 std::string ring_how();
+std::string cluster_how();
+
+// One request as prefix.cc times it (prefix.cc): start the sequence from the cached prefix, Append
+// the K/V of the tokens left (with their ids), Attend their queries on every layer, one decode Step
+// on every layer, Release. Its time to first token, tokens prefilled and tokens cached.
+struct PrefixRequestResult {
+  double ttft_s = 0;
+  int prefilled = 0, cached = 0;
+};
+absl::StatusOr<PrefixRequestResult> prefix_request(karakv::Client& c, const kn::Geometry& g,
+                                                   const std::vector<int32_t>& prompt);
+// Token ids of request `request`: a shared system prompt (ids 1..), then tokens of its own.
+std::vector<int32_t> prefix_prompt(int system_tokens, int own_tokens, int request);
 
 }  // namespace karakv::bench

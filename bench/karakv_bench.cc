@@ -162,7 +162,7 @@ absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|all [--karakvd=PATH] [--karakvd_flags=F,...] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|cluster|all [--karakvd=PATH] [--karakvd_flags=F,...] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
       "  p1      Append throughput vs Redis SET (target >= 3x)\n"
       "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
       "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"
@@ -179,12 +179,15 @@ int main(int argc, char** argv) {
       "          Detach and crashes for --minutes=T against one karakvd (--seed): ops/s, errors by code,\n"
       "          pool invariant, sampled Step outputs vs a float64 reference, daemon RSS growth; exits 1 on\n"
       "          anything unexpected (runs alone, not part of 'all')\n"
+      "  cluster two karakvd nodes sharing one redis-server as --prefix_tier (and one daemon without): TTFT of a\n"
+      "          tier hit vs a cold prefill (target <= 0.3x), a tier miss's cost, prefill avoided, and Append\n"
+      "          throughput with ids when the tier never hits (target >= 0.98x; not part of 'all')\n"
       "  Several modes may be given: karakv-bench p5 memory");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() == 2 && std::string(args[1]) == "serve-worker") return serve_worker_main();
   if (args.size() == 2 && std::string(args[1]) == "soak-worker") return soak_worker_main();
   if (args.size() < 2) {
-    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|all... [flags]  (--help for the flags)\n");
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|cluster|all... [flags]  (--help for the flags)\n");
     return 2;
   }
   const bool soak = std::any_of(args.begin() + 1, args.end(), [](const char* a) { return std::string(a) == "soak"; });
@@ -198,10 +201,10 @@ int main(int argc, char** argv) {
     const std::string m = args[i];
     if (m == "all") {
       modes.insert(modes.end(), known.begin(), known.end());
-    } else if (m == "serve" || m == "soak" || std::find(known.begin(), known.end(), m) != known.end()) {
+    } else if (m == "serve" || m == "soak" || m == "cluster" || std::find(known.begin(), known.end(), m) != known.end()) {
       modes.push_back(m);
     } else {
-      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, ring, serve, soak or all\n", m.c_str());
+      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, ring, serve, soak, cluster or all\n", m.c_str());
       return 2;
     }
   }
@@ -241,6 +244,7 @@ int main(int argc, char** argv) {
                                             : m == "prefix" ? run_prefix(*dir)
                                             : m == "serve"  ? run_serve_rows(*dir)
                                             : m == "ring"   ? run_ring(*dir)
+                                            : m == "cluster" ? run_cluster(*dir)
                                                             : run_memory(*dir);
     if (!rows.ok()) {
       std::fprintf(stderr, "karakv-bench: %s failed: %s\n", m.c_str(), rows.status().ToString().c_str());
@@ -273,6 +277,7 @@ int main(int argc, char** argv) {
   }
   for (const std::string& m : modes) {
     if (m == "prefix") how.push_back(prefix_how());
+    if (m == "cluster") how.push_back(cluster_how());
   }
   const std::string busy_note =
       burners ? absl::StrFormat("; --busy: %d burner processes on every CPU (karakv and its baselines under the "

@@ -34,14 +34,7 @@ ABSL_FLAG(int32_t, prefix_requests, 4, "prefix: requests per worker (after one c
 ABSL_FLAG(std::string, prefix_workers, "2,4,8", "prefix: worker counts (one session each, concurrent)");
 
 namespace karakv::bench {
-namespace {
 
-struct PrefixRequestResult {
-  double ttft_s = 0;
-  int prefilled = 0, cached = 0;
-};
-
-// Token ids of request `r`: the shared system prompt, then tokens of its own.
 std::vector<int32_t> prefix_prompt(int system_tokens, int own_tokens, int request) {
   std::vector<int32_t> ids(system_tokens + own_tokens);
   std::iota(ids.begin(), ids.begin() + system_tokens, 1);
@@ -99,8 +92,6 @@ absl::StatusOr<PrefixRequestResult> prefix_request(karakv::Client& c, const kn::
   if (auto s = c.Release(created->id); !s.ok()) return s.status();
   return r;
 }
-
-}  // namespace
 
 absl::StatusOr<std::vector<Row>> run_prefix(const TempDir& dir) {
   const kn::Geometry g = smollm_geometry();

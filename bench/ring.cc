@@ -76,23 +76,6 @@ absl::StatusOr<double> synthetic_tokens_per_s(const Daemon& d, int batch, bool f
 }
 
 
-// CPU seconds (user + system) the process has used so far, from /proc/PID/stat; -1 if unreadable.
-double cpu_seconds(pid_t pid) {
-  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
-  if (f == nullptr) return -1;
-  char buf[1024];
-  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  // Fields after the command name (which may hold spaces) start after the last ')'.
-  const char* p = std::strrchr(buf, ')');
-  if (p == nullptr) return -1;
-  std::vector<std::string> fields = absl::StrSplit(absl::string_view(p + 2), ' ');
-  uint64_t utime = 0, stime = 0;  // fields 14 and 15 of stat(5); fields[0] is field 3
-  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &utime) || !absl::SimpleAtoi(fields[12], &stime)) return -1;
-  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
-}
-
 // Step round trip through the ring, through gRPC and Ping, busy and idle orders, with the daemon's
 // ring thread spinning `daemon_spin_us` and the client `client_spin_us` before they sleep. With
 // `defaults`, the rows carry the target; otherwise the rows name the spins.
