@@ -422,6 +422,7 @@ PrefixTier::~PrefixTier() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    update_flags();
   }
   thread_.join();
 }
@@ -488,6 +489,11 @@ bool PrefixTier::check(const PrefixKey& key, std::string_view v, std::string* wh
   return true;
 }
 
+void PrefixTier::update_flags() {
+  work_ = stop_ || !queue_.empty();
+  idle_ = stop_ || (queue_.empty() && in_flight_ == 0);
+}
+
 bool PrefixTier::published(const PrefixKey& key, int32_t block) {
   absl::MutexLock lock(&mu_);
   if (stop_ || queue_.size() >= config_.max_queued_blocks) {
@@ -495,13 +501,13 @@ bool PrefixTier::published(const PrefixKey& key, int32_t block) {
     return false;
   }
   queue_.emplace_back(key, block);
+  update_flags();
   return true;
 }
 
 void PrefixTier::flush() {
   absl::MutexLock lock(&mu_);
-  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || (queue_.empty() && in_flight_ == 0); };
-  mu_.Await(absl::Condition(&done));
+  mu_.Await(absl::Condition(&idle_));
 }
 
 bool PrefixTier::paused() {
@@ -662,18 +668,19 @@ void PrefixTier::run() {
     bool stopping = false;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
-      mu_.Await(absl::Condition(&ready));
+      mu_.Await(absl::Condition(&work_));
       if (stop_) {
         stopping = true;
         write_dropped_.fetch_add(queue_.size(), std::memory_order_relaxed);
         batch.assign(queue_.begin(), queue_.end());
         queue_.clear();
+        update_flags();
       } else {
         const size_t n = std::min(queue_.size(), size_t(std::max(1, config_.write_batch)));
         batch.assign(queue_.begin(), queue_.begin() + ptrdiff_t(n));
         queue_.erase(queue_.begin(), queue_.begin() + ptrdiff_t(n));
         in_flight_ = static_cast<int>(n);
+        update_flags();
       }
     }
     if (!stopping) write(client, batch);
@@ -684,6 +691,7 @@ void PrefixTier::run() {
     if (stopping) return;
     absl::MutexLock lock(&mu_);
     in_flight_ = 0;
+    update_flags();
   }
 }
 

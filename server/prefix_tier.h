@@ -185,6 +185,11 @@ class PrefixTier final : public PrefixTierSink {
   std::deque<std::pair<PrefixKey, int32_t>> queue_ ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // What the writer and flush() wait for, kept as plain flags: absl evaluates a flag's Condition
+  // inside the library, where the TSan stage's shim sees the mutex order it, and a lambda's not.
+  bool work_ ABSL_GUARDED_BY(mu_) = false;  // stop_ or something queued
+  bool idle_ ABSL_GUARDED_BY(mu_) = true;   // stop_ or nothing queued nor in flight
+  void update_flags() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::unique_ptr<RedisClient>> idle_clients_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex health_mu_;
