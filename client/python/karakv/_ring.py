@@ -21,7 +21,7 @@ import ctypes
 import platform
 import struct
 import time
-from typing import Any, Generator, NamedTuple, Optional, Tuple, Union
+from typing import Any, Generator, NamedTuple, Optional, Sequence, Tuple, Union
 
 MAGIC = 0x31524B4B  # "KKR1"
 VERSION = 1
@@ -339,20 +339,23 @@ def _range(ref) -> Tuple[int, int]:
     return (ref.staging.offset, ref.staging.length)
 
 
-def _append_entry(e) -> Optional[Tuple[Any, ...]]:
+def _append_entry(e, staged_ids: Optional[Tuple[int, int]] = None) -> Optional[Tuple[Any, ...]]:
     """An AppendRequest as a ring AppendEntry, or None when it cannot go on the ring: a tensor not in
-    staging, or token ids (they travel in the message)."""
+    staging, or token ids that are not also in staging (`staged_ids`: their offset and length)."""
     has_q = e.HasField("q") or e.num_query_tokens > 0
-    if any(r.WhichOneof("location") != "staging" for r in (e.k, e.v)) or e.token_ids \
+    if any(r.WhichOneof("location") != "staging" for r in (e.k, e.v)) \
+            or (e.token_ids and staged_ids is None) \
             or (has_q and e.q.WhichOneof("location") != "staging"):
         return None
     return (e.sequence_id, e.num_tokens, e.num_query_tokens, _range(e.k), _range(e.v),
-            _range(e.q) if has_q else (0, 0), (0, 0))
+            _range(e.q) if has_q else (0, 0), staged_ids if e.token_ids else (0, 0))
 
 
-def command(method: str, request) -> Optional[Command]:
-    """The ring command for a Step, Attend, Append or AppendBatch (up to MAX_APPENDS entries, none with
-    token ids) or ReadKV request whose every tensor is in staging, else None."""
+def command(method: str, request, staged_ids: Optional[Sequence[Optional[Tuple[int, int]]]] = None
+            ) -> Optional[Command]:
+    """The ring command for a Step, Attend, Append or AppendBatch (up to MAX_APPENDS entries; token ids
+    only where staged_ids[i] says where a copy of entry i's lies in staging) or ReadKV request whose
+    every tensor is in staging, else None."""
     rng = _range
 
     if method == "Step":
@@ -368,7 +371,9 @@ def command(method: str, request) -> Optional[Command]:
                        (0, 0), rng(request.q), rng(request.out), ())
     if method in ("Append", "AppendBatch"):
         requests = request.entries if method == "AppendBatch" else (request,)
-        entries = tuple(e for e in map(_append_entry, requests) if e is not None)
+        ids = list(staged_ids or ())
+        ids += [None] * (len(requests) - len(ids))
+        entries = tuple(e for e in map(_append_entry, requests, ids) if e is not None)
         if not entries or len(entries) != len(requests) or len(entries) > MAX_APPENDS:
             return None
         return Command(OP_APPEND, 0, 0.0, len(entries), 0, (0, 0), (0, 0), (0, 0), (0, 0), (), entries)

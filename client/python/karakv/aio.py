@@ -318,7 +318,7 @@ class Client(_Session):
     # ----------------------------------------------------------------------------- transport
     async def _invoke(self, method: str, request):
         if self._ring is not None and self._ring.usable:
-            cmd = _ring.command(method, request)
+            cmd = _ring.command(method, request, getattr(self, "_ring_ids", None))
             if cmd is not None and self._ring.takes(cmd.op):
                 reply = await self._ring_call(method, cmd)
                 if reply is not None:

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Generator, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -477,6 +477,8 @@ class _Session:
     def _begin(self) -> None:
         if self._staging is not None:
             self._staging.scratch = self._staging.used
+        # Where each Append entry of this operation put its token ids in staging (None: not staged).
+        self._ring_ids: List[Optional[Tuple[int, int]]] = []
 
     def _input(self, a: np.ndarray, ref: pb.TensorRef, what: str) -> None:
         st = self._staging
@@ -637,6 +639,7 @@ class _Session:
         _check_shape(va, ka.shape, "[L][T][Hk][D] like k", f"{what}.v")
         req.sequence_id = sequence_id
         req.num_tokens = t
+        ids = None
         if token_ids is not None:
             ids = _token_ids(token_ids, f"{what}.token_ids")
             if len(ids) != t:
@@ -651,6 +654,22 @@ class _Session:
                                        "[L][Nq][Hq][D]", f"{what}.q")
             self._input(qa, req.q, f"{what}.q")
             req.num_query_tokens = nq
+        self._ring_ids.append(self._stage_ids(ids))
+
+    def _stage_ids(self, ids: Optional[list]) -> Optional[Tuple[int, int]]:
+        """With the fast path, a copy of an Append's token ids in staging (after its tensors) so the
+        Append can take the ring; None without ids, without a ring, or when the region is full
+        (then the ids travel in the gRPC message as before)."""
+        st = self._staging
+        if not ids or st is None or self._ring is None:
+            return None
+        a = np.asarray(ids, dtype=np.int32)
+        try:
+            offset = st.take(a.nbytes, "token_ids")
+        except errors.ResourceExhausted:
+            return None
+        st.bytes[offset:offset + a.nbytes] = a.view(np.uint8)
+        return (offset, a.nbytes)
 
     def _op_append(self, sequence_id: int, k: Any, v: Any, q: Any, token_ids: Any) -> Op:
         req = pb.AppendRequest(session_id=self.session_id)
@@ -879,7 +898,7 @@ class Client(_Session):
         most 256 printable characters, no spaces). Cached prompts are shared only between sessions
         giving the same one, and with karakvd --prefix_tier across nodes too (empty: no tier).
 
-        fast_path: Step, Attend, Append (without token_ids) and ReadKV go through a command ring in
+        fast_path: Step, Attend, Append (token_ids copied into staging too) and ReadKV go through a command ring in
         shared memory after the staging region (one futex doorbell each way) instead of a gRPC round trip; results, status codes and
         messages are the same. Needs staging_bytes > 0 and Linux on x86-64. ring_spin: seconds to
         busy-wait for a completion before sleeping on the futex; ring_full_wait: seconds to wait for
@@ -1139,7 +1158,7 @@ class Client(_Session):
     def _invoke(self, method: str, request):
         """One attempt: through the ring when it can carry the call, else gRPC."""
         if self._ring is not None and self._ring.usable:
-            cmd = _ring.command(method, request)
+            cmd = _ring.command(method, request, getattr(self, "_ring_ids", None))
             if cmd is not None and self._ring.takes(cmd.op):
                 reply = self._ring_call(method, cmd)
                 if reply is not None:

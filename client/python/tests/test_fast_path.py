@@ -50,9 +50,16 @@ def test_steps_attends_appends_and_read_kv_go_through_the_ring(start_daemon):
             np.testing.assert_array_equal(got, want)
         ring_k, _, _ = fast.read_kv(a)
         np.testing.assert_array_equal(ring_k[:, :9], k)  # the prompt as appended
-        # An Append with token ids carries them in the message: it goes through gRPC.
+        # An Append with token ids copies them into staging too and takes the ring; the daemon gets
+        # them (the prompt's whole blocks are published: a lookup finds them).
+        c = fast.create_sequence()
+        calls = fast.ring_calls
+        prompt = list(range(500, 509))  # 2 whole blocks of 4, and one more token
+        fast.append(c, *kv(9, seed=2), token_ids=np.array(prompt, np.int64))
+        assert fast.ring_calls == calls + 1
+        assert plain.lookup(prompt) == 8
         fast.append(a, *kv(2), token_ids=[7, 8])
-        assert fast.ring_calls == 1 + L + 1 + 2 and plain.ring_calls == 0
+        assert fast.ring_calls == 1 + L + 1 + 2 + 2 and plain.ring_calls == 0
     assert ring_count(port, "Step") == L and ring_count(port, "Attend") == 1
     assert metric(port, 'karakv_decode_commands_total{method="Step",path="grpc"}') == L
 
@@ -151,11 +158,11 @@ def test_append_batch_through_the_ring_grpc_and_inline_is_separate_appends(daemo
                 for got, expected in zip(got_seq, want_seq):
                     np.testing.assert_array_equal(got, expected)
 
-        # An entry with token ids carries them in the message: the whole batch uses gRPC.
+        # An entry with token ids has them copied into staging too: the batch still takes the ring.
         x = fast.create_sequence()
         before = fast.ring_calls
         assert fast.append_batch([(x, k1, v1, None, [1, 2, 3]), (x, k3, v3)]) == [3, 5]
-        assert fast.ring_calls == before
+        assert fast.ring_calls == before + 1
         # More entries than one ring command holds (50): gRPC, same result.
         many = [fast.create_sequence() for _ in range(karakv._ring.MAX_APPENDS + 1)]
         before = fast.ring_calls
