@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "karakv/client.h"
+#include "tests/integration/spawn.h"
 
 namespace karakv::testing {
 
@@ -35,16 +36,7 @@ class Daemon {
     const char* karakvd = std::getenv("KARAKV_TEST_KARAKVD");
     args.insert(args.begin(), {karakvd != nullptr && *karakvd != '\0' ? std::string(karakvd) : std::string(KARAKVD_PATH),
                                "--socket=" + socket_, "--log_level=warn", "--threads=2"});
-    pid_ = fork();
-    if (pid_ == 0) {
-      // A test that crashes must not leave its daemon running: it dies with its parent.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    pid_ = spawn_child(std::move(args));  // a test that crashes must not leave its daemon running
     ready_ = wait_ready();
   }
   ~Daemon() {

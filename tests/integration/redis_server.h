@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/integration/spawn.h"
+
 namespace karakv::testing {
 
 // A TCP port nothing listens on now (its +10000 cluster bus port too).
@@ -68,16 +70,8 @@ class RedisServer {
     std::system(("mkdir -p " + dir_).c_str());
     std::vector<std::string> args = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1",
                                      "--save", "", "--appendonly", "no", "--dir", dir_, "--loglevel", "warning", "--logfile", dir_ + "/redis.log"};
-    args.insert(args.end(), extra_.begin(), extra_.end());
-    pid_ = fork();
-    if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execvp(argv[0], argv.data());
-      _exit(127);
-    }
+    args.insert(args.end(), extra_.begin(), extra_.end());  // PATH is searched: Debian's redis-server
+    pid_ = spawn_child(std::move(args));
     ready_ = false;
     for (int i = 0; i < 200 && !ready_; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
