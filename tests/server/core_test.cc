@@ -3,9 +3,12 @@
 #include "server/core.h"
 
 #include <cstring>
+#include <sstream>
 
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 #include "gtest/gtest.h"
 #include "tests/server/test_geometry.h"
 
@@ -312,4 +315,32 @@ TEST_F(RegistryTest, PoolExhaustionSaysWantedVsFreeAndKeepsServing) {
 }
 
 }  // namespace
+// CaM has not helped Kara anywhere measured (docs/QUALITY.md): cam=1 on kara says so in the log,
+// once per daemon run; other policies with cam=1, and kara without it, say nothing.
+TEST_F(RegistryTest, CamWithKaraWarnsOnceInTheLog) {
+  std::ostringstream log;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log);
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  SequenceOptions snapkv;
+  snapkv.policy = "snapkv";
+  snapkv.params = {{"cam", 1}};
+  SequenceOptions kara_plain;
+  kara_plain.policy = "kara";
+  SequenceOptions kara_cam = kara_plain;
+  kara_cam.params = {{"cam", 1}};
+  ASSERT_TRUE(reg_->create_sequence(session_, snapkv).ok());
+  ASSERT_TRUE(reg_->create_sequence(session_, kara_plain).ok());
+  const std::string before = log.str();
+  ASSERT_TRUE(reg_->create_sequence(session_, kara_cam).ok());
+  ASSERT_TRUE(reg_->create_sequence(session_, kara_cam).ok());
+  spdlog::set_default_logger(previous);
+  EXPECT_THAT(before, ::testing::Not(::testing::HasSubstr("not recommended")));
+  const std::string text = log.str();
+  const size_t first = text.find("cam=1 with kara is not recommended");
+  ASSERT_NE(first, std::string::npos) << text;
+  EXPECT_EQ(text.find("cam=1 with kara is not recommended", first + 1), std::string::npos) << "warned twice: " << text;
+  EXPECT_THAT(text, ::testing::HasSubstr("38.19"));
+}
+
 }  // namespace karakv::server
