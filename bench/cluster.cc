@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -287,41 +288,19 @@ absl::StatusOr<std::vector<Row>> run_cluster(const TempDir& dir) {
   extra_reports().push_back(table);
 
   std::vector<Row> rows;
-  Row ttft;
-  ttft.mode = "cluster";
-  ttft.metric = "TTFT p50, tier hit on another node";
-  ttft.karakv = percentile(tier_hit, 50);
-  ttft.baseline_name = "cold prefill";
-  ttft.baseline = percentile(cold, 50);
-  ttft.unit = "ms";
-  ttft.target = Target{Target::Kind::kAtMost, 0.3};
-  rows.push_back(ttft);
-  Row miss;
-  miss.mode = "cluster";
-  miss.metric = "TTFT p50, cold with a tier miss";
-  miss.karakv = percentile(cold, 50);
-  miss.baseline_name = "cold, no tier";
-  miss.baseline = percentile(cold_plain, 50);
-  miss.unit = "ms";
-  rows.push_back(miss);
-  Row avoided;
-  avoided.mode = "cluster";
-  avoided.metric = "prefill tokens avoided by the tier";
-  avoided.karakv = double(tier_cached);
-  avoided.baseline_name = "prompt tokens of tier-hit requests";
-  avoided.baseline = double(tier_cached + tier_prefilled);
-  avoided.unit = "tokens";
-  avoided.percent = true;
-  rows.push_back(avoided);
-  Row cost;
-  cost.mode = "cluster";
-  cost.metric = absl::StrFormat("Append %d tokens with ids, tier never hits", append_tokens);
-  cost.karakv = percentile(with_tier, 50);
-  cost.baseline_name = "no tier";
-  cost.baseline = percentile(without_tier, 50);
-  cost.unit = "tok/s";
-  cost.target = Target{Target::Kind::kAtLeast, 0.98};
-  rows.push_back(cost);
+  auto row = [&](std::string metric, double value, std::string baseline_name, double baseline, std::string unit,
+                 std::optional<Target> target, bool percent = false) {
+    rows.push_back({"cluster", std::move(metric), value, std::move(baseline_name), baseline, std::move(unit), percent,
+                    target});
+  };
+  row("TTFT p50, tier hit on another node", percentile(tier_hit, 50), "cold prefill", percentile(cold, 50), "ms",
+      Target{Target::Kind::kAtMost, 0.3});
+  row("TTFT p50, cold with a tier miss", percentile(cold, 50), "cold, no tier", percentile(cold_plain, 50), "ms",
+      std::nullopt);
+  row("prefill tokens avoided by the tier", double(tier_cached), "prompt tokens of tier-hit requests",
+      double(tier_cached + tier_prefilled), "tokens", std::nullopt, /*percent=*/true);
+  row(absl::StrFormat("Append %d tokens with ids, tier never hits", append_tokens), percentile(with_tier, 50),
+      "no tier", percentile(without_tier, 50), "tok/s", Target{Target::Kind::kAtLeast, 0.98});
   return rows;
 }
 
