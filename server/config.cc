@@ -343,6 +343,11 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
   c.prefix_tier_queue_blocks = absl::GetFlag(FLAGS_prefix_tier_queue_blocks);
   if (!c.prefix_tier.empty()) {
     if (auto t = parse_prefix_tier(c.prefix_tier, c.prefix_tier_password_file); !t.ok()) return t.status();
+    if (!c.core.prefix_cache) {
+      return absl::InvalidArgumentError(absl::StrCat("--prefix_tier=", c.prefix_tier,
+                                                     " shares the prefix cache's blocks, but --prefix_cache=off; "
+                                                     "turn the prefix cache on or drop --prefix_tier"));
+    }
   } else if (!c.prefix_tier_password_file.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--prefix_tier_password_file=", c.prefix_tier_password_file,
                                                    " is the password of --prefix_tier, which is empty"));

@@ -26,6 +26,9 @@ ABSL_DECLARE_FLAG(bool, mutex_deadlock_detection);
 ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, prefix_cache);
+ABSL_DECLARE_FLAG(std::string, prefix_tier);
+ABSL_DECLARE_FLAG(std::string, prefix_tier_password_file);
+ABSL_DECLARE_FLAG(int32_t, prefix_tier_timeout_ms);
 ABSL_DECLARE_FLAG(double, prefix_cache_max_fraction);
 ABSL_DECLARE_FLAG(int32_t, max_sessions);
 ABSL_DECLARE_FLAG(std::string, max_message_bytes);
@@ -106,6 +109,32 @@ TEST_F(ConfigFileTest, PrefixCacheSettings) {
   absl::SetFlag(&FLAGS_prefix_cache, "on");
   absl::SetFlag(&FLAGS_prefix_cache_max_fraction, 1.5);
   EXPECT_NE(config_from_flags().status().message().find("--prefix_cache_max_fraction=1.5, expected 0..1"),
+            std::string::npos);
+}
+
+TEST_F(ConfigFileTest, PrefixTierSettingsAreCheckedByName) {
+  auto c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->prefix_tier.empty());
+  EXPECT_EQ(c->prefix_tier_timeout_ms, 50);
+  EXPECT_EQ(c->prefix_tier_queue_blocks, 256);
+  ASSERT_TRUE(apply_config_file(write("prefix_tier = redis://cache:6379\nprefix_tier_timeout_ms = 80\n")).ok());
+  c = config_from_flags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->prefix_tier, "redis://cache:6379");
+  EXPECT_EQ(c->prefix_tier_timeout_ms, 80);
+  absl::SetFlag(&FLAGS_prefix_cache, "off");
+  EXPECT_NE(config_from_flags().status().message().find("but --prefix_cache=off"), std::string::npos);
+  absl::SetFlag(&FLAGS_prefix_cache, "on");
+  absl::SetFlag(&FLAGS_prefix_tier_timeout_ms, 0);
+  EXPECT_NE(config_from_flags().status().message().find("--prefix_tier_timeout_ms=0 is out of range"),
+            std::string::npos);
+  absl::SetFlag(&FLAGS_prefix_tier_timeout_ms, 50);
+  absl::SetFlag(&FLAGS_prefix_tier, "cache:6379");
+  EXPECT_NE(config_from_flags().status().message().find("expected redis://HOST:PORT"), std::string::npos);
+  absl::SetFlag(&FLAGS_prefix_tier, "");
+  absl::SetFlag(&FLAGS_prefix_tier_password_file, "/etc/pw");
+  EXPECT_NE(config_from_flags().status().message().find("the password of --prefix_tier, which is empty"),
             std::string::npos);
 }
 
