@@ -682,9 +682,14 @@ void Core::set_prefix_tier(PrefixTier* tier) {
 
 TierBlockSource Core::tier_block_source() {
   TierBlockSource source;
-  source.host_block = [this](int32_t block) -> const char* {
-    absl::MutexLock lock(&mu_);  // the store's pointer; the bytes are read after, unlocked (pinned)
-    return store_->host_block(block);
+  const char* pool = nullptr;  // the pool never moves: its base, read once (null: device memory)
+  {
+    absl::MutexLock lock(&mu_);
+    pool = store_->host_block(0);
+  }
+  const size_t block_bytes = config_.geometry.block_bytes();
+  source.host_block = [pool, block_bytes](int32_t block) -> const char* {
+    return pool == nullptr ? nullptr : pool + size_t(block) * block_bytes;  // pinned: read unlocked
   };
   source.copy_block = [this](int32_t block) {
     absl::MutexLock lock(&mu_);
@@ -695,11 +700,6 @@ TierBlockSource Core::tier_block_source() {
     for (int32_t b : blocks) store_->unpin_for_tier(b);
   };
   return source;
-}
-
-int32_t Core::tier_pinned_blocks() const {
-  absl::MutexLock lock(&mu_);
-  return store_->tier_pinned_blocks();
 }
 
 void Core::set_compaction_observer(std::function<void(const CompactionResult&)> observer) {

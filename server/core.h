@@ -176,8 +176,6 @@ class Core {
   void set_prefix_tier(PrefixTier* tier);
   // How the tier's writer reaches the blocks the store pinned for it.
   TierBlockSource tier_block_source();
-  // Pool blocks the tier's writer holds until they are written (tests).
-  int32_t tier_pinned_blocks() const;
   // Whether the session exists now (WatchEvents checks it before subscribing).
   bool has_session(const std::string& session_id) const;
 

@@ -515,22 +515,30 @@ bool PrefixTier::paused() {
   return absl::Now() < paused_until_;
 }
 
-void PrefixTier::failed(const absl::Status& s, const char* what) {
-  errors_.fetch_add(1, std::memory_order_relaxed);
-  absl::MutexLock lock(&health_mu_);
+void PrefixTier::log_limited(const std::string& line) {
   const absl::Time now = absl::Now();
-  paused_until_ = now + pause_;
-  const absl::Duration pause = pause_;
-  pause_ = std::min(pause_ * 2, kMaxPause);
   if (now - last_log_ < kLogEvery) {
     ++unlogged_;
     return;
   }
-  spdlog::warn("prefix tier: {} failed: {}; local misses until it answers (next try in {}){}", what, std::string(s.message()),
-               absl::FormatDuration(pause),
+  spdlog::warn("prefix tier: {}{}", line,
                unlogged_ > 0 ? absl::StrCat("; ", unlogged_, " more problems since the last message") : "");
   last_log_ = now;
   unlogged_ = 0;
+}
+
+void PrefixTier::failed(const absl::Status& s, const char* what) {
+  errors_.fetch_add(1, std::memory_order_relaxed);
+  absl::MutexLock lock(&health_mu_);
+  paused_until_ = absl::Now() + pause_;
+  log_limited(absl::StrCat(what, " failed: ", s.message(), "; local misses until it answers (next try in ",
+                           absl::FormatDuration(pause_), ")"));
+  pause_ = std::min(pause_ * 2, kMaxPause);
+}
+
+void PrefixTier::answered() {
+  absl::MutexLock lock(&health_mu_);
+  pause_ = config_.retry_after;
 }
 
 std::unique_ptr<RedisClient> PrefixTier::take_client() {
@@ -571,10 +579,7 @@ std::vector<std::string> PrefixTier::fetch(const std::vector<PrefixKey>& keys) {
     misses_.fetch_add(keys.size(), std::memory_order_relaxed);
     return out;
   }
-  {
-    absl::MutexLock lock(&health_mu_);
-    pause_ = config_.retry_after;
-  }
+  answered();
   for (size_t i = 0; i < keys.size(); ++i) {
     RedisClient::Reply& r = (*replies)[i];
     if (r.kind == RedisClient::Reply::Kind::kNil) break;
@@ -586,13 +591,7 @@ std::vector<std::string> PrefixTier::fetch(const std::vector<PrefixKey>& keys) {
     if (!check(keys[i], r.str, &why)) {
       corrupt_.fetch_add(1, std::memory_order_relaxed);
       absl::MutexLock lock(&health_mu_);
-      const absl::Time now = absl::Now();
-      if (now - last_log_ >= kLogEvery) {
-        spdlog::warn("prefix tier: value of {} refused ({}); a local miss", redis_key(keys[i]), why);
-        last_log_ = now;
-      } else {
-        ++unlogged_;
-      }
+      log_limited(absl::StrCat("value of ", redis_key(keys[i]), " refused (", why, "); a local miss"));
       break;
     }
     bytes_read_.fetch_add(r.str.size(), std::memory_order_relaxed);
@@ -652,10 +651,7 @@ void PrefixTier::write(RedisClient& client, const std::vector<std::pair<PrefixKe
     writes_.fetch_add(1, std::memory_order_relaxed);
   }
   bytes_written_.fetch_add(value_bytes, std::memory_order_relaxed);
-  if (!error) {
-    absl::MutexLock lock(&health_mu_);
-    pause_ = config_.retry_after;
-  }
+  if (!error) answered();
 }
 
 void PrefixTier::run() {

@@ -12,8 +12,8 @@
 // stores them ([layers][2][kv_heads][block_size][head_dim]). Redis's maxmemory policy evicts;
 // karakvd never deletes.
 //
-// Never fatal, never on a Step's path: writes are queued under the core's lock and sent by a
-// thread of the tier's own (which copies the block out under the lock, if it is still cached);
+// Never fatal, never on a Step's path: published blocks are pinned in the pool and queued under
+// the core's lock, and a thread of the tier's own (at nice 10) sends them from the pool and unpins;
 // reads wait at most `timeout` per round trip. Redis down, slow, full or a corrupt value is a local
 // miss, a counter and a log line at most once a minute; after an error the tier is skipped for
 // `retry_after` (doubling to 30 s while errors go on), so a dead Redis costs nothing per request.
@@ -172,7 +172,9 @@ class PrefixTier final : public PrefixTierSink {
   void write(RedisClient& client, const std::vector<std::pair<PrefixKey, int32_t>>& batch);
   void run();
   bool paused();
-  void failed(const absl::Status& s, const char* what);
+  void failed(const absl::Status& s, const char* what);  // counts, pauses, logs (limited)
+  void answered();                                        // a round trip succeeded: the pause resets
+  void log_limited(const std::string& line) ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu_);  // once a minute
   std::unique_ptr<RedisClient> take_client();
   void give_back(std::unique_ptr<RedisClient> c);
 
