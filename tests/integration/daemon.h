@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -162,6 +163,19 @@ inline int free_port() {
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   close(fd);
   return ntohs(addr.sin_port);
+}
+
+// A daemon serving /metrics on a loopback port the kernel called free. Tests run in parallel, so
+// the port can be taken between the pick and the daemon's bind (the daemon then exits, not ready):
+// that costs another pick, never the test. `*port` is the port of the daemon returned.
+inline std::unique_ptr<Daemon> start_with_metrics(const std::vector<std::string>& args, int* port) {
+  for (int attempt = 0;; ++attempt) {
+    *port = free_port();
+    std::vector<std::string> flags = args;
+    flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(*port));
+    auto d = std::make_unique<Daemon>(std::move(flags));
+    if (d->ready() || attempt == 4) return d;
+  }
 }
 
 }  // namespace karakv::testing

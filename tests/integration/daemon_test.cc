@@ -566,10 +566,9 @@ namespace {
 
 
 TEST(DaemonTest, MetricsEndpointReportsPoolRpcsAndErrors) {
-  const int port = 20000 + getpid() % 20000;
-  auto flags = geometry_flags("fp16");
-  flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(port));
-  Daemon d(flags);
+  int port = 0;
+  auto started = testing::start_with_metrics(geometry_flags("fp16"), &port);
+  Daemon& d = *started;
   ASSERT_TRUE(d.ready());
   auto c = Client::Attach(d.options());
   ASSERT_TRUE(c.ok());

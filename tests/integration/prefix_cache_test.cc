@@ -192,10 +192,9 @@ std::string run(const std::string& cmd) {
 
 
 TEST(PrefixCacheAcrossWorkers, SecondProcessStartsFromTheFirstsPromptAndMatchesAFullPrefill) {
-  const int port = 40000 + getpid() % 20000;
-  std::vector<std::string> flags = daemon_flags();
-  flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(port));
-  Daemon d(flags);
+  int port = 0;
+  auto started = testing::start_with_metrics(daemon_flags(), &port);
+  Daemon& d = *started;
   ASSERT_TRUE(d.ready());
   ASSERT_EQ(run_worker("publish", d), 0);
   ASSERT_EQ(run_worker("reuse", d), 0);
@@ -286,13 +285,13 @@ int lookup_until(Client& c, const std::vector<int32_t>& prompt, int want, absl::
 TEST(PrefixTierAcrossNodes, APromptPrefilledOnOneDaemonIsAHitOnAnotherWithTheSameBytes) {
   testing::RedisServer redis;
   ASSERT_TRUE(redis.ready()) << "redis-server did not start (apt install redis-server)";
-  const int metrics_port = 40000 + (getpid() + 7) % 20000;
+  int metrics_port = 0;
   std::vector<std::string> flags = daemon_flags();
   flags.push_back("--prefix_tier=redis://" + redis.address());
   flags.push_back("--prefix_tier_timeout_ms=2000");  // a loaded CI machine
   Daemon a(flags);
-  flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(metrics_port));
-  Daemon b(flags);
+  auto started_b = testing::start_with_metrics(flags, &metrics_port);
+  Daemon& b = *started_b;
   ASSERT_TRUE(a.ready() && b.ready());
   auto ca = Client::Attach(node_options(a, "smol-135m@r1", "node-a"));
   auto cb = Client::Attach(node_options(b, "smol-135m@r1", "node-b"));

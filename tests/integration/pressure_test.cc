@@ -18,11 +18,10 @@ using ::testing::HasSubstr;
 using testing::Daemon;
 
 // 24 KiB blocks (3 layers x 2 KV heads x 32 x 16 tokens x K,V x fp32); the pool holds 4.
-std::vector<std::string> flags(bool preempt, int metrics_port = 0) {
+std::vector<std::string> flags(bool preempt) {
   std::vector<std::string> f = {"--layers=3", "--q_heads=6", "--kv_heads=2", "--head_dim=32", "--block_size=16",
                                 "--dtype=fp32", "--pool_bytes=98304", "--check_invariants"};
   if (preempt) f.push_back("--preempt_on_pressure");
-  if (metrics_port > 0) f.push_back("--metrics_listen=127.0.0.1:" + std::to_string(metrics_port));
   return f;
 }
 
@@ -40,8 +39,9 @@ absl::StatusOr<int> append(Client& c, uint64_t seq, int tokens) {
 }
 
 TEST(PressureTest, PreemptedSequenceOwnerIsToldThroughTheEventStream) {
-  const int port = 20000 + (getpid() + 7) % 20000;
-  Daemon d(flags(true, port));
+  int port = 0;
+  auto started = testing::start_with_metrics(flags(true), &port);
+  Daemon& d = *started;
   ASSERT_TRUE(d.ready());
   auto low_worker = Client::Attach(as_tenant(d, "batch"));
   auto high_worker = Client::Attach(as_tenant(d, "interactive"));
