@@ -23,11 +23,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "karakv/v1/geometry.h"
 #include "karakv/v1/karakv.grpc.pb.h"
 #include "karakv/v1/ring.h"
 #include "device_import.h"
+#include "inline_request.h"
 #include "util/fd_passing.h"
 #include "ring_client.h"
 
@@ -82,6 +84,8 @@ struct Client::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KaraKV::Stub> stub;
+  // Requests with inline tensors: their encoded bytes, kept for the next call (inline_request.h).
+  std::shared_ptr<client_internal::SendBuffers> send_buffers = std::make_shared<client_internal::SendBuffers>();
   std::string session_id;
   Geometry geometry;
   uint32_t lease_seconds = 0;
@@ -237,6 +241,40 @@ struct Client::Impl {
       ref->set_data(reinterpret_cast<const char*>(b.data()), b.size());
     }
   }
+  // As set_input, except that a tensor in this process's memory is not copied into `ref` but added
+  // to `inline_tensors` as field `field` (encoded with the request by encode_with_inline_tensors).
+  void set_input(const Buffer& b, v1::TensorRef* ref, int field,
+                 std::vector<client_internal::InlineTensor>* inline_tensors) const {
+    if (b.in_staging()) {
+      set_input(b, ref);
+    } else {
+      inline_tensors->push_back({field, {static_cast<const uint8_t*>(b.data()), b.size()}});
+    }
+  }
+
+  // A unary call whose request is already encoded, run on the calling thread as the stub's are.
+  template <typename Reply>
+  grpc::Status call_encoded(grpc::ClientContext* ctx, const std::string& method, const grpc::ByteBuffer& request,
+                            Reply* reply) const {
+    grpc::TemplatedGenericStub<grpc::ByteBuffer, Reply> generic(channel);
+    grpc::CompletionQueue cq;
+    grpc::Status status;
+    {
+      auto call = generic.PrepareUnaryCall(ctx, method, request, &cq);
+      call->StartCall();
+      call->Finish(reply, &status, nullptr);
+      void* tag = nullptr;
+      bool ok = false;
+      cq.Next(&tag, &ok);
+    }
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+    return status;
+  }
+
   void set_output(const Buffer& b, v1::OutputRef* ref) const {
     if (b.in_staging()) {
       ref->mutable_staging()->set_offset(b.offset());
@@ -793,10 +831,11 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
   req.set_sequence_id(sequence_id);
   req.set_num_tokens(static_cast<uint32_t>(num_tokens));
   req.set_staging_generation(impl_->staging_generation);
-  impl_->set_input(k, req.mutable_k());
-  impl_->set_input(v, req.mutable_v());
+  std::vector<client_internal::InlineTensor> inline_tensors;
+  impl_->set_input(k, req.mutable_k(), v1::AppendRequest::kKFieldNumber, &inline_tensors);
+  impl_->set_input(v, req.mutable_v(), v1::AppendRequest::kVFieldNumber, &inline_tensors);
   if (num_query_tokens > 0) {
-    impl_->set_input(q, req.mutable_q());
+    impl_->set_input(q, req.mutable_q(), v1::AppendRequest::kQFieldNumber, &inline_tensors);
     req.set_num_query_tokens(static_cast<uint32_t>(num_query_tokens));
   }
   const uint64_t ids[] = {sequence_id};
@@ -829,6 +868,11 @@ absl::StatusOr<int> Client::AppendWithIds(uint64_t sequence_id, int num_tokens, 
     req.set_session_id(impl_->session());
     grpc::ClientContext ctx;
     impl_->prepare(&ctx);
+    if (!inline_tensors.empty()) {
+      const grpc::ByteBuffer encoded =
+          client_internal::encode_with_inline_tensors(req, inline_tensors, *impl_->send_buffers);
+      return from_grpc(impl_->call_encoded(&ctx, "/karakv.v1.KaraKV/Append", encoded, &reply), "Append");
+    }
     return from_grpc(impl_->stub->Append(&ctx, req, &reply), "Append");
   });
   if (!s.ok()) return s;
