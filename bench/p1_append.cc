@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "bench_common.h"
 #include "common/synthetic.h"
+#include "grpc_floor.h"
 #include "harness.h"
 #include "karakv/client.h"
 #include "karakv/kernels/backend.h"
@@ -296,6 +297,8 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
   if (!daemon.ok()) return daemon.status();
   auto redis = start_redis(dir);
   if (!redis.ok()) return redis.status();
+  auto floor = GrpcFloor::Start(dir.file("grpc-floor.sock"));
+  if (!floor.ok()) return floor.status();
 
   const std::vector<size_t> payloads = {64 << 10, 1 << 20};
   const size_t max_payload = payloads.back();
@@ -324,7 +327,7 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
     karakv::Buffer k, v;  // the payload in this process, for the copy-only measurement
     std::vector<uint8_t> redis_value;
     std::unique_ptr<AppendBatchLoop> batch_loop;  // 64 KiB only: 16 sequences per ring command
-    std::vector<Pair> shm, inl, copy, ring, batch;  // per round, each with that round's Redis SET
+    std::vector<Pair> shm, inl, copy, ring, batch, floor;  // per round, each with that round's Redis SET
   };
   std::vector<Config> configs;
   for (size_t payload : payloads) {
@@ -378,6 +381,9 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
       if (!i.ok()) return i.status();
       auto f = measure_gbps(c.payload, secs, [&] { return c.ring_loop->append(); });
       if (!f.ok()) return f.status();
+      auto g0 = measure_gbps(c.payload, secs, [&] { return (*floor)->call(c.redis_value.data(), c.payload); });
+      if (!g0.ok()) return g0.status();
+      c.floor.push_back({*g0, *b});
       if (c.batch_loop) {
         auto m = measure_gbps(c.payload * kBatch, secs, [&] { return c.batch_loop->append(); });
         if (!m.ok()) return m.status();
@@ -390,8 +396,8 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
       c.copy.push_back({*w, *b});
       c.ring.push_back({*f, *b});
       progress(absl::StrFormat("P1   %zu B: ring %.2f GB/s, shm %.2f GB/s, Redis SET %.2f GB/s, inline %.2f GB/s, "
-                               "write_kv alone %.2f GB/s",
-                               c.payload, *f, *a, *b, *i, *w));
+                               "write_kv alone %.2f GB/s, raw gRPC %.2f GB/s",
+                               c.payload, *f, *a, *b, *i, *w, *g0));
     }
   }
 
@@ -428,6 +434,10 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
                                            : std::nullopt});
     rows.push_back({"P1", absl::StrCat("write_kv alone (no RPC), ", size), copy_m.karakv, redis_name,
                     copy_m.baseline, "GB/s", false, std::nullopt});
+    // What gRPC alone costs at this size (bench/grpc_floor.h): an inline Append cannot beat it.
+    const Pair floor_m = median_pair(c.floor);
+    rows.push_back({"P1", absl::StrCat("raw gRPC unary, ", size, " (no parse, no copy; floor of inline)"),
+                    floor_m.karakv, redis_name, floor_m.baseline, "GB/s", false, std::nullopt});
   }
   rows.push_back({"P1", "empty call p50: karakv Ping (gRPC)", percentile(grpc_us, 50), "Redis PING p50",
                   percentile(resp_us, 50), "us", false, std::nullopt});
@@ -436,6 +446,7 @@ absl::StatusOr<std::vector<Row>> run_p1(const TempDir& dir) {
   inl->reset();
   rng->reset();
   stop_or_warn(*daemon);
+  floor->reset();
   redis->client.reset();
   redis->process->stop();
   return rows;
