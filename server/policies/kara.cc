@@ -3,7 +3,9 @@
 // the window's own queries, by every decode query that saw them, or both) and replaced by
 // B = rho * W of them chosen by Token2Chunk; the newest R stay; compressed windows and (unless
 // prompt = window) the prompt are never touched again. Each sequence counts its own decode steps
-// and is looked at on every P-th of them, phase-shifted by its creation index.
+// and is looked at on every P-th of them, phase-shifted by its creation index. Version 3 adds a
+// memory budget: turns act only above it, and when the compressed region itself is what keeps the
+// sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -22,12 +24,17 @@ enum class Agg { kMean = 0, kSum = 1 };
 // (`seen`, `lse`) are exact for the tail, where a slot is the same token in every (layer, head).
 struct KaraState final : PolicyState {
   int32_t tail_start = 0;  // first slot of the uncompressed tail, block-aligned
+  // The compressed region is [compressed_start, tail_start): the tail's start when decoding began.
+  int32_t compressed_start = 0;
   uint64_t steps = 0;      // decode steps this sequence has taken
   // observers = decode | both: decode attention probabilities each slot received, summed over the
   // group's query heads, per (layer, KV head) [L * Hk][slots]; and how many decode steps' queries
   // saw each slot [slots].
   std::vector<std::vector<float>> received;
   std::vector<float> seen;
+  // budget > 0: how many decode steps' queries saw each slot, per (layer, KV head) [L * Hk][slots]
+  // (in the compressed region a slot holds a different token in each row).
+  std::vector<std::vector<float>> seen_rows;
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
   // [slots][L][Hq]; NaN where the token came without a decode step (Append). And the softmax scale
   // that step used, per layer [slots][L] (the window's logits must be taken at the same scale).
@@ -37,6 +44,7 @@ struct KaraState final : PolicyState {
   size_t bytes() const override {
     size_t n = seen.size() + lse.size() + lse_scale.size();
     for (const auto& row : received) n += row.size();
+    for (const auto& row : seen_rows) n += row.size();
     return n * sizeof(float);
   }
 };
@@ -57,12 +65,24 @@ void remap(std::vector<float>& a, size_t width, const CompactionPlan& plan, int3
   a = std::move(next);
 }
 
+// As remap, for per-(layer, KV head) arrays of one float a slot: row r keeps its own kept slots.
+void remap_rows(std::vector<std::vector<float>>& rows, const CompactionPlan& plan, int32_t resident_before) {
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::vector<float>& a = rows[r];
+    std::vector<float> next(a.begin(), a.begin() + plan.begin);
+    for (int32_t i = 0; i < plan.num_kept; ++i) next.push_back(a[plan.kept[r * plan.num_kept + i]]);
+    next.insert(next.end(), a.begin() + plan.end, a.begin() + resident_before);
+    a = std::move(next);
+  }
+}
+
 class KaraPolicy final : public Policy {
  public:
   KaraPolicy(const PolicyParams& p, const kernels::Geometry& g)
       : window_(p.geti("window")),
         budget_(budget_for(p.get("rho"), window_, g.block_size)),
         candidates_(static_cast<int>(std::ceil(p.get("alpha") * budget_))),
+        alpha_(p.get("alpha")),
         max_gap_(p.geti("max_gap")),
         period_(p.geti("period")),
         recent_(p.geti("recent")),
@@ -71,6 +91,7 @@ class KaraPolicy final : public Policy {
         norm_(static_cast<Norm>(p.geti("norm"))),
         agg_(static_cast<Agg>(p.geti("agg"))),
         prompt_window_(p.geti("prompt") == 1),
+        memory_budget_(p.geti("budget")),
         merge_(policy_util::cam_merge_tokens(p)),
         layers_(g.num_layers),
         kv_heads_(g.num_kv_heads),
@@ -110,11 +131,13 @@ class KaraPolicy final : public Policy {
   std::unique_ptr<State> make_state(const kernels::Geometry&, kernels::Backend&) const override {
     auto state = std::make_unique<KaraState>();
     if (observers_ != Observers::kWindow) state->received.resize(size_t(layers_) * kv_heads_);
+    if (memory_budget_ > 0) state->seen_rows.resize(size_t(layers_) * kv_heads_);
     return state;
   }
   absl::Status on_grow(State* state, int32_t slots) const override {
     auto& s = *static_cast<KaraState*>(state);
     for (auto& row : s.received) row.resize(slots, 0.0f);
+    for (auto& row : s.seen_rows) row.resize(slots, 0.0f);
     if (observers_ != Observers::kWindow) s.seen.resize(slots, 0.0f);
     if (records_lse()) {
       s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
@@ -123,21 +146,20 @@ class KaraPolicy final : public Policy {
     return absl::OkStatus();
   }
   void on_decode_start(State* state, const SequenceView& seq) const override {
-    static_cast<KaraState*>(state)->tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
+    auto& s = *static_cast<KaraState*>(state);
+    s.tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
+    s.compressed_start = s.tail_start;
   }
   absl::Status on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before,
                             bool own) const override {
     auto& s = *static_cast<KaraState*>(state);
-    for (size_t r = 0; r < s.received.size(); ++r) {
-      std::vector<float>& acc = s.received[r];
-      std::vector<float> next(acc.begin(), acc.begin() + plan.begin);
-      for (int32_t i = 0; i < plan.num_kept; ++i) next.push_back(acc[plan.kept[r * plan.num_kept + i]]);
-      next.insert(next.end(), acc.begin() + plan.end, acc.begin() + resident_before);
-      acc = std::move(next);
-    }
+    remap_rows(s.received, plan, resident_before);
+    remap_rows(s.seen_rows, plan, resident_before);
     remap(s.seen, 1, plan, resident_before);
     remap(s.lse, lse_width(), plan, resident_before);
     remap(s.lse_scale, size_t(layers_), plan, resident_before);
+    // A window ends at the tail's start, and a re-rank of the compressed region at its end, which
+    // is the tail's start too: either way the tail now starts right after what was kept.
     if (own) s.tail_start = plan.begin + plan.num_kept;
     return absl::OkStatus();
   }
@@ -146,9 +168,11 @@ class KaraPolicy final : public Policy {
     return s.received.empty() ? nullptr : s.received[size_t(layer) * kv_heads_ + kv_head].data();
   }
   // Only the tail is ever scored again: the prompt (unless windowed, and then the tail starts at
-  // its first window) and the compressed windows keep what they have.
+  // its first window) and the compressed windows keep what they have. With a budget the compressed
+  // region may be re-ranked, so its slots keep accumulating too.
   int32_t first_accumulated_slot(const State* state) const override {
-    return static_cast<const KaraState*>(state)->tail_start;
+    const auto& s = *static_cast<const KaraState*>(state);
+    return memory_budget_ > 0 ? s.compressed_start : s.tail_start;
   }
   float* lse_output(State* state, int layer, float scale) const override {
     auto& s = *static_cast<KaraState*>(state);
@@ -161,6 +185,9 @@ class KaraPolicy final : public Policy {
     auto& s = *static_cast<KaraState*>(state);
     ++s.steps;
     for (int32_t i = s.tail_start; i < std::min<int32_t>(seq.resident, int32_t(s.seen.size())); ++i) s.seen[i] += 1.0f;
+    for (auto& row : s.seen_rows) {
+      for (int32_t i = s.compressed_start; i < std::min<int32_t>(seq.resident, int32_t(row.size())); ++i) row[i] += 1.0f;
+    }
   }
   // The sequence's own steps n with n mod P == its creation index mod P.
   bool turn(const SequenceView& seq) const override {
@@ -170,7 +197,8 @@ class KaraPolicy final : public Policy {
   // prompt = window the prompt after the sinks will be windowed (its queries are kept).
   int32_t first_open_slot(const SequenceView& seq) const override {
     if (!seq.decoding) return prompt_window_ ? std::min(seq.resident, first_window_start()) : seq.resident;
-    return seq.state != nullptr ? state_of(seq).tail_start : seq.resident;
+    if (seq.state == nullptr) return seq.resident;
+    return memory_budget_ > 0 ? state_of(seq).compressed_start : state_of(seq).tail_start;
   }
   // Longest tail first.
   int64_t urgency(const SequenceView& seq) const override {
@@ -179,10 +207,9 @@ class KaraPolicy final : public Policy {
 
   bool due(const SequenceView& seq, bool) const override {
     if (seq.state == nullptr || !seq.decoding) return false;
-    const int32_t tail = state_of(seq).tail_start;
-    if (seq.resident - tail < window_ + recent_) return false;
-    if (!uses_window_queries()) return true;
-    return seq.queries_first <= tail && seq.queries_first + seq.num_queries >= tail + window_;
+    if (memory_budget_ == 0) return window_due(seq);
+    if (seq.resident <= memory_budget_) return false;
+    return window_due(seq) || rerank_keeps(seq) < state_of(seq).tail_start - state_of(seq).compressed_start;
   }
   absl::Status ready(const SequenceView& seq) const override {
     if (seq.state == nullptr || !seq.decoding) return absl::OkStatus();
@@ -196,10 +223,16 @@ class KaraPolicy final : public Policy {
                                       kernels::Backend& backend) const override {
     const kernels::Geometry& g = *seq.geometry;
     if (!due(seq, true)) {
+      if (memory_budget_ > 0 && seq.state != nullptr && seq.resident <= memory_budget_) {
+        return absl::FailedPreconditionError(absl::StrCat("kara: ", seq.resident, " resident tokens are within the budget ",
+                                                          memory_budget_));
+      }
       return absl::FailedPreconditionError(
           absl::StrCat("kara: tail holds ", seq.state != nullptr ? seq.resident - state_of(seq).tail_start : 0,
-                       " tokens, a window needs ", window_, " plus the recent ", recent_, ", with their queries"));
+                       " tokens, a window needs ", window_, " plus the recent ", recent_, ", with their queries",
+                       memory_budget_ > 0 ? ", and the compressed region is already within the budget" : ""));
     }
+    if (!window_due(seq)) return rerank_plan(seq, backend);
     const KaraState& s = state_of(seq);
     CompactionPlan plan;
     plan.begin = s.tail_start;
@@ -290,6 +323,63 @@ class KaraPolicy final : public Policy {
   }
 
  private:
+  // Version 2's condition: W + R tail tokens (and, for window observers, the window's queries).
+  bool window_due(const SequenceView& seq) const {
+    const int32_t tail = state_of(seq).tail_start;
+    if (seq.resident - tail < window_ + recent_) return false;
+    if (!uses_window_queries()) return true;
+    return seq.queries_first <= tail && seq.queries_first + seq.num_queries >= tail + window_;
+  }
+
+  // C' = max(b, floor_b(budget - (n - C))): what the compressed region may keep for the sequence to
+  // fit its budget.
+  int32_t rerank_keeps(const SequenceView& seq) const {
+    const KaraState& s = state_of(seq);
+    const int64_t outside = int64_t(seq.resident) - (s.tail_start - s.compressed_start);
+    const int64_t room = int64_t(memory_budget_) - outside;
+    return std::max<int32_t>(block_, room > 0 ? int32_t(room / block_ * block_) : 0);
+  }
+
+  // Re-ranks the compressed region down to rerank_keeps(): each slot's decode-time score (as the
+  // window's with observers = decode), sinks kept, the same Token2Chunk selection.
+  absl::StatusOr<CompactionPlan> rerank_plan(const SequenceView& seq, kernels::Backend& backend) const {
+    const kernels::Geometry& g = *seq.geometry;
+    const KaraState& s = state_of(seq);
+    const int32_t len = s.tail_start - s.compressed_start;
+    const int32_t keep = rerank_keeps(seq);
+    CompactionPlan plan;
+    plan.begin = s.compressed_start;
+    plan.end = s.tail_start;
+    plan.num_kept = keep;
+    const int rows = g.num_layers * g.num_kv_heads;
+    plan.kept.resize(size_t(rows) * keep);
+    std::vector<float> all_scores(size_t(rows) * len);
+    for (int r = 0; r < rows; ++r) {
+      for (int32_t i = 0; i < len; ++i) {
+        const int32_t slot = plan.begin + i;
+        const float received = s.received[r][slot];
+        all_scores[size_t(r) * len + i] =
+            agg_ == Agg::kSum ? received : received / std::max(1.0f, s.seen_rows[r][slot]);
+      }
+    }
+    if (merge_ > 0) plan.scores = all_scores;  // CaM weighs by the scores before the sinks are forced
+    for (int r = 0; r < rows; ++r) {
+      for (int32_t i = 0; i < len; ++i) {
+        if (seq.position(r / g.num_kv_heads, r % g.num_kv_heads, plan.begin + i) < sinks_) {
+          all_scores[size_t(r) * len + i] = policy_util::kMustKeep;
+        }
+      }
+    }
+    const int candidates = static_cast<int>(std::ceil(alpha_ * keep));
+    if (auto st = to_status(backend.token2chunk(all_scores.data(), rows, len, keep, candidates, max_gap_,
+                                                plan.kept.data()));
+        !st.ok()) {
+      return st;
+    }
+    for (int32_t& slot : plan.kept) slot += plan.begin;
+    return plan;
+  }
+
   bool uses_window_queries() const { return observers_ != Observers::kDecode; }
   bool records_lse() const { return uses_window_queries() && norm_ == Norm::kFull; }
   size_t lse_width() const { return size_t(layers_) * q_heads_; }
@@ -297,11 +387,14 @@ class KaraPolicy final : public Policy {
   int32_t first_window_start() const { return align_up(sinks_); }
 
   const std::string name_ = "kara";
-  const int window_, budget_, candidates_, max_gap_, period_, recent_, sinks_;
+  const int window_, budget_, candidates_;
+  const double alpha_;
+  const int max_gap_, period_, recent_, sinks_;
   const Observers observers_;
   const Norm norm_;
   const Agg agg_;
   const bool prompt_window_;
+  const int memory_budget_;  // version 3's `budget` (tokens; 0: unbounded). budget_ is B, a window's.
   const int merge_, layers_, kv_heads_, q_heads_, block_;
 };
 
@@ -322,6 +415,8 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
       {"max_gap", 8, 0, 8192, true, "G: longest gap between candidates filled as a chunk"},
       {"prompt", 0, 0, 1, true, "0 keep the prompt, 1 window it too (after the sinks)"},
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
+      {"budget", 0, 0, 1 << 30, true, "version 3: resident tokens above which turns compress, re-ranking the "
+                                      "compressed region when the tail has no window yet (0: unbounded, version 2)"},
   };
   for (ParamSpec& spec : policy_util::cam_params()) p.push_back(std::move(spec));
   return p;
@@ -333,6 +428,11 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
       return absl::InvalidArgumentError(absl::StrCat("policy 'kara' parameter ", name, "=", p.geti(name),
                                                      " must be a multiple of the block size ", g.block_size));
     }
+  }
+  if (p.geti("budget") > 0 && p.geti("observers") == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': budget=", p.geti("budget"), " needs decode observations (observers=1 decode or 2 both); "
+        "observers=0 (window) cannot re-rank the compressed region, whose own queries are gone"));
   }
   const int budget = KaraPolicy::budget_for(p.get("rho"), p.geti("window"), g.block_size);
   if (budget >= p.geti("window")) {

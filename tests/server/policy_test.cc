@@ -332,6 +332,8 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"norm", 0.5}}, "norm=0.5 out of range: expected an integer");
   refused({{"agg", -1}}, "agg=-1 out of range");
   refused({{"prompt", 2}}, "prompt=2 out of range");
+  refused({{"budget", -1}}, "budget=-1 out of range");
+  refused({{"budget", 64}, {"observers", 0}}, "budget=64 needs decode observations (observers=1 decode or 2 both)");
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
@@ -500,6 +502,161 @@ TEST(KaraPolicyTest, CapPerStepTakesTheLongestTailFirst) {
   EXPECT_EQ(counts(), (std::vector<int>{0, 1, 1}));
   ASSERT_TRUE(d.step({c_id, a, b}, all).ok());  // c 17
   EXPECT_EQ(counts(), (std::vector<int>{1, 1, 1}));
+}
+
+// Version 3 (docs/COMPRESSION.md section 1): with a budget, turns act only above it; a window is
+// compressed while the tail has one, otherwise the compressed region is re-ranked down to
+// C' = max(b, floor_b(budget - (n - C))) by its decode-time scores over every step since each
+// token arrived. The schedule is simulated step by step, and every re-rank's kept tokens are
+// compared with Token2Chunk over a float64 reference of those scores, computed over the keys each
+// step's query actually saw.
+TEST(KaraBudgetTest, ReRanksTheCompressedRegionAsAFloat64ReferenceChooses) {
+  for (const int agg : {0, 1}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      Driver d(seed);
+      const auto& g = d.reg->geometry();
+      const int b = g.block_size;
+      constexpr int kPrompt = 8, kWindow = 16, kB = 8, kRecent = 8, kBudget = 40, kMaxGap = 8;
+      SequenceOptions o;
+      o.policy = "kara";
+      o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
+                  {"agg", agg}};
+      const uint64_t seq = *d.create(o);
+      ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
+      std::vector<int64_t> logical{kPrompt};
+      const int rows_n = g.num_layers * g.num_kv_heads, group = g.num_q_heads / g.num_kv_heads;
+      const double scale = 1.0 / std::sqrt(double(g.head_dim));
+      // The float64 observers: per row, each position's summed probability and its steps seen.
+      std::vector<std::map<int, double>> received(rows_n), seen(rows_n);
+      int tail_start = kPrompt, windows = 0, reranks = 0;
+      std::vector<std::vector<int32_t>> rows = d.positions(seq);
+      for (int step = 0; step < 160; ++step) {
+        const int t = int(logical[0]);
+        ASSERT_TRUE(d.step({seq}, logical).ok());
+        for (int r = 0; r < rows_n; ++r) {
+          const int l = r / g.num_kv_heads, h = r % g.num_kv_heads;
+          std::vector<int32_t> keys = rows[r];
+          keys.push_back(t);  // the step's own token
+          auto key = [&](int pos, int dim) {
+            return double(kernels::half_to_float(kernels::float_to_half(synthetic::value(seed, Tensor::kKey, seq, l, pos, h, dim))));
+          };
+          for (int j = h * group; j < (h + 1) * group; ++j) {
+            std::vector<double> logits;
+            double mx = -INFINITY, sum = 0;
+            for (int32_t pos : keys) {
+              double dot = 0;
+              for (int dim = 0; dim < g.head_dim; ++dim)
+                dot += double(synthetic::value(seed, Tensor::kQuery, seq, l, t, j, dim)) * key(pos, dim);
+              logits.push_back(dot * scale);
+              mx = std::max(mx, logits.back());
+            }
+            for (double x : logits) sum += std::exp(x - mx);
+            for (size_t i = 0; i < keys.size(); ++i) {
+              if (keys[i] >= kPrompt) received[r][keys[i]] += std::exp(logits[i] - mx) / sum;
+            }
+          }
+          for (int32_t pos : keys) {
+            if (pos >= kPrompt) seen[r][pos] += 1;
+          }
+        }
+        // The turn, as the contract says (P = 1: every step is one).
+        const int n = int(rows[0].size()) + 1;
+        const int compressed = tail_start - kPrompt;
+        int expect_n = n;
+        bool rerank = false;
+        int keep = 0;
+        if (n > kBudget) {
+          if (n - tail_start >= kWindow + kRecent) {
+            tail_start += kB;
+            expect_n = n - (kWindow - kB);
+            ++windows;
+          } else {
+            keep = std::max(b, (kBudget - (n - compressed)) / b * b);
+            if (keep < compressed) {
+              rerank = true;
+              tail_start = kPrompt + keep;
+              expect_n = n - (compressed - keep);
+              ++reranks;
+            }
+          }
+        }
+        const std::vector<std::vector<int32_t>> after = d.positions(seq);
+        ASSERT_EQ(int(after[0].size()), expect_n) << "step " << step << " seed " << seed;
+        expect_well_formed(after, int32_t(logical[0]), 4);
+        for (const auto& row : after) {
+          for (int p = 0; p < kPrompt; ++p) ASSERT_EQ(row[p], p) << "the prompt is never touched";
+        }
+        if (rerank) {
+          for (int r = 0; r < rows_n; ++r) {
+            std::vector<float> scores;
+            for (int i = 0; i < compressed; ++i) {
+              const int pos = rows[r][kPrompt + i];
+              scores.push_back(float(agg == 0 ? received[r][pos] / std::max(1.0, seen[r][pos]) : received[r][pos]));
+            }
+            const std::vector<int32_t> kept_slots =
+                kernels::test::naive_token2chunk(scores, keep, int(std::ceil(0.5 * keep)), kMaxGap);
+            std::vector<int32_t> want;
+            for (int32_t slot : kept_slots) want.push_back(rows[r][kPrompt + slot]);
+            const std::vector<int32_t> got(after[r].begin() + kPrompt, after[r].begin() + kPrompt + keep);
+            EXPECT_EQ(got, want) << "agg " << agg << " seed " << seed << " step " << step << " row " << r;
+          }
+        }
+        rows = after;
+      }
+      EXPECT_GE(windows, 3);
+      EXPECT_GE(reranks, 3) << "the budget never made the compressed region shrink";
+      EXPECT_LE(int(rows[0].size()), kBudget);
+    }
+  }
+}
+
+// Resident tokens stay within max(budget, p + b + W + R) + P whenever P <= W - B, whatever the
+// budget (below, near and above what the prompt and the tail need), with several sequences on
+// their own turns; a budget never reached compresses nothing; budget 0 is version 2.
+TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 12; ++trial) {
+    Driver d(100 + trial);
+    const int b = d.reg->geometry().block_size;
+    const int window = b * (4 + int(rng() % 5));
+    const double rho = 0.25 + 0.25 * (rng() % 2);
+    const int kept = std::max(b, int(std::lround(std::lround(rho * window) / double(b))) * b);
+    const int recent = b * int(rng() % 4);
+    const int period = 1 + int(rng() % std::max(1, window - kept));
+    const int prompt = 4 + int(rng() % 20);
+    const int budget = int(rng() % 3) == 0 ? 1 + int(rng() % 24) : prompt + int(rng() % 80);
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"window", window}, {"rho", rho}, {"recent", recent}, {"period", period}, {"budget", budget},
+                {"observers", 1 + int(rng() % 2)}};
+    std::vector<uint64_t> seqs;
+    for (int i = 0; i < 3; ++i) {
+      seqs.push_back(*d.create(o));
+      ASSERT_TRUE(d.append(seqs.back(), 0, prompt, prompt).ok());
+    }
+    std::vector<int64_t> logical(seqs.size(), prompt);
+    const int bound = std::max(budget, (prompt + b - 1) / b * b + b + window + recent) + period;
+    for (int step = 0; step < 300; ++step) {
+      ASSERT_TRUE(d.step(seqs, logical).ok());
+      for (uint64_t s : seqs) {
+        ASSERT_LE(d.info(s).length, bound) << "trial " << trial << " step " << step << ": W " << window << " B "
+                                           << kept << " R " << recent << " P " << period << " prompt " << prompt
+                                           << " budget " << budget;
+      }
+    }
+    for (uint64_t s : seqs) expect_well_formed(d.positions(s), int32_t(logical[0]), 4);
+  }
+  // Never above the budget: nothing compressed.
+  Driver d(7);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 16}, {"recent", 0}, {"period", 1}, {"budget", 1000}};
+  const uint64_t big = *d.create(o);
+  ASSERT_TRUE(d.append(big, 0, 8).ok());
+  std::vector<int64_t> logical{8};
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(d.step({big}, logical).ok());
+  EXPECT_EQ(d.info(big).compactions, 0u);
+  EXPECT_EQ(d.info(big).length, 108);
 }
 
 TEST(SnapKVPolicyTest, RecompressesTheWholeCacheAndKeepsTheObservationWindow) {
