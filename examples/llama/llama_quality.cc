@@ -15,7 +15,8 @@
 //     cross-entropy on them = the full model's entropy + KL(full || compressed)) and "shakespeare"
 //     (data/tinyshakespeare.txt), P=128, F=384; agreement on the stories, 128 by Append +
 //     256 by Step, then 128 greedy tokens.
-//   SmolLM2-135M-Instruct (a converted BPE model): perplexity on "shakespeare", P=512, F=2048;
+//   SmolLM2-135M-Instruct (a converted BPE model): perplexity on "shakespeare" and the --genres
+//     texts ("code", "tech", "dialogue": data/README.md), P=512, F=2048;
 //     agreement on GSM8K test questions (data/gsm8k_test.jsonl) in the chat template,
 //     the whole prompt by Append, 256 greedy tokens.
 #include <signal.h>
@@ -55,6 +56,11 @@
 ABSL_FLAG(std::string, model, "data/stories260k.bin",
           "Model file: stories260K, or a converted SmolLM2 file (scripts/fetch_smollm2.sh)");
 ABSL_FLAG(std::string, text, "data/tinyshakespeare.txt", "Natural text for perplexity (empty: skip)");
+ABSL_FLAG(std::string, genres,
+          "code=data/code_python_email.txt,tech=data/tech_sqlite_internals.txt,"
+          "dialogue=data/dialogue_python_tutorial.txt",
+          "BPE models: more perplexity tasks, NAME=PATH comma-separated (data/README.md: program source, "
+          "technical prose, instructions with dialogue), each run as \"shakespeare\" is (empty: none)");
 ABSL_FLAG(std::string, gsm8k, "data/gsm8k_test.jsonl", "GSM8K questions for BPE models' agreement");
 ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per task and policy");
 ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of the daemons: fp32 | fp16 | bf16");
@@ -819,6 +825,15 @@ int main(int argc, char** argv) {
   } else {
     if (!absl::GetFlag(FLAGS_text).empty() && wanted_task("shakespeare")) {
       ppl_tasks.push_back({"shakespeare", text_windows(model, absl::GetFlag(FLAGS_text), streams, P + F), P, F});
+    }
+    for (absl::string_view genre : absl::StrSplit(absl::GetFlag(FLAGS_genres), ',', absl::SkipEmpty())) {
+      const std::pair<std::string, std::string> name_path = absl::StrSplit(genre, absl::MaxSplits('=', 1));
+      if (name_path.first.empty() || name_path.second.empty()) {
+        die(absl::StrCat("--genres: '", genre, "' is not NAME=PATH"));
+      }
+      if (wanted_task(name_path.first)) {
+        ppl_tasks.push_back({name_path.first, text_windows(model, name_path.second, streams, P + F), P, F});
+      }
     }
     if (!absl::GetFlag(FLAGS_gsm8k).empty() && wanted_task("gsm8k")) {
       GreedyTask g{"gsm8k", {}, {}, G, true};
