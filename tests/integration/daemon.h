@@ -165,17 +165,28 @@ inline int free_port() {
   return ntohs(addr.sin_port);
 }
 
-// A daemon serving /metrics on a loopback port the kernel called free. Tests run in parallel, so
-// the port can be taken between the pick and the daemon's bind (the daemon then exits, not ready):
-// that costs another pick, never the test. `*port` is the port of the daemon returned.
-inline std::unique_ptr<Daemon> start_with_metrics(const std::vector<std::string>& args, int* port) {
+// A daemon listening on a loopback port the kernel called free: `args_for(port)` gives its flags.
+// Tests run in parallel, so the port can be taken between the pick and the daemon's bind (the
+// daemon then exits, not ready): that costs another pick, never the test. `*port` is the port of
+// the daemon returned.
+template <typename ArgsFor>
+std::unique_ptr<Daemon> start_on_free_port(ArgsFor args_for, int* port) {
   for (int attempt = 0;; ++attempt) {
     *port = free_port();
-    std::vector<std::string> flags = args;
-    flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(*port));
-    auto d = std::make_unique<Daemon>(std::move(flags));
+    auto d = std::make_unique<Daemon>(args_for(*port));
     if (d->ready() || attempt == 4) return d;
   }
+}
+
+// A daemon with `args`, serving /metrics on a free loopback port (start_on_free_port).
+inline std::unique_ptr<Daemon> start_with_metrics(const std::vector<std::string>& args, int* port) {
+  return start_on_free_port(
+      [&](int p) {
+        std::vector<std::string> flags = args;
+        flags.push_back("--metrics_listen=127.0.0.1:" + std::to_string(p));
+        return flags;
+      },
+      port);
 }
 
 }  // namespace karakv::testing

@@ -22,6 +22,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing::Daemon;
 using testing::free_port;
+using testing::start_on_free_port;
 
 std::string run(const std::string& cmd, int* exit_code) { return testing::run_command(cmd, exit_code); }
 
@@ -98,7 +99,8 @@ std::string* TlsTest::dir_ = nullptr;
 bool TlsTest::generated_ = false;
 
 TEST_F(TlsTest, ServesClientsThatTrustItsCaAndRefusesPlaintext) {
-  Daemon d(flags(false));
+  auto started = start_on_free_port([&](int port) { port_ = port; return flags(false); }, &port_);
+  Daemon& d = *started;
   ASSERT_TRUE(d.ready());
   auto trusted = Client::Attach(tcp("ca.crt"));
   ASSERT_TRUE(trusted.ok()) << trusted.status();
@@ -124,7 +126,8 @@ TEST_F(TlsTest, ServesClientsThatTrustItsCaAndRefusesPlaintext) {
 }
 
 TEST_F(TlsTest, MutualTlsAdmitsOnlyClientCertificatesFromItsCa) {
-  Daemon d(flags(true));
+  auto started = start_on_free_port([&](int port) { port_ = port; return flags(true); }, &port_);
+  Daemon& d = *started;
   ASSERT_TRUE(d.ready());
   auto admitted = Client::Attach(tcp("ca.crt", "client.crt", "client.key"));
   ASSERT_TRUE(admitted.ok()) << admitted.status();
