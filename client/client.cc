@@ -918,6 +918,7 @@ absl::StatusOr<std::vector<int>> Client::AppendBatch(std::span<const AppendEntry
       v1::AppendRequest* e = req.add_entries();
       e->set_sequence_id(in.sequence_id);
       e->set_num_tokens(static_cast<uint32_t>(in.num_tokens));
+      e->set_staging_generation(impl_->staging_generation);  // required with device staging
       impl_->set_input(in.k, e->mutable_k());
       impl_->set_input(in.v, e->mutable_v());
       if (in.num_query_tokens > 0 || in.q.size() > 0) {

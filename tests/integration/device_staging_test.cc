@@ -157,13 +157,22 @@ struct Outputs {
 Outputs run_script(Worker& w) {
   Outputs o;
   Client& c = *w.client;
-  const int prompt = 37, steps = 3, queries = 4;
+  const int prompt = 37, batched = 5, steps = 3, queries = 4;
   auto seq = c.CreateSequence();
   EXPECT_TRUE(seq.ok()) << seq.status();
-  Buffer k = w.put(random_floats(c.append_bytes(prompt) / 4, 1));
-  Buffer v = w.put(random_floats(c.append_bytes(prompt) / 4, 2));
-  auto appended = c.Append(*seq, prompt, k, v);
+  // The prompt in two calls: an Append, then its last tokens as an AppendBatch entry (by gRPC on
+  // device staging, which must name the region's generation as Append does).
+  Buffer k = w.put(random_floats(c.append_bytes(prompt - batched) / 4, 1));
+  Buffer v = w.put(random_floats(c.append_bytes(prompt - batched) / 4, 2));
+  auto appended = c.Append(*seq, prompt - batched, k, v);
   EXPECT_TRUE(appended.ok()) << appended.status();
+  AppendEntry entry;
+  entry.sequence_id = *seq;
+  entry.num_tokens = batched;
+  entry.k = w.put(random_floats(c.append_bytes(batched) / 4, 3));
+  entry.v = w.put(random_floats(c.append_bytes(batched) / 4, 4));
+  auto batch = c.AppendBatch({&entry, 1});
+  EXPECT_TRUE(batch.ok()) << batch.status();
   const uint64_t ids[] = {*seq};
   for (int s = 0; s < steps; ++s) {
     for (int layer = 0; layer < c.geometry().num_layers; ++layer) {
