@@ -914,24 +914,41 @@ absl::StatusOr<std::vector<int>> Client::AppendBatch(std::span<const AppendEntry
     }
     v1::AppendBatchRequest req;
     req.set_session_id(impl_->session());
-    for (const AppendEntry& in : entries) {
-      v1::AppendRequest* e = req.add_entries();
+    // Each entry without its inline tensors; those are encoded into the request (inline_request.h).
+    std::vector<v1::AppendRequest> heads(entries.size());
+    std::vector<client_internal::InlineEntry> inline_entries(entries.size());
+    bool any_inline = false;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const AppendEntry& in = entries[i];
+      v1::AppendRequest* e = &heads[i];
+      std::vector<client_internal::InlineTensor>* tensors = &inline_entries[i].tensors;
+      inline_entries[i].head = e;
       e->set_sequence_id(in.sequence_id);
       e->set_num_tokens(static_cast<uint32_t>(in.num_tokens));
       e->set_staging_generation(impl_->staging_generation);  // required with device staging
-      impl_->set_input(in.k, e->mutable_k());
-      impl_->set_input(in.v, e->mutable_v());
+      impl_->set_input(in.k, e->mutable_k(), v1::AppendRequest::kKFieldNumber, tensors);
+      impl_->set_input(in.v, e->mutable_v(), v1::AppendRequest::kVFieldNumber, tensors);
       if (in.num_query_tokens > 0 || in.q.size() > 0) {
-        impl_->set_input(in.q, e->mutable_q());
+        impl_->set_input(in.q, e->mutable_q(), v1::AppendRequest::kQFieldNumber, tensors);
         e->set_num_query_tokens(static_cast<uint32_t>(std::max(0, in.num_query_tokens)));
       }
       const auto* tok = reinterpret_cast<const int32_t*>(in.token_ids.data());
       e->mutable_token_ids()->Add(tok, tok + in.token_ids.size() / sizeof(int32_t));
+      any_inline = any_inline || !tensors->empty();
     }
     v1::AppendBatchReply reply;
     grpc::ClientContext ctx;
     impl_->prepare(&ctx);
-    if (auto st = from_grpc(impl_->stub->AppendBatch(&ctx, req, &reply), "AppendBatch"); !st.ok()) return st;
+    grpc::Status status;
+    if (any_inline) {
+      const grpc::ByteBuffer encoded = client_internal::encode_entries_with_inline_tensors(
+          req, v1::AppendBatchRequest::kEntriesFieldNumber, inline_entries, *impl_->send_buffers);
+      status = impl_->call_encoded(&ctx, "/karakv.v1.KaraKV/AppendBatch", encoded, &reply);
+    } else {
+      for (v1::AppendRequest& e : heads) *req.add_entries() = std::move(e);
+      status = impl_->stub->AppendBatch(&ctx, req, &reply);
+    }
+    if (auto st = from_grpc(status, "AppendBatch"); !st.ok()) return st;
     lengths.assign(reply.lengths().begin(), reply.lengths().end());
     return absl::OkStatus();
   });

@@ -75,32 +75,72 @@ size_t SendBuffers::kept_bytes() const {
   return bytes;
 }
 
+namespace {
+
+uint32_t length_delimited_tag(int field) {
+  return WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
+}
+
+// A length-delimited field's bytes: its tag, the length, then `length` bytes of payload.
+size_t field_size(int field, size_t length) {
+  return CodedOutputStream::VarintSize32(length_delimited_tag(field)) + CodedOutputStream::VarintSize64(length) +
+         length;
+}
+
+// A tensor as its TensorRef field: TensorRef{data = bytes}.
+size_t tensor_field_size(const InlineTensor& t) {
+  return field_size(t.field, field_size(v1::TensorRef::kDataFieldNumber, t.bytes.size()));
+}
+
+// Bytes of `head` (its cached size: ByteSizeLong ran) followed by its inline tensors.
+size_t message_size(const google::protobuf::MessageLite& head, std::span<const InlineTensor> tensors) {
+  size_t n = head.GetCachedSize();
+  for (const InlineTensor& t : tensors) n += tensor_field_size(t);
+  return n;
+}
+
+uint8_t* write_field_header(int field, size_t length, uint8_t* p) {
+  p = CodedOutputStream::WriteTagToArray(length_delimited_tag(field), p);
+  return CodedOutputStream::WriteVarint64ToArray(length, p);
+}
+
+uint8_t* write_message(const google::protobuf::MessageLite& head, std::span<const InlineTensor> tensors, uint8_t* p) {
+  p = head.SerializeWithCachedSizesToArray(p);
+  for (const InlineTensor& t : tensors) {
+    p = write_field_header(t.field, field_size(v1::TensorRef::kDataFieldNumber, t.bytes.size()), p);
+    p = write_field_header(v1::TensorRef::kDataFieldNumber, t.bytes.size(), p);
+    if (!t.bytes.empty()) std::memcpy(p, t.bytes.data(), t.bytes.size());
+    p += t.bytes.size();
+  }
+  return p;
+}
+
+}  // namespace
+
 grpc::ByteBuffer encode_with_inline_tensors(const google::protobuf::MessageLite& head,
                                             std::span<const InlineTensor> tensors, SendBuffers& buffers) {
-  constexpr int kData = v1::TensorRef::kDataFieldNumber;
-  const uint32_t data_tag = WireFormatLite::MakeTag(kData, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-  const size_t head_size = head.ByteSizeLong();
-  size_t total = head_size;
-  std::vector<size_t> ref_sizes;  // each TensorRef message's size
-  for (const InlineTensor& t : tensors) {
-    const size_t n = t.bytes.size();
-    const size_t ref = CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(n) + n;
-    ref_sizes.push_back(ref);
-    const uint32_t tag = WireFormatLite::MakeTag(t.field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-    total += CodedOutputStream::VarintSize32(tag) + CodedOutputStream::VarintSize64(ref) + ref;
+  head.ByteSizeLong();  // caches the sizes SerializeWithCachedSizesToArray writes with
+  uint8_t* out = nullptr;
+  grpc::Slice slice = buffers.take(message_size(head, tensors), &out);
+  write_message(head, tensors, out);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+grpc::ByteBuffer encode_entries_with_inline_tensors(const google::protobuf::MessageLite& outer, int field,
+                                                    std::span<const InlineEntry> entries, SendBuffers& buffers) {
+  size_t total = outer.ByteSizeLong();
+  std::vector<size_t> sizes;
+  for (const InlineEntry& e : entries) {
+    e.head->ByteSizeLong();
+    sizes.push_back(message_size(*e.head, e.tensors));
+    total += field_size(field, sizes.back());
   }
   uint8_t* out = nullptr;
   grpc::Slice slice = buffers.take(total, &out);
-  uint8_t* p = head.SerializeWithCachedSizesToArray(out);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const InlineTensor& t = tensors[i];
-    p = CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(t.field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
-                                           p);
-    p = CodedOutputStream::WriteVarint64ToArray(ref_sizes[i], p);
-    p = CodedOutputStream::WriteTagToArray(data_tag, p);
-    p = CodedOutputStream::WriteVarint64ToArray(t.bytes.size(), p);
-    if (!t.bytes.empty()) std::memcpy(p, t.bytes.data(), t.bytes.size());
-    p += t.bytes.size();
+  uint8_t* p = outer.SerializeWithCachedSizesToArray(out);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    p = write_field_header(field, sizes[i], p);
+    p = write_message(*entries[i].head, entries[i].tensors, p);
   }
   return grpc::ByteBuffer(&slice, 1);
 }

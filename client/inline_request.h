@@ -57,4 +57,15 @@ struct InlineTensor {
 grpc::ByteBuffer encode_with_inline_tensors(const google::protobuf::MessageLite& head,
                                             std::span<const InlineTensor> tensors, SendBuffers& buffers);
 
+// One entry of a repeated message field: the entry without its inline tensors, and those tensors.
+struct InlineEntry {
+  const google::protobuf::MessageLite* head = nullptr;
+  std::vector<InlineTensor> tensors;
+};
+
+// `outer` serialized (without the entries), then each entry as the repeated message field `field`,
+// encoded as encode_with_inline_tensors encodes a message (AppendBatchRequest.entries).
+grpc::ByteBuffer encode_entries_with_inline_tensors(const google::protobuf::MessageLite& outer, int field,
+                                                    std::span<const InlineEntry> entries, SendBuffers& buffers);
+
 }  // namespace karakv::client_internal

@@ -76,6 +76,45 @@ TEST(InlineRequestTest, AStagedTensorBesideAnInlineOneKeepsItsRange) {
   EXPECT_FALSE(parsed.has_q());
 }
 
+// A batch: each entry's tensors inline or staged, with token ids; parses as the message built with
+// protobuf's own setters, entries in order.
+TEST(InlineRequestTest, BatchEntriesParseAsTheMessageWithTheirDataFieldsSet) {
+  std::mt19937 rng(9);
+  auto buffers = std::make_shared<SendBuffers>();
+  v1::AppendBatchRequest outer;
+  outer.set_session_id("s-2");
+  v1::AppendBatchRequest expected = outer;
+  std::vector<v1::AppendRequest> heads(4);
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<InlineEntry> entries(heads.size());
+  for (size_t i = 0; i < heads.size(); ++i) {
+    heads[i].set_sequence_id(10 + i);
+    heads[i].set_num_tokens(uint32_t(3 * i + 1));
+    heads[i].set_staging_generation(4);
+    heads[i].add_token_ids(int32_t(i));
+    v1::AppendRequest full = heads[i];
+    entries[i].head = &heads[i];
+    for (int field : {v1::AppendRequest::kKFieldNumber, v1::AppendRequest::kVFieldNumber}) {
+      v1::TensorRef* ref = field == v1::AppendRequest::kKFieldNumber ? full.mutable_k() : full.mutable_v();
+      if (i == 2 && field == v1::AppendRequest::kKFieldNumber) {  // a staged tensor among inline ones
+        heads[i].mutable_k()->mutable_staging()->set_offset(64);
+        heads[i].mutable_k()->mutable_staging()->set_length(8);
+        *ref = heads[i].k();
+        continue;
+      }
+      data.push_back(random_bytes(i == 3 ? 200000 : 100 * i + 5, rng));
+      ref->set_data(data.back().data(), data.back().size());
+      entries[i].tensors.push_back({field, data.back()});
+    }
+    *expected.add_entries() = full;
+  }
+  v1::AppendBatchRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(
+      flatten(encode_entries_with_inline_tensors(outer, v1::AppendBatchRequest::kEntriesFieldNumber, entries, *buffers))));
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(parsed, expected));
+  EXPECT_EQ(parsed.entries(2).k().staging().offset(), 64u);
+}
+
 // A buffer returns to the pool only when the last reference to its slice goes, and the next
 // request of a size it fits gets the same memory (pages already mapped).
 TEST(InlineRequestTest, ABufferIsReusedOnlyAfterItsSliceIsReleased) {
