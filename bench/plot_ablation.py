@@ -8,25 +8,18 @@ tokens of the sequences still decoding, sampled every 8th step; end memory for o
 Usage: bench/plot_ablation.py OUTPUT_PNG ABLATION_CSV [ABLATION_CSV ...]
 Needs matplotlib; without it, says so and exits 0.
 """
-import csv
 import sys
+
+from plotkit import pyplot, read_rows
 
 
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_ablation.py: matplotlib is not installed; no plot drawn")
+    plt = pyplot("plot_ablation.py")
+    if plt is None:
         return
-    rows = []
-    for path in sys.argv[2:]:
-        with open(path, newline="") as f:
-            rows += list(csv.DictReader(f))
+    rows = read_rows(sys.argv[2:])
     kinds = [k for k in ("perplexity", "greedy") if any(r["kind"] == k for r in rows)]
     if not kinds:
         sys.exit("no rows")

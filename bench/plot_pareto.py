@@ -9,8 +9,9 @@ is taken from a none row of any of the files.
 Usage: bench/plot_pareto.py OUTPUT_PNG QUALITY_CSV [QUALITY_CSV ...]
 Needs matplotlib; without it, says so and exits 0.
 """
-import csv
 import sys
+
+from plotkit import pyplot, read_rows
 
 BASELINES = ("snapkv", "streaming", "h2o", "chunkkv")
 
@@ -25,18 +26,10 @@ def family(policy):
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_pareto.py: matplotlib is not installed; no plot drawn")
+    plt = pyplot("plot_pareto.py")
+    if plt is None:
         return
-    rows = []
-    for path in sys.argv[2:]:
-        with open(path, newline="") as f:
-            rows += [r for r in csv.DictReader(f) if r["kind"] == "perplexity" and r["perplexity"]]
+    rows = [r for r in read_rows(sys.argv[2:]) if r["kind"] == "perplexity" and r["perplexity"]]
     tasks = sorted({r["task"] for r in rows})
     none = {r["task"]: float(r["perplexity"]) for r in rows if r["policy"] == "none"}
     tasks = [t for t in tasks if t in none]

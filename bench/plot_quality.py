@@ -9,25 +9,18 @@
 Usage: bench/plot_quality.py OUTPUT_PNG QUALITY_CSV [QUALITY_CSV ...]
 Needs matplotlib; without it, says so and exits 0.
 """
-import csv
 import sys
+
+from plotkit import pyplot, read_rows
 
 
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_quality.py: matplotlib is not installed; no plot drawn")
+    plt = pyplot("plot_quality.py")
+    if plt is None:
         return
-    rows = []
-    for path in sys.argv[2:]:
-        with open(path, newline="") as f:
-            rows += list(csv.DictReader(f))
+    rows = read_rows(sys.argv[2:])
     tasks = []
     for r in rows:
         if (r["task"], r["kind"]) not in tasks:
