@@ -2,8 +2,8 @@
 """Quality against memory, one panel per perplexity task (the Pareto view of docs/QUALITY.md):
 perplexity above `none` (%) against MEAN resident K/V tokens per sequence, one curve per policy
 family joined in memory order. Rows come from llama_quality CSVs: a Kara point labelled `kara`
-is Kara's version 2 defaults, any other Kara point (e.g. `k70`, `kb994`: a budget) is "kara,
-budget"; `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s perplexity per task
+is Kara's version 2 defaults, any other Kara point (e.g. `k70`, `kb994`: a budget) is "kara v3",
+with the prompt kept or windowed (`prompt=1` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s perplexity per task
 is taken from a none row of any of the files.
 
 Usage: bench/plot_pareto.py OUTPUT_PNG QUALITY_CSV [QUALITY_CSV ...]
@@ -16,11 +16,13 @@ from plotkit import pyplot, read_rows
 BASELINES = ("snapkv", "streaming", "h2o", "chunkkv")
 
 
-def family(policy):
-    base = policy.split("@")[0]
+def family(row):
+    base = row["policy"].split("@")[0]
     if base in BASELINES or base == "none":
         return base
-    return "kara (v2 defaults)" if base == "kara" else "kara, budget (v3)"
+    if base == "kara":
+        return "kara (v2 defaults)"
+    return "kara v3, prompt windowed" if "prompt=1" in row["params"].split() else "kara v3, prompt kept"
 
 
 def main():
@@ -36,7 +38,7 @@ def main():
     if not tasks:
         sys.exit("no perplexity task with a none row")
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.6), squeeze=False)
-    styles = {"kara (v2 defaults)": "D", "kara, budget (v3)": "o-", "snapkv": "s-", "streaming": "^-",
+    styles = {"kara (v2 defaults)": "D", "kara v3, prompt kept": "o-", "kara v3, prompt windowed": "P-", "snapkv": "s-", "streaming": "^-",
               "h2o": "v-", "chunkkv": "x-"}
     for ax, task in zip(axes[0], tasks):
         series = {}
@@ -44,7 +46,7 @@ def main():
             if r["task"] != task or r["policy"] == "none" or not r["resident_mean"]:
                 continue
             gap = 100.0 * (float(r["perplexity"]) / none[task] - 1.0)
-            series.setdefault(family(r["policy"]), {})[round(float(r["resident_mean"]))] = gap
+            series.setdefault(family(r), {})[round(float(r["resident_mean"]))] = gap
         for name in sorted(series):
             pts = sorted(series[name].items())
             ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(name, "o-"), label=name, markersize=6)
