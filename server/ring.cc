@@ -151,6 +151,9 @@ void RingServer::spawn(Worker* first) {
   threads_started_->Increment();
   threads_alive_->Increment();
   self->thread = std::thread([this, self, first] { serve(self, first); });
+  // Named by the creator, so it shows as a ring thread (top -H, /proc/PID/task/*/comm) even before
+  // a busy machine first schedules it.
+  pthread_setname_np(self->thread.native_handle(), "karakv-ring");
 }
 
 absl::StatusOr<int> RingServer::poll(const std::string& session_id) {
@@ -437,7 +440,6 @@ void RingServer::finish(Worker* w) {
 }
 
 void RingServer::serve(Thread* self, Worker* first) {
-  pthread_setname_np(pthread_self(), "karakv-ring");  // as top -H and /proc/PID/task/*/comm show it
   core_->prepare_kernel_thread();
   Worker* w = first;
   for (;;) {

@@ -63,7 +63,12 @@ void WorkPool::start() {
   if (width_ <= 1 || started_.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lock(start_mu_);
   if (!threads_.empty()) return;
-  for (int i = 1; i < width_; ++i) threads_.emplace_back([this] { helper_loop(); });
+  for (int i = 1; i < width_; ++i) {
+    threads_.emplace_back([this] { helper_loop(); });
+    // Named here, not by the helper itself: a helper that is not scheduled yet (a busy machine)
+    // must already show as one in /proc, top and the tests that count them.
+    pthread_setname_np(threads_.back().native_handle(), "karakv-kernels");
+  }
   started_.store(true, std::memory_order_release);
 }
 
@@ -124,7 +129,6 @@ void WorkPool::parallel_for(int64_t n, int64_t grain, absl::FunctionRef<void(int
 }
 
 void WorkPool::helper_loop() {
-  pthread_setname_np(pthread_self(), "karakv-kernels");
   uint64_t seen = 0;
   for (;;) {
     const auto until = std::chrono::steady_clock::now() + kSpin;
