@@ -158,8 +158,8 @@ class KaraPolicy final : public Policy {
     remap(s.seen, 1, plan, resident_before);
     remap(s.lse, lse_width(), plan, resident_before);
     remap(s.lse_scale, size_t(layers_), plan, resident_before);
-    // A window ends at the tail's start, and a re-rank of the compressed region at its end, which
-    // is the tail's start too: either way the tail now starts right after what was kept.
+    // A window begins at the tail's start and a re-rank of the compressed region ends there: either
+    // way the tail now starts right after what was kept.
     if (own) s.tail_start = plan.begin + plan.num_kept;
     return absl::OkStatus();
   }
