@@ -43,13 +43,9 @@ absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::bind(const std::string
   if (absl::Status s = check_backend_runs(backend, g.dtype, **policy, "policy"); !s.ok()) return s;
   auto binding = std::make_shared<PolicyBinding>();
   binding->params = policy_params(name, params, g)->values();  // make_policy resolved them already
-  if (name == "kara" && binding->params.count("cam") && binding->params.at("cam") != 0) {
-    // Once per daemon run (one core): measured, CaM has not helped Kara (docs/QUALITY.md).
-    if (!warned_kara_cam_.exchange(true)) {
-      spdlog::warn("cam=1 with kara is not recommended: on the development set (Shakespeare, W 128, rho 0.25) "
-                   "kara+cam has perplexity 38.19 against kara's 38.14 (+1.21% vs +1.07% over none), and merging "
-                   "keys as well was worse still (38.34); see docs/QUALITY.md");
-    }
+  if (std::string advice = (**policy).advice(); !advice.empty()) {
+    std::lock_guard<std::mutex> lock(advised_mu_);
+    if (advised_.insert(advice).second) spdlog::warn("{}", advice);  // once per daemon run (one core)
   }
   if (!prefill_policy.empty() && prefill_policy != "none") {
     auto p = make_policy(prefill_policy, prefill_params, g);

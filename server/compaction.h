@@ -4,10 +4,11 @@
 // lock.
 #pragma once
 
-#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -86,7 +87,8 @@ class Compactor {
   void set_event_observer(std::function<void(const CoreEvent&)> observer) { event_observer_ = std::move(observer); }
 
  private:
-  mutable std::atomic<bool> warned_kara_cam_{false};  // bind() has said once that cam=1 does not help kara
+  mutable std::mutex advised_mu_;
+  mutable std::set<std::string> advised_;  // Policy::advice() texts bind() has logged
   SequenceView view_of(const Sequence& seq, bool own) const;
   // Plans and (unless dry_run) applies `policy` to `seq`. A failure leaves the sequence unchanged.
   absl::StatusOr<CompactionResult> run_policy(Sequence& seq, const Policy& policy, bool dry_run);

@@ -120,6 +120,9 @@ class Policy {
   virtual bool needs_attention() const { return false; }
   // CaM: evicted values are merged into the next this-many kept tokens (0: no merging).
   virtual int merge_tokens() const { return 0; }
+  // A warning for the daemon's log when measurements advise against this parameter set (logged
+  // once per daemon run and text); empty: none.
+  virtual std::string advice() const { return ""; }
   // The kernel ops its plans and compactions call (CaM's merge excluded: see merge_tokens), so a
   // sequence is refused at creation when the daemon's backend cannot run one of them.
   virtual std::vector<kernels::Op> required_ops() const { return {}; }

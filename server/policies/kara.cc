@@ -32,8 +32,8 @@ struct KaraState final : PolicyState {
   // saw each slot [slots].
   std::vector<std::vector<float>> received;
   std::vector<float> seen;
-  // budget > 0: how many decode steps' queries saw each slot, per (layer, KV head) [L * Hk][slots]
-  // (in the compressed region a slot holds a different token in each row).
+  // budget > 0, instead of `seen`: how many decode steps' queries saw each slot, per (layer, KV
+  // head) [L * Hk][slots] (in the compressed region a slot holds a different token in each row).
   std::vector<std::vector<float>> seen_rows;
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
   // [slots][L][Hq]; NaN where the token came without a decode step (Append). And the softmax scale
@@ -112,6 +112,13 @@ class KaraPolicy final : public Policy {
   // A window, the recent region, the steps until the next turn, and the prompt's last block.
   int query_capacity_hint() const override { return uses_window_queries() ? window_ + recent_ + 2 * period_ + 16 : 0; }
   int merge_tokens() const override { return merge_; }
+  // Measured, CaM has not helped Kara (docs/QUALITY.md).
+  std::string advice() const override {
+    if (merge_ == 0) return "";
+    return "cam=1 with kara is not recommended: on the development set (Shakespeare, W 128, rho 0.25) "
+           "kara+cam has perplexity 38.19 against kara's 38.14 (+1.21% vs +1.07% over none), and merging "
+           "keys as well was worse still (38.34); see docs/QUALITY.md";
+  }
   std::vector<kernels::Op> required_ops() const override {
     std::vector<kernels::Op> ops = {kernels::Op::kToken2Chunk, kernels::Op::kGatherTokens};
     if (uses_window_queries()) {
@@ -138,7 +145,7 @@ class KaraPolicy final : public Policy {
     auto& s = *static_cast<KaraState*>(state);
     for (auto& row : s.received) row.resize(slots, 0.0f);
     for (auto& row : s.seen_rows) row.resize(slots, 0.0f);
-    if (observers_ != Observers::kWindow) s.seen.resize(slots, 0.0f);
+    if (observers_ != Observers::kWindow && memory_budget_ == 0) s.seen.resize(slots, 0.0f);
     if (records_lse()) {
       s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
       s.lse_scale.resize(size_t(slots) * layers_, std::numeric_limits<float>::quiet_NaN());
@@ -297,7 +304,7 @@ class KaraPolicy final : public Policy {
             // and (both) the window queries before it. One mean over both parts would divide every
             // key of a window built by Step by the same count (i window queries before key i, and
             // the decode steps from i on), which would make agg = mean rank as agg = sum does.
-            scores[i] = received[slot] / std::max(1.0f, s.seen[slot]);
+            scores[i] = received[slot] / std::max(1.0f, seen_count(s, size_t(l) * g.num_kv_heads + h, slot));
             if (observers_ == Observers::kBoth) scores[i] += own[i] / std::max(1.0f, float(i));
           }
         }
@@ -323,6 +330,12 @@ class KaraPolicy final : public Policy {
   }
 
  private:
+  // Decode steps whose queries saw `slot` of row (layer * Hk + KV head) `row`: per token in the tail
+  // (`seen`), or per row where a budget keeps the compressed region scored (`seen_rows`).
+  static float seen_count(const KaraState& s, size_t row, int32_t slot) {
+    return s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot];
+  }
+
   // Version 2's condition: W + R tail tokens (and, for window observers, the window's queries).
   bool window_due(const SequenceView& seq) const {
     const int32_t tail = state_of(seq).tail_start;
@@ -359,7 +372,7 @@ class KaraPolicy final : public Policy {
         const int32_t slot = plan.begin + i;
         const float received = s.received[r][slot];
         all_scores[size_t(r) * len + i] =
-            agg_ == Agg::kSum ? received : received / std::max(1.0f, s.seen_rows[r][slot]);
+            agg_ == Agg::kSum ? received : received / std::max(1.0f, seen_count(s, r, slot));
       }
     }
     if (merge_ > 0) plan.scores = all_scores;  // CaM weighs by the scores before the sinks are forced
