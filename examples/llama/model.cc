@@ -521,6 +521,23 @@ std::string chat_prompt(const std::string& system, const std::string& user) {
   return s + "<|im_start|>user\n" + user + "<|im_end|>\n<|im_start|>assistant\n";
 }
 
+namespace {
+// xorshift64*: a uniform in [0, 1) from the caller's state.
+double uniform(uint64_t* rng) {
+  uint64_t& s = *rng;
+  if (s == 0) s = 0x9E3779B97F4A7C15ull;  // xorshift never leaves 0
+  s ^= s >> 12;
+  s ^= s << 25;
+  s ^= s >> 27;
+  return double((s * 0x2545F4914F6CDD1Dull) >> 11) / double(1ull << 53);
+}
+
+// Token ids by logit, highest first, ties by lower id.
+auto by_logit(std::span<const float> logits) {
+  return [logits](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+}
+}  // namespace
+
 int sample(std::span<const float> logits, float temperature, uint64_t* rng) {
   const int n = int(logits.size());
   int best = 0;
@@ -531,19 +548,92 @@ int sample(std::span<const float> logits, float temperature, uint64_t* rng) {
   std::vector<double> p(n);
   double sum = 0;
   for (int i = 0; i < n; ++i) sum += (p[i] = std::exp(double(logits[i] - logits[best]) / temperature));
-  // xorshift64*: a uniform in [0, 1) from the caller's state.
-  uint64_t& s = *rng;
-  if (s == 0) s = 0x9E3779B97F4A7C15ull;  // xorshift never leaves 0
-  s ^= s >> 12;
-  s ^= s << 25;
-  s ^= s >> 27;
-  const double u = double((s * 0x2545F4914F6CDD1Dull) >> 11) / double(1ull << 53) * sum;
+  const double u = uniform(rng) * sum;
   double acc = 0;
   for (int i = 0; i < n; ++i) {
     acc += p[i];
     if (u < acc) return i;
   }
   return n - 1;
+}
+
+int sample_top_p(std::span<const float> logits, float temperature, float top_p, std::span<const int> banned,
+                 uint64_t* rng) {
+  std::vector<float> l(logits.begin(), logits.end());
+  for (int id : banned) l[id] = -INFINITY;
+  const std::span<const float> view(l);
+  if (temperature <= 0) return sample(view, 0, nullptr);
+  std::vector<int> order(l.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  std::sort(order.begin(), order.end(), by_logit(view));
+  std::vector<double> p(order.size());
+  double sum = 0;
+  for (size_t i = 0; i < order.size(); ++i) sum += (p[i] = std::exp(double(l[order[i]] - l[order[0]]) / temperature));
+  // The nucleus: the shortest prefix of `order` whose mass reaches top_p of the whole.
+  size_t kept = order.size();
+  if (top_p < 1) {
+    double acc = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      acc += p[i];
+      if (acc >= top_p * sum) {
+        kept = i + 1;
+        break;
+      }
+    }
+  }
+  double nucleus = 0;
+  for (size_t i = 0; i < kept; ++i) nucleus += p[i];
+  const double u = uniform(rng) * nucleus;
+  double acc = 0;
+  for (size_t i = 0; i < kept; ++i) {
+    acc += p[i];
+    if (u < acc) return order[i];
+  }
+  return order[kept - 1];
+}
+
+TopTokens top_tokens(std::span<const float> logits, int k) {
+  const int n = int(logits.size());
+  k = std::clamp(k, 1, n);
+  double mx = -INFINITY;
+  for (float x : logits) mx = std::max(mx, double(x));
+  double sum = 0;
+  for (float x : logits) sum += std::exp(double(x) - mx);
+  const double log_z = mx + std::log(sum);
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), by_logit(logits));
+  TopTokens t;
+  t.ids.assign(order.begin(), order.begin() + k);
+  double rest = 0;
+  for (int i = k; i < n; ++i) rest += std::exp(double(logits[order[i]]) - mx);
+  for (int id : t.ids) t.logp.push_back(float(double(logits[id]) - log_z));
+  t.rest_logp = k == n || rest == 0 ? -INFINITY : std::log(rest) + mx - log_z;
+  return t;
+}
+
+double kl_divergence(const TopTokens& p, std::span<const float> q_logits) {
+  double mx = -INFINITY;
+  for (float x : q_logits) mx = std::max(mx, double(x));
+  double sum = 0;
+  for (float x : q_logits) sum += std::exp(double(x) - mx);
+  const double log_z = mx + std::log(sum);
+  double kl = 0;
+  std::vector<char> kept(q_logits.size(), 0);
+  for (size_t i = 0; i < p.ids.size(); ++i) {
+    kept[p.ids[i]] = 1;
+    kl += std::exp(double(p.logp[i])) * (double(p.logp[i]) - (double(q_logits[p.ids[i]]) - log_z));
+  }
+  if (std::isfinite(p.rest_logp)) {
+    // q's mass outside p's tokens, summed over them (1 - kept would cancel when q is peaked).
+    double q_rest = 0;
+    for (size_t i = 0; i < q_logits.size(); ++i) {
+      if (!kept[i]) q_rest += std::exp(double(q_logits[i]) - mx);
+    }
+    const double lq_rest = q_rest > 0 ? std::log(q_rest) + mx - log_z : -INFINITY;
+    kl += std::exp(p.rest_logp) * (p.rest_logp - lq_rest);
+  }
+  return std::max(kl, 0.0);
 }
 
 double log_prob(std::span<const float> logits, int token) {

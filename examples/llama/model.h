@@ -4,6 +4,7 @@
 // behind an interface, so the same weights run against an in-process dense cache or against karakvd.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -148,5 +149,28 @@ std::string chat_prompt(const std::string& system, const std::string& user);
 int sample(std::span<const float> logits, float temperature, uint64_t* rng);
 // Natural-log probability of `token` under softmax(logits).
 double log_prob(std::span<const float> logits, int token);
+
+// Nucleus sampling: softmax(logits / temperature) cut to the fewest likeliest tokens whose
+// probability reaches `top_p` (ties by lower id), renormalized, one draw from `rng`'s state.
+// `banned` tokens are never drawn (a generation that must go on past end-of-turn); the rest of the
+// distribution is unchanged. top_p >= 1 keeps every token; temperature <= 0 is greedy.
+int sample_top_p(std::span<const float> logits, float temperature, float top_p, std::span<const int> banned,
+                 uint64_t* rng);
+
+// A next-token distribution kept compactly: the natural-log probabilities (of softmax(logits), no
+// temperature) of its k likeliest tokens, likeliest first (ties by lower id), and of all the rest
+// together. `ids[0]` is the greedy token.
+struct TopTokens {
+  std::vector<int> ids;
+  std::vector<float> logp;
+  double rest_logp = -INFINITY;  // log of the mass outside `ids`; -inf when there is none
+};
+TopTokens top_tokens(std::span<const float> logits, int k);
+
+// KL(p || q) in nats, with q = softmax(q_logits) and p known only as `p`: each kept token's term,
+// plus one term for the rest taken as a single outcome. That coarsening can only lower the
+// divergence (the log-sum inequality), so the result is a lower bound of the full KL, equal to it
+// when p keeps every token, and never negative.
+double kl_divergence(const TopTokens& p, std::span<const float> q_logits);
 
 }  // namespace karakv::llama

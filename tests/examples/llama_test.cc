@@ -1,8 +1,11 @@
 // The real-model worker's pieces against stories260K: loader errors, tokenizer round trips, and the
 // forward pass with attention in a real karakvd matching the in-process dense reference.
 // The model is data/stories260k.bin in the repository; a missing file fails every test, naming it.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <random>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -331,6 +334,104 @@ TEST(LlamaDaemonTest, KaraCompressesWhileDecodingAndStaysFinite) {
   EXPECT_EQ((*list)[0].logical_length, 5u + 120u);
   EXPECT_LT((*list)[0].length, (*list)[0].logical_length);
   EXPECT_GT((*list)[0].compactions, 0u);
+}
+
+
+// ---- Sampling and distribution summaries (the long-generation fidelity task) --------------
+
+std::vector<float> random_logits(int n, uint32_t seed, float spread) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0, spread);
+  std::vector<float> l(n);
+  for (float& x : l) x = d(gen);
+  return l;
+}
+
+// softmax in float64, the naive way.
+std::vector<double> softmax64(const std::vector<float>& l, double temperature = 1) {
+  double mx = -INFINITY, z = 0;
+  for (float x : l) mx = std::max(mx, double(x));
+  std::vector<double> p(l.size());
+  for (size_t i = 0; i < l.size(); ++i) z += (p[i] = std::exp((double(l[i]) - mx) / temperature));
+  for (double& x : p) x /= z;
+  return p;
+}
+
+TEST(LlamaSamplingTest, KlOverEveryTokenEqualsTheFullDivergence) {
+  for (uint32_t seed = 1; seed <= 5; ++seed) {
+    const auto lp = random_logits(512, seed, 3), lq = random_logits(512, seed + 100, 3);
+    const auto p = softmax64(lp), q = softmax64(lq);
+    double full = 0;
+    for (size_t i = 0; i < p.size(); ++i) full += p[i] * std::log(p[i] / q[i]);
+    EXPECT_NEAR(kl_divergence(top_tokens(lp, 512), lq), full, 1e-5 * full) << seed;
+    EXPECT_NEAR(kl_divergence(top_tokens(lp, 512), lp), 0, 1e-6);  // log-probabilities kept as float
+    // Kept short, the rest lumped as one outcome: the coarse divergence, exactly, below the full one.
+    const TopTokens t = top_tokens(lp, 16);
+    std::vector<int> order(p.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+    double coarse = 0, p_rest = 1, q_rest = 1;
+    for (int i = 0; i < 16; ++i) {
+      ASSERT_EQ(t.ids[i], order[i]);
+      EXPECT_NEAR(t.logp[i], std::log(p[order[i]]), 1e-5);
+      coarse += p[order[i]] * std::log(p[order[i]] / q[order[i]]);
+      p_rest -= p[order[i]];
+      q_rest -= q[order[i]];
+    }
+    coarse += p_rest * std::log(p_rest / q_rest);
+    EXPECT_NEAR(std::exp(t.rest_logp), p_rest, 1e-9);
+    EXPECT_NEAR(kl_divergence(t, lq), coarse, 1e-6 * coarse + 1e-12);
+    EXPECT_LE(kl_divergence(t, lq), full + 1e-12);
+  }
+}
+
+TEST(LlamaSamplingTest, TopPDrawsOnlyFromTheNucleusInProportion) {
+  // Twelve tokens with known probabilities at temperature 0.5: the likeliest ones reaching 0.9.
+  const std::vector<float> l = {0.1f, 1.2f, -0.5f, 0.9f, 2.0f, 0.3f, -1.0f, 1.5f, 0.0f, 0.6f, -2.0f, 1.0f};
+  const double temperature = 0.5, top_p = 0.9;
+  const auto p = softmax64(l, temperature);
+  std::vector<int> order(l.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+  std::map<int, double> nucleus;
+  double acc = 0;
+  for (int id : order) {
+    nucleus[id] = p[id];
+    if ((acc += p[id]) >= top_p) break;
+  }
+  ASSERT_GT(nucleus.size(), 1u);
+  ASSERT_LT(nucleus.size(), l.size());
+  const int banned = order[0];  // and with the likeliest token banned, the nucleus of the rest
+  std::map<int, int> seen, seen_banned;
+  uint64_t rng = 42, rng2 = 43;
+  const int draws = 20000;
+  for (int i = 0; i < draws; ++i) {
+    ++seen[sample_top_p(l, float(temperature), float(top_p), {}, &rng)];
+    ++seen_banned[sample_top_p(l, float(temperature), float(top_p), std::span<const int>(&banned, 1), &rng2)];
+  }
+  for (const auto& [id, n] : seen) {
+    ASSERT_TRUE(nucleus.count(id)) << "token " << id << " is outside the nucleus";
+    EXPECT_NEAR(double(n) / draws, nucleus[id] / acc, 0.015) << "token " << id;
+  }
+  EXPECT_EQ(seen.size(), nucleus.size());
+  EXPECT_EQ(seen_banned.count(banned), 0u);
+  double rest = 0, acc2 = 0;
+  std::map<int, double> nucleus2;
+  for (int id : order) rest += id == banned ? 0 : p[id];
+  for (int id : order) {
+    if (id == banned) continue;
+    nucleus2[id] = p[id];
+    if ((acc2 += p[id]) >= top_p * rest) break;
+  }
+  for (const auto& [id, n] : seen_banned) {
+    ASSERT_TRUE(nucleus2.count(id)) << "token " << id << " is outside the nucleus without the banned one";
+    EXPECT_NEAR(double(n) / draws, nucleus2[id] / acc2, 0.015) << "token " << id;
+  }
+  // Greedy: the argmax; a whole nucleus (top_p 1): every token in time.
+  EXPECT_EQ(sample_top_p(l, 0, float(top_p), {}, &rng), order[0]);
+  std::map<int, int> all;
+  for (int i = 0; i < draws; ++i) ++all[sample_top_p(l, float(temperature), 1.0f, {}, &rng)];
+  EXPECT_EQ(all.size(), l.size());
 }
 
 }  // namespace
