@@ -9,6 +9,12 @@
 //   greedy agreement: each prompt's first tokens go in by Append, the rest (if any) through Step,
 //     then up to G greedy tokens (a BPE model stops at a control token such as <|im_end|>);
 //     compared with the uncompressed (`none`) run position by position, and by common prefix.
+//   long-generation fidelity ("longgen"): a short prompt by Append, then `none` samples N tokens
+//     (temperature 0.7, top-p 0.9, a fixed seed per prompt, control tokens never drawn so the answer
+//     runs the whole length), keeping its next-token distribution at every position (its likeliest
+//     --longgen_kept tokens and the rest's mass); every other policy teacher-forces that trajectory
+//     through Step and is scored by KL(none || policy) and top-1 agreement with none, per bucket
+//     of positions (the regime of a short prompt and a long output).
 //
 // Sources by model:
 //   stories260K (context 512): perplexity on "stories" (the model's own temperature-1 samples:
@@ -18,7 +24,9 @@
 //   SmolLM2-135M-Instruct (a converted BPE model): perplexity on "shakespeare" and the --genres
 //     texts ("code", "tech", "dialogue": data/README.md), P=512, F=2048;
 //     agreement on GSM8K test questions (data/gsm8k_test.jsonl) in the chat template,
-//     the whole prompt by Append, 256 greedy tokens.
+//     the whole prompt by Append, 256 greedy tokens; long generation on data/longgen_prompts.txt
+//     (eight instructions in the chat template), N=2048 in buckets of 512.
+//   (stories260K's long generation: 8 tokens of each story as the prompt, N=448 in buckets of 64.)
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -62,6 +70,15 @@ ABSL_FLAG(std::string, genres,
           "BPE models: more perplexity tasks, NAME=PATH comma-separated (data/README.md: program source, "
           "technical prose, instructions with dialogue), each run as \"shakespeare\" is (empty: none)");
 ABSL_FLAG(std::string, gsm8k, "data/gsm8k_test.jsonl", "GSM8K questions for BPE models' agreement");
+ABSL_FLAG(std::string, longgen, "data/longgen_prompts.txt",
+          "BPE models: instruction prompts, one per line, for the long-generation fidelity task (empty: skip)");
+ABSL_FLAG(int, longgen_tokens, 0, "Long generation: tokens none samples per prompt; 0: 2048 for BPE, 448 for stories260K");
+ABSL_FLAG(int, longgen_bucket, 0, "Long generation: positions per reported bucket; 0: 512 for BPE, 64 for stories260K");
+ABSL_FLAG(double, longgen_temperature, 0.7, "Long generation: none's sampling temperature");
+ABSL_FLAG(double, longgen_top_p, 0.9, "Long generation: none's nucleus (top-p)");
+ABSL_FLAG(int, longgen_kept, 1024,
+          "Long generation: none's likeliest tokens kept per position for the KL (the rest as one outcome: "
+          "a lower bound of the full KL, reported with the mass it leaves out)");
 ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per task and policy");
 ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of the daemons: fp32 | fp16 | bf16");
 ABSL_FLAG(int, streams, 0, "Perplexity streams per source (decoded together); 0: 8 for stories260K, 2 for BPE");
@@ -621,6 +638,92 @@ GreedyResult greedy(const Model& m, karakv::llama::Attention& att, karakv::Clien
   return res;
 }
 
+// Long generation: `none` samples each prompt's continuation and keeps its distributions; every
+// other policy teacher-forces those tokens and is compared with them.
+struct LongGenTask {
+  std::string name;
+  std::vector<std::vector<int>> prompts;  // each by Append
+  int gen = 0, bucket = 0;
+  std::vector<int> banned;  // never sampled by none (control tokens); still scored
+};
+
+struct FidelityResult {
+  std::vector<std::vector<int>> tokens;                              // per prompt: the trajectory
+  std::vector<std::vector<karakv::llama::TopTokens>> dists;          // none only: per prompt, per position
+  std::vector<double> kl, nll;                                       // per bucket: sums
+  std::vector<long> top1, count;                                     // per bucket
+  double none_rest_mass = 0;  // none only: mean mass outside its kept tokens
+  Residency end;
+  double resident_mean = 0;
+  double seconds = 0;
+};
+
+// `none` == nullptr: generate (the none run). Position i of a prompt's output is predicted by the
+// logits after the prompt and its first i output tokens.
+FidelityResult fidelity(const Model& m, karakv::llama::Attention& att, karakv::Client* client, const LongGenTask& task,
+                        const std::string& label, const FidelityResult* none) {
+  const int n = int(task.prompts.size());
+  const int V = m.config.vocab_size;
+  const int buckets = (task.gen + task.bucket - 1) / task.bucket;
+  const auto t0 = Clock::now();
+  Transformer tf(m, att);
+  FidelityResult res;
+  res.tokens.assign(n, {});
+  if (!none) res.dists.assign(n, {});
+  res.kl.assign(buckets, 0);
+  res.nll.assign(buckets, 0);
+  res.top1.assign(buckets, 0);
+  res.count.assign(buckets, 0);
+  std::vector<uint64_t> seqs(n), rng(n);
+  std::vector<float> logits(size_t(n) * V);
+  for (int b = 0; b < n; ++b) {
+    seqs[b] = check(att.create_sequence());
+    rng[b] = absl::GetFlag(FLAGS_seed) * 1000003 + b;
+    auto first = check(tf.prefill(seqs[b], task.prompts[b]));
+    std::copy(first.begin(), first.end(), logits.begin() + size_t(b) * V);
+  }
+  const float temperature = float(absl::GetFlag(FLAGS_longgen_temperature));
+  const float top_p = float(absl::GetFlag(FLAGS_longgen_top_p));
+  const int kept = absl::GetFlag(FLAGS_longgen_kept);
+  double resident_sum = 0, rest_mass = 0;
+  int samples = 0;
+  std::vector<int> tok(n), pos(n);
+  for (int i = 0; i < task.gen; ++i) {
+    const int bucket = i / task.bucket;
+    for (int b = 0; b < n; ++b) {
+      const std::span<const float> l(&logits[size_t(b) * V], size_t(V));
+      if (!none) {
+        res.dists[b].push_back(karakv::llama::top_tokens(l, kept));
+        rest_mass += std::exp(res.dists[b].back().rest_logp);
+        tok[b] = karakv::llama::sample_top_p(l, temperature, top_p, task.banned, &rng[b]);
+      } else {
+        const karakv::llama::TopTokens& p = none->dists[b][i];
+        tok[b] = none->tokens[b][i];
+        res.kl[bucket] += karakv::llama::kl_divergence(p, l);
+        res.top1[bucket] += karakv::llama::sample(l, 0, nullptr) == p.ids[0];
+      }
+      if (!none) ++res.top1[bucket];  // none agrees with itself; its KL is 0
+      res.nll[bucket] -= karakv::llama::log_prob(l, tok[b]);
+      ++res.count[bucket];
+      res.tokens[b].push_back(tok[b]);
+      pos[b] = int(task.prompts[b].size()) + i;
+    }
+    if (i == task.gen - 1) break;
+    check(tf.decode(seqs, tok, pos, logits));
+    if (client && (i % 8 == 7 || i == task.gen - 2)) {
+      resident_sum += residency(client).resident;
+      ++samples;
+    }
+    if (i % 32 == 31 || i == task.gen - 2) progress(task.name + " " + label, i + 1, task.gen - 1, t0);
+  }
+  res.none_rest_mass = none ? 0 : rest_mass / (double(n) * task.gen);
+  res.end = residency(client);
+  res.resident_mean = samples ? resident_sum / samples : 0;
+  for (uint64_t id : seqs) check(att.release(id));
+  res.seconds = seconds_since(t0);
+  return res;
+}
+
 // ---- Policies -------------------------------------------------------------------------------
 
 struct PolicySpec {
@@ -757,17 +860,20 @@ struct Row {
   double resident_mean = NAN;
   double agree = NAN, prefix = NAN;
   double seconds = 0;
+  std::string positions = "all";  // long generation: a bucket's positions, e.g. 512-1023
+  double kl = NAN;
 };
 
 double ratio_vs_fp16(const Residency& r) { return r.kv_bytes > 0 ? r.fp16_bytes / r.kv_bytes : NAN; }
 
 void write_row(std::FILE* csv, const Row& r) {
   auto num = [](double x, const char* fmt) { return std::isnan(x) ? std::string() : absl::StrFormat(fmt, x); };
-  std::fprintf(csv, "%s,%s,%s,%s,%d,%d,%s,%s,%.1f,%s,%.1f,%.4f,%s,%s,%s,%s,%.1f\n", r.task.c_str(), r.kind.c_str(),
-               r.label.c_str(), r.params.c_str(), r.sequences, r.scored, num(r.ppl, "%.6f").c_str(),
+  std::fprintf(csv, "%s,%s,%s,%s,%d,%d,%s,%s,%.1f,%s,%.1f,%.4f,%s,%s,%s,%s,%.1f,%s,%s\n", r.task.c_str(),
+               r.kind.c_str(), r.label.c_str(), r.params.c_str(), r.sequences, r.scored, num(r.ppl, "%.6f").c_str(),
                num(r.vs_none, "%.4f").c_str(), r.end.resident, num(r.resident_mean, "%.2f").c_str(), r.end.logical,
                r.end.kv_bytes / (1 << 20), num(ratio_vs_fp16(r.end), "%.3f").c_str(), num(r.agree, "%.4f").c_str(),
-               num(r.prefix, "%.2f").c_str(), num(r.dlogp, "%.3g").c_str(), r.seconds);
+               num(r.prefix, "%.2f").c_str(), num(r.dlogp, "%.3g").c_str(), r.seconds, r.positions.c_str(),
+               num(r.kl, "%.6g").c_str());
   std::fflush(csv);
 }
 
@@ -806,6 +912,9 @@ int main(int argc, char** argv) {
 
   std::vector<PplTask> ppl_tasks;
   std::optional<GreedyTask> greedy_task;
+  std::optional<LongGenTask> longgen_task;
+  const int N = pick(absl::GetFlag(FLAGS_longgen_tokens), 448, 2048, bpe ? 512 : 384);
+  const int bucket = pick(absl::GetFlag(FLAGS_longgen_bucket), 64, 512, bpe ? 128 : 64);
   const auto prep0 = Clock::now();
   if (!bpe) {
     std::vector<std::vector<int>> stories = sample_stories(model, streams, P + F, absl::GetFlag(FLAGS_seed));
@@ -821,6 +930,11 @@ int main(int argc, char** argv) {
         g.appended.push_back(P);
       }
       greedy_task = std::move(g);
+    }
+    if (wanted_task("longgen")) {
+      LongGenTask g{"longgen", {}, N, bucket, {}};
+      for (const auto& s : stories) g.prompts.emplace_back(s.begin(), s.begin() + std::min<size_t>(8, s.size()));
+      longgen_task = std::move(g);
     }
   } else {
     if (!absl::GetFlag(FLAGS_text).empty() && wanted_task("shakespeare")) {
@@ -843,6 +957,28 @@ int main(int argc, char** argv) {
       }
       greedy_task = std::move(g);
     }
+    if (!absl::GetFlag(FLAGS_longgen).empty() && wanted_task("longgen")) {
+      LongGenTask g{"longgen", {}, N, bucket, {}};
+      for (absl::string_view line : absl::StrSplit(read_file(absl::GetFlag(FLAGS_longgen)), '\n', absl::SkipWhitespace())) {
+        g.prompts.push_back(
+            model.bpe.encode(karakv::llama::chat_prompt(karakv::llama::kSmolLM2System, std::string(line))));
+        if (quick && g.prompts.size() == 2) break;
+      }
+      if (g.prompts.empty()) die(absl::GetFlag(FLAGS_longgen) + ": no prompts (one per line)");
+      for (int id = 0; id < c.vocab_size; ++id) {
+        if (model.bpe.is_control(id)) g.banned.push_back(id);
+      }
+      longgen_task = std::move(g);
+    }
+  }
+  if (longgen_task) {
+    size_t longest = 0;
+    for (const auto& p : longgen_task->prompts) longest = std::max(longest, p.size());
+    if (int(longest) + N > c.max_seq_len) {
+      die(absl::StrFormat("long generation: prompt %zu + %d tokens exceeds the model's context %d", longest, N,
+                          c.max_seq_len));
+    }
+    if (bucket < 1) die("--longgen_bucket must be at least 1");
   }
   std::fprintf(stderr, "prepared the tasks in %.1f s\n", seconds_since(prep0));
 
@@ -851,7 +987,7 @@ int main(int argc, char** argv) {
   std::fprintf(csv,
                "task,kind,policy,params,sequences,scored_tokens,perplexity,ppl_vs_none_pct,resident_final,"
                "resident_mean,logical_final,kv_mib_final,ratio_vs_fp16,greedy_agreement,mean_common_prefix,"
-               "max_abs_dlogp_vs_dense,seconds\n");
+               "max_abs_dlogp_vs_dense,seconds,positions,kl_vs_none\n");
   std::printf("llama_quality: %s (%d layers, %d/%d heads, head dim %d), dtype %s\n", absl::GetFlag(FLAGS_model).c_str(),
               c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim(), dtype.c_str());
 
@@ -1036,6 +1172,75 @@ int main(int argc, char** argv) {
           row.resident_mean = r.resident_mean;
           write_row(csv, row);
           return std::make_pair(r.end.resident, r.resident_mean);
+        });
+  }
+  if (longgen_task) {
+    const LongGenTask& task = *longgen_task;
+    size_t longest = 0;
+    for (const auto& p : task.prompts) longest = std::max(longest, p.size());
+    const int buckets = (task.gen + task.bucket - 1) / task.bucket;
+    auto bucket_label = [&](int k) {
+      return absl::StrCat(k * task.bucket, "-", std::min(task.gen, (k + 1) * task.bucket) - 1);
+    };
+    std::printf("\n[%s] long-generation fidelity: %zu prompts, none samples %d tokens each (temperature %g, "
+                "top-p %g), every policy teacher-forces them; KL(none || policy) in nats and top-1 agreement per "
+                "position\n",
+                task.name.c_str(), task.prompts.size(), task.gen, absl::GetFlag(FLAGS_longgen_temperature),
+                absl::GetFlag(FLAGS_longgen_top_p));
+    std::printf("%-16s %-36s %9s %7s %8s %9s", "policy", "params", "KL", "top-1", "ppl", "mean res");
+    for (int k = 0; k < buckets; ++k) std::printf(" %14s", ("KL " + bucket_label(k)).c_str());
+    std::printf("\n");
+    std::optional<FidelityResult> base;
+    const int window = task.gen >= 1024 ? 128 : 64, period = task.gen >= 1024 ? 16 : 8;
+    sweep(
+        window, period, pool_mib(task.prompts.size(), longest + task.gen),
+        [&] {
+          std::vector<Shape> out;
+          for (const auto& p : task.prompts) out.push_back(Shape{int(p.size()), task.gen - 1, true});
+          return out;
+        },
+        [&](karakv::llama::Attention& att, karakv::Client* client, const std::string& label) {
+          if (label != "none" && !base) die("long generation needs the none run first (--ablation_none)");
+          return fidelity(model, att, client, task, label, label == "none" ? nullptr : &*base);
+        },
+        [&](const PolicySpec& spec, FidelityResult&& r) {
+          if (spec.label == "none") {
+            base = std::move(r);
+            std::printf("  (none's %d likeliest tokens hold all but %.2e of its mass on average)\n",
+                        absl::GetFlag(FLAGS_longgen_kept), base->none_rest_mass);
+          }
+          const FidelityResult& x = spec.label == "none" ? *base : r;
+          auto row_for = [&](const std::string& positions, double kl, double nll, long top1, long count) {
+            Row row{task.name, "fidelity", spec.label, params_text(spec.options), int(task.prompts.size()), int(count),
+                    std::exp(nll / count), NAN, NAN, {}};
+            row.positions = positions;
+            row.kl = kl / count;
+            row.agree = double(top1) / count;
+            row.end = x.end;
+            row.resident_mean = x.resident_mean;
+            row.seconds = x.seconds;
+            return row;
+          };
+          double kl = 0, nll = 0;
+          long top1 = 0, count = 0;
+          for (int k = 0; k < buckets; ++k) {
+            kl += x.kl[k];
+            nll += x.nll[k];
+            top1 += x.top1[k];
+            count += x.count[k];
+          }
+          Row all = row_for("all", kl, nll, top1, count);
+          std::printf("%-16s %-36s %9.5f %6.2f%% %8.4f %9.1f", spec.label.c_str(), all.params.c_str(), all.kl,
+                      100 * all.agree, all.ppl, x.resident_mean);
+          write_row(csv, all);
+          for (int k = 0; k < buckets; ++k) {
+            Row b = row_for(bucket_label(k), x.kl[k], x.nll[k], x.top1[k], x.count[k]);
+            std::printf(" %8.5f %4.1f%%", b.kl, 100 * b.agree);
+            write_row(csv, b);
+          }
+          std::printf("\n");
+          std::fflush(stdout);
+          return std::make_pair(x.end.resident, x.resident_mean);
         });
   }
   std::fclose(csv);
