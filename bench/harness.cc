@@ -7,7 +7,9 @@
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 ABSL_DECLARE_FLAG(std::string, karakvd);
 ABSL_DECLARE_FLAG(std::vector<std::string>, karakvd_flags);
@@ -195,6 +197,19 @@ absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t
   o.staging_bytes = staging_bytes;
   o.worker_id = worker;
   return karakv::Client::Attach(o);
+}
+
+absl::StatusOr<std::map<std::string, double>> parse_policy_params(const std::string& flag, const std::string& text) {
+  std::map<std::string, double> params;
+  for (absl::string_view kv : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const std::vector<std::string> nv = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    double value = 0;
+    if (nv.size() != 2 || nv[0].empty() || !absl::SimpleAtod(nv[1], &value)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": expected name=value (a number), got '", kv, "'"));
+    }
+    params[nv[0]] = value;
+  }
+  return params;
 }
 
 }  // namespace karakv::bench

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -228,5 +229,9 @@ absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t
                                                        const std::string& worker,
                                                        karakv::Staging staging = karakv::Staging::kShm,
                                                        bool fast_path = false);
+
+// Policy parameters as a flag spells them, "name=value,name=value" (e.g. "budget=768,prompt=1");
+// `flag` names the flag in the error of an entry that is not name=number.
+absl::StatusOr<std::map<std::string, double>> parse_policy_params(const std::string& flag, const std::string& text);
 
 }  // namespace karakv::bench

@@ -58,15 +58,8 @@ absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
     std::unique_ptr<karakv::Client> client;
     DecodeSet set;
   };
-  std::map<std::string, double> kara_params;
-  for (absl::string_view kv : absl::StrSplit(absl::GetFlag(FLAGS_p5_kara_params), ',', absl::SkipEmpty())) {
-    const std::vector<std::string> nv = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-    double value = 0;
-    if (nv.size() != 2 || !absl::SimpleAtod(nv[1], &value)) {
-      return absl::InvalidArgumentError(absl::StrCat("--p5_kara_params: expected name=value, got '", kv, "'"));
-    }
-    kara_params[nv[0]] = value;
-  }
+  auto kara_params = parse_policy_params("p5_kara_params", absl::GetFlag(FLAGS_p5_kara_params));
+  if (!kara_params.ok()) return kara_params.status();
   std::vector<Side> sides(2);
   sides[0].policy = "kara";
   sides[1].policy = "none";
@@ -81,7 +74,7 @@ absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
     s.set.c = s.client.get();
     const auto t = Clock::now();
     if (absl::Status st = prefill(s.set, g, std::vector<std::string>(seqs, s.policy), prompt,
-                                      s.policy == "kara" ? kara_params : std::map<std::string, double>{}); !st.ok()) return st;
+                                      s.policy == "kara" ? *kara_params : std::map<std::string, double>{}); !st.ok()) return st;
     progress(absl::StrFormat("P5 %s: %d sequences x %d prompt tokens appended in %.2f s (pool %.2f GB)", s.policy,
                              seqs, prompt, seconds_since(t), pool / 1e9));
   }

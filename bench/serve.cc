@@ -43,6 +43,9 @@ ABSL_FLAG(bool, quick, false,
           "that finishes in about a minute; for smoke tests");
 ABSL_FLAG(std::string, serve_policies, "none,snapkv,kara,streaming,kara+kivi4",
           "serve: policies swept, comma separated (policy names as CreateSequence takes them)");
+ABSL_FLAG(std::string, serve_kara_params, "",
+          "serve: Kara's parameters over its defaults for every kara sequence (kara+kivi4 too), name=value,... "
+          "(e.g. budget=768 for contract version 3's memory budget)");
 ABSL_FLAG(std::string, serve_batches, "8,16,32,64,128,256", "serve: max decode batch sizes swept");
 ABSL_FLAG(int32_t, serve_steps, 1600,
           "serve: engine decode steps per (policy, max batch) run; every run covers the same steps, so contexts "
@@ -213,9 +216,9 @@ struct WorkerSequence {
 
 class Worker {
  public:
-  Worker(std::unique_ptr<karakv::Client> client, std::string policy)
+  Worker(std::unique_ptr<karakv::Client> client, std::string policy, std::map<std::string, double> kara_params)
       : c_(std::move(client)), g_(c_->geometry()), table_(g_), policy_(std::move(policy)),
-        device_(c_->device_staging()) {}
+        kara_params_(std::move(kara_params)), device_(c_->device_staging()) {}
 
   // Executes one command message; returns the reply.
   std::string execute(const std::string& message, bool* quit) {
@@ -276,6 +279,7 @@ class Worker {
   absl::Status admit(uint64_t req, int context, int remaining, bool windowed) {
     karakv::SequenceOptions o;
     o.policy = policy_;
+    if (absl::StartsWith(policy_, "kara")) o.params = kara_params_;
     if (windowed && absl::StartsWith(policy_, "kara")) o.params["prompt"] = 1;
     auto id = c_->CreateSequence(o);
     if (!id.ok()) return id.status();
@@ -383,6 +387,7 @@ class Worker {
   kn::Geometry g_;
   TokenTable table_;
   std::string policy_;
+  std::map<std::string, double> kara_params_;
   bool device_;  // device staging: buffers are device pointers, written through StagedWrite
   std::vector<WorkerSequence> seqs_;
 };
@@ -533,6 +538,7 @@ class Scheduler {
       std::vector<std::string> argv = {
           self_exe(), "serve-worker", "--serve_worker_target=" + daemon_->target,
           "--serve_worker_policy=" + policy_, absl::StrCat("--serve_worker_max_batch=", max_batch_),
+          "--serve_kara_params=" + absl::GetFlag(FLAGS_serve_kara_params),
           "--serve_staging=" + absl::GetFlag(FLAGS_serve_staging),
           absl::StrCat("--serve_model_base_us=", absl::GetFlag(FLAGS_serve_model_base_us)),
           absl::StrCat("--serve_model_per_seq_us=", absl::GetFlag(FLAGS_serve_model_per_seq_us)),
@@ -953,6 +959,9 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   if (!pool.ok()) return pool.status();
   auto staging = parse_staging("serve_staging", absl::GetFlag(FLAGS_serve_staging));
   if (!staging.ok()) return staging.status();
+  if (auto kp = parse_policy_params("serve_kara_params", absl::GetFlag(FLAGS_serve_kara_params)); !kp.ok()) {
+    return kp.status();
+  }
   std::vector<double> rates;  // {0}: closed loop
   for (const std::string& text : split_list(absl::GetFlag(FLAGS_serve_rates))) {
     double v = 0;
@@ -1112,7 +1121,12 @@ int serve_worker_main() {
     std::fprintf(stderr, "serve-worker: %s\n", client.status().ToString().c_str());
     return 1;
   }
-  Worker worker(std::move(*client), absl::GetFlag(FLAGS_serve_worker_policy));
+  auto kara_params = parse_policy_params("serve_kara_params", absl::GetFlag(FLAGS_serve_kara_params));
+  if (!kara_params.ok()) {
+    std::fprintf(stderr, "serve-worker: %s\n", kara_params.status().ToString().c_str());
+    return 1;
+  }
+  Worker worker(std::move(*client), absl::GetFlag(FLAGS_serve_worker_policy), std::move(*kara_params));
   if (!send_message(3, "ready\n").ok()) return 1;
   bool quit = false;
   while (!quit) {

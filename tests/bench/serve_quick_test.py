@@ -112,7 +112,7 @@ def main():
     check_staging_flag(bench, karakvd)
     open_runs = check_open_loop(bench, karakvd, plot)
     print(f"OK: {len(runs)} serve runs parsed, {len(series)} series points, {len(summary)} P4 rows; "
-          f"{open_runs} open-loop runs; --serve_staging and --serve_rates refusals named")
+          f"{open_runs} open-loop runs; --serve_staging, --serve_rates and --serve_kara_params refusals named")
 
 
 def check_open_loop(bench, karakvd, plot):
@@ -195,6 +195,22 @@ def check_staging_flag(bench, karakvd):
         dev = subprocess.run(base + ["--serve_staging=device"], capture_output=True, text=True, timeout=120)
         if dev.returncode == 0 or "--backend=cuda" not in dev.stderr:
             fail(f"--serve_staging=device on the CPU backend: exit {dev.returncode}, stderr {dev.stderr[-1500:]!r}")
+        # --serve_kara_params: a malformed entry is refused naming the flag; a well-formed one reaches
+        # every kara sequence the workers create (an out-of-range rho is refused by the daemon's
+        # CreateSequence, naming the parameter), and leaves other policies alone.
+        kara = [bench, "serve", "--quick", "--serve_batches=8", f"--karakvd={karakvd}", f"--out_dir={out}"]
+        bad = subprocess.run(kara + ["--serve_policies=kara", "--serve_kara_params=budget"], capture_output=True,
+                             text=True, timeout=60)
+        if bad.returncode == 0 or "--serve_kara_params: expected name=value (a number), got 'budget'" not in bad.stderr:
+            fail(f"--serve_kara_params=budget: exit {bad.returncode}, stderr {bad.stderr[-1000:]!r}")
+        out_of_range = subprocess.run(kara + ["--serve_policies=kara", "--serve_kara_params=rho=7"],
+                                      capture_output=True, text=True, timeout=120)
+        if out_of_range.returncode == 0 or "parameter rho=7 out of range" not in out_of_range.stderr:
+            fail(f"--serve_kara_params=rho=7: exit {out_of_range.returncode}, stderr {out_of_range.stderr[-1500:]!r}")
+        other = subprocess.run(kara + ["--serve_policies=none", "--serve_kara_params=rho=7"], capture_output=True,
+                               text=True, timeout=120)
+        if other.returncode != 0:
+            fail(f"--serve_kara_params with policy none: exit {other.returncode}, stderr {other.stderr[-1500:]!r}")
 
 
 if __name__ == "__main__":
