@@ -79,6 +79,9 @@ ABSL_FLAG(double, longgen_top_p, 0.9, "Long generation: none's nucleus (top-p)")
 ABSL_FLAG(int, longgen_kept, 1024,
           "Long generation: none's likeliest tokens kept per position for the KL (the rest as one outcome: "
           "a lower bound of the full KL, reported with the mass it leaves out)");
+ABSL_FLAG(std::string, longgen_texts, "",
+          "Long generation: also write none's sampled continuations here, as text, one prompt after another "
+          "(empty: don't)");
 ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per task and policy");
 ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of the daemons: fp32 | fp16 | bf16");
 ABSL_FLAG(int, streams, 0, "Perplexity streams per source (decoded together); 0: 8 for stories260K, 2 for BPE");
@@ -658,6 +661,27 @@ struct FidelityResult {
   double seconds = 0;
 };
 
+// How much of a sampled continuation repeats itself: per bucket, the share of positions whose
+// token ends an 8-token run that already occurred earlier in the same continuation (0 for text
+// that never repeats a phrase of 8 tokens; near 1 for a loop).
+std::vector<double> repeated_share(const std::vector<std::vector<int>>& outputs, int bucket) {
+  constexpr int kRun = 8;
+  std::vector<double> hits, count;
+  for (const std::vector<int>& o : outputs) {
+    std::set<std::vector<int>> seen;
+    for (size_t i = 0; i < o.size(); ++i) {
+      const size_t b = i / bucket;
+      if (hits.size() <= b) hits.resize(b + 1, 0), count.resize(b + 1, 0);
+      ++count[b];
+      if (i + 1 < kRun) continue;
+      std::vector<int> run(o.begin() + (i + 1 - kRun), o.begin() + (i + 1));
+      if (!seen.insert(std::move(run)).second) ++hits[b];
+    }
+  }
+  for (size_t b = 0; b < hits.size(); ++b) hits[b] = count[b] > 0 ? hits[b] / count[b] : 0;
+  return hits;
+}
+
 // `none` == nullptr: generate (the none run). Position i of a prompt's output is predicted by the
 // logits after the prompt and its first i output tokens.
 FidelityResult fidelity(const Model& m, karakv::llama::Attention& att, karakv::Client* client, const LongGenTask& task,
@@ -1208,6 +1232,20 @@ int main(int argc, char** argv) {
             base = std::move(r);
             std::printf("  (none's %d likeliest tokens hold all but %.2e of its mass on average)\n",
                         absl::GetFlag(FLAGS_longgen_kept), base->none_rest_mass);
+            std::printf("  (none's continuations repeat an earlier 8-token run at");
+            const std::vector<double> rep = repeated_share(base->tokens, task.bucket);
+            for (size_t k = 0; k < rep.size(); ++k) {
+              std::printf("%s %.0f%% of positions %s", k ? "," : "", 100 * rep[k], bucket_label(int(k)).c_str());
+            }
+            std::printf(")\n");
+            if (const std::string path = absl::GetFlag(FLAGS_longgen_texts); !path.empty()) {
+              std::ofstream out(path);
+              for (size_t b = 0; b < base->tokens.size(); ++b) {
+                out << "===== prompt " << b + 1 << " =====\n"
+                    << (bpe ? model.bpe.decode(base->tokens[b]) : model.tokenizer.decode(base->tokens[b])) << "\n";
+              }
+              if (!out) die("cannot write " + path);
+            }
           }
           const FidelityResult& x = spec.label == "none" ? *base : r;
           auto row_for = [&](const std::string& positions, double kl, double nll, long top1, long count) {
