@@ -8,12 +8,21 @@ quality=$1 model=$2
 [ -f "$model" ] || { echo "FAIL: model file not found: $model (the repository keeps it in data/)"; exit 1; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$quality" --quick --model="$model" --csv="$dir/q.csv" --diagnostics="$dir/d.csv" > "$dir/out.txt"
+"$quality" --quick --model="$model" --csv="$dir/q.csv" --diagnostics="$dir/d.csv" --longgen_texts="$dir/texts.txt" \
+  > "$dir/out.txt"
 cat "$dir/out.txt"
-python3 - "$dir/q.csv" "$dir/d.csv" <<'PY'
-import csv, math, sys
+python3 - "$dir/q.csv" "$dir/d.csv" "$dir/texts.txt" "$dir/out.txt" <<'PY'
+import csv, math, re, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 diag = list(csv.DictReader(open(sys.argv[2])))
+texts = open(sys.argv[3]).read()
+out = open(sys.argv[4]).read()
+# The long generation's texts: one section per prompt, each with text in it; its repetition line
+# gives a share per bucket.
+sections = re.split(r"^===== prompt \d+ =====$", texts, flags=re.M)
+assert sections[0] == "" and len(sections) == 3 and all(len(t.strip()) > 100 for t in sections[1:]), texts[:500]
+shares = re.search(r"repeat an earlier 8-token run at (.*)\)", out)
+assert shares and len(re.findall(r"(\d+)% of positions", shares.group(1))) == 6, out
 by = {(r["task"], r["policy"]): r for r in rows}
 expect = {("stories", p) for p in ("none", "kara-0.50", "kara-0.25", "snapkv")}
 expect |= {("stories-greedy", p) for p in ("none", "kara-0.50", "kara-0.25", "snapkv")}
