@@ -157,7 +157,9 @@ class Daemon {
       execv(argv[0], argv.data());
       _exit(127);
     }
-    for (int i = 0; i < 200; ++i) {
+    // Up to a minute: a daemon's pool of a few hundred MiB takes seconds to fault in on a busy
+    // machine (transparent huge pages compacting memory), 10 s was seen to be too short.
+    for (int i = 0; i < 1200; ++i) {
       if (access(socket_.c_str(), F_OK) == 0) {
         karakv::ClientOptions o = options();
         o.staging_bytes = 0;
