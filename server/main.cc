@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -133,8 +134,13 @@ int main(int argc, char** argv) {
       spdlog::info("kernel threads: {} ({})", kernel_threads, usable.reason());
     }
   }
+  // The pool is allocated and zeroed here: with transparent huge pages on `madvise` each huge-page
+  // fault may compact memory first, so a pool of hundreds of MiB can take seconds on a busy node;
+  // the time is logged so that a slow start is not a mystery.
+  const auto pool_start = std::chrono::steady_clock::now();
   auto core = karakv::server::Core::create(config->core, std::move(selected->backend));
   if (!core.ok()) return fail(core.status());
+  const double pool_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - pool_start).count();
   auto metrics = karakv::server::Metrics::create(config->metrics_listen, backend_name);
   if (!metrics.ok()) return fail(metrics.status());
   karakv::server::Metrics* metrics_ptr = metrics->get();
@@ -296,12 +302,13 @@ int main(int argc, char** argv) {
       spdlog::warn("--{}={} not applied: malloc is not glibc's (a sanitizer's or a preloaded one)", m.flag, m.value);
     }
   }
-  spdlog::info("serving on {}{}{}: layers={} q_heads={} kv_heads={} head_dim={} dtype={} block_size={}; pool {} blocks x {} bytes",
+  spdlog::info("serving on {}{}{}: layers={} q_heads={} kv_heads={} head_dim={} dtype={} block_size={}; pool {} blocks x {} bytes "
+               "(allocated and zeroed in {:.2f} s)",
                config->socket_path.empty() ? "" : "unix:" + config->socket_path,
                config->tcp_address.empty() ? "" : (config->tls() ? (config->tls_client_ca_pem.empty() ? " tcp+tls:" : " tcp+mtls:") : " tcp:"),
                config->tcp_address, g.num_layers,
                g.num_q_heads, g.num_kv_heads, g.head_dim, karakv::kernels::dtype_name(g.dtype),
-               g.block_size, st.blocks_total, g.block_bytes());
+               g.block_size, st.blocks_total, g.block_bytes(), pool_seconds);
   if (!config->metrics_listen.empty()) spdlog::info("metrics on http://{}/metrics", config->metrics_listen);
 
   // Lease reaper: frees the sessions of workers that stopped sending heartbeats.
