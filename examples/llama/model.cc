@@ -563,30 +563,39 @@ int sample_top_p(std::span<const float> logits, float temperature, float top_p, 
   for (int id : banned) l[id] = -INFINITY;
   const std::span<const float> view(l);
   if (temperature <= 0) return sample(view, 0, nullptr);
-  std::vector<int> order(l.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
-  std::sort(order.begin(), order.end(), by_logit(view));
-  std::vector<double> p(order.size());
+  const int n = int(l.size());
+  const int best = sample(view, 0, nullptr);
+  std::vector<double> p(n);
   double sum = 0;
-  for (size_t i = 0; i < order.size(); ++i) sum += (p[i] = std::exp(double(l[order[i]] - l[order[0]]) / temperature));
-  // The nucleus: the shortest prefix of `order` whose mass reaches top_p of the whole.
-  size_t kept = order.size();
-  if (top_p < 1) {
+  for (int i = 0; i < n; ++i) sum += (p[i] = std::exp(double(l[i] - l[best]) / temperature));
+  // The nucleus: the shortest run of tokens, likeliest first, whose mass reaches top_p of the
+  // whole. Only that run needs sorting: the likeliest 64, then 4x more until it is covered.
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  int kept = n;
+  for (int k = std::min(64, n);; k = std::min(4 * k, n)) {
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), by_logit(view));
     double acc = 0;
-    for (size_t i = 0; i < order.size(); ++i) {
-      acc += p[i];
+    int reached = 0;
+    for (int i = 0; i < k && top_p < 1; ++i) {
+      acc += p[order[i]];
       if (acc >= top_p * sum) {
-        kept = i + 1;
+        reached = i + 1;
         break;
       }
     }
+    if (reached > 0) {
+      kept = reached;
+      break;
+    }
+    if (k == n) break;
   }
   double nucleus = 0;
-  for (size_t i = 0; i < kept; ++i) nucleus += p[i];
+  for (int i = 0; i < kept; ++i) nucleus += p[order[i]];
   const double u = uniform(rng) * nucleus;
   double acc = 0;
-  for (size_t i = 0; i < kept; ++i) {
-    acc += p[i];
+  for (int i = 0; i < kept; ++i) {
+    acc += p[order[i]];
     if (u < acc) return order[i];
   }
   return order[kept - 1];

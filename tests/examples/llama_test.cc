@@ -427,6 +427,29 @@ TEST(LlamaSamplingTest, TopPDrawsOnlyFromTheNucleusInProportion) {
     ASSERT_TRUE(nucleus2.count(id)) << "token " << id << " is outside the nucleus without the banned one";
     EXPECT_NEAR(double(n) / draws, nucleus2[id] / acc2, 0.015) << "token " << id;
   }
+  // A wide nucleus (about 900 of 1,000 nearly equal tokens): found past the first partial sorts,
+  // and nothing outside it drawn.
+  {
+    const auto flat = random_logits(1000, 9, 0.1f);
+    const auto q = softmax64(flat);
+    std::vector<int> by(flat.size());
+    for (size_t i = 0; i < by.size(); ++i) by[i] = int(i);
+    std::sort(by.begin(), by.end(), [&](int a, int b) { return flat[a] > flat[b] || (flat[a] == flat[b] && a < b); });
+    std::vector<int> rank(flat.size());
+    size_t size = 0;
+    double mass = 0;
+    for (size_t i = 0; i < by.size(); ++i) rank[by[i]] = int(i);
+    while (mass < top_p) mass += q[by[size++]];
+    ASSERT_GT(size, 800u);
+    int deepest = 0;
+    uint64_t r = 11;
+    for (int i = 0; i < 5000; ++i) {
+      const int t = sample_top_p(flat, 1.0f, float(top_p), {}, &r);
+      ASSERT_LT(size_t(rank[t]), size) << "token " << t << " of rank " << rank[t] << " is outside the nucleus";
+      deepest = std::max(deepest, rank[t]);
+    }
+    EXPECT_GT(deepest, 256);
+  }
   // Greedy: the argmax; a whole nucleus (top_p 1): every token in time.
   EXPECT_EQ(sample_top_p(l, 0, float(top_p), {}, &rng), order[0]);
   std::map<int, int> all;
