@@ -532,6 +532,19 @@ double uniform(uint64_t* rng) {
   return double((s * 0x2545F4914F6CDD1Dull) >> 11) / double(1ull << 53);
 }
 
+// softmax(logits)'s normaliser in float64: the largest logit and log(sum(exp(logit))).
+struct LogNormaliser {
+  double max = -INFINITY, log_z = 0;
+};
+LogNormaliser log_normaliser(std::span<const float> logits) {
+  LogNormaliser n;
+  for (float x : logits) n.max = std::max(n.max, double(x));
+  double sum = 0;
+  for (float x : logits) sum += std::exp(double(x) - n.max);
+  n.log_z = n.max + std::log(sum);
+  return n;
+}
+
 // Token ids by logit, highest first, ties by lower id.
 auto by_logit(std::span<const float> logits) {
   return [logits](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
@@ -604,11 +617,7 @@ int sample_top_p(std::span<const float> logits, float temperature, float top_p, 
 TopTokens top_tokens(std::span<const float> logits, int k) {
   const int n = int(logits.size());
   k = std::clamp(k, 1, n);
-  double mx = -INFINITY;
-  for (float x : logits) mx = std::max(mx, double(x));
-  double sum = 0;
-  for (float x : logits) sum += std::exp(double(x) - mx);
-  const double log_z = mx + std::log(sum);
+  const auto [mx, log_z] = log_normaliser(logits);
   std::vector<int> order(n);
   for (int i = 0; i < n; ++i) order[i] = i;
   std::partial_sort(order.begin(), order.begin() + k, order.end(), by_logit(logits));
@@ -622,11 +631,7 @@ TopTokens top_tokens(std::span<const float> logits, int k) {
 }
 
 double kl_divergence(const TopTokens& p, std::span<const float> q_logits) {
-  double mx = -INFINITY;
-  for (float x : q_logits) mx = std::max(mx, double(x));
-  double sum = 0;
-  for (float x : q_logits) sum += std::exp(double(x) - mx);
-  const double log_z = mx + std::log(sum);
+  const auto [mx, log_z] = log_normaliser(q_logits);
   double kl = 0;
   std::vector<char> kept(q_logits.size(), 0);
   for (size_t i = 0; i < p.ids.size(); ++i) {
