@@ -308,7 +308,7 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   if (plan->begin % b != 0 || plan->begin < 0 || plan->end > seq.length || plan->begin > plan->end ||
       (plan->end < seq.length && (plan->end % b != 0 || plan->num_kept % b != 0)) ||
       plan->num_kept > plan->end - plan->begin || plan->kept.size() != rows * plan->num_kept ||
-      plan->end < seq.explicit_end || plan->begin < seq.quantized()) {
+      plan->begin < seq.quantized()) {
     record(result, seq, 0, true);
     return absl::InternalError(absl::StrCat("policy ", policy.name(), " produced an invalid plan [", plan->begin, ", ",
                                             plan->end, ") keeping ", plan->num_kept, " of ", seq.length));

@@ -697,6 +697,8 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
     pos[r].reserve(plan.begin + plan.num_kept);
     for (int32_t s = 0; s < plan.begin; ++s) pos[r].push_back(seq.position(int(r), s));
     for (int32_t i = 0; i < plan.num_kept; ++i) pos[r].push_back(seq.position(int(r), plan.kept[r * plan.num_kept + i]));
+    // A plan inside the explicit part (a second compression of compacted slots) moves the rest of it down.
+    for (int32_t s = plan.end; s < seq.explicit_end; ++s) pos[r].push_back(seq.position(int(r), s));
   }
   const int32_t first_old = (plan.begin - q0) / b;
   const int32_t end_old = (plan.end - q0 + b - 1) / b;
@@ -742,7 +744,7 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
     seq.q_first = seq.length - removed;
   }
   seq.length -= removed;
-  seq.explicit_end = plan.begin + plan.num_kept;
+  seq.explicit_end = std::max(plan.begin + plan.num_kept, seq.explicit_end - removed);
   seq.explicit_pos = std::move(pos);
   ++seq.compactions;
   seq.publish = false;  // compacted blocks are never content-addressed
