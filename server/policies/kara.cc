@@ -5,7 +5,9 @@
 // prompt = window) the prompt are never touched again. Each sequence counts its own decode steps
 // and is looked at on every P-th of them, phase-shifted by its creation index. Version 3 adds a
 // memory budget: turns act only above it, and when the compressed region itself is what keeps the
-// sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1).
+// sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1). Its
+// alternatives without a budget: two levels (`rho2`: the oldest W compressed tokens compressed
+// again) and a recent region that grows with the tail (`grow`).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -26,6 +28,11 @@ struct KaraState final : PolicyState {
   int32_t tail_start = 0;  // first slot of the uncompressed tail, block-aligned
   // The compressed region is [compressed_start, tail_start): the tail's start when decoding began.
   int32_t compressed_start = 0;
+  // rho2 > 0: the compressed region's level 1 is [level1_start, tail_start); before it, level 2.
+  int32_t level1_start = 0;
+  // grow > 0: tokens this policy's own compactions removed since decoding began; with the tail's
+  // origin (compressed_start) and the resident count they give how many tokens entered the tail.
+  int64_t removed = 0;
   uint64_t steps = 0;      // decode steps this sequence has taken
   // observers = decode | both: decode attention probabilities each slot received, summed over the
   // group's query heads, per (layer, KV head) [L * Hk][slots]; and how many decode steps' queries
@@ -92,6 +99,8 @@ class KaraPolicy final : public Policy {
         agg_(static_cast<Agg>(p.geti("agg"))),
         prompt_window_(p.geti("prompt") == 1),
         memory_budget_(p.geti("budget")),
+        level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
+        grow_(p.get("grow")),
         merge_(policy_util::cam_merge_tokens(p)),
         layers_(g.num_layers),
         kv_heads_(g.num_kv_heads),
@@ -138,14 +147,14 @@ class KaraPolicy final : public Policy {
   std::unique_ptr<State> make_state(const kernels::Geometry&, kernels::Backend&) const override {
     auto state = std::make_unique<KaraState>();
     if (observers_ != Observers::kWindow) state->received.resize(size_t(layers_) * kv_heads_);
-    if (memory_budget_ > 0) state->seen_rows.resize(size_t(layers_) * kv_heads_);
+    if (reopens()) state->seen_rows.resize(size_t(layers_) * kv_heads_);
     return state;
   }
   absl::Status on_grow(State* state, int32_t slots) const override {
     auto& s = *static_cast<KaraState*>(state);
     for (auto& row : s.received) row.resize(slots, 0.0f);
     for (auto& row : s.seen_rows) row.resize(slots, 0.0f);
-    if (observers_ != Observers::kWindow && memory_budget_ == 0) s.seen.resize(slots, 0.0f);
+    if (observers_ != Observers::kWindow && !reopens()) s.seen.resize(slots, 0.0f);
     if (records_lse()) {
       s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
       s.lse_scale.resize(size_t(slots) * layers_, std::numeric_limits<float>::quiet_NaN());
@@ -156,6 +165,7 @@ class KaraPolicy final : public Policy {
     auto& s = *static_cast<KaraState*>(state);
     s.tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
     s.compressed_start = s.tail_start;
+    s.level1_start = s.tail_start;
   }
   absl::Status on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before,
                             bool own) const override {
@@ -165,9 +175,19 @@ class KaraPolicy final : public Policy {
     remap(s.seen, 1, plan, resident_before);
     remap(s.lse, lse_width(), plan, resident_before);
     remap(s.lse_scale, size_t(layers_), plan, resident_before);
-    // A window begins at the tail's start and a re-rank of the compressed region ends there: either
-    // way the tail now starts right after what was kept.
-    if (own) s.tail_start = plan.begin + plan.num_kept;
+    if (!own) return absl::OkStatus();
+    const int32_t removed = plan.end - plan.begin - plan.num_kept;
+    s.removed += removed;
+    if (plan.begin == s.tail_start || plan.end == s.tail_start) {
+      // A window begins at the tail's start and a re-rank of the compressed region ends there: either
+      // way the tail now starts right after what was kept (and a re-rank leaves no level 1).
+      s.level1_start = plan.begin == s.tail_start ? s.level1_start : plan.begin + plan.num_kept;
+      s.tail_start = plan.begin + plan.num_kept;
+    } else {
+      // A second-level window, the oldest W tokens of level 1.
+      s.level1_start = plan.begin + plan.num_kept;
+      s.tail_start -= removed;
+    }
     return absl::OkStatus();
   }
   float* accumulator(State* state, int layer, int kv_head) const override {
@@ -176,10 +196,10 @@ class KaraPolicy final : public Policy {
   }
   // Only the tail is ever scored again: the prompt (unless windowed, and then the tail starts at
   // its first window) and the compressed windows keep what they have. With a budget the compressed
-  // region may be re-ranked, so its slots keep accumulating too.
+  // region may be re-ranked, and with two levels level 1 compressed again, so those slots keep
+  // accumulating too.
   int32_t first_accumulated_slot(const State* state) const override {
-    const auto& s = *static_cast<const KaraState*>(state);
-    return memory_budget_ > 0 ? s.compressed_start : s.tail_start;
+    return first_scored(*static_cast<const KaraState*>(state));
   }
   float* lse_output(State* state, int layer, float scale) const override {
     auto& s = *static_cast<KaraState*>(state);
@@ -193,7 +213,7 @@ class KaraPolicy final : public Policy {
     ++s.steps;
     for (int32_t i = s.tail_start; i < std::min<int32_t>(seq.resident, int32_t(s.seen.size())); ++i) s.seen[i] += 1.0f;
     for (auto& row : s.seen_rows) {
-      for (int32_t i = s.compressed_start; i < std::min<int32_t>(seq.resident, int32_t(row.size())); ++i) row[i] += 1.0f;
+      for (int32_t i = first_scored(s); i < std::min<int32_t>(seq.resident, int32_t(row.size())); ++i) row[i] += 1.0f;
     }
   }
   // The sequence's own steps n with n mod P == its creation index mod P.
@@ -205,7 +225,7 @@ class KaraPolicy final : public Policy {
   int32_t first_open_slot(const SequenceView& seq) const override {
     if (!seq.decoding) return prompt_window_ ? std::min(seq.resident, first_window_start()) : seq.resident;
     if (seq.state == nullptr) return seq.resident;
-    return memory_budget_ > 0 ? state_of(seq).compressed_start : state_of(seq).tail_start;
+    return first_scored(state_of(seq));
   }
   // Longest tail first.
   int64_t urgency(const SequenceView& seq) const override {
@@ -214,14 +234,14 @@ class KaraPolicy final : public Policy {
 
   bool due(const SequenceView& seq, bool) const override {
     if (seq.state == nullptr || !seq.decoding) return false;
-    if (memory_budget_ == 0) return window_due(seq);
+    if (memory_budget_ == 0) return window_due(seq) || level2_due(seq);
     if (seq.resident <= memory_budget_) return false;
     return window_due(seq) || rerank_keeps(seq) < state_of(seq).tail_start - state_of(seq).compressed_start;
   }
   absl::Status ready(const SequenceView& seq) const override {
     if (seq.state == nullptr || !seq.decoding) return absl::OkStatus();
     const int32_t tail = state_of(seq).tail_start;
-    if (seq.resident - tail < window_ + recent_ || due(seq, true)) return absl::OkStatus();
+    if (seq.resident - tail < window_ + recent_of(seq) || due(seq, true)) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("kara: the window's queries (slots ", tail, "..",
                                                       tail + window_ - 1, ") are not all cached"));
   }
@@ -234,12 +254,20 @@ class KaraPolicy final : public Policy {
         return absl::FailedPreconditionError(absl::StrCat("kara: ", seq.resident, " resident tokens are within the budget ",
                                                           memory_budget_));
       }
-      return absl::FailedPreconditionError(
-          absl::StrCat("kara: tail holds ", seq.state != nullptr ? seq.resident - state_of(seq).tail_start : 0,
-                       " tokens, a window needs ", window_, " plus the recent ", recent_, ", with their queries",
-                       memory_budget_ > 0 ? ", and the compressed region is already within the budget" : ""));
+      const int32_t level1 = seq.state != nullptr ? state_of(seq).tail_start - state_of(seq).level1_start : 0;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kara: tail holds ", seq.state != nullptr ? seq.resident - state_of(seq).tail_start : 0,
+          " tokens, a window needs ", window_, " plus the recent ", seq.state != nullptr ? recent_of(seq) : recent_,
+          ", with their queries", memory_budget_ > 0 ? ", and the compressed region is already within the budget" : "",
+          level2_budget_ > 0 ? absl::StrCat("; level 1 holds ", level1, " tokens, a second-level window needs ", window_,
+                                            " plus the recent ", recent_)
+                             : ""));
     }
-    if (!window_due(seq)) return rerank_plan(seq, backend);
+    if (!window_due(seq)) {
+      const KaraState& s = state_of(seq);
+      if (memory_budget_ > 0) return rescore_plan(seq, backend, s.compressed_start, s.tail_start, rerank_keeps(seq));
+      return rescore_plan(seq, backend, s.level1_start, s.level1_start + window_, level2_budget_);
+    }
     const KaraState& s = state_of(seq);
     CompactionPlan plan;
     plan.begin = s.tail_start;
@@ -336,13 +364,37 @@ class KaraPolicy final : public Policy {
     return s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot];
   }
 
-  // Version 2's condition: W + R tail tokens (and, for window observers, the window's queries).
+  // Version 2's condition: W + R tail tokens (and, for window observers, the window's queries); R
+  // grown to R' with `grow`.
   bool window_due(const SequenceView& seq) const {
     const int32_t tail = state_of(seq).tail_start;
-    if (seq.resident - tail < window_ + recent_) return false;
+    if (seq.resident - tail < window_ + recent_of(seq)) return false;
     if (!uses_window_queries()) return true;
     return seq.queries_first <= tail && seq.queries_first + seq.num_queries >= tail + window_;
   }
+
+  // R' = max(R, floor_b(grow * t)), t the tokens that entered the tail since decoding began.
+  int32_t recent_of(const SequenceView& seq) const {
+    if (grow_ <= 0) return recent_;
+    const KaraState& s = state_of(seq);
+    const int64_t entered = int64_t(seq.resident) + s.removed - s.compressed_start;
+    const int64_t grown = int64_t(std::floor(grow_ * double(std::max<int64_t>(0, entered)))) / block_ * block_;
+    return int32_t(std::max<int64_t>(recent_, grown));
+  }
+
+  // Two levels: level 1 holds W + R tokens.
+  bool level2_due(const SequenceView& seq) const {
+    const KaraState& s = state_of(seq);
+    return level2_budget_ > 0 && s.tail_start - s.level1_start >= window_ + recent_;
+  }
+
+  // The first slot whose decode-time scores are still needed.
+  int32_t first_scored(const KaraState& s) const {
+    if (memory_budget_ > 0) return s.compressed_start;
+    return level2_budget_ > 0 ? s.level1_start : s.tail_start;
+  }
+  // The compressed region may be compressed again (a budget's re-rank, or two levels).
+  bool reopens() const { return memory_budget_ > 0 || level2_budget_ > 0; }
 
   // C' = max(b, floor_b(budget - (n - C))): what the compressed region may keep for the sequence to
   // fit its budget.
@@ -353,16 +405,17 @@ class KaraPolicy final : public Policy {
     return std::max<int32_t>(block_, room > 0 ? int32_t(room / block_ * block_) : 0);
   }
 
-  // Re-ranks the compressed region down to rerank_keeps(): each slot's decode-time score (as the
-  // window's with observers = decode), sinks kept, the same Token2Chunk selection.
-  absl::StatusOr<CompactionPlan> rerank_plan(const SequenceView& seq, kernels::Backend& backend) const {
+  // Compresses slots [begin, end) of the compressed region to `keep`: the budget's re-rank of the
+  // whole region, or a second-level window. Each slot's decode-time score (as the window's with
+  // observers = decode), sinks kept, the same Token2Chunk selection.
+  absl::StatusOr<CompactionPlan> rescore_plan(const SequenceView& seq, kernels::Backend& backend, int32_t begin,
+                                              int32_t end, int32_t keep) const {
     const kernels::Geometry& g = *seq.geometry;
     const KaraState& s = state_of(seq);
-    const int32_t len = s.tail_start - s.compressed_start;
-    const int32_t keep = rerank_keeps(seq);
+    const int32_t len = end - begin;
     CompactionPlan plan;
-    plan.begin = s.compressed_start;
-    plan.end = s.tail_start;
+    plan.begin = begin;
+    plan.end = end;
     plan.num_kept = keep;
     const int rows = g.num_layers * g.num_kv_heads;
     plan.kept.resize(size_t(rows) * keep);
@@ -408,6 +461,8 @@ class KaraPolicy final : public Policy {
   const Agg agg_;
   const bool prompt_window_;
   const int memory_budget_;  // version 3's `budget` (tokens; 0: unbounded). budget_ is B, a window's.
+  const int level2_budget_;  // B2, a second-level window's (0: one level)
+  const double grow_;
   const int merge_, layers_, kv_heads_, q_heads_, block_;
 };
 
@@ -430,6 +485,10 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
       {"budget", 0, 0, 1 << 30, true, "version 3: resident tokens above which turns compress, re-ranking the "
                                       "compressed region when the tail has no window yet (0: unbounded, version 2)"},
+      {"rho2", 0, 0, 0.99, false, "two levels: kept share of a second-level window, the oldest W compressed tokens "
+                                  "once W + R of them wait (0: one level)"},
+      {"grow", 0, 0, 0.95, false, "the recent region's share of the tokens that entered the tail, at least R "
+                                  "(0: R fixed)"},
   };
   for (ParamSpec& spec : policy_util::cam_params()) p.push_back(std::move(spec));
   return p;
@@ -446,6 +505,30 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
     return absl::InvalidArgumentError(absl::StrCat(
         "policy 'kara': budget=", p.geti("budget"), " needs decode observations (observers=1 decode or 2 both); "
         "observers=0 (window) cannot re-rank the compressed region, whose own queries are gone"));
+  }
+  for (const char* name : {"rho2", "grow"}) {
+    if (p.get(name) > 0 && p.geti("budget") > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy 'kara': ", name, "=", p.get(name), " with budget=", p.geti("budget"),
+          ": two levels and a growing recent region are alternatives to the budget's re-rank; set one of them"));
+    }
+  }
+  if (p.get("rho2") > 0 && p.geti("observers") == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': rho2=", p.get("rho2"), " needs decode observations (observers=1 decode or 2 both); "
+        "observers=0 (window) cannot score compressed tokens, whose own queries are gone"));
+  }
+  if (p.get("grow") > 0 && p.geti("observers") != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': grow=", p.get("grow"), " needs observers=1 (decode); observers=", p.geti("observers"),
+        " would keep the queries of a recent region that grows without end"));
+  }
+  if (p.get("rho2") > 0 &&
+      KaraPolicy::budget_for(p.get("rho2"), p.geti("window"), g.block_size) >= p.geti("window")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy 'kara': rho2=", p.get("rho2"), " keeps ",
+                                                   KaraPolicy::budget_for(p.get("rho2"), p.geti("window"), g.block_size),
+                                                   " of a ", p.geti("window"),
+                                                   "-token second-level window after rounding to blocks; expected fewer"));
   }
   const int budget = KaraPolicy::budget_for(p.get("rho"), p.geti("window"), g.block_size);
   if (budget >= p.geti("window")) {

@@ -334,6 +334,13 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"prompt", 2}}, "prompt=2 out of range");
   refused({{"budget", -1}}, "budget=-1 out of range");
   refused({{"budget", 64}, {"observers", 0}}, "budget=64 needs decode observations (observers=1 decode or 2 both)");
+  refused({{"rho2", 1.0}}, "rho2=1 out of range");
+  refused({{"rho2", 0.99}, {"window", 16}}, "rho2=0.99 keeps 16 of a 16-token second-level window");
+  refused({{"rho2", 0.5}, {"observers", 0}}, "rho2=0.5 needs decode observations");
+  refused({{"rho2", 0.5}, {"budget", 64}}, "alternatives to the budget's re-rank; set one of them");
+  refused({{"grow", 0.5}, {"budget", 64}}, "grow=0.5 with budget=64");
+  refused({{"grow", 0.5}, {"observers", 2}}, "grow=0.5 needs observers=1 (decode); observers=2");
+  refused({{"grow", 0.96}}, "grow=0.96 out of range");
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
@@ -504,6 +511,68 @@ TEST(KaraPolicyTest, CapPerStepTakesTheLongestTailFirst) {
   EXPECT_EQ(counts(), (std::vector<int>{1, 1, 1}));
 }
 
+// Float64 decode observers, as the daemon's decode attention accumulates them: per (layer, KV head)
+// row, each position's attention probability summed over the decode steps whose query saw it (and
+// over the group's query heads), and how many steps saw it; positions before `from` are not kept.
+struct ReferenceObservers {
+  ReferenceObservers(uint64_t seed, uint64_t seq, const kernels::Geometry& g, int from)
+      : seed(seed), seq(seq), g(g), from(from), received(g.num_layers * g.num_kv_heads),
+        seen(g.num_layers * g.num_kv_heads) {}
+
+  // Step `t`'s query over `rows` (each row's resident positions before the step) and its own token.
+  void observe(const std::vector<std::vector<int32_t>>& rows, int t) {
+    const int group = g.num_q_heads / g.num_kv_heads;
+    const double scale = 1.0 / std::sqrt(double(g.head_dim));
+    for (size_t r = 0; r < received.size(); ++r) {
+      const int l = int(r) / g.num_kv_heads, h = int(r) % g.num_kv_heads;
+      std::vector<int32_t> keys = rows[r];
+      keys.push_back(t);
+      auto key = [&](int pos, int dim) {
+        return double(kernels::half_to_float(kernels::float_to_half(synthetic::value(seed, Tensor::kKey, seq, l, pos, h, dim))));
+      };
+      for (int j = h * group; j < (h + 1) * group; ++j) {
+        std::vector<double> logits;
+        double mx = -INFINITY, sum = 0;
+        for (int32_t pos : keys) {
+          double dot = 0;
+          for (int dim = 0; dim < g.head_dim; ++dim)
+            dot += double(synthetic::value(seed, Tensor::kQuery, seq, l, t, j, dim)) * key(pos, dim);
+          logits.push_back(dot * scale);
+          mx = std::max(mx, logits.back());
+        }
+        for (double x : logits) sum += std::exp(x - mx);
+        for (size_t i = 0; i < keys.size(); ++i) {
+          if (keys[i] >= from) received[r][keys[i]] += std::exp(logits[i] - mx) / sum;
+        }
+      }
+      for (int32_t pos : keys) {
+        if (pos >= from) seen[r][pos] += 1;
+      }
+    }
+  }
+
+  // Token2Chunk over the scores of row r's slots [begin, begin + len), keeping `keep`: the positions
+  // it chooses (agg 0 mean, 1 sum).
+  std::vector<int32_t> choose(const std::vector<int32_t>& row, size_t r, int begin, int len, int keep, int agg,
+                              int max_gap) {
+    std::vector<float> scores;
+    for (int i = 0; i < len; ++i) {
+      const int pos = row[begin + i];
+      scores.push_back(float(agg == 0 ? received[r][pos] / std::max(1.0, seen[r][pos]) : received[r][pos]));
+    }
+    std::vector<int32_t> want;
+    for (int32_t slot : kernels::test::naive_token2chunk(scores, keep, int(std::ceil(0.5 * keep)), max_gap)) {
+      want.push_back(row[begin + slot]);
+    }
+    return want;
+  }
+
+  uint64_t seed, seq;
+  const kernels::Geometry& g;
+  int from;
+  std::vector<std::map<int, double>> received, seen;
+};
+
 // Version 3 (docs/COMPRESSION.md section 1): with a budget, turns act only above it; a window is
 // compressed while the tail has one, otherwise the compressed region is re-ranked down to
 // C' = max(b, floor_b(budget - (n - C))) by its decode-time scores over every step since each
@@ -524,41 +593,14 @@ TEST(KaraBudgetTest, ReRanksTheCompressedRegionAsAFloat64ReferenceChooses) {
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
-      const int rows_n = g.num_layers * g.num_kv_heads, group = g.num_q_heads / g.num_kv_heads;
-      const double scale = 1.0 / std::sqrt(double(g.head_dim));
-      // The float64 observers: per row, each position's summed probability and its steps seen.
-      std::vector<std::map<int, double>> received(rows_n), seen(rows_n);
+      const int rows_n = g.num_layers * g.num_kv_heads;
+      ReferenceObservers ref(seed, seq, g, kPrompt);
       int tail_start = kPrompt, windows = 0, reranks = 0;
       std::vector<std::vector<int32_t>> rows = d.positions(seq);
       for (int step = 0; step < 160; ++step) {
         const int t = int(logical[0]);
         ASSERT_TRUE(d.step({seq}, logical).ok());
-        for (int r = 0; r < rows_n; ++r) {
-          const int l = r / g.num_kv_heads, h = r % g.num_kv_heads;
-          std::vector<int32_t> keys = rows[r];
-          keys.push_back(t);  // the step's own token
-          auto key = [&](int pos, int dim) {
-            return double(kernels::half_to_float(kernels::float_to_half(synthetic::value(seed, Tensor::kKey, seq, l, pos, h, dim))));
-          };
-          for (int j = h * group; j < (h + 1) * group; ++j) {
-            std::vector<double> logits;
-            double mx = -INFINITY, sum = 0;
-            for (int32_t pos : keys) {
-              double dot = 0;
-              for (int dim = 0; dim < g.head_dim; ++dim)
-                dot += double(synthetic::value(seed, Tensor::kQuery, seq, l, t, j, dim)) * key(pos, dim);
-              logits.push_back(dot * scale);
-              mx = std::max(mx, logits.back());
-            }
-            for (double x : logits) sum += std::exp(x - mx);
-            for (size_t i = 0; i < keys.size(); ++i) {
-              if (keys[i] >= kPrompt) received[r][keys[i]] += std::exp(logits[i] - mx) / sum;
-            }
-          }
-          for (int32_t pos : keys) {
-            if (pos >= kPrompt) seen[r][pos] += 1;
-          }
-        }
+        ref.observe(rows, t);
         // The turn, as the contract says (P = 1: every step is one).
         const int n = int(rows[0].size()) + 1;
         const int compressed = tail_start - kPrompt;
@@ -588,15 +630,7 @@ TEST(KaraBudgetTest, ReRanksTheCompressedRegionAsAFloat64ReferenceChooses) {
         }
         if (rerank) {
           for (int r = 0; r < rows_n; ++r) {
-            std::vector<float> scores;
-            for (int i = 0; i < compressed; ++i) {
-              const int pos = rows[r][kPrompt + i];
-              scores.push_back(float(agg == 0 ? received[r][pos] / std::max(1.0, seen[r][pos]) : received[r][pos]));
-            }
-            const std::vector<int32_t> kept_slots =
-                kernels::test::naive_token2chunk(scores, keep, int(std::ceil(0.5 * keep)), kMaxGap);
-            std::vector<int32_t> want;
-            for (int32_t slot : kept_slots) want.push_back(rows[r][kPrompt + slot]);
+            const std::vector<int32_t> want = ref.choose(rows[r], r, kPrompt, compressed, keep, agg, kMaxGap);
             const std::vector<int32_t> got(after[r].begin() + kPrompt, after[r].begin() + kPrompt + keep);
             EXPECT_EQ(got, want) << "agg " << agg << " seed " << seed << " step " << step << " row " << r;
           }
@@ -657,6 +691,119 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
   for (int i = 0; i < 100; ++i) ASSERT_TRUE(d.step({big}, logical).ok());
   EXPECT_EQ(d.info(big).compactions, 0u);
   EXPECT_EQ(d.info(big).length, 108);
+}
+
+// Two levels (rho2): a tail window is compressed to B as in version 2; once level 1 (the compressed
+// windows not yet compressed again) holds W + R tokens, its oldest W are compressed to B2 by their
+// decode-time scores over every step since each token arrived, as a float64 reference chooses;
+// level 2 is never touched again. Simulated step by step against the contract.
+TEST(KaraTwoLevelTest, SecondLevelWindowsKeepWhatAFloat64ReferenceChooses) {
+  for (const int agg : {0, 1}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      Driver d(seed);
+      const auto& g = d.reg->geometry();
+      constexpr int kPrompt = 8, kWindow = 16, kB = 8, kB2 = 4, kRecent = 8, kMaxGap = 8;
+      SequenceOptions o;
+      o.policy = "kara";
+      o.params = {{"window", kWindow}, {"rho", 0.5}, {"rho2", 0.25}, {"period", 1}, {"recent", kRecent},
+                  {"agg", agg}};
+      const uint64_t seq = *d.create(o);
+      ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
+      std::vector<int64_t> logical{kPrompt};
+      const int rows_n = g.num_layers * g.num_kv_heads;
+      ReferenceObservers ref(seed, seq, g, kPrompt);
+      int level1 = kPrompt, tail_start = kPrompt, windows = 0, second = 0;
+      std::vector<std::vector<int32_t>> rows = d.positions(seq);
+      for (int step = 0; step < 200; ++step) {
+        const int t = int(logical[0]);
+        ASSERT_TRUE(d.step({seq}, logical).ok());
+        ref.observe(rows, t);
+        const int n = int(rows[0].size()) + 1;
+        int expect_n = n;
+        bool again = false;
+        const int level1_before = level1;
+        if (n - tail_start >= kWindow + kRecent) {
+          tail_start += kB;
+          expect_n = n - (kWindow - kB);
+          ++windows;
+        } else if (tail_start - level1 >= kWindow + kRecent) {
+          again = true;
+          level1 += kB2;
+          tail_start -= kWindow - kB2;
+          expect_n = n - (kWindow - kB2);
+          ++second;
+        }
+        const std::vector<std::vector<int32_t>> after = d.positions(seq);
+        ASSERT_EQ(int(after[0].size()), expect_n) << "step " << step << " seed " << seed;
+        expect_well_formed(after, int32_t(logical[0]), 4);
+        for (int r = 0; r < rows_n; ++r) {
+          for (int p = 0; p < kPrompt; ++p) ASSERT_EQ(after[r][p], p) << "the prompt is never touched";
+          for (int i = kPrompt; i < level1_before; ++i) ASSERT_EQ(after[r][i], rows[r][i]) << "level 2 is final";
+        }
+        if (again) {
+          for (int r = 0; r < rows_n; ++r) {
+            const std::vector<int32_t> want = ref.choose(rows[r], r, level1_before, kWindow, kB2, agg, kMaxGap);
+            const std::vector<int32_t> got(after[r].begin() + level1_before, after[r].begin() + level1_before + kB2);
+            EXPECT_EQ(got, want) << "agg " << agg << " seed " << seed << " step " << step << " row " << r;
+            // Level 1's newer tokens and the tail (with the step's token) move down unchanged.
+            std::vector<int32_t> moved(rows[r].begin() + level1_before + kWindow, rows[r].end());
+            moved.push_back(t);
+            EXPECT_EQ(std::vector<int32_t>(after[r].begin() + level1_before + kB2, after[r].end()), moved) << "row " << r;
+          }
+        }
+        rows = after;
+      }
+      EXPECT_GE(windows, 8);
+      EXPECT_GE(second, 3) << "level 1 was never compressed again";
+    }
+  }
+}
+
+// grow: a window is due only when the tail holds W + R' tokens, R' = max(R, floor_b(grow * t)), t
+// the tokens that entered the tail since decoding began; with the prompt windowed, the tail starts
+// after the sinks. Each compaction lands exactly on the step the contract says, and the newest R'
+// tokens are never touched.
+TEST(KaraGrowTest, WindowsWaitForARecentRegionThatGrowsWithTheTail) {
+  for (const int prompt_window : {0, 1}) {
+    Driver d(5);
+    const int b = d.reg->geometry().block_size;
+    constexpr int kPrompt = 20, kWindow = 16, kB = 4, kRecent = 8;
+    constexpr double kGrow = 0.5;
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"window", kWindow}, {"rho", 0.25}, {"period", 1}, {"recent", kRecent}, {"grow", kGrow},
+                {"prompt", prompt_window}};
+    const uint64_t seq = *d.create(o);
+    ASSERT_TRUE(d.append(seq, 0, kPrompt, kPrompt).ok());
+    std::vector<int64_t> logical{kPrompt};
+    const int origin = prompt_window == 1 ? b : (kPrompt + b - 1) / b * b;  // sinks 4 = one block
+    int tail_start = origin, removed = 0, windows = 0;
+    for (int step = 0; step < 300; ++step) {
+      ASSERT_TRUE(d.step({seq}, logical).ok());
+      // The turn's view: resident before its compaction.
+      const int before = int(logical[0]) - removed;
+      const int entered = before + removed - origin;
+      const int grown = std::max(kRecent, int(std::floor(kGrow * entered)) / b * b);
+      int expect = before;
+      if (before - tail_start >= kWindow + grown) {
+        tail_start += kB;
+        removed += kWindow - kB;
+        expect = before - (kWindow - kB);
+        ++windows;
+      }
+      const auto rows = d.positions(seq);
+      ASSERT_EQ(int(rows[0].size()), expect) << "step " << step << " prompt " << prompt_window;
+      expect_well_formed(rows, int32_t(logical[0]), 4);
+      // Everything from the tail's start on is whole: the newest tokens in order.
+      for (const auto& row : rows) {
+        for (int i = tail_start; i < int(row.size()); ++i) ASSERT_EQ(row[i], int(logical[0]) - int(row.size()) + i);
+      }
+    }
+    EXPECT_GE(windows, 5);
+    // At the end about half of what entered the tail is whole, as `grow` says.
+    const int entered = int(logical[0]) - origin;
+    EXPECT_GE(int(logical[0]) - removed - tail_start, int(kGrow * entered) - b);
+  }
 }
 
 TEST(SnapKVPolicyTest, RecompressesTheWholeCacheAndKeepsTheObservationWindow) {
