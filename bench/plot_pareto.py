@@ -4,7 +4,8 @@ perplexity task, perplexity above `none` (%), for the long-generation fidelity t
 the mean KL divergence from `none` (nats), against MEAN resident K/V tokens per sequence, one
 curve per policy family joined in memory order. Rows come from llama_quality CSVs: a Kara point
 labelled `kara` is Kara's version 2 defaults; any other Kara point is "kara v3" when it has a
-`budget` (e.g. `k70`, `kb994`) and "kara v2" otherwise, with the prompt kept or windowed
+`budget` (e.g. `k70`, `kb994`), "kara, two levels" with `rho2`, "kara, growing recent" with
+`grow`, and "kara v2" otherwise, with the prompt kept or windowed
 (`prompt=1` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s
 perplexity per task is taken from a none row of any of the files.
 
@@ -26,6 +27,10 @@ def family(row):
         return "kara (v2 defaults)"
     params = dict(p.split("=", 1) for p in row["params"].split() if "=" in p)
     version = "kara v3" if float(params.get("budget", "0")) > 0 else "kara v2"
+    if float(params.get("rho2", "0")) > 0:
+        version = "kara, two levels"
+    elif float(params.get("grow", "0")) > 0:
+        version = "kara, growing recent"
     return f"{version}, prompt windowed" if params.get("prompt") == "1" else f"{version}, prompt kept"
 
 
@@ -45,7 +50,8 @@ def main():
     fidelity = {r["task"] for r in rows if r["kind"] == "fidelity"}
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.6), squeeze=False)
     styles = {"kara (v2 defaults)": "D", "kara v2, prompt windowed": "X", "kara v3, prompt kept": "o-",
-              "kara v3, prompt windowed": "P-", "snapkv": "s-", "streaming": "^-", "h2o": "v-", "chunkkv": "x-"}
+              "kara v3, prompt windowed": "P-",
+              "kara, two levels, prompt windowed": "*-", "kara, growing recent, prompt windowed": "h", "snapkv": "s-", "streaming": "^-", "h2o": "v-", "chunkkv": "x-"}
     for ax, task in zip(axes[0], tasks):
         series = {}
         for r in rows:
