@@ -39,8 +39,9 @@ struct KaraState final : PolicyState {
   // saw each slot [slots].
   std::vector<std::vector<float>> received;
   std::vector<float> seen;
-  // budget > 0, instead of `seen`: how many decode steps' queries saw each slot, per (layer, KV
-  // head) [L * Hk][slots] (in the compressed region a slot holds a different token in each row).
+  // budget > 0 or rho2 > 0, instead of `seen`: how many decode steps' queries saw each slot, per
+  // (layer, KV head) [L * Hk][slots] (in the compressed region a slot holds a different token in
+  // each row).
   std::vector<std::vector<float>> seen_rows;
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
   // [slots][L][Hq]; NaN where the token came without a decode step (Append). And the softmax scale
@@ -178,13 +179,15 @@ class KaraPolicy final : public Policy {
     if (!own) return absl::OkStatus();
     const int32_t removed = plan.end - plan.begin - plan.num_kept;
     s.removed += removed;
-    if (plan.begin == s.tail_start || plan.end == s.tail_start) {
-      // A window begins at the tail's start and a re-rank of the compressed region ends there: either
-      // way the tail now starts right after what was kept (and a re-rank leaves no level 1).
-      s.level1_start = plan.begin == s.tail_start ? s.level1_start : plan.begin + plan.num_kept;
+    if (plan.begin == s.tail_start) {
+      // A window: the tail now starts right after what was kept.
       s.tail_start = plan.begin + plan.num_kept;
+    } else if (memory_budget_ > 0) {
+      // A re-rank of the whole compressed region, which ends at the tail's start (no level 1 then).
+      s.tail_start = plan.begin + plan.num_kept;
+      s.level1_start = s.tail_start;
     } else {
-      // A second-level window, the oldest W tokens of level 1.
+      // A second-level window, the oldest W tokens of level 1 (which may end at the tail's start).
       s.level1_start = plan.begin + plan.num_kept;
       s.tail_start -= removed;
     }
@@ -220,7 +223,8 @@ class KaraPolicy final : public Policy {
   bool turn(const SequenceView& seq) const override {
     return seq.state != nullptr && state_of(seq).steps % uint64_t(period_) == seq.id % uint64_t(period_);
   }
-  // The tail may still be compressed. Before decoding nothing is fixed yet, except that with
+  // The tail may still be compressed (and the compressed region with a budget, level 1 with two
+  // levels). Before decoding nothing is fixed yet, except that with
   // prompt = window the prompt after the sinks will be windowed (its queries are kept).
   int32_t first_open_slot(const SequenceView& seq) const override {
     if (!seq.decoding) return prompt_window_ ? std::min(seq.resident, first_window_start()) : seq.resident;
@@ -359,7 +363,7 @@ class KaraPolicy final : public Policy {
 
  private:
   // Decode steps whose queries saw `slot` of row (layer * Hk + KV head) `row`: per token in the tail
-  // (`seen`), or per row where a budget keeps the compressed region scored (`seen_rows`).
+  // (`seen`), or per row where a budget or two levels keep the compressed region scored (`seen_rows`).
   static float seen_count(const KaraState& s, size_t row, int32_t slot) {
     return s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot];
   }

@@ -374,6 +374,36 @@ TEST(QuantStorageCompositionTest, KaraNormFullAndDecodeObserversWorkOverQuantize
   EXPECT_TRUE(reg->check_invariants().ok()) << reg->check_invariants();
 }
 
+// Kara's two levels over quantized storage: level 1 may be compressed again, so it stays in full
+// precision and keeps accumulating; the decode observers never begin inside the quantized prefix,
+// and second-level windows take the sequence below what one level keeps.
+TEST(QuantStorageCompositionTest, KaraTwoLevelsQuantizeOnlyWhatLevelTwoWillNeverTouchAgain) {
+  ObserverSpyBackend::Seen seen;
+  CoreConfig c;
+  c.geometry = geometry();
+  c.pool_bytes = 1024ll * c.geometry.block_bytes();
+  auto reg = std::move(*Core::create(c, std::make_unique<ObserverSpyBackend>(&seen)));
+  const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
+  SequenceOptions o;
+  o.policy = "kara+kivi4";
+  o.params = {{"window", 64}, {"rho", 0.5}, {"period", 4}, {"recent", 0}, {"residual", 16}};
+  const uint64_t one = *reg->create_sequence(session, o);
+  o.params["rho2"] = 0.25;  // B2 = 16
+  const uint64_t two = *reg->create_sequence(session, o);
+  for (uint64_t seq : {one, two}) ASSERT_TRUE(append_prompt(*reg, session, seq, seq, 3, 40).ok());
+  for (int64_t pos = 40; pos < 700; ++pos) {
+    for (uint64_t seq : {one, two}) ASSERT_TRUE(step_token(*reg, session, seq, seq, 3, pos).ok());
+  }
+  const SequenceInfo a = reg->inspect(one)->first, b = reg->inspect(two)->first;
+  EXPECT_GT(b.compactions, a.compactions) << "no second-level window ran";
+  EXPECT_LT(b.length, a.length - 64);
+  EXPECT_GT(b.quantized, 0);
+  EXPECT_EQ(reg->stats().policies.at("kara+kivi4").failures, 0u);
+  EXPECT_GT(seen.with_begin, 0);
+  EXPECT_EQ(seen.begin_inside_quantized, 0);
+  EXPECT_TRUE(reg->check_invariants().ok()) << reg->check_invariants();
+}
+
 // The window Kara scores is never quantized, so quantizing the prompt and the compressed region
 // must not change which tokens Kara keeps.
 TEST(QuantStorageCompositionTest, KaraKeepsTheSameTokensWithOrWithoutQuantizedStorage) {
