@@ -30,9 +30,9 @@ struct KaraState final : PolicyState {
   int32_t compressed_start = 0;
   // rho2 > 0: the compressed region's level 1 is [level1_start, tail_start); before it, level 2.
   int32_t level1_start = 0;
-  // grow > 0: tokens this policy's own compactions removed since decoding began; with the tail's
-  // origin (compressed_start) and the resident count they give how many tokens entered the tail.
-  int64_t removed = 0;
+  // The position of the tail's first slot when decoding began: `logical` minus it is how many tokens
+  // have entered the tail (grow > 0).
+  int32_t origin = 0;
   uint64_t steps = 0;      // decode steps this sequence has taken
   // observers = decode | both: decode attention probabilities each slot received, summed over the
   // group's query heads, per (layer, KV head) [L * Hk][slots]; and how many decode steps' queries
@@ -167,6 +167,7 @@ class KaraPolicy final : public Policy {
     s.tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
     s.compressed_start = s.tail_start;
     s.level1_start = s.tail_start;
+    s.origin = s.tail_start + (seq.logical - seq.resident);  // slots after the explicit ones are contiguous
   }
   absl::Status on_compacted(State* state, const CompactionPlan& plan, int32_t resident_before,
                             bool own) const override {
@@ -177,8 +178,6 @@ class KaraPolicy final : public Policy {
     remap(s.lse, lse_width(), plan, resident_before);
     remap(s.lse_scale, size_t(layers_), plan, resident_before);
     if (!own) return absl::OkStatus();
-    const int32_t removed = plan.end - plan.begin - plan.num_kept;
-    s.removed += removed;
     if (plan.begin == s.tail_start) {
       // A window: the tail now starts right after what was kept.
       s.tail_start = plan.begin + plan.num_kept;
@@ -189,7 +188,7 @@ class KaraPolicy final : public Policy {
     } else {
       // A second-level window, the oldest W tokens of level 1 (which may end at the tail's start).
       s.level1_start = plan.begin + plan.num_kept;
-      s.tail_start -= removed;
+      s.tail_start -= plan.end - plan.begin - plan.num_kept;
     }
     return absl::OkStatus();
   }
@@ -380,8 +379,7 @@ class KaraPolicy final : public Policy {
   // R' = max(R, floor_b(grow * t)), t the tokens that entered the tail since decoding began.
   int32_t recent_of(const SequenceView& seq) const {
     if (grow_ <= 0) return recent_;
-    const KaraState& s = state_of(seq);
-    const int64_t entered = int64_t(seq.resident) + s.removed - s.compressed_start;
+    const int64_t entered = int64_t(seq.logical) - state_of(seq).origin;
     const int64_t grown = int64_t(std::floor(grow_ * double(std::max<int64_t>(0, entered)))) / block_ * block_;
     return int32_t(std::max<int64_t>(recent_, grown));
   }
@@ -527,11 +525,10 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
         "policy 'kara': grow=", p.get("grow"), " needs observers=1 (decode); observers=", p.geti("observers"),
         " would keep the queries of a recent region that grows without end"));
   }
-  if (p.get("rho2") > 0 &&
-      KaraPolicy::budget_for(p.get("rho2"), p.geti("window"), g.block_size) >= p.geti("window")) {
-    return absl::InvalidArgumentError(absl::StrCat("policy 'kara': rho2=", p.get("rho2"), " keeps ",
-                                                   KaraPolicy::budget_for(p.get("rho2"), p.geti("window"), g.block_size),
-                                                   " of a ", p.geti("window"),
+  if (const int b2 = KaraPolicy::budget_for(p.get("rho2"), p.geti("window"), g.block_size);
+      p.get("rho2") > 0 && b2 >= p.geti("window")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy 'kara': rho2=", p.get("rho2"), " keeps ", b2, " of a ",
+                                                   p.geti("window"),
                                                    "-token second-level window after rounding to blocks; expected fewer"));
   }
   const int budget = KaraPolicy::budget_for(p.get("rho"), p.geti("window"), g.block_size);
