@@ -5,7 +5,9 @@
 // prompt = window) the prompt are never touched again. Each sequence counts its own decode steps
 // and is looked at on every P-th of them, phase-shifted by its creation index. Version 3 adds a
 // memory budget: turns act only above it, and when the compressed region itself is what keeps the
-// sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1). Its
+// sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1); with
+// `fit`, a turn above the budget re-ranks everything older than the recent region, the tail's
+// blocks too, down to exactly the budget, instead of compressing a window to rho. Its
 // alternatives without a budget: two levels (`rho2`: the oldest W compressed tokens compressed
 // again) and a recent region that grows with the tail (`grow`).
 #include <algorithm>
@@ -102,6 +104,7 @@ class KaraPolicy final : public Policy {
         memory_budget_(p.geti("budget")),
         level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
         grow_(p.get("grow")),
+        fit_(p.geti("fit") == 1),
         merge_(policy_util::cam_merge_tokens(p)),
         layers_(g.num_layers),
         kv_heads_(g.num_kv_heads),
@@ -239,6 +242,7 @@ class KaraPolicy final : public Policy {
     if (seq.state == nullptr || !seq.decoding) return false;
     if (memory_budget_ == 0) return window_due(seq) || level2_due(seq);
     if (seq.resident <= memory_budget_) return false;
+    if (fit_) return fit_end(seq) - state_of(seq).compressed_start > block_;
     return window_due(seq) || rerank_keeps(seq) < state_of(seq).tail_start - state_of(seq).compressed_start;
   }
   absl::Status ready(const SequenceView& seq) const override {
@@ -265,6 +269,14 @@ class KaraPolicy final : public Policy {
           level2_budget_ > 0 ? absl::StrCat("; level 1 holds ", level1, " tokens, a second-level window needs ", window_,
                                             " plus the recent ", recent_)
                              : ""));
+    }
+    if (fit_) {
+      // Everything older than the recent region, down to what the budget allows (whole blocks).
+      const KaraState& s = state_of(seq);
+      const int32_t end = fit_end(seq);
+      const int32_t len = end - s.compressed_start;
+      return rescore_plan(seq, backend, s.compressed_start, end,
+                          std::max<int32_t>(block_, len - align_up(seq.resident - memory_budget_)));
     }
     if (!window_due(seq)) {
       const KaraState& s = state_of(seq);
@@ -384,6 +396,12 @@ class KaraPolicy final : public Policy {
     return int32_t(std::max<int64_t>(recent_, grown));
   }
 
+  // fit: the end of the region a turn re-ranks, the tail's whole blocks before its newest R tokens.
+  int32_t fit_end(const SequenceView& seq) const {
+    const int32_t tail = state_of(seq).tail_start;
+    return tail + std::max<int32_t>(0, seq.resident - recent_ - tail) / block_ * block_;
+  }
+
   // Two levels: level 1 holds W + R tokens.
   bool level2_due(const SequenceView& seq) const {
     const KaraState& s = state_of(seq);
@@ -452,7 +470,8 @@ class KaraPolicy final : public Policy {
   bool records_lse() const { return uses_window_queries() && norm_ == Norm::kFull; }
   size_t lse_width() const { return size_t(layers_) * q_heads_; }
   int32_t align_up(int32_t n) const { return (n + block_ - 1) / block_ * block_; }
-  int32_t first_window_start() const { return align_up(sinks_); }
+  // With fit the sinks are kept inside the re-ranked region, so it may start at slot 0.
+  int32_t first_window_start() const { return fit_ ? 0 : align_up(sinks_); }
 
   const std::string name_ = "kara";
   const int window_, budget_, candidates_;
@@ -465,6 +484,7 @@ class KaraPolicy final : public Policy {
   const int memory_budget_;  // version 3's `budget` (tokens; 0: unbounded). budget_ is B, a window's.
   const int level2_budget_;  // B2, a second-level window's (0: one level)
   const double grow_;
+  const bool fit_;  // with a budget: everything older than the recent region re-ranked to fit it
   const int merge_, layers_, kv_heads_, q_heads_, block_;
 };
 
@@ -489,6 +509,8 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
                                       "compressed region when the tail has no window yet (0: unbounded, version 2)"},
       {"rho2", 0, 0, 0.99, false, "two levels: kept share of a second-level window, the oldest W compressed tokens "
                                   "once W + R of them wait (0: one level)"},
+      {"fit", 0, 0, 1, true, "with a budget: 1 a turn above it re-ranks everything older than the recent region "
+                             "down to the budget, instead of compressing a window to rho (0: windows)"},
       {"grow", 0, 0, 0.95, false, "the recent region's share of the tokens that entered the tail, at least R "
                                   "(0: R fixed)"},
   };
@@ -514,6 +536,16 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
           "policy 'kara': ", name, "=", p.get(name), " with budget=", p.geti("budget"),
           ": two levels and a growing recent region are alternatives to the budget's re-rank; set one of them"));
     }
+  }
+  if (p.geti("fit") == 1 && p.geti("budget") == 0) {
+    return absl::InvalidArgumentError(
+        "policy 'kara': fit=1 needs a budget (budget > 0): it re-ranks what is older than the recent region "
+        "down to the budget, and budget=0 sets none");
+  }
+  if (p.geti("fit") == 1 && p.geti("observers") != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': fit=1 needs observers=1 (decode); observers=", p.geti("observers"),
+        " would keep window queries that fit never reads (it scores by decode attention only)"));
   }
   if (p.get("rho2") > 0 && p.geti("observers") == 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -341,6 +341,9 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"grow", 0.5}, {"budget", 64}}, "grow=0.5 with budget=64");
   refused({{"grow", 0.5}, {"observers", 2}}, "grow=0.5 needs observers=1 (decode); observers=2");
   refused({{"grow", 0.96}}, "grow=0.96 out of range");
+  refused({{"fit", 1}}, "fit=1 needs a budget (budget > 0)");
+  refused({{"fit", 1}, {"budget", 64}, {"observers", 2}}, "fit=1 needs observers=1 (decode); observers=2");
+  refused({{"fit", 2}, {"budget", 64}}, "fit=2 out of range");
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
@@ -552,13 +555,14 @@ struct ReferenceObservers {
   }
 
   // Token2Chunk over the scores of row r's slots [begin, begin + len), keeping `keep`: the positions
-  // it chooses (agg 0 mean, 1 sum).
+  // it chooses (agg 0 mean, 1 sum); positions below `sinks` are kept whatever their score.
   std::vector<int32_t> choose(const std::vector<int32_t>& row, size_t r, int begin, int len, int keep, int agg,
-                              int max_gap) {
+                              int max_gap, int sinks = 0) {
     std::vector<float> scores;
     for (int i = 0; i < len; ++i) {
       const int pos = row[begin + i];
-      scores.push_back(float(agg == 0 ? received[r][pos] / std::max(1.0, seen[r][pos]) : received[r][pos]));
+      scores.push_back(pos < sinks ? 3.0e38f
+                                   : float(agg == 0 ? received[r][pos] / std::max(1.0, seen[r][pos]) : received[r][pos]));
     }
     std::vector<int32_t> want;
     for (int32_t slot : kernels::test::naive_token2chunk(scores, keep, int(std::ceil(0.5 * keep)), max_gap)) {
@@ -691,6 +695,108 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
   for (int i = 0; i < 100; ++i) ASSERT_TRUE(d.step({big}, logical).ok());
   EXPECT_EQ(d.info(big).compactions, 0u);
   EXPECT_EQ(d.info(big).length, 108);
+}
+
+// fit = 1 (docs/COMPRESSION.md section 1, version 3): a turn above the budget re-ranks everything
+// from the compressed region's start C0 (slot 0 with the prompt windowed, the sinks kept inside it;
+// the prompt's end rounded up to a block with it kept) to the tail's whole blocks before the newest
+// R, down to max(b, len - ceil_b(n - budget)), by the decode-time scores over every step since each
+// token arrived. Simulated step by step; every re-rank's kept tokens against Token2Chunk over a
+// float64 reference of those scores; what follows the region moves down unchanged.
+TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceChooses) {
+  for (const auto& [agg, prompt_window] : {std::pair{0, 1}, std::pair{1, 1}, std::pair{0, 0}}) {
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      Driver d(seed);
+      const auto& g = d.reg->geometry();
+      const int b = g.block_size;
+      constexpr int kPrompt = 22, kRecent = 8, kBudget = 40, kMaxGap = 8, kSinks = 4;  // the prompt ends in a block
+      SequenceOptions o;
+      o.policy = "kara";
+      o.params = {{"window", 16}, {"rho", 0.25}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
+                  {"fit", 1}, {"agg", agg}, {"prompt", prompt_window}};
+      const uint64_t seq = *d.create(o);
+      ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
+      std::vector<int64_t> logical{kPrompt};
+      const int rows_n = g.num_layers * g.num_kv_heads;
+      ReferenceObservers ref(seed, seq, g, 0);
+      const int c0 = prompt_window == 1 ? 0 : (kPrompt + b - 1) / b * b;
+      int tail_start = c0, reranks = 0;
+      std::vector<std::vector<int32_t>> rows = d.positions(seq);
+      for (int step = 0; step < 120; ++step) {
+        const int t = int(logical[0]);
+        ASSERT_TRUE(d.step({seq}, logical).ok());
+        ref.observe(rows, t);
+        const int n = int(rows[0].size()) + 1;  // P = 1: every step is a turn
+        const int end = tail_start + std::max(0, n - kRecent - tail_start) / b * b;
+        const int len = end - c0;
+        const bool rerank = n > kBudget && len > b;
+        const int keep = rerank ? std::max(b, len - (n - kBudget + b - 1) / b * b) : len;
+        const std::vector<std::vector<int32_t>> after = d.positions(seq);
+        ASSERT_EQ(int(after[0].size()), n - (len - keep)) << "step " << step << " seed " << seed;
+        expect_well_formed(after, int32_t(logical[0]), kSinks);
+        for (int r = 0; r < rows_n; ++r) {
+          for (int p = 0; p < std::min<int>(c0, after[r].size()); ++p) {
+            ASSERT_EQ(after[r][p], p) << "a kept prompt (and its last block) is never touched";
+          }
+          if (rerank) {
+            const std::vector<int32_t> want = ref.choose(rows[r], r, c0, len, keep, agg, kMaxGap, kSinks);
+            EXPECT_EQ(std::vector<int32_t>(after[r].begin() + c0, after[r].begin() + c0 + keep), want)
+                << "agg " << agg << " prompt " << prompt_window << " seed " << seed << " step " << step << " row " << r;
+          }
+          // What follows the region (everything, without a re-rank) moves down unchanged.
+          const int from = rerank ? end : 0;
+          std::vector<int32_t> moved(rows[r].begin() + from, rows[r].end());
+          moved.push_back(t);
+          ASSERT_EQ(std::vector<int32_t>(after[r].begin() + (rerank ? c0 + keep : 0), after[r].end()), moved)
+              << "row " << r << " step " << step;
+        }
+        if (rerank) {
+          tail_start = c0 + keep;
+          ++reranks;
+        }
+        rows = after;
+      }
+      EXPECT_GE(reranks, 20) << "the budget never bound";
+      EXPECT_LE(int(rows[0].size()), kBudget) << "every turn removes the whole excess here";
+    }
+  }
+}
+
+// fit = 1: from a sequence's first turn on, resident tokens stay within max(budget, C0 + 2b + R) + P
+// whatever the budget (below what the prompt and the recent region need, near it, above it), with
+// several sequences on their own turns.
+TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
+  std::mt19937 rng(13);
+  for (int trial = 0; trial < 12; ++trial) {
+    Driver d(200 + trial);
+    const int b = d.reg->geometry().block_size;
+    const int recent = b * int(rng() % 4);
+    const int period = 1 + int(rng() % 12);
+    const int prompt = 4 + int(rng() % 40);
+    const int prompt_window = int(rng() % 2);
+    const int budget = int(rng() % 3) == 0 ? 1 + int(rng() % 24) : prompt / 2 + int(rng() % 80);
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"recent", recent}, {"period", period}, {"budget", budget}, {"fit", 1}, {"prompt", prompt_window}};
+    std::vector<uint64_t> seqs;
+    for (int i = 0; i < 3; ++i) {
+      seqs.push_back(*d.create(o));
+      ASSERT_TRUE(d.append(seqs.back(), 0, prompt).ok());
+    }
+    std::vector<int64_t> logical(seqs.size(), prompt);
+    const int c0 = prompt_window == 1 ? 0 : (prompt + b - 1) / b * b;
+    const int bound = std::max(budget, c0 + 2 * b + recent) + period;
+    for (int step = 0; step < 300; ++step) {
+      ASSERT_TRUE(d.step(seqs, logical).ok());
+      if (step + 1 < period) continue;  // every sequence has had its first turn
+      for (uint64_t s : seqs) {
+        ASSERT_LE(d.info(s).length, bound) << "trial " << trial << " step " << step << ": R " << recent << " P "
+                                           << period << " prompt " << prompt << " windowed " << prompt_window
+                                           << " budget " << budget;
+      }
+    }
+    for (uint64_t s : seqs) expect_well_formed(d.positions(s), int32_t(logical[0]), 4);
+  }
 }
 
 // Two levels (rho2): a tail window is compressed to B as in version 2; once level 1 (the compressed
