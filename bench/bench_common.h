@@ -165,6 +165,7 @@ absl::StatusOr<std::vector<Row>> run_quant(const TempDir& dir);   // quant.cc
 absl::StatusOr<std::vector<Row>> run_prefix(const TempDir& dir);  // prefix.cc
 absl::StatusOr<std::vector<Row>> run_ring(const TempDir& dir);    // ring.cc
 absl::StatusOr<std::vector<Row>> run_cluster(const TempDir& dir); // cluster.cc
+absl::StatusOr<std::vector<Row>> run_shared(const TempDir& dir);  // shared.cc
 std::string p1_how();
 std::string p2_how();
 std::string p3_how();
@@ -172,6 +173,7 @@ std::string p5_how();
 std::string memory_how();
 std::string quant_how();
 std::string prefix_how();
+std::string shared_how();
 std::string ring_how();
 std::string cluster_how();
 

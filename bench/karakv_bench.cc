@@ -162,7 +162,7 @@ absl::StatusOr<std::vector<Row>> run_serve_rows(const TempDir& dir) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|cluster|all [--karakvd=PATH] [--karakvd_flags=F,...] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
+      "karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|cluster|shared|all [--karakvd=PATH] [--karakvd_flags=F,...] [--redis_server=PATH] [--out_dir=DIR] [--csv]\n"
       "  p1      Append throughput vs Redis SET (target >= 3x)\n"
       "  p2      decode attention bandwidth vs streaming-read bandwidth (target >= 60%)\n"
       "  p3      Step round-trip p50 vs empty gRPC Ping p50 (target <= 2x)\n"
@@ -170,6 +170,8 @@ int main(int argc, char** argv) {
       "  memory  resident KV per sequence over decode steps: none, kara, snapkv, streaming\n"
       "  quant   quantized storage: actual vs nominal compression ratio, attention error and time vs fp16\n"
       "  prefix  2-8 workers sharing a 1000-token system prompt: TTFT and prefill avoided with vs without prefix cache\n"
+      "  shared  pool memory of sequences sharing a cached system prompt, per configuration (Kara's prompt kept or\n"
+      "          windowed, fit with a budget; not part of 'all')\n"
       "  serve   continuous-batching serving sweep: output throughput vs max batch per policy (P4), TPOT,\n"
       "          TTFT, preemptions, KV held, compression by context length (not part of 'all': ~25 min;\n"
       "          --quick: ~1 min); --serve_rates=R,...: open loop, Poisson arrivals, TTFT from arrival\n"
@@ -187,7 +189,7 @@ int main(int argc, char** argv) {
   if (args.size() == 2 && std::string(args[1]) == "serve-worker") return serve_worker_main();
   if (args.size() == 2 && std::string(args[1]) == "soak-worker") return soak_worker_main();
   if (args.size() < 2) {
-    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|cluster|all... [flags]  (--help for the flags)\n");
+    std::fprintf(stderr, "usage: karakv-bench p1|p2|p3|p5|memory|quant|prefix|ring|serve|soak|cluster|shared|all... [flags]  (--help for the flags)\n");
     return 2;
   }
   const bool soak = std::any_of(args.begin() + 1, args.end(), [](const char* a) { return std::string(a) == "soak"; });
@@ -201,10 +203,10 @@ int main(int argc, char** argv) {
     const std::string m = args[i];
     if (m == "all") {
       modes.insert(modes.end(), known.begin(), known.end());
-    } else if (m == "serve" || m == "soak" || m == "cluster" || std::find(known.begin(), known.end(), m) != known.end()) {
+    } else if (m == "serve" || m == "soak" || m == "cluster" || m == "shared" || std::find(known.begin(), known.end(), m) != known.end()) {
       modes.push_back(m);
     } else {
-      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, ring, serve, soak, cluster or all\n", m.c_str());
+      std::fprintf(stderr, "karakv-bench: unknown mode '%s'; expected p1, p2, p3, p5, memory, quant, prefix, ring, serve, soak, cluster, shared or all\n", m.c_str());
       return 2;
     }
   }
@@ -245,6 +247,7 @@ int main(int argc, char** argv) {
                                             : m == "serve"  ? run_serve_rows(*dir)
                                             : m == "ring"   ? run_ring(*dir)
                                             : m == "cluster" ? run_cluster(*dir)
+                                            : m == "shared" ? run_shared(*dir)
                                                             : run_memory(*dir);
     if (!rows.ok()) {
       std::fprintf(stderr, "karakv-bench: %s failed: %s\n", m.c_str(), rows.status().ToString().c_str());
@@ -278,6 +281,7 @@ int main(int argc, char** argv) {
   for (const std::string& m : modes) {
     if (m == "prefix") how.push_back(prefix_how());
     if (m == "cluster") how.push_back(cluster_how());
+    if (m == "shared") how.push_back(shared_how());
   }
   const std::string busy_note =
       burners ? absl::StrFormat("; --busy: %d burner processes on every CPU (karakv and its baselines under the "
