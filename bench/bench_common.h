@@ -188,5 +188,8 @@ absl::StatusOr<PrefixRequestResult> prefix_request(karakv::Client& c, const kn::
                                                    const std::vector<int32_t>& prompt);
 // Token ids of request `request`: a shared system prompt (ids 1..), then tokens of its own.
 std::vector<int32_t> prefix_prompt(int system_tokens, int own_tokens, int request);
+// The Append tensors ([L][T][Hk][D]) of prompt tokens [first, end): K/V of a token depend on its id
+// and position, as a model's would.
+void fill_prompt_kv(const kn::Geometry& g, const std::vector<int32_t>& prompt, int first, uint8_t* k, uint8_t* v);
 
 }  // namespace karakv::bench

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Quality against memory, one panel per task (the Pareto view of docs/QUALITY.md): for a
 perplexity task, perplexity above `none` (%), for the long-generation fidelity task (`longgen`),
-the mean KL divergence from `none` (nats), against MEAN resident K/V tokens per sequence, one
+the mean KL divergence from `none` (nats), for GSM8K (`greedy`), the greedy agreement with
+`none` (%), against MEAN resident K/V tokens per sequence, one
 curve per policy family joined in memory order. Rows come from llama_quality CSVs: a Kara point
 labelled `kara` is Kara's version 2 defaults; any other Kara point is "kara v3" when it has a
-`budget` (e.g. `k70`, `kb994`), "kara, two levels" with `rho2`, "kara, growing recent" with
+`budget` (e.g. `k70`, `kb994`), "kara v3 fit" with `fit=1` as well, "kara, two levels" with `rho2`, "kara, growing recent" with
 `grow`, and "kara v2" otherwise, with the prompt kept or windowed
 (`prompt=1` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s
 perplexity per task is taken from a none row of any of the files.
@@ -27,6 +28,8 @@ def family(row):
         return "kara (v2 defaults)"
     params = dict(p.split("=", 1) for p in row["params"].split() if "=" in p)
     version = "kara v3" if float(params.get("budget", "0")) > 0 else "kara v2"
+    if version == "kara v3" and params.get("fit") == "1":
+        version = "kara v3 fit"
     if float(params.get("rho2", "0")) > 0:
         version = "kara, two levels"
     elif float(params.get("grow", "0")) > 0:
@@ -40,25 +43,33 @@ def main():
     plt = pyplot("plot_pareto.py")
     if plt is None:
         return
-    rows = [r for r in read_rows(sys.argv[2:]) if r["perplexity"] and (
-        r["kind"] == "perplexity" or (r["kind"] == "fidelity" and r.get("positions") == "all"))]
+    rows = [r for r in read_rows(sys.argv[2:]) if (r["perplexity"] and (
+        r["kind"] == "perplexity" or (r["kind"] == "fidelity" and r.get("positions") == "all"))) or (
+        r["kind"] == "greedy" and r.get("greedy_agreement"))]
     tasks = sorted({r["task"] for r in rows})
-    none = {r["task"]: float(r["perplexity"]) for r in rows if r["policy"] == "none"}
+    none = {r["task"]: float(r["perplexity"] or 0) for r in rows if r["policy"] == "none"}
     tasks = [t for t in tasks if t in none]
     if not tasks:
         sys.exit("no perplexity or fidelity task with a none row")
     fidelity = {r["task"] for r in rows if r["kind"] == "fidelity"}
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.6), squeeze=False)
+    greedy = {r["task"] for r in rows if r["kind"] == "greedy"}
+    cols = min(3, len(tasks))
+    nrows = (len(tasks) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.8 * cols, 4.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
     styles = {"kara (v2 defaults)": "D", "kara v2, prompt windowed": "X", "kara v3, prompt kept": "o-",
-              "kara v3, prompt windowed": "P-",
+              "kara v3, prompt windowed": "P-", "kara v3 fit, prompt windowed": "d-", "kara v3 fit, prompt kept": "d--",
               "kara, two levels, prompt windowed": "*-", "kara, growing recent, prompt windowed": "h", "snapkv": "s-", "streaming": "^-", "h2o": "v-", "chunkkv": "x-"}
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes.flat, tasks):
         series = {}
         for r in rows:
             if r["task"] != task or r["policy"] == "none" or not r["resident_mean"]:
                 continue
             if task in fidelity:
                 gap = float(r["kl_vs_none"])
+            elif task in greedy:
+                gap = 100.0 * float(r["greedy_agreement"])
             else:
                 gap = 100.0 * (float(r["perplexity"]) / none[task] - 1.0)
             series.setdefault(family(r), {})[round(float(r["resident_mean"]))] = gap
@@ -66,7 +77,10 @@ def main():
             pts = sorted(series[name].items())
             ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(name, "o-"), label=name, markersize=6)
         ax.axhline(0.0, color="grey", linewidth=0.8)
-        if task in fidelity:
+        if task in greedy:
+            ax.set_title(f"{task}: greedy answers against none's")
+            ax.set_ylabel("greedy agreement with none (%)")
+        elif task in fidelity:
             ax.set_title(f"{task}: none's own samples, teacher-forced")
             ax.set_ylabel("mean KL(none || policy), nats")
         else:

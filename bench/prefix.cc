@@ -42,6 +42,18 @@ std::vector<int32_t> prefix_prompt(int system_tokens, int own_tokens, int reques
   return ids;
 }
 
+void fill_prompt_kv(const kn::Geometry& g, const std::vector<int32_t>& prompt, int first, uint8_t* k, uint8_t* v) {
+  const int todo = int(prompt.size()) - first;
+  const size_t tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int i = 0; i < todo; ++i) {
+      const int p = first + i;
+      karakv::synthetic::fill_token(k + (size_t(l) * todo + i) * tok, g, 1, Tensor::kKey, prompt[p], l, p);
+      karakv::synthetic::fill_token(v + (size_t(l) * todo + i) * tok, g, 1, Tensor::kValue, prompt[p], l, p);
+    }
+  }
+}
+
 absl::StatusOr<PrefixRequestResult> prefix_request(karakv::Client& c, const kn::Geometry& g,
                                                    const std::vector<int32_t>& prompt) {
   const int n = int(prompt.size());
@@ -56,14 +68,7 @@ absl::StatusOr<PrefixRequestResult> prefix_request(karakv::Client& c, const kn::
   for (auto* b : {&k, &v, &q, &out}) {
     if (!b->ok()) return b->status();
   }
-  const size_t tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
-  for (int l = 0; l < g.num_layers; ++l) {
-    for (int i = 0; i < todo; ++i) {
-      const int p = cached + i;
-      karakv::synthetic::fill_token(k->data() + (size_t(l) * todo + i) * tok, g, 1, Tensor::kKey, prompt[p], l, p);
-      karakv::synthetic::fill_token(v->data() + (size_t(l) * todo + i) * tok, g, 1, Tensor::kValue, prompt[p], l, p);
-    }
-  }
+  fill_prompt_kv(g, prompt, cached, k->data(), v->data());
   auto len = c.Append(created->id, std::span<const int32_t>(prompt.data() + cached, todo), *k, *v);
   if (!len.ok()) return len.status();
   for (int l = 0; l < g.num_layers; ++l) {

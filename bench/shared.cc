@@ -23,7 +23,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench_common.h"
-#include "common/synthetic.h"
 #include "harness.h"
 #include "karakv/client.h"
 
@@ -66,8 +65,7 @@ struct Sample {
   double resident = 0;  // mean per sequence
 };
 
-// Creates one sequence from the prefix of `prompt` and appends the rest, with its ids (K/V of token
-// i depend on its id and position, as a model's would).
+// Creates one sequence from the prefix of `prompt` and appends the rest, with its ids.
 absl::StatusOr<uint64_t> start_from_prefix(karakv::Client& c, const kn::Geometry& g,
                                            const karakv::SequenceOptions& options, const std::vector<int32_t>& prompt) {
   auto created = c.CreateFromPrefix(options, prompt);
@@ -78,14 +76,7 @@ absl::StatusOr<uint64_t> start_from_prefix(karakv::Client& c, const kn::Geometry
   auto k = c.alloc(c.append_bytes(todo)), v = c.alloc(c.append_bytes(todo));
   if (!k.ok()) return k.status();
   if (!v.ok()) return v.status();
-  const size_t tok = g.kv_token_elems() * kn::dtype_size(g.dtype);
-  for (int l = 0; l < g.num_layers; ++l) {
-    for (int i = 0; i < todo; ++i) {
-      const int p = cached + i;
-      karakv::synthetic::fill_token(k->data() + (size_t(l) * todo + i) * tok, g, 1, Tensor::kKey, prompt[p], l, p);
-      karakv::synthetic::fill_token(v->data() + (size_t(l) * todo + i) * tok, g, 1, Tensor::kValue, prompt[p], l, p);
-    }
-  }
+  fill_prompt_kv(g, prompt, cached, k->data(), v->data());
   auto len = c.Append(created->id, std::span<const int32_t>(prompt.data() + cached, todo), *k, *v);
   if (!len.ok()) return len.status();
   return created->id;
