@@ -32,6 +32,7 @@ absl::StatusOr<PolicyParams> resolve_params(const std::string& policy, const std
                                                      "in [", spec->min, ", ", spec->max, "] (", spec->help, ")"));
     }
     out.set(name, value);
+    out.mark_given(name);
   }
   return out;
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,9 +37,13 @@ class PolicyParams {
   int geti(const std::string& name) const { return static_cast<int>(values_.at(name)); }
   const std::map<std::string, double>& values() const { return values_; }
   void set(const std::string& name, double v) { values_[name] = v; }
+  // Whether the request named the parameter (false: its default).
+  bool given(const std::string& name) const { return given_.contains(name); }
+  void mark_given(const std::string& name) { given_.insert(name); }
 
  private:
   std::map<std::string, double> values_;
+  std::set<std::string> given_;
 };
 
 // Fills defaults and refuses unknown names or values out of range, naming the parameter and the

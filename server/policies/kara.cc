@@ -104,12 +104,18 @@ class KaraPolicy final : public Policy {
         memory_budget_(p.geti("budget")),
         level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
         grow_(p.get("grow")),
-        fit_(p.geti("fit") == 1),
+        fit_(fits(p)),
         merge_(policy_util::cam_merge_tokens(p)),
         layers_(g.num_layers),
         kv_heads_(g.num_kv_heads),
         q_heads_(g.num_q_heads),
         block_(g.block_size) {}
+
+  // fit: as given, or by default on wherever it applies (a budget, decode observers).
+  static bool fits(const PolicyParams& p) {
+    if (p.given("fit")) return p.geti("fit") == 1;
+    return p.geti("budget") > 0 && p.geti("observers") == 1;
+  }
 
   // B = round(rho * W) (halves away from zero), then to the nearest multiple of the block size
   // (halves away from zero), at least one block.
@@ -509,8 +515,9 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
                                       "compressed region when the tail has no window yet (0: unbounded, version 2)"},
       {"rho2", 0, 0, 0.99, false, "two levels: kept share of a second-level window, the oldest W compressed tokens "
                                   "once W + R of them wait (0: one level)"},
-      {"fit", 0, 0, 1, true, "with a budget: 1 a turn above it re-ranks everything older than the recent region "
-                             "down to the budget, instead of compressing a window to rho (0: windows)"},
+      {"fit", 1, 0, 1, true, "with a budget and observers=1: 1 a turn above the budget re-ranks everything older "
+                             "than the recent region down to it, instead of compressing a window to rho (0: windows, "
+                             "version 3's first form); the default wherever it applies"},
       {"grow", 0, 0, 0.95, false, "the recent region's share of the tokens that entered the tail, at least R "
                                   "(0: R fixed)"},
   };
@@ -537,12 +544,12 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
           ": two levels and a growing recent region are alternatives to the budget's re-rank; set one of them"));
     }
   }
-  if (p.geti("fit") == 1 && p.geti("budget") == 0) {
+  if (p.given("fit") && p.geti("fit") == 1 && p.geti("budget") == 0) {
     return absl::InvalidArgumentError(
         "policy 'kara': fit=1 needs a budget (budget > 0): it re-ranks what is older than the recent region "
         "down to the budget, and budget=0 sets none");
   }
-  if (p.geti("fit") == 1 && p.geti("observers") != 1) {
+  if (p.given("fit") && p.geti("fit") == 1 && p.geti("observers") != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy 'kara': fit=1 needs observers=1 (decode); observers=", p.geti("observers"),
         " would keep window queries that fit never reads (it scores by decode attention only)"));

@@ -342,8 +342,14 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"grow", 0.5}, {"observers", 2}}, "grow=0.5 needs observers=1 (decode); observers=2");
   refused({{"grow", 0.96}}, "grow=0.96 out of range");
   refused({{"fit", 1}}, "fit=1 needs a budget (budget > 0)");
+  refused({{"fit", 1}, {"observers", 2}}, "fit=1 needs a budget");
   refused({{"fit", 1}, {"budget", 64}, {"observers", 2}}, "fit=1 needs observers=1 (decode); observers=2");
   refused({{"fit", 2}, {"budget", 64}}, "fit=2 out of range");
+  // Not given, fit is off where it does not apply: a budget with observers = both is version 3's windows.
+  SequenceOptions both;
+  both.policy = "kara";
+  both.params = {{"budget", 64}, {"observers", 2}};
+  EXPECT_TRUE(d.create(both).ok());
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
@@ -593,7 +599,7 @@ TEST(KaraBudgetTest, ReRanksTheCompressedRegionAsAFloat64ReferenceChooses) {
       SequenceOptions o;
       o.policy = "kara";
       o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
-                  {"agg", agg}};
+                  {"agg", agg}, {"fit", 0}};
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -666,7 +672,7 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
     SequenceOptions o;
     o.policy = "kara";
     o.params = {{"window", window}, {"rho", rho}, {"recent", recent}, {"period", period}, {"budget", budget},
-                {"observers", 1 + int(rng() % 2)}};
+                {"observers", 1 + int(rng() % 2)}, {"fit", 0}};
     std::vector<uint64_t> seqs;
     for (int i = 0; i < 3; ++i) {
       seqs.push_back(*d.create(o));
@@ -688,7 +694,7 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
   Driver d(7);
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"recent", 0}, {"period", 1}, {"budget", 1000}};
+  o.params = {{"window", 16}, {"recent", 0}, {"period", 1}, {"budget", 1000}, {"fit", 0}};
   const uint64_t big = *d.create(o);
   ASSERT_TRUE(d.append(big, 0, 8).ok());
   std::vector<int64_t> logical{8};
@@ -697,7 +703,8 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
   EXPECT_EQ(d.info(big).length, 108);
 }
 
-// fit = 1 (docs/COMPRESSION.md section 1, version 3): a turn above the budget re-ranks everything
+// fit = 1 (docs/COMPRESSION.md section 1, version 3; the default with a budget and decode
+// observers): a turn above the budget re-ranks everything
 // from the compressed region's start C0 (slot 0 with the prompt windowed, the sinks kept inside it;
 // the prompt's end rounded up to a block with it kept) to the tail's whole blocks before the newest
 // R, down to max(b, len - ceil_b(n - budget)), by the decode-time scores over every step since each
@@ -713,7 +720,8 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
       SequenceOptions o;
       o.policy = "kara";
       o.params = {{"window", 16}, {"rho", 0.25}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
-                  {"fit", 1}, {"agg", agg}, {"prompt", prompt_window}};
+                  {"agg", agg}, {"prompt", prompt_window}};
+      if (prompt_window == 1) o.params["fit"] = 1;  // with the prompt kept, fit by default (budget, decode observers)
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
