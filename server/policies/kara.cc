@@ -281,8 +281,10 @@ class KaraPolicy final : public Policy {
       const KaraState& s = state_of(seq);
       const int32_t end = fit_end(seq);
       const int32_t len = end - s.compressed_start;
-      return rescore_plan(seq, backend, s.compressed_start, end,
-                          std::max<int32_t>(block_, len - align_up(seq.resident - memory_budget_)));
+      // At least what a window compaction removes (W - B), so re-ranks come no more often than
+      // windows would and each costs as much per token removed.
+      const int32_t remove = std::max<int32_t>(align_up(seq.resident - memory_budget_), window_ - budget_);
+      return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(block_, len - remove));
     }
     if (!window_due(seq)) {
       const KaraState& s = state_of(seq);
