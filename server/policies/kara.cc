@@ -111,10 +111,10 @@ class KaraPolicy final : public Policy {
         q_heads_(g.num_q_heads),
         block_(g.block_size) {}
 
-  // fit: as given, or by default on wherever it applies (a budget, decode observers).
-  static bool fits(const PolicyParams& p) {
-    if (p.given("fit")) return p.geti("fit") == 1;
-    return p.geti("budget") > 0 && p.geti("observers") == 1;
+  // fit: as given, or by default 1 wherever it applies (a budget, decode observers).
+  static int fits(const PolicyParams& p) {
+    if (p.given("fit")) return p.geti("fit");
+    return p.geti("budget") > 0 && p.geti("observers") == 1 ? 1 : 0;
   }
 
   // B = round(rho * W) (halves away from zero), then to the nearest multiple of the block size
@@ -248,7 +248,7 @@ class KaraPolicy final : public Policy {
     if (seq.state == nullptr || !seq.decoding) return false;
     if (memory_budget_ == 0) return window_due(seq) || level2_due(seq);
     if (seq.resident <= memory_budget_) return false;
-    if (fit_) return fit_end(seq) - state_of(seq).compressed_start > block_;
+    if (fit_ > 0) return fit_end(seq) - state_of(seq).compressed_start > block_;
     return window_due(seq) || rerank_keeps(seq) < state_of(seq).tail_start - state_of(seq).compressed_start;
   }
   absl::Status ready(const SequenceView& seq) const override {
@@ -276,14 +276,15 @@ class KaraPolicy final : public Policy {
                                             " plus the recent ", recent_)
                              : ""));
     }
-    if (fit_) {
+    if (fit_ > 0) {
       // Everything older than the recent region, down to what the budget allows (whole blocks).
       const KaraState& s = state_of(seq);
       const int32_t end = fit_end(seq);
       const int32_t len = end - s.compressed_start;
-      // At least what a window compaction removes (W - B), so re-ranks come no more often than
-      // windows would and each costs as much per token removed.
-      const int32_t remove = std::max<int32_t>(align_up(seq.resident - memory_budget_), window_ - budget_);
+      // The excess in whole blocks; with fit = 2 at least what a window compaction removes (W - B),
+      // so re-ranks come no more often than windows would and each costs as much per token removed.
+      const int32_t excess = align_up(seq.resident - memory_budget_);
+      const int32_t remove = fit_ == 2 ? std::max<int32_t>(excess, window_ - budget_) : excess;
       return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(block_, len - remove));
     }
     if (!window_due(seq)) {
@@ -479,7 +480,7 @@ class KaraPolicy final : public Policy {
   size_t lse_width() const { return size_t(layers_) * q_heads_; }
   int32_t align_up(int32_t n) const { return (n + block_ - 1) / block_ * block_; }
   // With fit the sinks are kept inside the re-ranked region, so it may start at slot 0.
-  int32_t first_window_start() const { return fit_ ? 0 : align_up(sinks_); }
+  int32_t first_window_start() const { return fit_ > 0 ? 0 : align_up(sinks_); }
 
   const std::string name_ = "kara";
   const int window_, budget_, candidates_;
@@ -492,7 +493,7 @@ class KaraPolicy final : public Policy {
   const int memory_budget_;  // version 3's `budget` (tokens; 0: unbounded). budget_ is B, a window's.
   const int level2_budget_;  // B2, a second-level window's (0: one level)
   const double grow_;
-  const bool fit_;  // with a budget: everything older than the recent region re-ranked to fit it
+  const int fit_;  // with a budget: everything older than the recent region re-ranked to fit it (2: cut >= W - B)
   const int merge_, layers_, kv_heads_, q_heads_, block_;
 };
 
@@ -517,9 +518,10 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
                                       "compressed region when the tail has no window yet (0: unbounded, version 2)"},
       {"rho2", 0, 0, 0.99, false, "two levels: kept share of a second-level window, the oldest W compressed tokens "
                                   "once W + R of them wait (0: one level)"},
-      {"fit", 1, 0, 1, true, "with a budget and observers=1: 1 a turn above the budget re-ranks everything older "
+      {"fit", 1, 0, 2, true, "with a budget and observers=1: 1 a turn above the budget re-ranks everything older "
                              "than the recent region down to it, instead of compressing a window to rho (0: windows, "
-                             "version 3's first form); the default wherever it applies"},
+                             "version 3's first form; 2: as 1, each cut at least W - B, as rare as windows); 1 is the "
+                             "default wherever it applies"},
       {"grow", 0, 0, 0.95, false, "the recent region's share of the tokens that entered the tail, at least R "
                                   "(0: R fixed)"},
   };
@@ -546,14 +548,14 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
           ": two levels and a growing recent region are alternatives to the budget's re-rank; set one of them"));
     }
   }
-  if (p.given("fit") && p.geti("fit") == 1 && p.geti("budget") == 0) {
-    return absl::InvalidArgumentError(
-        "policy 'kara': fit=1 needs a budget (budget > 0): it re-ranks what is older than the recent region "
-        "down to the budget, and budget=0 sets none");
-  }
-  if (p.given("fit") && p.geti("fit") == 1 && p.geti("observers") != 1) {
+  if (p.given("fit") && p.geti("fit") > 0 && p.geti("budget") == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "policy 'kara': fit=1 needs observers=1 (decode); observers=", p.geti("observers"),
+        "policy 'kara': fit=", p.geti("fit"), " needs a budget (budget > 0): it re-ranks what is older than the "
+        "recent region down to the budget, and budget=0 sets none"));
+  }
+  if (p.given("fit") && p.geti("fit") > 0 && p.geti("observers") != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': fit=", p.geti("fit"), " needs observers=1 (decode); observers=", p.geti("observers"),
         " would keep window queries that fit never reads (it scores by decode attention only)"));
   }
   if (p.get("rho2") > 0 && p.geti("observers") == 0) {

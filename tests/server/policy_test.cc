@@ -4,6 +4,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
@@ -344,7 +345,8 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"fit", 1}}, "fit=1 needs a budget (budget > 0)");
   refused({{"fit", 1}, {"observers", 2}}, "fit=1 needs a budget");
   refused({{"fit", 1}, {"budget", 64}, {"observers", 2}}, "fit=1 needs observers=1 (decode); observers=2");
-  refused({{"fit", 2}, {"budget", 64}}, "fit=2 out of range");
+  refused({{"fit", 3}, {"budget", 64}}, "fit=3 out of range");
+  refused({{"fit", 2}}, "fit=2 needs a budget (budget > 0)");
   // Not given, fit is off where it does not apply: a budget with observers = both is version 3's windows.
   SequenceOptions both;
   both.policy = "kara";
@@ -711,7 +713,9 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
 // token arrived. Simulated step by step; every re-rank's kept tokens against Token2Chunk over a
 // float64 reference of those scores; what follows the region moves down unchanged.
 TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceChooses) {
-  for (const auto& [agg, prompt_window] : {std::pair{0, 1}, std::pair{1, 1}, std::pair{0, 0}}) {
+  // fit 1 cuts the excess, fit 2 at least W - B; the case without `fit` gets the default, 1.
+  for (const auto& [agg, prompt_window, fit] : {std::tuple{0, 1, 1}, std::tuple{1, 1, 1}, std::tuple{0, 0, 1},
+                                                std::tuple{0, 1, 2}, std::tuple{1, 0, 2}}) {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       Driver d(seed);
       const auto& g = d.reg->geometry();
@@ -722,7 +726,7 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
       o.policy = "kara";
       o.params = {{"window", kWindow}, {"rho", 0.25}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
                   {"agg", agg}, {"prompt", prompt_window}};
-      if (prompt_window == 1) o.params["fit"] = 1;  // with the prompt kept, fit by default (budget, decode observers)
+      if (prompt_window == 1 || fit == 2) o.params["fit"] = fit;
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -739,7 +743,8 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
         const int end = tail_start + std::max(0, n - kRecent - tail_start) / b * b;
         const int len = end - c0;
         const bool rerank = n > kBudget && len > b;
-        const int keep = rerank ? std::max(b, len - std::max((n - kBudget + b - 1) / b * b, kWindow - kB)) : len;
+        const int excess = (n - kBudget + b - 1) / b * b;
+        const int keep = rerank ? std::max(b, len - (fit == 2 ? std::max(excess, kWindow - kB) : excess)) : len;
         const std::vector<std::vector<int32_t>> after = d.positions(seq);
         ASSERT_EQ(int(after[0].size()), n - (len - keep)) << "step " << step << " seed " << seed;
         expect_well_formed(after, int32_t(logical[0]), kSinks);
@@ -750,7 +755,8 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
           if (rerank) {
             const std::vector<int32_t> want = ref.choose(rows[r], r, c0, len, keep, agg, kMaxGap, kSinks);
             EXPECT_EQ(std::vector<int32_t>(after[r].begin() + c0, after[r].begin() + c0 + keep), want)
-                << "agg " << agg << " prompt " << prompt_window << " seed " << seed << " step " << step << " row " << r;
+                << "agg " << agg << " prompt " << prompt_window << " fit " << fit << " seed " << seed << " step " << step
+                << " row " << r;
           }
           // What follows the region (everything, without a re-rank) moves down unchanged.
           const int from = rerank ? end : 0;
@@ -786,7 +792,8 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
     const int budget = int(rng() % 3) == 0 ? 1 + int(rng() % 24) : prompt / 2 + int(rng() % 80);
     SequenceOptions o;
     o.policy = "kara";
-    o.params = {{"recent", recent}, {"period", period}, {"budget", budget}, {"fit", 1}, {"prompt", prompt_window}};
+    o.params = {{"recent", recent}, {"period", period}, {"budget", budget}, {"fit", 1 + int(rng() % 2)},
+                {"prompt", prompt_window}};
     std::vector<uint64_t> seqs;
     for (int i = 0; i < 3; ++i) {
       seqs.push_back(*d.create(o));
