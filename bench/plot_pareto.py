@@ -5,7 +5,7 @@ the mean KL divergence from `none` (nats), for GSM8K (`greedy`), the greedy agre
 `none` (%), against MEAN resident K/V tokens per sequence, one
 curve per policy family joined in memory order. Rows come from llama_quality CSVs: a Kara point
 labelled `kara` is Kara's version 2 defaults; any other Kara point is "kara v3" when it has a
-`budget` (e.g. `k70`, `kb994`), "kara v3 fit" with `fit=1` as well, "kara, two levels" with `rho2`, "kara, growing recent" with
+`budget` (e.g. `k70`, `kb994`), "kara v3 fit" / "kara v3 fit 2" with `fit=1` / `fit=2` as well, "kara, two levels" with `rho2`, "kara, growing recent" with
 `grow`, and "kara v2" otherwise, with the prompt kept or windowed
 (`prompt=1` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s
 perplexity per task is taken from a none row of any of the files.
@@ -28,8 +28,8 @@ def family(row):
         return "kara (v2 defaults)"
     params = dict(p.split("=", 1) for p in row["params"].split() if "=" in p)
     version = "kara v3" if float(params.get("budget", "0")) > 0 else "kara v2"
-    if version == "kara v3" and params.get("fit") == "1":
-        version = "kara v3 fit"
+    if version == "kara v3" and params.get("fit") in ("1", "2"):
+        version = "kara v3 fit" if params["fit"] == "1" else "kara v3 fit 2"
     if float(params.get("rho2", "0")) > 0:
         version = "kara, two levels"
     elif float(params.get("grow", "0")) > 0:
@@ -59,7 +59,7 @@ def main():
     for ax in axes.flat[len(tasks):]:
         ax.set_visible(False)
     styles = {"kara (v2 defaults)": "D", "kara v2, prompt windowed": "X", "kara v3, prompt kept": "o-",
-              "kara v3, prompt windowed": "P-", "kara v3 fit, prompt windowed": "d-", "kara v3 fit, prompt kept": "d--",
+              "kara v3, prompt windowed": "P-", "kara v3 fit, prompt windowed": "d-", "kara v3 fit, prompt kept": "d--", "kara v3 fit 2, prompt windowed": "1-",
               "kara, two levels, prompt windowed": "*-", "kara, growing recent, prompt windowed": "h", "snapkv": "s-", "streaming": "^-", "h2o": "v-", "chunkkv": "x-"}
     for ax, task in zip(axes.flat, tasks):
         series = {}
@@ -72,7 +72,8 @@ def main():
                 gap = 100.0 * float(r["greedy_agreement"])
             else:
                 gap = 100.0 * (float(r["perplexity"]) / none[task] - 1.0)
-            series.setdefault(family(r), {})[round(float(r["resident_mean"]))] = gap
+            # The first row of a family at a memory level: later ones there are variants (R, agg).
+            series.setdefault(family(r), {}).setdefault(round(float(r["resident_mean"])), gap)
         for name in sorted(series):
             pts = sorted(series[name].items())
             ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(name, "o-"), label=name, markersize=6)
