@@ -43,6 +43,7 @@ absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::bind(const std::string
   if (absl::Status s = check_backend_runs(backend, g.dtype, **policy, "policy"); !s.ok()) return s;
   auto binding = std::make_shared<PolicyBinding>();
   binding->params = policy_params(name, params, g)->values();  // make_policy resolved them already
+  (**policy).effective_params(&binding->params);
   if (std::string advice = (**policy).advice(); !advice.empty()) {
     std::lock_guard<std::mutex> lock(advised_mu_);
     if (advised_.insert(advice).second) spdlog::warn("{}", advice);  // once per daemon run (one core)

@@ -131,6 +131,7 @@ class KaraPolicy final : public Policy {
   // A window, the recent region, the steps until the next turn, and the prompt's last block.
   int query_capacity_hint() const override { return uses_window_queries() ? window_ + recent_ + 2 * period_ + 16 : 0; }
   int merge_tokens() const override { return merge_; }
+  void effective_params(std::map<std::string, double>* params) const override { (*params)["fit"] = fit_; }
   // Measured, CaM has not helped Kara (docs/QUALITY.md).
   std::string advice() const override {
     if (merge_ == 0) return "";
@@ -248,7 +249,7 @@ class KaraPolicy final : public Policy {
     if (seq.state == nullptr || !seq.decoding) return false;
     if (memory_budget_ == 0) return window_due(seq) || level2_due(seq);
     if (seq.resident <= memory_budget_) return false;
-    if (fit_ > 0) return fit_end(seq) - state_of(seq).compressed_start > block_;
+    if (fit_ > 0) return fit_end(seq) - state_of(seq).compressed_start > fit_floor(state_of(seq));
     return window_due(seq) || rerank_keeps(seq) < state_of(seq).tail_start - state_of(seq).compressed_start;
   }
   absl::Status ready(const SequenceView& seq) const override {
@@ -285,7 +286,7 @@ class KaraPolicy final : public Policy {
       // so re-ranks come no more often than windows would and each costs as much per token removed.
       const int32_t excess = align_up(seq.resident - memory_budget_);
       const int32_t remove = fit_ == 2 ? std::max<int32_t>(excess, window_ - budget_) : excess;
-      return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(block_, len - remove));
+      return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(fit_floor(s), len - remove));
     }
     if (!window_due(seq)) {
       const KaraState& s = state_of(seq);
@@ -405,6 +406,10 @@ class KaraPolicy final : public Policy {
     return int32_t(std::max<int64_t>(recent_, grown));
   }
 
+  // fit: the fewest tokens the region keeps, a block, or the sinks inside it rounded up to blocks.
+  int32_t fit_floor(const KaraState& s) const {
+    return std::max<int32_t>(block_, align_up(std::max<int32_t>(0, sinks_ - s.compressed_start)));
+  }
   // fit: the end of the region a turn re-ranks, the tail's whole blocks before its newest R tokens.
   int32_t fit_end(const SequenceView& seq) const {
     const int32_t tail = state_of(seq).tail_start;

@@ -351,7 +351,15 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   SequenceOptions both;
   both.policy = "kara";
   both.params = {{"budget", 64}, {"observers", 2}};
-  EXPECT_TRUE(d.create(both).ok());
+  auto both_id = d.create(both);
+  ASSERT_TRUE(both_id.ok()) << both_id.status();
+  // What the sequence reports is the fit it applies: off there, and without a budget; on with one.
+  EXPECT_EQ(d.info(*both_id).params.at("fit"), 0);
+  SequenceOptions plain;
+  plain.policy = "kara";
+  EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 0);
+  plain.params = {{"budget", 64}};
+  EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 1);
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
@@ -777,7 +785,8 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
   }
 }
 
-// fit = 1: from a sequence's first turn on, resident tokens stay within max(budget, C0 + 2b + R) + P
+// fit: from a sequence's first turn on, resident tokens stay within max(budget, C0 + F + b + R) + P,
+// F = max(b, ceil_b(S - C0)) the region's floor (it keeps every sink),
 // whatever the budget (below what the prompt and the recent region need, near it, above it), with
 // several sequences on their own turns.
 TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
@@ -790,10 +799,11 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
     const int prompt = 4 + int(rng() % 40);
     const int prompt_window = int(rng() % 2);
     const int budget = int(rng() % 3) == 0 ? 1 + int(rng() % 24) : prompt / 2 + int(rng() % 80);
+    const int sinks = 4 * (1 + int(rng() % 3));  // up to three blocks: the region's floor holds them all
     SequenceOptions o;
     o.policy = "kara";
     o.params = {{"recent", recent}, {"period", period}, {"budget", budget}, {"fit", 1 + int(rng() % 2)},
-                {"prompt", prompt_window}};
+                {"prompt", prompt_window}, {"sinks", sinks}};
     std::vector<uint64_t> seqs;
     for (int i = 0; i < 3; ++i) {
       seqs.push_back(*d.create(o));
@@ -801,17 +811,18 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
     }
     std::vector<int64_t> logical(seqs.size(), prompt);
     const int c0 = prompt_window == 1 ? 0 : (prompt + b - 1) / b * b;
-    const int bound = std::max(budget, c0 + 2 * b + recent) + period;
+    const int floor = std::max(b, (std::max(0, sinks - c0) + b - 1) / b * b);
+    const int bound = std::max(budget, c0 + floor + b + recent) + period;
     for (int step = 0; step < 300; ++step) {
       ASSERT_TRUE(d.step(seqs, logical).ok());
       if (step + 1 < period) continue;  // every sequence has had its first turn
       for (uint64_t s : seqs) {
         ASSERT_LE(d.info(s).length, bound) << "trial " << trial << " step " << step << ": R " << recent << " P "
                                            << period << " prompt " << prompt << " windowed " << prompt_window
-                                           << " budget " << budget;
+                                           << " budget " << budget << " sinks " << sinks;
       }
     }
-    for (uint64_t s : seqs) expect_well_formed(d.positions(s), int32_t(logical[0]), 4);
+    for (uint64_t s : seqs) expect_well_formed(d.positions(s), int32_t(logical[0]), sinks);
   }
 }
 
