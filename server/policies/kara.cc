@@ -6,8 +6,9 @@
 // and is looked at on every P-th of them, phase-shifted by its creation index. Version 3 adds a
 // memory budget: turns act only above it, and when the compressed region itself is what keeps the
 // sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1); with
-// `fit`, a turn above the budget re-ranks everything older than the recent region, the tail's
-// blocks too, down to exactly the budget, instead of compressing a window to rho. Its
+// `fit` (the default with a budget), a turn above the budget re-ranks everything older than the
+// recent region, the tail's blocks too, down to the budget (fit 2: by at least W - B), instead of
+// compressing a window to rho. Its
 // alternatives without a budget: two levels (`rho2`: the oldest W compressed tokens compressed
 // again) and a recent region that grows with the tail (`grow`).
 #include <algorithm>
