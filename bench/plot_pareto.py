@@ -5,7 +5,8 @@ the mean KL divergence from `none` (nats), for GSM8K (`greedy`), the greedy agre
 `none` (%), against MEAN resident K/V tokens per sequence, one
 curve per policy family joined in memory order. Rows come from llama_quality CSVs: a Kara point
 labelled `kara` is Kara's version 2 defaults; any other Kara point is "kara v3" when it has a
-`budget` (e.g. `k70`, `kb994`), "kara v3 fit" / "kara v3 fit 2" with `fit=1` / `fit=2` as well, "kara, two levels" with `rho2`, "kara, growing recent" with
+`budget` (e.g. `k70`, `kb994`), "kara v3 fit" / "kara v3 fit 2" with `fit=1` / `fit=2` as well, "kara v3 share" with
+`share` (the budget a share of the length), "kara, two levels" with `rho2`, "kara, growing recent" with
 `grow`, and "kara v2" otherwise, with the prompt kept or windowed
 (`prompt=1` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s
 perplexity per task is taken from a none row of any of the files.
@@ -30,6 +31,8 @@ def family(row):
     version = "kara v3" if float(params.get("budget", "0")) > 0 else "kara v2"
     if version == "kara v3" and params.get("fit") in ("1", "2"):
         version = "kara v3 fit" if params["fit"] == "1" else "kara v3 fit 2"
+    if float(params.get("share", "0")) > 0:
+        version = "kara v3 share" if params.get("fit", "1") == "1" else "kara v3 share, fit 2"
     if float(params.get("rho2", "0")) > 0:
         version = "kara, two levels"
     elif float(params.get("grow", "0")) > 0:

@@ -8,7 +8,7 @@
 // sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1); with
 // `fit` (the default with a budget), a turn above the budget re-ranks everything older than the
 // recent region, the tail's blocks too, down to the budget (fit 2: by at least W - B), instead of
-// compressing a window to rho. Its
+// compressing a window to rho; `share` sets the budget as a share of the sequence's length. Its
 // alternatives without a budget: two levels (`rho2`: the oldest W compressed tokens compressed
 // again) and a recent region that grows with the tail (`grow`).
 #include <algorithm>
@@ -103,6 +103,7 @@ class KaraPolicy final : public Policy {
         agg_(static_cast<Agg>(p.geti("agg"))),
         prompt_window_(p.geti("prompt") == 1),
         memory_budget_(p.geti("budget")),
+        share_(p.get("share")),
         level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
         grow_(p.get("grow")),
         fit_(fits(p)),
@@ -112,10 +113,10 @@ class KaraPolicy final : public Policy {
         q_heads_(g.num_q_heads),
         block_(g.block_size) {}
 
-  // fit: as given, or by default 1 wherever it applies (a budget, decode observers).
+  // fit: as given, or by default 1 wherever it applies (a budget or a share, decode observers).
   static int fits(const PolicyParams& p) {
     if (p.given("fit")) return p.geti("fit");
-    return p.geti("budget") > 0 && p.geti("observers") == 1 ? 1 : 0;
+    return (p.geti("budget") > 0 || p.get("share") > 0) && p.geti("observers") == 1 ? 1 : 0;
   }
 
   // B = round(rho * W) (halves away from zero), then to the nearest multiple of the block size
@@ -192,7 +193,7 @@ class KaraPolicy final : public Policy {
     if (plan.begin == s.tail_start) {
       // A window: the tail now starts right after what was kept.
       s.tail_start = plan.begin + plan.num_kept;
-    } else if (memory_budget_ > 0) {
+    } else if (bounded()) {
       // A re-rank of the whole compressed region, which ends at the tail's start (no level 1 then).
       s.tail_start = plan.begin + plan.num_kept;
       s.level1_start = s.tail_start;
@@ -248,8 +249,8 @@ class KaraPolicy final : public Policy {
 
   bool due(const SequenceView& seq, bool) const override {
     if (seq.state == nullptr || !seq.decoding) return false;
-    if (memory_budget_ == 0) return window_due(seq) || level2_due(seq);
-    if (seq.resident <= memory_budget_) return false;
+    if (!bounded()) return window_due(seq) || level2_due(seq);
+    if (seq.resident <= budget_of(seq)) return false;
     if (fit_ > 0) return fit_end(seq) - state_of(seq).compressed_start > fit_floor(state_of(seq));
     return window_due(seq) || rerank_keeps(seq) < state_of(seq).tail_start - state_of(seq).compressed_start;
   }
@@ -265,15 +266,15 @@ class KaraPolicy final : public Policy {
                                       kernels::Backend& backend) const override {
     const kernels::Geometry& g = *seq.geometry;
     if (!due(seq, true)) {
-      if (memory_budget_ > 0 && seq.state != nullptr && seq.resident <= memory_budget_) {
+      if (bounded() && seq.state != nullptr && seq.resident <= budget_of(seq)) {
         return absl::FailedPreconditionError(absl::StrCat("kara: ", seq.resident, " resident tokens are within the budget ",
-                                                          memory_budget_));
+                                                          budget_of(seq)));
       }
       const int32_t level1 = seq.state != nullptr ? state_of(seq).tail_start - state_of(seq).level1_start : 0;
       return absl::FailedPreconditionError(absl::StrCat(
           "kara: tail holds ", seq.state != nullptr ? seq.resident - state_of(seq).tail_start : 0,
           " tokens, a window needs ", window_, " plus the recent ", seq.state != nullptr ? recent_of(seq) : recent_,
-          ", with their queries", memory_budget_ > 0 ? ", and the compressed region is already within the budget" : "",
+          ", with their queries", bounded() ? ", and the compressed region is already within the budget" : "",
           level2_budget_ > 0 ? absl::StrCat("; level 1 holds ", level1, " tokens, a second-level window needs ", window_,
                                             " plus the recent ", recent_)
                              : ""));
@@ -285,13 +286,13 @@ class KaraPolicy final : public Policy {
       const int32_t len = end - s.compressed_start;
       // The excess in whole blocks; with fit = 2 at least what a window compaction removes (W - B),
       // so re-ranks come no more often than windows would and each costs as much per token removed.
-      const int32_t excess = align_up(seq.resident - memory_budget_);
+      const int32_t excess = align_up(seq.resident - budget_of(seq));
       const int32_t remove = fit_ == 2 ? std::max<int32_t>(excess, window_ - budget_) : excess;
       return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(fit_floor(s), len - remove));
     }
     if (!window_due(seq)) {
       const KaraState& s = state_of(seq);
-      if (memory_budget_ > 0) return rescore_plan(seq, backend, s.compressed_start, s.tail_start, rerank_keeps(seq));
+      if (bounded()) return rescore_plan(seq, backend, s.compressed_start, s.tail_start, rerank_keeps(seq));
       return rescore_plan(seq, backend, s.level1_start, s.level1_start + window_, level2_budget_);
     }
     const KaraState& s = state_of(seq);
@@ -425,18 +426,25 @@ class KaraPolicy final : public Policy {
 
   // The first slot whose decode-time scores are still needed.
   int32_t first_scored(const KaraState& s) const {
-    if (memory_budget_ > 0) return s.compressed_start;
+    if (bounded()) return s.compressed_start;
     return level2_budget_ > 0 ? s.level1_start : s.tail_start;
   }
   // The compressed region may be compressed again (a budget's re-rank, or two levels).
-  bool reopens() const { return memory_budget_ > 0 || level2_budget_ > 0; }
+  bool reopens() const { return bounded() || level2_budget_ > 0; }
+  // Version 3's budget is set: a fixed size, or a share of the sequence's logical length.
+  bool bounded() const { return memory_budget_ > 0 || share_ > 0; }
+  // The budget at this turn: `budget`, or floor(share * L) with L the tokens ever appended (at least 1).
+  int32_t budget_of(const SequenceView& seq) const {
+    if (memory_budget_ > 0) return memory_budget_;
+    return std::max<int32_t>(1, int32_t(std::floor(share_ * double(seq.logical))));
+  }
 
   // C' = max(b, floor_b(budget - (n - C))): what the compressed region may keep for the sequence to
   // fit its budget.
   int32_t rerank_keeps(const SequenceView& seq) const {
     const KaraState& s = state_of(seq);
     const int64_t outside = int64_t(seq.resident) - (s.tail_start - s.compressed_start);
-    const int64_t room = int64_t(memory_budget_) - outside;
+    const int64_t room = int64_t(budget_of(seq)) - outside;
     return std::max<int32_t>(block_, room > 0 ? int32_t(room / block_ * block_) : 0);
   }
 
@@ -497,6 +505,7 @@ class KaraPolicy final : public Policy {
   const Agg agg_;
   const bool prompt_window_;
   const int memory_budget_;  // version 3's `budget` (tokens; 0: unbounded). budget_ is B, a window's.
+  const double share_;       // version 3's `share`: the budget as a share of the logical length (0: none)
   const int level2_budget_;  // B2, a second-level window's (0: one level)
   const double grow_;
   const int fit_;  // with a budget: everything older than the recent region re-ranked to fit it (2: cut >= W - B)
@@ -522,6 +531,8 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
       {"budget", 0, 0, 1 << 30, true, "version 3: resident tokens above which turns compress, re-ranking the "
                                       "compressed region when the tail has no window yet (0: unbounded, version 2)"},
+      {"share", 0, 0, 0.99, false, "version 3 without a fixed size: the budget at each turn is floor(share x L), L the "
+                                   "tokens ever appended to the sequence (0: none; budget or share, not both)"},
       {"rho2", 0, 0, 0.99, false, "two levels: kept share of a second-level window, the oldest W compressed tokens "
                                   "once W + R of them wait (0: one level)"},
       {"fit", 1, 0, 2, true, "with a budget and observers=1: 1 a turn above the budget re-ranks everything older "
@@ -542,22 +553,31 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
                                                      " must be a multiple of the block size ", g.block_size));
     }
   }
-  if (p.geti("budget") > 0 && p.geti("observers") == 0) {
+  if (p.geti("budget") > 0 && p.get("share") > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "policy 'kara': budget=", p.geti("budget"), " needs decode observations (observers=1 decode or 2 both); "
+        "policy 'kara': budget=", p.geti("budget"), " and share=", p.get("share"),
+        " both set the memory budget (a fixed size, or a share of the sequence's length); set one of them"));
+  }
+  // The budget as the request set it, for the messages below: "budget=N" or "share=F".
+  const bool bounded = p.geti("budget") > 0 || p.get("share") > 0;
+  const std::string bound = p.geti("budget") > 0 ? absl::StrCat("budget=", p.geti("budget"))
+                                                 : absl::StrCat("share=", p.get("share"));
+  if (bounded && p.geti("observers") == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': ", bound, " needs decode observations (observers=1 decode or 2 both); "
         "observers=0 (window) cannot re-rank the compressed region, whose own queries are gone"));
   }
   for (const char* name : {"rho2", "grow"}) {
-    if (p.get(name) > 0 && p.geti("budget") > 0) {
+    if (p.get(name) > 0 && bounded) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "policy 'kara': ", name, "=", p.get(name), " with budget=", p.geti("budget"),
+          "policy 'kara': ", name, "=", p.get(name), " with ", bound,
           ": two levels and a growing recent region are alternatives to the budget's re-rank; set one of them"));
     }
   }
-  if (p.given("fit") && p.geti("fit") > 0 && p.geti("budget") == 0) {
+  if (p.given("fit") && p.geti("fit") > 0 && !bounded) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "policy 'kara': fit=", p.geti("fit"), " needs a budget (budget > 0): it re-ranks what is older than the "
-        "recent region down to the budget, and budget=0 sets none"));
+        "policy 'kara': fit=", p.geti("fit"), " needs a budget (budget > 0 or share > 0): it re-ranks what is "
+        "older than the recent region down to the budget, and budget=0 with share=0 sets none"));
   }
   if (p.given("fit") && p.geti("fit") > 0 && p.geti("observers") != 1) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -342,11 +342,15 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"grow", 0.5}, {"budget", 64}}, "grow=0.5 with budget=64");
   refused({{"grow", 0.5}, {"observers", 2}}, "grow=0.5 needs observers=1 (decode); observers=2");
   refused({{"grow", 0.96}}, "grow=0.96 out of range");
-  refused({{"fit", 1}}, "fit=1 needs a budget (budget > 0)");
+  refused({{"fit", 1}}, "fit=1 needs a budget (budget > 0 or share > 0)");
   refused({{"fit", 1}, {"observers", 2}}, "fit=1 needs a budget");
   refused({{"fit", 1}, {"budget", 64}, {"observers", 2}}, "fit=1 needs observers=1 (decode); observers=2");
   refused({{"fit", 3}, {"budget", 64}}, "fit=3 out of range");
-  refused({{"fit", 2}}, "fit=2 needs a budget (budget > 0)");
+  refused({{"fit", 2}}, "fit=2 needs a budget (budget > 0 or share > 0)");
+  refused({{"share", 1.0}}, "share=1 out of range");
+  refused({{"share", 0.5}, {"budget", 64}}, "budget=64 and share=0.5 both set the memory budget");
+  refused({{"share", 0.5}, {"observers", 0}}, "share=0.5 needs decode observations (observers=1 decode or 2 both)");
+  refused({{"grow", 0.5}, {"share", 0.5}}, "grow=0.5 with share=0.5");
   // Not given, fit is off where it does not apply: a budget with observers = both is version 3's windows.
   SequenceOptions both;
   both.policy = "kara";
@@ -359,6 +363,8 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   plain.policy = "kara";
   EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 0);
   plain.params = {{"budget", 64}};
+  EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 1);
+  plain.params = {{"share", 0.5}};
   EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 1);
 }
 
@@ -721,9 +727,11 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
 // token arrived. Simulated step by step; every re-rank's kept tokens against Token2Chunk over a
 // float64 reference of those scores; what follows the region moves down unchanged.
 TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceChooses) {
-  // fit 1 cuts the excess, fit 2 at least W - B; the case without `fit` gets the default, 1.
-  for (const auto& [agg, prompt_window, fit] : {std::tuple{0, 1, 1}, std::tuple{1, 1, 1}, std::tuple{0, 0, 1},
-                                                std::tuple{0, 1, 2}, std::tuple{1, 0, 2}}) {
+  // fit 1 cuts the excess, fit 2 at least W - B; the cases without `fit` get the default, 1. With a
+  // share the budget is floor(share * L) at each turn, L the tokens ever appended (0: budget 40).
+  for (const auto& [agg, prompt_window, fit, share] :
+       {std::tuple{0, 1, 1, 0.0}, std::tuple{1, 1, 1, 0.0}, std::tuple{0, 0, 1, 0.0}, std::tuple{0, 1, 2, 0.0},
+        std::tuple{1, 0, 2, 0.0}, std::tuple{0, 1, 1, 0.5}, std::tuple{0, 0, 1, 0.7}, std::tuple{1, 1, 2, 0.4}}) {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       Driver d(seed);
       const auto& g = d.reg->geometry();
@@ -732,9 +740,12 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
       constexpr int kPrompt = 22, kRecent = 8, kBudget = 40, kMaxGap = 8, kSinks = 4, kWindow = 16, kB = 4;
       SequenceOptions o;
       o.policy = "kara";
-      o.params = {{"window", kWindow}, {"rho", 0.25}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
-                  {"agg", agg}, {"prompt", prompt_window}};
+      o.params = {{"window", kWindow}, {"rho", 0.25}, {"period", 1}, {"recent", kRecent}, {"agg", agg},
+                  {"prompt", prompt_window}};
+      if (share > 0) o.params["share"] = share;
+      else o.params["budget"] = kBudget;
       if (prompt_window == 1 || fit == 2) o.params["fit"] = fit;
+      auto budget_at = [&](int l) { return share > 0 ? std::max(1, int(std::floor(share * l))) : kBudget; };
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -748,10 +759,11 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
         ASSERT_TRUE(d.step({seq}, logical).ok());
         ref.observe(rows, t);
         const int n = int(rows[0].size()) + 1;  // P = 1: every step is a turn
+        const int budget = budget_at(t + 1);
         const int end = tail_start + std::max(0, n - kRecent - tail_start) / b * b;
         const int len = end - c0;
-        const bool rerank = n > kBudget && len > b;
-        const int excess = (n - kBudget + b - 1) / b * b;
+        const bool rerank = n > budget && len > b;
+        const int excess = (n - budget + b - 1) / b * b;
         const int keep = rerank ? std::max(b, len - (fit == 2 ? std::max(excess, kWindow - kB) : excess)) : len;
         const std::vector<std::vector<int32_t>> after = d.positions(seq);
         ASSERT_EQ(int(after[0].size()), n - (len - keep)) << "step " << step << " seed " << seed;
@@ -763,8 +775,8 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
           if (rerank) {
             const std::vector<int32_t> want = ref.choose(rows[r], r, c0, len, keep, agg, kMaxGap, kSinks);
             EXPECT_EQ(std::vector<int32_t>(after[r].begin() + c0, after[r].begin() + c0 + keep), want)
-                << "agg " << agg << " prompt " << prompt_window << " fit " << fit << " seed " << seed << " step " << step
-                << " row " << r;
+                << "agg " << agg << " prompt " << prompt_window << " fit " << fit << " share " << share << " seed "
+                << seed << " step " << step << " row " << r;
           }
           // What follows the region (everything, without a re-rank) moves down unchanged.
           const int from = rerank ? end : 0;
@@ -780,7 +792,7 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
         rows = after;
       }
       EXPECT_GE(reranks, 8) << "the budget never bound";
-      EXPECT_LE(int(rows[0].size()), kBudget) << "every turn removes the whole excess here";
+      EXPECT_LE(int(rows[0].size()), budget_at(int(logical[0]))) << "every turn removes the whole excess here";
     }
   }
 }
@@ -799,11 +811,15 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
     const int prompt = 4 + int(rng() % 40);
     const int prompt_window = int(rng() % 2);
     const int budget = int(rng() % 3) == 0 ? 1 + int(rng() % 24) : prompt / 2 + int(rng() % 80);
+    // Every third trial sets the budget as a share of the length instead (floor(share * L)).
+    const double share = trial % 3 == 2 ? 0.05 * (1 + int(rng() % 18)) : 0.0;
     const int sinks = 4 * (1 + int(rng() % 3));  // up to three blocks: the region's floor holds them all
     SequenceOptions o;
     o.policy = "kara";
-    o.params = {{"recent", recent}, {"period", period}, {"budget", budget}, {"fit", 1 + int(rng() % 2)},
-                {"prompt", prompt_window}, {"sinks", sinks}};
+    o.params = {{"recent", recent}, {"period", period}, {"fit", 1 + int(rng() % 2)}, {"prompt", prompt_window},
+                {"sinks", sinks}};
+    if (share > 0) o.params["share"] = share;
+    else o.params["budget"] = budget;
     std::vector<uint64_t> seqs;
     for (int i = 0; i < 3; ++i) {
       seqs.push_back(*d.create(o));
@@ -812,14 +828,16 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
     std::vector<int64_t> logical(seqs.size(), prompt);
     const int c0 = prompt_window == 1 ? 0 : (prompt + b - 1) / b * b;
     const int floor = std::max(b, (std::max(0, sinks - c0) + b - 1) / b * b);
-    const int bound = std::max(budget, c0 + floor + b + recent) + period;
     for (int step = 0; step < 300; ++step) {
       ASSERT_TRUE(d.step(seqs, logical).ok());
       if (step + 1 < period) continue;  // every sequence has had its first turn
+      // A share's budget only grows, so the one of this length bounds what the last turn left.
+      const int now = share > 0 ? std::max(1, int(std::floor(share * double(logical[0])))) : budget;
+      const int bound = std::max(now, c0 + floor + b + recent) + period;
       for (uint64_t s : seqs) {
         ASSERT_LE(d.info(s).length, bound) << "trial " << trial << " step " << step << ": R " << recent << " P "
                                            << period << " prompt " << prompt << " windowed " << prompt_window
-                                           << " budget " << budget << " sinks " << sinks;
+                                           << " budget " << budget << " share " << share << " sinks " << sinks;
       }
     }
     for (uint64_t s : seqs) expect_well_formed(d.positions(s), int32_t(logical[0]), sinks);
