@@ -42,6 +42,7 @@ const char* op_name(Op op) {
     case Op::kCamMerge: return "cam_merge_values";
     case Op::kDecodeAttentionObserve: return "decode_attention_observe";
     case Op::kWindowScoresObserved: return "window_scores_observed";
+    case Op::kGatherTokensInPlace: return "gather_tokens_in_place";
   }
   return "unknown";
 }

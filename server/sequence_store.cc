@@ -663,12 +663,6 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   const Geometry& g = config_.geometry;
   const int32_t b = g.block_size;
   const int32_t fresh_count = (plan.num_kept + b - 1) / b;
-  std::vector<int32_t> fresh;
-  make_room(fresh_count);
-  if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", by, " needs ",
-                                                     fresh_count, " fresh blocks: ", s.message()));
-  }
   const Sequence* one = &seq;
   const int32_t length = seq.fp_length();
   PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&length, 1));
@@ -676,9 +670,34 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   const int32_t q0 = seq.quantized();
   std::vector<int32_t> local(plan.kept);
   for (int32_t& slot : local) slot -= q0;
-  if (auto s = backend_.gather_tokens(pv.kv, 0, local.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
-    for (int32_t blk : fresh) pool_.release(blk);
-    return to_status(s);
+  const int32_t first_old = (plan.begin - q0) / b;
+  const int32_t end_old = (plan.end - q0 + b - 1) / b;
+  // The kept tokens move down inside the range's own blocks where nothing else can see them: every
+  // block of the range is this sequence's alone (no fork, prefix-cache entry or tier pin holds a
+  // reference), CaM does not need the evicted values afterwards, and the backend can. Then no block
+  // is allocated (a full pool does not stop the compaction), the range's trailing blocks go back,
+  // and a row whose kept prefix is already in place copies only what follows it.
+  bool in_place = merge_tokens == 0 && (plan.begin - q0) % b == 0 &&
+                  backend_.supports(kernels::Op::kGatherTokensInPlace, g.dtype);
+  for (int32_t i = first_old; in_place && i < end_old; ++i) in_place = pool_.refcount(seq.blocks[i]) == 1;
+  std::vector<int32_t> fresh;
+  if (in_place) {
+    if (auto s = backend_.gather_tokens_in_place(pv.kv, 0, plan.begin - q0, local.data(), plan.num_kept);
+        !s.is_ok()) {
+      if (s.code != kernels::KernelStatus::Code::kUnsupported) return to_status(s);
+      in_place = false;  // nothing was written: gather into fresh blocks instead
+    }
+  }
+  if (!in_place) {
+    make_room(fresh_count);
+    if (absl::Status s = pool_.allocate(fresh_count, &fresh); !s.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", by, " needs ",
+                                                       fresh_count, " fresh blocks: ", s.message()));
+    }
+    if (auto s = backend_.gather_tokens(pv.kv, 0, local.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
+      for (int32_t blk : fresh) pool_.release(blk);
+      return to_status(s);
+    }
   }
   if (merge_tokens > 0 && !plan.scores.empty()) {
     // CaM reads the evicted values from the old blocks, which are still the sequence's here.
@@ -700,10 +719,11 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
     // A plan inside the explicit part (a second compression of compacted slots) moves the rest of it down.
     for (int32_t s = plan.end; s < seq.explicit_end; ++s) pos[r].push_back(seq.position(int(r), s));
   }
-  const int32_t first_old = (plan.begin - q0) / b;
-  const int32_t end_old = (plan.end - q0 + b - 1) / b;
-  for (int32_t i = first_old; i < end_old; ++i) pool_.release(seq.blocks[i]);
-  std::vector<int32_t> blocks(seq.blocks.begin(), seq.blocks.begin() + first_old);
+  // In place the range's first fresh_count blocks hold the kept tokens and stay; otherwise the
+  // fresh blocks replace the whole range.
+  const int32_t stay = in_place ? fresh_count : 0;
+  for (int32_t i = first_old + stay; i < end_old; ++i) pool_.release(seq.blocks[i]);
+  std::vector<int32_t> blocks(seq.blocks.begin(), seq.blocks.begin() + first_old + stay);
   blocks.insert(blocks.end(), fresh.begin(), fresh.end());
   blocks.insert(blocks.end(), seq.blocks.begin() + end_old, seq.blocks.end());
   seq.blocks = std::move(blocks);

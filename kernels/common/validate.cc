@@ -276,6 +276,24 @@ KernelStatus validate_gather_tokens(const PagedKV& kv, int seq, const int32_t* k
   return KernelStatus::ok();
 }
 
+KernelStatus validate_gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept,
+                                             int num_kept, long long pool_blocks) {
+  constexpr std::string_view op = "gather_tokens_in_place";
+  int len = 0;
+  KARAKV_RETURN_IF_ERROR(check_cache(op, kv, seq, &len));
+  if (begin < 0 || begin > len)
+    return invalid(op, "begin " + std::to_string(begin) + " out of range [0, " + std::to_string(len) +
+                           "] (seq_len of sequence " + std::to_string(seq) + ")");
+  if (num_kept < 0 || num_kept > len - begin)
+    return invalid(op, "num_kept " + std::to_string(num_kept) + " out of range [0, " + std::to_string(len - begin) +
+                           "] (the slots from begin " + std::to_string(begin) + " to seq_len " + std::to_string(len) +
+                           ")");
+  if (num_kept == 0) return KernelStatus::ok();
+  if (kept == nullptr) return invalid(op, "kept must be non-null");
+  KARAKV_RETURN_IF_ERROR(check_covered(op, kv, seq, 0, len, pool_blocks));
+  return check_kept_rows(op, kv, kept, num_kept, begin, len);
+}
+
 KernelStatus validate_cam_merge(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks,
                                 long long pool_blocks) {

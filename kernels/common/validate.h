@@ -50,6 +50,8 @@ KernelStatus validate_token2chunk(const float* scores, int rows, int n, int budg
                                   const int32_t* out);
 KernelStatus validate_gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                                     const int32_t* dst_blocks, long long pool_blocks);
+KernelStatus validate_gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept,
+                                             int num_kept, long long pool_blocks);
 KernelStatus validate_cam_merge(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks,
                                 long long pool_blocks);

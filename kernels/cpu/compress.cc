@@ -601,4 +601,45 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
   return KernelStatus::ok();
 }
 
+KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept, int num_kept,
+                                    long long pool_blocks) {
+  KARAKV_RETURN_IF_ERROR(common::validate_gather_tokens_in_place(kv, seq, begin, kept, num_kept, pool_blocks));
+  if (num_kept == 0) return KernelStatus::ok();
+  const Geometry& geo = kv.geometry;
+  const int bs = geo.block_size;
+  const int rows = geo.num_layers * geo.num_kv_heads;
+  const size_t esize = dtype_size(geo.dtype);
+  const size_t row_bytes = size_t(geo.head_dim) * esize;
+  auto* pool = static_cast<char*>(kv.pool);
+  // What moves: each row from its first slot out of place on (a re-rank that drops the newest
+  // tokens of its range moves almost nothing).
+  size_t moved = 0;
+  for (int r = 0; r < rows; ++r) {
+    const int32_t* row = kept + size_t(r) * num_kept;
+    int i = 0;
+    while (i < num_kept && row[i] == begin + i) ++i;
+    moved += size_t(num_kept - i) * row_bytes * 2;
+  }
+  if (moved == 0) return KernelStatus::ok();
+  const int64_t grain = std::max<int64_t>(1, rows / (4 * int64_t(pool_width())));
+  parallel_for(rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int l = int(task / geo.num_kv_heads), h = int(task % geo.num_kv_heads);
+      const int32_t* row = kept + size_t(task) * num_kept;
+      for (int kv_index = 0; kv_index < 2; ++kv_index) {
+        for (int i = 0; i < num_kept; ++i) {
+          const int32_t src_slot = row[i], dst_slot = begin + i;
+          if (src_slot == dst_slot) continue;
+          const size_t src = (kv.run_offset(kv.block_of(seq, src_slot), l, kv_index, h) +
+                              size_t(src_slot % bs) * geo.head_dim) * esize;
+          const size_t dst = (kv.run_offset(kv.block_of(seq, dst_slot), l, kv_index, h) +
+                              size_t(dst_slot % bs) * geo.head_dim) * esize;
+          std::memcpy(pool + dst, pool + src, row_bytes);  // different slots: never overlapping
+        }
+      }
+    }
+  }, moved >= kParallelGatherBytes);
+  return KernelStatus::ok();
+}
+
 }  // namespace karakv::kernels::cpu

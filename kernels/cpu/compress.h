@@ -82,4 +82,10 @@ KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int n
 KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                            const int32_t* dst_blocks, long long pool_blocks = -1);
 
+// gather_tokens into seq's own blocks: K and V of slot kept[l][h][i] are copied to slot begin + i,
+// in ascending i per (l, h) row (each row strictly ascending within [begin, seq_len), so no slot is
+// written before it is read); slots already in place are not copied, other slots not written.
+KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept, int num_kept,
+                                    long long pool_blocks = -1);
+
 }  // namespace karakv::kernels::cpu

@@ -276,6 +276,10 @@ class CpuBackend final : public Backend {
                              const int32_t* dst_blocks) override {
     return with_pool([&] { return cpu::gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks(kv)); });
   }
+  KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept,
+                                      int num_kept) override {
+    return with_pool([&] { return cpu::gather_tokens_in_place(kv, seq, begin, kept, num_kept, pool_blocks(kv)); });
+  }
   KernelStatus cam_merge_values(const PagedKV& kv, int seq, int begin, int end, const int32_t* kept, int num_kept,
                                 const float* scores, int merge_tokens, const int32_t* dst_blocks) override {
     return with_pool([&] {

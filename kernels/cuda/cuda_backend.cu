@@ -91,6 +91,9 @@ class CudaBackend final : public Backend {
 
   // Every op, quantized storage (KIVI, TurboQuant) included, for every storage dtype.
   bool supports(Op op, DType dtype) const override {
+    // An in-place gather would need an order across threads (a slot may be read by one and written
+    // by another): compactions here gather into fresh blocks.
+    if (op == Op::kGatherTokensInPlace) return false;
     return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   }
 

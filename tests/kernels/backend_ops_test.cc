@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <string_view>
 #include <tuple>
@@ -668,6 +669,79 @@ TEST_P(BackendOpsTest, GatherTokensThenCamMerge) {
     }
     EXPECT_LE(worst, ulp);
   }
+}
+
+// In place: each kept slot's K and V land on slot begin + i of the sequence's own blocks, byte for
+// byte as a naive copy from the pool as it was says, and nothing else in the pool changes (slots
+// before begin, the row's slots from begin + num_kept on, other sequences, spare blocks). Rows
+// drawn at random, rows that keep a prefix in place and drop the newest (as a re-rank mostly does),
+// and a begin inside a block.
+TEST_P(BackendOpsTest, GatherTokensInPlaceMovesExactlyWhatANaiveCopySays) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kGatherTokensInPlace)) GTEST_SKIP() << "not supported";
+  const int seq = 4, len = lens_[seq];
+  const int hk = geo_.num_kv_heads, rows = geo_.num_layers * hk, bs = geo_.block_size;
+  const size_t esize = dtype_size(geo_.dtype), row_bytes = size_t(geo_.head_dim) * esize;
+  struct Case {
+    int begin, num_kept;
+    bool prefix_in_place;
+  };
+  for (const Case& c : {Case{96, 40, false}, Case{37, 120, false}, Case{0, 250, true}, Case{64, 200, true},
+                        Case{100, 0, false}, Case{16, len - 16, false}}) {
+    SCOPED_TRACE("begin " + std::to_string(c.begin) + " num_kept " + std::to_string(c.num_kept));
+    const Pair caches = filled_caches(lens_);
+    std::vector<int32_t> kept = random_kept(geo_, c.begin, len, c.num_kept, rng_);
+    if (c.prefix_in_place) {
+      // Every other row keeps all but a few slots of [begin, begin + num_kept + drop), the newest
+      // dropped, or one early slot dropped.
+      for (int r = 0; r < rows; r += 2) {
+        for (int i = 0; i < c.num_kept; ++i) kept[size_t(r) * c.num_kept + i] = c.begin + i + (r % 4 == 2 && i >= 3);
+      }
+    }
+    const PagedKV kv = caches.test->view();
+    const std::vector<uint8_t> before = caches.test->pool_bytes();
+    std::vector<uint8_t> want = before;
+    auto at = [&](int32_t slot, int l, int h, int k_or_v) {
+      return (kv.run_offset(kv.block_of(seq, slot), l, k_or_v, h) + size_t(slot % bs) * geo_.head_dim) * esize;
+    };
+    for (int r = 0; r < rows; ++r) {
+      for (int k_or_v = 0; k_or_v < 2; ++k_or_v) {
+        for (int i = 0; i < c.num_kept; ++i) {
+          const size_t src = at(kept[size_t(r) * c.num_kept + i], r / hk, r % hk, k_or_v);
+          std::memcpy(want.data() + at(c.begin + i, r / hk, r % hk, k_or_v), before.data() + src, row_bytes);
+        }
+      }
+    }
+    ASSERT_TRUE(backend_->gather_tokens_in_place(kv, seq, c.begin, kept.data(), c.num_kept).is_ok());
+    EXPECT_TRUE(caches.test->pool_bytes() == want) << "the pool differs from the naive copy";
+  }
+}
+
+// Refused, naming what is wrong, with the pool unchanged: a kept slot before begin or past the
+// sequence, a row not ascending, begin past the sequence, more kept than the slots from begin.
+TEST_P(BackendOpsTest, GatherTokensInPlaceRefusesWhatCouldOverwriteUnreadSlots) {
+  if (!supported(Op::kWriteKV) || !supported(Op::kGatherTokensInPlace)) GTEST_SKIP() << "not supported";
+  const int seq = 4, len = lens_[seq], num_kept = 8;
+  const Pair caches = filled_caches(lens_);
+  const std::vector<uint8_t> before = caches.test->pool_bytes();
+  const PagedKV kv = caches.test->view();
+  auto refused = [&](int begin, std::vector<int32_t> kept, int n, const std::string& words) {
+    const KernelStatus st = backend_->gather_tokens_in_place(kv, seq, begin, kept.data(), n);
+    EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument) << words;
+    EXPECT_NE(st.message.find(words), std::string::npos) << st.message;
+  };
+  std::vector<int32_t> ok = random_kept(geo_, 50, len, num_kept, rng_);
+  std::vector<int32_t> below = ok;
+  below[0] = 49;
+  refused(50, below, num_kept, "kept[layer 0][head 0][0] = 49 out of range [50, " + std::to_string(len) + ")");
+  std::vector<int32_t> past = ok;
+  past[num_kept - 1] = len;
+  refused(50, past, num_kept, "out of range [50, " + std::to_string(len) + ")");
+  std::vector<int32_t> unordered = ok;
+  std::swap(unordered[0], unordered[1]);
+  refused(50, unordered, num_kept, "is not strictly ascending at index 1");
+  refused(len + 1, ok, num_kept, "begin " + std::to_string(len + 1) + " out of range [0, " + std::to_string(len) + "]");
+  refused(len - 4, ok, num_kept, "num_kept 8 out of range [0, 4]");
+  EXPECT_TRUE(caches.test->pool_bytes() == before) << "a refused call changed the pool";
 }
 
 // ---- quantized storage (docs/COMPRESSION.md section 3): every format and bit width.

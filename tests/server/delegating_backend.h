@@ -132,6 +132,11 @@ class DelegatingBackend : public kernels::Backend {
     Guard in_call(*this);
     return inner_->causal_attention_quantized(kv, qkv, seq, layer, num_queries, q, out, scale);
   }
+  KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept,
+                                      int num_kept) override {
+    Guard in_call(*this);
+    return inner_->gather_tokens_in_place(kv, seq, begin, kept, num_kept);
+  }
   KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                              const int32_t* dst_blocks) override {
     Guard in_call(*this);

@@ -1394,6 +1394,9 @@ TEST(CompactTest, FailedCompactionLeavesTheSequenceExactlyAsItWas) {
   o.params = {{"c_max", 1000}, {"c_target", 16}, {"w_obs", 4}};
   const uint64_t seq = *d.create(o);
   ASSERT_TRUE(d.append(seq, 0, 32, 4).ok());  // 8 blocks
+  // A fork shares them, so the compaction cannot move tokens in place: it needs fresh blocks.
+  const auto fork = d.reg->fork_sequence(d.session, seq);
+  ASSERT_TRUE(fork.ok()) << fork.status();
   const uint64_t filler = *d.create(SequenceOptions{});
   ASSERT_TRUE(d.append(filler, 0, 16).ok());  // the last 4 blocks: none free
   const auto positions = d.positions(seq);
@@ -1412,6 +1415,7 @@ TEST(CompactTest, FailedCompactionLeavesTheSequenceExactlyAsItWas) {
   EXPECT_EQ(d.info(seq).length, 16u);
   EXPECT_EQ(d.info(seq).blocks, 4u);
   EXPECT_TRUE(d.reg->check_invariants().ok());
+  ASSERT_TRUE(d.reg->release_sequence(d.session, *fork).ok());
 }
 
 }  // namespace
@@ -1432,6 +1436,40 @@ std::vector<uint8_t> read_values(Core& reg, const std::string& session, uint64_t
   EXPECT_TRUE(r.ok()) << r.status();
   *keys = k;
   return v;
+}
+
+// A compaction whose range is the sequence's own (no fork or cache entry shares a block) moves the
+// kept tokens down in place: it needs no free block, so it runs with the pool full, and it leaves
+// exactly the K, V and positions that gathering into fresh blocks leaves (a forked twin, whose
+// shared blocks cannot be written, compacted first by that path).
+TEST(CompactTest, InPlaceNeedsNoFreeBlockAndKeepsWhatFreshBlocksKeep) {
+  Driver d(4, /*blocks=*/16);
+  SequenceOptions o;
+  o.policy = "snapkv";
+  o.params = {{"c_max", 1000}, {"c_target", 16}, {"w_obs", 4}};
+  const uint64_t seq = *d.create(o);
+  ASSERT_TRUE(d.append(seq, 0, 32, 4).ok());  // 8 blocks
+  auto twin = d.reg->fork_sequence(d.session, seq);
+  ASSERT_TRUE(twin.ok()) << twin.status();
+  // The fork shares every block: the first compaction gathers into 4 fresh ones.
+  ASSERT_TRUE(d.reg->compact(d.session, *twin, false).ok());
+  EXPECT_EQ(d.reg->stats().blocks_used, 12);
+  // Now the original's blocks are its own again; fill the pool.
+  const uint64_t filler = *d.create(SequenceOptions{});
+  ASSERT_TRUE(d.append(filler, 0, 16).ok());
+  ASSERT_EQ(d.reg->stats().blocks_free, 0);
+  auto r = d.reg->compact(d.session, seq, false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(d.info(seq).length, 16u);
+  EXPECT_EQ(d.info(seq).blocks, 4u);
+  EXPECT_EQ(d.reg->stats().blocks_free, 4) << "the range's other four blocks went back";
+  EXPECT_TRUE(d.reg->check_invariants().ok()) << d.reg->check_invariants();
+  ASSERT_EQ(d.positions(seq), d.positions(*twin));
+  std::vector<uint8_t> keys, twin_keys;
+  const std::vector<uint8_t> values = read_values(*d.reg, d.session, seq, &keys);
+  const std::vector<uint8_t> twin_values = read_values(*d.reg, d.session, *twin, &twin_keys);
+  EXPECT_TRUE(keys == twin_keys) << "K differs from the fresh-block gather's";
+  EXPECT_TRUE(values == twin_values) << "V differs from the fresh-block gather's";
 }
 
 // CaM changes the values of kept tokens, never which tokens are kept or the keys.

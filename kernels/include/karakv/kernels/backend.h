@@ -48,6 +48,8 @@ enum class Op : uint8_t {
   kCamMerge,
   kDecodeAttentionObserve,
   kWindowScoresObserved,
+  // Optional (the daemon gathers into fresh blocks where a backend has not got it):
+  kGatherTokensInPlace,
 };
 const char* op_name(Op op);
 
@@ -297,6 +299,17 @@ class Backend {
   virtual KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
                                      const int32_t* dst_blocks) {
     return KernelStatus::unsupported("gather_tokens");
+  }
+  // gather_tokens into the sequence's own blocks: for (l, h), source slot kept[l][h][i] goes to
+  // slot begin + i, i < num_kept. Each row strictly ascending within [begin, seq_len), so
+  // kept[i] >= begin + i and every slot is read before anything is written to it. Slots before
+  // begin and from begin + num_kept on are not written; a slot already in place is not copied.
+  // The caller makes sure no other sequence shares the blocks written. Optional: the daemon
+  // gathers into fresh blocks on a backend without it (supports(kGatherTokensInPlace) false).
+  //   kept: [num_layers][num_kv_heads][num_kept] int32
+  virtual KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept,
+                                              int num_kept) {
+    return KernelStatus::unsupported("gather_tokens_in_place");
   }
 
  protected:
