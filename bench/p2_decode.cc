@@ -224,9 +224,7 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
   for (int s = 0; s <= seqs; ++s) offsets[s] = s * blocks_per_seq;
   const double bytes = decode_bytes(g, lengths);
 
-  // The best of `reps` passes (after one warm-up) of decode over every layer with this table, and
-  // the best of the streaming reads sampled just before each of them.
-  auto passes = [&](const std::vector<int32_t>& table, const char* label) -> absl::StatusOr<Pair> {
+  auto paged = [&](const std::vector<int32_t>& table) {
     kn::PagedKV kv;
     kv.pool = pool;
     kv.geometry = g;
@@ -234,6 +232,12 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
     kv.table_offset = offsets.data();
     kv.seq_len = lengths.data();
     kv.num_seqs = seqs;
+    return kv;
+  };
+  // The best of `reps` passes (after one warm-up) of decode over every layer with this table, and
+  // the best of the streaming reads sampled just before each of them.
+  auto passes = [&](const std::vector<int32_t>& table, const char* label) -> absl::StatusOr<Pair> {
+    const kn::PagedKV kv = paged(table);
     std::vector<Pair> measured;
     for (int r = 0; r <= reps; ++r) {
       const double stream_gbps = stream.sample();
@@ -273,13 +277,7 @@ absl::StatusOr<DirectDecode> decode_direct_gbps(const kn::Geometry& g, int seqs,
   if (with_in_order) {
     // The layout's ceiling, on the same scattered table, best of as many passes, each against the
     // streaming read sampled just before it.
-    kn::PagedKV kv;
-    kv.pool = pool;
-    kv.geometry = g;
-    kv.block_table = table.data();
-    kv.table_offset = offsets.data();
-    kv.seq_len = lengths.data();
-    kv.num_seqs = seqs;
+    const kn::PagedKV kv = paged(table);
     std::vector<Pair> measured;
     for (int r = 0; r <= reps; ++r) {
       const double stream_gbps = stream.sample();

@@ -568,6 +568,40 @@ KernelStatus token2chunk(const float* scores, int rows, int n, int budget, int n
   return KernelStatus::ok();
 }
 
+namespace {
+
+// For every (layer, KV head) row of `seq`, K and V of source slot kept[row][i] are copied to
+// pool byte offset dst(l, kv_index, h, i), in ascending i; a row's i below first_moved[row] is
+// skipped. `moved` (bytes) decides whether the rows run on the kernels' pool.
+template <typename Dst>
+void copy_rows(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const std::vector<int>& first_moved,
+               size_t moved, const Dst& dst) {
+  const Geometry& geo = kv.geometry;
+  const int bs = geo.block_size;
+  const size_t esize = dtype_size(geo.dtype);
+  const size_t row_bytes = size_t(geo.head_dim) * esize;
+  auto* pool = static_cast<char*>(kv.pool);
+  const int rows = geo.num_layers * geo.num_kv_heads;
+  // One task per (layer, KV head) row, a few per thread.
+  const int64_t grain = std::max<int64_t>(1, rows / (4 * int64_t(pool_width())));
+  parallel_for(rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int l = int(task / geo.num_kv_heads), h = int(task % geo.num_kv_heads);
+      const int32_t* row = kept + size_t(task) * num_kept;
+      for (int kv_index = 0; kv_index < 2; ++kv_index) {
+        for (int i = first_moved[task]; i < num_kept; ++i) {
+          const int32_t src_slot = row[i];
+          const size_t src = (kv.run_offset(kv.block_of(seq, src_slot), l, kv_index, h) +
+                              size_t(src_slot % bs) * geo.head_dim) * esize;
+          std::memcpy(pool + dst(l, kv_index, h, i), pool + src, row_bytes);
+        }
+      }
+    }
+  }, moved >= kParallelGatherBytes);
+}
+
+}  // namespace
+
 KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept, const int32_t* dst_blocks,
                            long long pool_blocks) {
   KARAKV_RETURN_IF_ERROR(common::validate_gather_tokens(kv, seq, kept, num_kept, dst_blocks, pool_blocks));
@@ -576,28 +610,10 @@ KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int 
   const int bs = geo.block_size;
   const int rows = geo.num_layers * geo.num_kv_heads;
   const size_t esize = dtype_size(geo.dtype);
-  const size_t row_bytes = size_t(geo.head_dim) * esize;
-  auto* pool = static_cast<char*>(kv.pool);
-  const size_t total = size_t(rows) * num_kept * row_bytes * 2;
-  // One task per (layer, KV head) row, a few per thread.
-  const int64_t grain = std::max<int64_t>(1, rows / (4 * int64_t(pool_width())));
-  parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
-  for (int64_t task = begin; task < end; ++task) {
-    const int l = int(task / geo.num_kv_heads), h = int(task % geo.num_kv_heads);
-    {
-      const int32_t* row = kept + (size_t(l) * geo.num_kv_heads + h) * num_kept;
-      for (int kv_index = 0; kv_index < 2; ++kv_index) {
-        for (int i = 0; i < num_kept; ++i) {
-          const int32_t src_slot = row[i];
-          const size_t src = (kv.run_offset(kv.block_of(seq, src_slot), l, kv_index, h) +
-                              size_t(src_slot % bs) * geo.head_dim) * esize;
-          const size_t dst_at = (kv.run_offset(dst_blocks[i / bs], l, kv_index, h) + size_t(i % bs) * geo.head_dim) * esize;
-          std::memcpy(pool + dst_at, pool + src, row_bytes);
-        }
-      }
-    }
-  }
-  }, total >= kParallelGatherBytes);
+  const size_t total = size_t(rows) * num_kept * geo.head_dim * esize * 2;
+  copy_rows(kv, seq, kept, num_kept, std::vector<int>(rows, 0), total, [&](int l, int kv_index, int h, int i) {
+    return (kv.run_offset(dst_blocks[i / bs], l, kv_index, h) + size_t(i % bs) * geo.head_dim) * esize;
+  });
   return KernelStatus::ok();
 }
 
@@ -609,36 +625,24 @@ KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const
   const int bs = geo.block_size;
   const int rows = geo.num_layers * geo.num_kv_heads;
   const size_t esize = dtype_size(geo.dtype);
-  const size_t row_bytes = size_t(geo.head_dim) * esize;
-  auto* pool = static_cast<char*>(kv.pool);
-  // What moves: each row from its first slot out of place on (a re-rank that drops the newest
-  // tokens of its range moves almost nothing).
+  // Each row moves from its first slot out of place on (a re-rank that drops the newest tokens of
+  // its range moves almost nothing); before that every kept token is where it goes. After it, a
+  // kept slot (>= begin + i) is never one an earlier i wrote (begin + j, j < i), and distinct slots
+  // never overlap.
+  std::vector<int> first_moved(rows);
   size_t moved = 0;
   for (int r = 0; r < rows; ++r) {
     const int32_t* row = kept + size_t(r) * num_kept;
     int i = 0;
     while (i < num_kept && row[i] == begin + i) ++i;
-    moved += size_t(num_kept - i) * row_bytes * 2;
+    first_moved[r] = i;
+    moved += size_t(num_kept - i) * geo.head_dim * esize * 2;
   }
   if (moved == 0) return KernelStatus::ok();
-  const int64_t grain = std::max<int64_t>(1, rows / (4 * int64_t(pool_width())));
-  parallel_for(rows, grain, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int l = int(task / geo.num_kv_heads), h = int(task % geo.num_kv_heads);
-      const int32_t* row = kept + size_t(task) * num_kept;
-      for (int kv_index = 0; kv_index < 2; ++kv_index) {
-        for (int i = 0; i < num_kept; ++i) {
-          const int32_t src_slot = row[i], dst_slot = begin + i;
-          if (src_slot == dst_slot) continue;
-          const size_t src = (kv.run_offset(kv.block_of(seq, src_slot), l, kv_index, h) +
-                              size_t(src_slot % bs) * geo.head_dim) * esize;
-          const size_t dst = (kv.run_offset(kv.block_of(seq, dst_slot), l, kv_index, h) +
-                              size_t(dst_slot % bs) * geo.head_dim) * esize;
-          std::memcpy(pool + dst, pool + src, row_bytes);  // different slots: never overlapping
-        }
-      }
-    }
-  }, moved >= kParallelGatherBytes);
+  copy_rows(kv, seq, kept, num_kept, first_moved, moved, [&](int l, int kv_index, int h, int i) {
+    const int32_t slot = begin + i;
+    return (kv.run_offset(kv.block_of(seq, slot), l, kv_index, h) + size_t(slot % bs) * geo.head_dim) * esize;
+  });
   return KernelStatus::ok();
 }
 
