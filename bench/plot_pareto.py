@@ -32,7 +32,8 @@ def family(row):
     if version == "kara v3" and params.get("fit") in ("1", "2"):
         version = "kara v3 fit" if params["fit"] == "1" else "kara v3 fit 2"
     if float(params.get("share", "0")) > 0:
-        version = "kara v3 share" if params.get("fit", "1") == "1" else "kara v3 share, fit 2"
+        fit = params.get("fit", "1")
+        version = "kara v3 share" if fit == "1" else f"kara v3 share, fit {fit}"
     if float(params.get("rho2", "0")) > 0:
         version = "kara, two levels"
     elif float(params.get("grow", "0")) > 0:

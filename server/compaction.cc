@@ -271,7 +271,7 @@ absl::StatusOr<CompactionResult> Compactor::run_policy(Sequence& seq, const Poli
   if (r.ok() && !dry_run && r->skipped.empty()) {
     store_.adopt_copy(seq, std::move(*copy));
   } else {
-    store_.drop_copy(seq, *copy);
+    store_.drop_copy(*copy);
   }
   return r;
 }

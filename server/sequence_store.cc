@@ -624,6 +624,10 @@ absl::StatusOr<Sequence> SequenceStore::dequantized_copy(const Sequence& seq) {
   copy.qblocks.clear();
   copy.blocks = fresh;
   copy.blocks.insert(copy.blocks.end(), seq.blocks.begin(), seq.blocks.end());
+  // The copy holds its own reference to every unquantized block it shares with the sequence, as a
+  // fork does: a compaction of the copy then writes only blocks of its own, and releasing what it
+  // replaced leaves the sequence's intact if the copy is dropped.
+  for (int32_t blk : seq.blocks) pool_.add_ref(blk);
   const size_t bytes = size_t(g.num_layers) * seq.tokens_per_qblock * g.kv_token_elems() * kernels::dtype_size(g.dtype);
   std::vector<uint8_t> k(bytes), v(bytes);
   const Sequence* source = &seq;
@@ -638,7 +642,7 @@ absl::StatusOr<Sequence> SequenceStore::dequantized_copy(const Sequence& seq) {
                              k.data(), v.data());
     }
     if (!ks.is_ok()) {
-      for (int32_t blk : fresh) pool_.release(blk);
+      for (int32_t blk : copy.blocks) pool_.release(blk);
       return to_status(ks);
     }
   }
@@ -646,14 +650,14 @@ absl::StatusOr<Sequence> SequenceStore::dequantized_copy(const Sequence& seq) {
 }
 
 void SequenceStore::adopt_copy(Sequence& seq, Sequence&& copy) {
-  // The copy's table now holds the sequence's references (compaction released what it replaced).
+  // The copy's table holds references of its own: the sequence's go.
   for (int32_t blk : seq.qblocks) pool_.release(blk);
+  for (int32_t blk : seq.blocks) pool_.release(blk);
   seq = std::move(copy);
 }
 
-void SequenceStore::drop_copy(const Sequence& seq, const Sequence& copy) {
-  const int32_t fresh_count = seq.quantized() / config_.geometry.block_size;
-  for (int32_t i = 0; i < fresh_count; ++i) pool_.release(copy.blocks[i]);
+void SequenceStore::drop_copy(const Sequence& copy) {
+  for (int32_t blk : copy.blocks) pool_.release(blk);
 }
 
 // ---- compaction ----
@@ -674,9 +678,10 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   const int32_t end_old = (plan.end - q0 + b - 1) / b;
   // The kept tokens move down inside the range's own blocks where nothing else can see them: every
   // block of the range is this sequence's alone (no fork, prefix-cache entry or tier pin holds a
-  // reference), CaM does not need the evicted values afterwards, and the backend can. Then no block
-  // is allocated (a full pool does not stop the compaction), the range's trailing blocks go back,
-  // and a row whose kept prefix is already in place copies only what follows it.
+  // reference; a dequantized copy holds one beside the sequence's), CaM does not need the evicted
+  // values afterwards, and the backend can. Then no block is allocated (a full pool does not stop
+  // the compaction), the range's trailing blocks go back, and a row whose kept prefix is already
+  // in place copies only what follows it.
   bool in_place = merge_tokens == 0 && (plan.begin - q0) % b == 0 &&
                   backend_.supports(kernels::Op::kGatherTokensInPlace, g.dtype);
   for (int32_t i = first_old; in_place && i < end_old; ++i) in_place = pool_.refcount(seq.blocks[i]) == 1;

@@ -162,10 +162,12 @@ class SequenceStore {
   // before `frozen_end` (slots a policy may still rewrite stay), a quantized block at a time.
   void quantize_aged(Sequence& seq, int32_t frozen_end);
   // A copy of `seq` whose quantized prefix is dequantized into fresh blocks, for a policy that
-  // rewrites the whole cache; adopt_copy makes it the sequence, drop_copy gives its fresh blocks back.
+  // rewrites the whole cache; it holds a reference of its own to every block it shares with `seq`
+  // (so compacting it never writes one of them). adopt_copy makes it the sequence, drop_copy gives
+  // back everything it holds, leaving `seq` as it was.
   absl::StatusOr<Sequence> dequantized_copy(const Sequence& seq);
   void adopt_copy(Sequence& seq, Sequence&& copy);
-  void drop_copy(const Sequence& seq, const Sequence& copy);
+  void drop_copy(const Sequence& copy);
 
   // ---- compaction ----
   // Replaces slots [plan.begin, plan.end) by the plan's kept slots (gathered into fresh blocks),

@@ -433,10 +433,12 @@ class KaraPolicy final : public Policy {
   bool reopens() const { return bounded() || level2_budget_ > 0; }
   // Version 3's budget is set: a fixed size, or a share of the sequence's logical length.
   bool bounded() const { return memory_budget_ > 0 || share_ > 0; }
-  // The budget at this turn: `budget`, or floor(share * L) with L the tokens ever appended (at least 1).
+  // The budget at this turn: `budget`, or floor(share * L) with L the tokens ever appended (at least
+  // 1). The product is nudged up by far less than one token so that a share given in decimals
+  // floors as in decimals (0.35 * 180 is 63, not the 62.99... of binary floating point).
   int32_t budget_of(const SequenceView& seq) const {
     if (memory_budget_ > 0) return memory_budget_;
-    return std::max<int32_t>(1, int32_t(std::floor(share_ * double(seq.logical))));
+    return std::max<int32_t>(1, int32_t(std::floor(share_ * double(seq.logical) + 1e-6)));
   }
 
   // C' = max(b, floor_b(budget - (n - C))): what the compressed region may keep for the sequence to

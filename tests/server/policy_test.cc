@@ -745,7 +745,10 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
       if (share > 0) o.params["share"] = share;
       else o.params["budget"] = kBudget;
       if (prompt_window == 1 || fit == 2) o.params["fit"] = fit;
-      auto budget_at = [&](int l) { return share > 0 ? std::max(1, int(std::floor(share * l))) : kBudget; };
+      // floor(share * L) in exact integers: every share here is a whole number of hundredths.
+      auto budget_at = [&](int l) {
+        return share > 0 ? std::max(1, int(std::lround(share * 100)) * l / 100) : kBudget;
+      };
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -832,7 +835,7 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
       ASSERT_TRUE(d.step(seqs, logical).ok());
       if (step + 1 < period) continue;  // every sequence has had its first turn
       // A share's budget only grows, so the one of this length bounds what the last turn left.
-      const int now = share > 0 ? std::max(1, int(std::floor(share * double(logical[0])))) : budget;
+      const int now = share > 0 ? std::max(1, int(std::lround(share * 100) * logical[0] / 100)) : budget;
       const int bound = std::max(now, c0 + floor + b + recent) + period;
       for (uint64_t s : seqs) {
         ASSERT_LE(d.info(s).length, bound) << "trial " << trial << " step " << step << ": R " << recent << " P "

@@ -463,6 +463,38 @@ TEST_P(QuantStorageTest, ThresholdPoliciesRecompressQuantizedCaches) {
   EXPECT_EQ(reg_->stats().blocks_used, 0);
 }
 
+// A threshold compaction of a quantized cache runs on a dequantized copy that shares the
+// sequence's unquantized blocks. When it fails after the copy was gathered (here the policy cannot
+// remap its state), the copy is dropped and the sequence is exactly as it was: its K/V, positions
+// and blocks, and the pool's reference counts. Afterwards it still compacts.
+TEST_P(QuantStorageTest, FailedCompactionOfAQuantizedCacheLeavesItExactlyAsItWas) {
+  const std::string format = GetParam();
+  const uint64_t seq = create("test_keep_newest+" + format,
+                              {{"residual", 16}, {"c_max", 1000}, {"c_target", 40}, {"fail_remap", 1}});
+  append(seq, 150);
+  ASSERT_GT(reg_->inspect(seq)->first.quantized, 0);
+  std::vector<double> k0, v0, k1, v1;
+  int n0 = 0, n1 = 0;
+  read(seq, &k0, &v0, &n0);
+  const auto before = *reg_->inspect(seq);
+  const int64_t used = reg_->stats().blocks_used;
+  auto r = reg_->compact(session_, seq, false);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+  ASSERT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+  EXPECT_EQ(reg_->stats().blocks_used, used);
+  const auto after = *reg_->inspect(seq);
+  EXPECT_EQ(after.second, before.second);
+  EXPECT_EQ(after.first.length, before.first.length);
+  EXPECT_EQ(after.first.quantized, before.first.quantized);
+  EXPECT_EQ(after.first.blocks, before.first.blocks);
+  read(seq, &k1, &v1, &n1);
+  EXPECT_EQ(n1, n0);
+  EXPECT_TRUE(k1 == k0) << "K changed by a compaction that failed";
+  EXPECT_TRUE(v1 == v0) << "V changed by a compaction that failed";
+  ASSERT_TRUE(reg_->release_sequence(session_, seq).ok());
+  EXPECT_EQ(reg_->stats().blocks_used, 0);
+}
+
 TEST(QuantStorageCompositionTest, RefusesWhatItCannotServeNamingWhy) {
   CoreConfig c;
   c.geometry = geometry();

@@ -30,7 +30,8 @@ struct RunsState final : PolicyState {
 class KeepNewestPolicy final : public Policy {
  public:
   explicit KeepNewestPolicy(const PolicyParams& p)
-      : c_max_(p.geti("c_max")), c_target_(p.geti("c_target")), max_runs_(p.geti("max_runs")) {}
+      : c_max_(p.geti("c_max")), c_target_(p.geti("c_target")), max_runs_(p.geti("max_runs")),
+        fail_remap_(p.geti("fail_remap") == 1) {}
   const std::string& name() const override { return name_; }
   Trigger trigger() const override { return Trigger::kThreshold; }
   std::vector<kernels::Op> required_ops() const override { return {kernels::Op::kGatherTokens}; }
@@ -38,6 +39,7 @@ class KeepNewestPolicy final : public Policy {
     return std::make_unique<RunsState>();
   }
   absl::Status on_compacted(State* state, const CompactionPlan&, int32_t, bool own) const override {
+    if (fail_remap_) return absl::InternalError("test_keep_newest: fail_remap=1");
     if (own) ++static_cast<RunsState*>(state)->runs;
     return absl::OkStatus();
   }
@@ -61,12 +63,14 @@ class KeepNewestPolicy final : public Policy {
  private:
   const std::string name_ = kName;
   const int c_max_, c_target_, max_runs_;
+  const bool fail_remap_;
 };
 
 std::vector<ParamSpec> keep_newest_params(const kernels::Geometry&) {
   return {{"c_max", 16, 2, 1 << 20, true, "cache length that triggers it"},
           {"c_target", 8, 1, 1 << 20, true, "newest tokens kept"},
-          {"max_runs", 1, 0, 100, true, "compactions per sequence at most"}};
+          {"max_runs", 1, 0, 100, true, "compactions per sequence at most"},
+          {"fail_remap", 0, 0, 1, true, "1: every compaction fails after the gather (the state cannot be remapped)"}};
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> make_keep_newest(const PolicyParams& p, const kernels::Geometry&) {
