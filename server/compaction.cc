@@ -95,6 +95,7 @@ SequenceView Compactor::view_of(const Sequence& seq, bool own) const {
   v.logical = seq.logical;
   v.prompt = seq.prompt;
   v.decoding = seq.decoding;
+  v.shared_prefix = seq.shared_prefix;
   v.fp_offset = seq.quantized();
   v.queries = seq.queries.data();
   v.queries_first = seq.q_first;

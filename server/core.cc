@@ -338,6 +338,11 @@ absl::StatusOr<uint64_t> Core::fork_sequence(const std::string& session_id, uint
       !s.ok()) {
     return s;
   }
+  if (!(*parent)->decoding) {
+    // Parent and child now share the prompt's whole blocks (the child copies this).
+    const int32_t b = store_->geometry().block_size;
+    (*parent)->shared_prefix = std::max((*parent)->shared_prefix, (*parent)->length / b * b);
+  }
   auto binding = compactor_->fork(**parent);
   if (!binding.ok()) return binding.status();
   Sequence& child = store_->fork(**parent);  // `parent` may move: the store's map may grow

@@ -70,6 +70,7 @@ struct SequenceView {
   int32_t logical = 0;         // tokens ever appended (next position)
   int32_t prompt = 0;          // tokens appended before the first decode step
   bool decoding = false;       // a Step has run: the prompt is fixed
+  int32_t shared_prefix = 0;   // leading slots, whole blocks, shared with others (prefix cache, fork)
   // Slots [0, fp_offset) are quantized; the PagedKV a policy gets holds slots from fp_offset on,
   // so kernel slot indices are slot - fp_offset.
   int32_t fp_offset = 0;

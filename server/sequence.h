@@ -69,6 +69,10 @@ struct Sequence {
   bool share_tier = false;  // its published blocks go to the prefix tier (its session gave a model fingerprint)
   std::vector<int32_t> prompt_ids;
   std::vector<PrefixKey> prompt_keys;
+  // Leading tokens, whole blocks, that the sequence shares with others: the blocks it adopted from the
+  // prefix cache, or the prompt it had when it was forked before decoding. Kara's `prompt = auto`
+  // keeps them and windows the rest of the prompt.
+  int32_t shared_prefix = 0;
 
   int32_t quantized() const { return static_cast<int32_t>(qblocks.size()) * tokens_per_qblock; }
   int32_t fp_length() const { return length - quantized(); }

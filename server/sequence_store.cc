@@ -209,6 +209,7 @@ int32_t SequenceStore::adopt_prefix(Sequence& seq, const std::vector<PrefixCache
   }
   seq.prompt_ids.assign(token_ids.begin(), token_ids.begin() + cached);
   seq.length = seq.logical = cached;
+  seq.shared_prefix = cached;
   return cached;
 }
 

@@ -1,8 +1,8 @@
 // Kara: periodic sliding-window compression of generated tokens (docs/COMPRESSION.md section 1,
 // version 2). Once a sequence's tail holds W + R tokens, its oldest W tail tokens are scored (by
 // the window's own queries, by every decode query that saw them, or both) and replaced by
-// B = rho * W of them chosen by Token2Chunk; the newest R stay; compressed windows and (unless
-// prompt = window) the prompt are never touched again. Each sequence counts its own decode steps
+// B = rho * W of them chosen by Token2Chunk; the newest R stay; compressed windows and (with
+// prompt = keep, or the blocks prompt = auto finds shared) the prompt are never touched again. Each sequence counts its own decode steps
 // and is looked at on every P-th of them, phase-shifted by its creation index. Version 3 adds a
 // memory budget: turns act only above it, and when the compressed region itself is what keeps the
 // sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1); with
@@ -24,6 +24,9 @@ namespace {
 enum class Observers { kWindow = 0, kDecode = 1, kBoth = 2 };
 enum class Norm { kWindow = 0, kFull = 1 };
 enum class Agg { kMean = 0, kSum = 1 };
+// What Kara's windows cover of the prompt: none of it, all of it after the sinks, or all but the
+// leading blocks the sequence shares (from the prefix cache or a fork).
+enum class Prompt { kKeep = 0, kWindow = 1, kAuto = 2 };
 
 // What Kara keeps per sequence. Per-slot arrays cover every resident slot; the per-token ones
 // (`seen`, `lse`) are exact for the tail, where a slot is the same token in every (layer, head).
@@ -101,7 +104,7 @@ class KaraPolicy final : public Policy {
         observers_(static_cast<Observers>(p.geti("observers"))),
         norm_(static_cast<Norm>(p.geti("norm"))),
         agg_(static_cast<Agg>(p.geti("agg"))),
-        prompt_window_(p.geti("prompt") == 1),
+        prompt_(static_cast<Prompt>(p.geti("prompt"))),
         memory_budget_(p.geti("budget")),
         share_(p.get("share")),
         level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
@@ -176,7 +179,7 @@ class KaraPolicy final : public Policy {
   }
   void on_decode_start(State* state, const SequenceView& seq) const override {
     auto& s = *static_cast<KaraState*>(state);
-    s.tail_start = prompt_window_ ? first_window_start() : align_up(seq.resident);
+    s.tail_start = first_prompt_slot(seq);
     s.compressed_start = s.tail_start;
     s.level1_start = s.tail_start;
     s.origin = s.tail_start + (seq.logical - seq.resident);  // slots after the explicit ones are contiguous
@@ -238,7 +241,7 @@ class KaraPolicy final : public Policy {
   // levels). Before decoding nothing is fixed yet, except that with
   // prompt = window the prompt after the sinks will be windowed (its queries are kept).
   int32_t first_open_slot(const SequenceView& seq) const override {
-    if (!seq.decoding) return prompt_window_ ? std::min(seq.resident, first_window_start()) : seq.resident;
+    if (!seq.decoding) return windows_prompt() ? std::min(seq.resident, first_window_start()) : seq.resident;
     if (seq.state == nullptr) return seq.resident;
     return first_scored(state_of(seq));
   }
@@ -497,6 +500,27 @@ class KaraPolicy final : public Policy {
   int32_t align_up(int32_t n) const { return (n + block_ - 1) / block_ * block_; }
   // With fit the sinks are kept inside the re-ranked region, so it may start at slot 0.
   int32_t first_window_start() const { return fit_ > 0 ? 0 : align_up(sinks_); }
+  // Whether windows may cover the prompt (before decoding: whether its tokens may still be rewritten).
+  bool windows_prompt() const {
+    return prompt_ == Prompt::kWindow || (prompt_ == Prompt::kAuto && observers_ == Observers::kDecode);
+  }
+  // Where the tail starts when decoding begins: after the prompt (keep), at the first window
+  // (window), or after the prompt's shared blocks where it has any (auto: a shared block windowed
+  // would be copied into a compacted one of the sequence's own while the shared one stays).
+  int32_t first_prompt_slot(const SequenceView& seq) const {
+    switch (prompt_) {
+      case Prompt::kKeep:
+        return align_up(seq.resident);
+      case Prompt::kWindow:
+        return first_window_start();
+      case Prompt::kAuto:
+        break;
+    }
+    // Windows over the prompt need its queries unless decode queries alone score them.
+    if (observers_ != Observers::kDecode) return align_up(seq.resident);
+    const int32_t shared = std::min(seq.shared_prefix, align_up(seq.resident));
+    return std::max(first_window_start(), shared);
+  }
 
   const std::string name_ = "kara";
   const int window_, budget_, candidates_;
@@ -505,7 +529,7 @@ class KaraPolicy final : public Policy {
   const Observers observers_;
   const Norm norm_;
   const Agg agg_;
-  const bool prompt_window_;
+  const Prompt prompt_;
   const int memory_budget_;  // version 3's `budget` (tokens; 0: unbounded). budget_ is B, a window's.
   const double share_;       // version 3's `share`: the budget as a share of the logical length (0: none)
   const int level2_budget_;  // B2, a second-level window's (0: one level)
@@ -529,7 +553,10 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
       {"agg", 0, 0, 1, true, "decode-time probabilities: 0 mean over the queries that saw the key, 1 sum"},
       {"alpha", 0.5, 0.01, 1.0, false, "fraction of the budget taken as top-scoring candidates"},
       {"max_gap", 8, 0, 8192, true, "G: longest gap between candidates filled as a chunk"},
-      {"prompt", 0, 0, 1, true, "0 keep the prompt, 1 window it too (after the sinks)"},
+      {"prompt", 2, 0, 2, true, "0 keep the prompt, 1 window it too (after the sinks), 2 auto: window it but keep "
+                                "its leading blocks shared with other sequences (adopted from the prefix cache, or "
+                                "the prompt a fork before decoding shares); with observers other than 1, which need "
+                                "the prompt's queries to window it, 2 keeps it"},
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
       {"budget", 0, 0, 1 << 30, true, "version 3: resident tokens above which turns compress, re-ranking the "
                                       "compressed region when the tail has no window yet (0: unbounded, version 2)"},

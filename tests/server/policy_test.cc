@@ -110,7 +110,7 @@ TEST(KaraPolicyTest, WindowsKeepExactlyBNeverTouchThePromptOrEarlierWindows) {
       std::mt19937 rng(seed);
       SequenceOptions o;
       o.policy = "kara";
-      o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}, {"recent", recent}};  // B = 4
+      o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}, {"recent", recent}, {"prompt", 0}};  // B = 4
       const uint64_t seq = *d.create(o);
       const int prompt = 1 + rng() % 23;
       ASSERT_TRUE(d.append(seq, 0, prompt).ok());
@@ -242,7 +242,7 @@ TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
       SequenceOptions o;
       o.policy = "kara";
       o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 1}, {"recent", kRecent},
-                  {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}};
+                  {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}, {"prompt", 0}};
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -332,7 +332,7 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"observers", 3}}, "observers=3 out of range");
   refused({{"norm", 0.5}}, "norm=0.5 out of range: expected an integer");
   refused({{"agg", -1}}, "agg=-1 out of range");
-  refused({{"prompt", 2}}, "prompt=2 out of range");
+  refused({{"prompt", 3}}, "prompt=3 out of range");
   refused({{"budget", -1}}, "budget=-1 out of range");
   refused({{"budget", 64}, {"observers", 0}}, "budget=64 needs decode observations (observers=1 decode or 2 both)");
   refused({{"rho2", 1.0}}, "rho2=1 out of range");
@@ -386,6 +386,66 @@ TEST(KaraPolicyTest, PromptWindowCompressesThePromptAfterTheSinks) {
     EXPECT_LE(row[7], 19);
     EXPECT_EQ(row[8], 20);  // the rest of the prompt and the step's token, untouched
     EXPECT_EQ(row.size(), 41u - 12u);
+  }
+}
+
+// prompt = auto (the default): a prompt no other sequence shares is windowed exactly as with
+// prompt = window; with window or both observers (which would need the prompt's queries) it is
+// kept exactly as with prompt = keep.
+TEST(KaraPolicyTest, PromptAutoWindowsAnUnsharedPromptAndKeepsItForWindowObservers) {
+  auto run = [](std::map<std::string, double> params) {
+    Driver d(3);
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"window", 16}, {"period", 1}, {"recent", 16}};
+    for (const auto& [k, v] : params) o.params[k] = v;
+    const uint64_t seq = *d.create(o);
+    EXPECT_TRUE(d.append(seq, 0, 40, 40).ok());
+    std::vector<int64_t> logical{40};
+    for (int i = 0; i < 40; ++i) EXPECT_TRUE(d.step({seq}, logical).ok());
+    return std::make_pair(d.info(seq).compactions, d.positions(seq));
+  };
+  const auto automatic = run({}), window = run({{"prompt", 1}}), keep = run({{"prompt", 0}});
+  EXPECT_GT(automatic.first, 0u);
+  EXPECT_EQ(automatic, window);
+  EXPECT_NE(automatic.second, keep.second);
+  for (double observers : {0.0, 2.0}) {
+    const auto kept = run({{"prompt", 0}, {"observers", observers}});
+    EXPECT_GT(kept.first, 0u) << "the generated tokens are windowed";
+    EXPECT_EQ(run({{"observers", observers}}), kept) << "observers " << observers;
+    for (const auto& row : kept.second) {
+      for (int p = 0; p < 40; ++p) ASSERT_EQ(row[p], p) << "observers " << observers;
+    }
+  }
+}
+
+// prompt = auto keeps the prompt a fork shares: windowing it would give parent and child private
+// compacted copies of what they share. A twin that was not forked windows it at its first step.
+TEST(KaraPolicyTest, PromptAutoKeepsThePromptAForkShares) {
+  Driver d(3);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 16}, {"period", 1}, {"recent", 16}};
+  const uint64_t parent = *d.create(o), twin = *d.create(o);
+  ASSERT_TRUE(d.append(parent, 0, 42, 42).ok());
+  ASSERT_TRUE(d.append(twin, 0, 42, 42).ok());
+  auto child = d.reg->fork_sequence(d.session, parent);
+  ASSERT_TRUE(child.ok()) << child.status();
+  std::vector<int64_t> logical{42, 42, 42};
+  ASSERT_TRUE(d.step({parent, *child, twin}, logical).ok());
+  EXPECT_EQ(d.info(twin).compactions, 1u);
+  EXPECT_EQ(d.info(parent).compactions, 0u);
+  EXPECT_EQ(d.info(*child).compactions, 0u);
+  // The whole blocks of the prompt (40 of 42 tokens) are kept; the tail from slot 40 on is windowed
+  // once it holds W + R tokens.
+  logical.pop_back();
+  for (int i = 0; i < 30; ++i) ASSERT_TRUE(d.step({parent, *child}, logical).ok());
+  for (uint64_t seq : {parent, *child}) {
+    EXPECT_GT(d.info(seq).compactions, 0u) << seq;
+    for (const auto& row : d.positions(seq)) {
+      for (int p = 0; p < 40; ++p) ASSERT_EQ(row[p], p) << seq;
+      EXPECT_LT(row.size(), size_t(logical[0])) << seq;
+    }
   }
 }
 
@@ -473,7 +533,7 @@ TEST(KaraPolicyTest, AccumulatingOnlyTheTailKeepsTheSameTokens) {
         o.policy = v.policy;
         if (v.policy == "kara") {
           o.params = {{"window", 16}, {"rho", 0.25}, {"period", 2}, {"recent", 8},
-                      {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}};
+                      {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}, {"prompt", 0}};
         } else {
           o.params = {{"c_max", 48}, {"c_target", 32}};
         }
@@ -615,7 +675,7 @@ TEST(KaraBudgetTest, ReRanksTheCompressedRegionAsAFloat64ReferenceChooses) {
       SequenceOptions o;
       o.policy = "kara";
       o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 1}, {"recent", kRecent}, {"budget", kBudget},
-                  {"agg", agg}, {"fit", 0}};
+                  {"agg", agg}, {"fit", 0}, {"prompt", 0}};
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -862,7 +922,7 @@ TEST(KaraTwoLevelTest, SecondLevelWindowsKeepWhatAFloat64ReferenceChooses) {
       SequenceOptions o;
       o.policy = "kara";
       o.params = {{"window", kWindow}, {"rho", 0.5}, {"rho2", 0.25}, {"period", 1}, {"recent", kRecent},
-                  {"agg", agg}, {"observers", observers}};
+                  {"agg", agg}, {"observers", observers}, {"prompt", 0}};
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};

@@ -3,8 +3,10 @@
 // and that compaction of a sharing sequence leaves the shared blocks alone.
 #include "server/prefix_cache.h"
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <set>
 
 #include "common/synthetic.h"
 #include "gmock/gmock.h"
@@ -338,6 +340,52 @@ TEST_F(PrefixRegistryTest, KaraCompactionOfASharingSequenceLeavesTheSharedPrompt
   auto [fresh, again] = from_prefix(attach("tenant-a"), prompt);
   EXPECT_EQ(again, 16);
   (void)fresh;
+}
+
+// Kara's default prompt = auto keeps the blocks a sequence adopted from the prefix cache and windows
+// the prompt tokens it appended itself; prompt = window compresses the shared blocks into copies.
+TEST_F(PrefixRegistryTest, KaraPromptAutoKeepsTheAdoptedBlocksAndWindowsTheRest) {
+  make(256);
+  const std::vector<int32_t> prompt = ids(40, 16);
+  const uint64_t owner = publish(a_, prompt, 1);
+  const auto kv_before = read(a_, owner);
+  for (int mode = 0; mode < 2; ++mode) {  // 0: auto (the default), 1: window
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}};
+    if (mode == 1) o.params["prompt"] = 1;
+    o.prefix_token_ids = prompt;
+    auto r = reg_->create_sequence_from_prefix(b_, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const auto [sharer, cached] = *r;
+    ASSERT_EQ(cached, 16);
+    // 16 more prompt tokens of its own, then decoding: the first step finds 16 prompt tokens beyond
+    // the cached ones to window (auto), or 32 from slot 0 (window).
+    ASSERT_TRUE(append(b_, sharer, 16, 16, [](int64_t) { return 7; }).ok());
+    step(b_, sharer, 2, 32);
+    const SequenceInfo info = reg_->inspect(sharer)->first;
+    const std::vector<std::vector<int32_t>> rows = reg_->inspect(sharer)->second;
+    EXPECT_GT(info.compactions, 0) << mode;
+    bool cached_whole = true, own_whole = true;
+    for (const auto& row : rows) {
+      for (int p = 0; p < 16; ++p) cached_whole = cached_whole && row[p] == p;
+      std::set<int32_t> own(row.begin(), row.end());
+      for (int p = 16; p < 32; ++p) own_whole = own_whole && own.count(p) == 1;
+    }
+    auto infos = reg_->list_sequences(b_);
+    const auto it = std::find_if(infos.begin(), infos.end(), [&](const SequenceInfo& i) { return i.id == sharer; });
+    ASSERT_NE(it, infos.end());
+    if (mode == 0) {
+      EXPECT_TRUE(cached_whole);
+      EXPECT_FALSE(own_whole) << "its own prompt tokens are windowed";
+      EXPECT_EQ(it->shared_blocks, 4);
+    } else {
+      EXPECT_FALSE(cached_whole);
+      EXPECT_LT(it->shared_blocks, 4);
+    }
+    EXPECT_EQ(read(a_, owner), kv_before) << mode;
+    ASSERT_TRUE(reg_->release_sequence(b_, sharer).ok());
+  }
 }
 
 TEST_F(PrefixRegistryTest, ThresholdCompactionOfASharingSequenceWritesFreshBlocks) {
