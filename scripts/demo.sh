@@ -32,15 +32,15 @@ SEQUENCES="${SEQUENCES:-16}" PROMPT="${PROMPT:-512}" GENERATE="${GENERATE:-256}"
   bash scripts/demo_workload.sh build "unix:$sock"
 
 if [ -n "$smollm2" ]; then
-  # A few hundred generated tokens, so that Kara (window 64, a tick every 8 steps) compresses
-  # several windows and the KV memory it saves shows in the worker's last line.
+  # A few hundred generated tokens, so that Kara (a budget of 192 tokens, a turn every 8 steps)
+  # compresses many times and the KV memory it saves shows in the worker's last line.
   prompt="Write a story of about 200 words about a lighthouse keeper who finds a message in a bottle."
   for policy in none kara; do
     echo
     echo "==> SmolLM2-135M-Instruct answering through karakvd, --policy=$policy"
     params=()
-    # recent=64: with the default 256 a 320-token answer would barely reach its first window.
-    [ "$policy" = kara ] && params=(--param=window=64 --param=period=8 --param=rho=0.5 --param=recent=64)
+    # budget=192, recent=64: with the defaults (768, 256) a 320-token answer would never reach the budget.
+    [ "$policy" = kara ] && params=(--param=budget=192 --param=period=8 --param=recent=64)
     ./build/examples/llama/llama_worker --model="$smollm2" --target="unix:$sock" --chat --tokens=320 \
       --policy="$policy" "${params[@]}" --prompt="$prompt"
   done

@@ -11,12 +11,14 @@ target="${2:?usage: demo_workload.sh BUILD_DIR TARGET}"
 generate="${GENERATE:-256}"
 workload=(--target="$target" --sequences="${SEQUENCES:-16}" --prompt="${PROMPT:-512}"
           --generate="$generate" --check_every=16)
-# Kara compresses a window of W generated tokens once R newer ones follow it; its defaults (W 128,
-# R 256) are tuned for long generations, and the demo's 256 tokens would close no window at all.
-# A window and a recent region of 64 close a window every 64 tokens from the 128th on.
-kara=(--param=window=64,recent=64)
-if [ "$generate" -lt 128 ]; then
-  echo "demo_workload.sh: GENERATE=$generate is under 128 tokens, so Kara (window 64, recent 64) closes no window" >&2
+# Kara holds each sequence at a memory budget: once it holds more, every 16th step re-ranks what is
+# older than its newest R tokens (the prompt included, unless shared) by the attention decode steps
+# gave it, down to the budget. Its defaults (768 tokens, R 256) suit long generations; the demo's
+# sequences (a 512-token prompt and 256 generated tokens) would never reach them, so this run sets
+# a budget of 256 and R 64.
+kara=(--param=budget=256,recent=64)
+if [ $(( ${PROMPT:-512} + generate )) -le 256 ]; then
+  echo "demo_workload.sh: PROMPT + GENERATE is at most 256 tokens, Kara's budget here, so it compresses nothing" >&2
 fi
 
 # The "compress:" line's KV MiB, from a run's output.
@@ -26,8 +28,8 @@ echo "==> driving the workload without compression"
 none_out=$("$build/examples/synthetic_worker" "${workload[@]}" --policy=none)
 echo "$none_out"
 echo
-echo "==> the same workload with Kara: periodic sliding-window compression of the generated tokens"
-echo "    (window 64, recent 64 for this short run, so it closes a window every 64 tokens from the 128th)"
+echo "==> the same workload with Kara: each sequence held at a budget of 256 tokens for this short run"
+echo "    (the default is 768), its newest 64 kept whole, the rest re-ranked by decode attention every 16 steps"
 kara_out=$("$build/examples/synthetic_worker" "${workload[@]}" --policy=kara "${kara[@]}")
 echo "$kara_out"
 none_kv=$(kv_mib "$none_out")

@@ -852,7 +852,9 @@ std::vector<PolicySpec> all_policies(int window, int period) {
     karakv::SequenceOptions o;
     o.policy = "kara";
     o.storage = storage;
-    o.params = {{"window", window}, {"period", period}, {"rho", rho}};
+    // Version 2's windows, labelled by the share of each window they keep (budget 0: the default
+    // budget would make rho moot; --kara_points compares the defaults).
+    o.params = {{"window", window}, {"period", period}, {"rho", rho}, {"budget", 0}};
     if (cam) o.params["cam"] = 1;
     std::string label = absl::StrFormat("kara-%.2f", rho);
     if (!storage.empty()) label += "+" + storage;

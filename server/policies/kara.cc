@@ -105,7 +105,7 @@ class KaraPolicy final : public Policy {
         norm_(static_cast<Norm>(p.geti("norm"))),
         agg_(static_cast<Agg>(p.geti("agg"))),
         prompt_(static_cast<Prompt>(p.geti("prompt"))),
-        memory_budget_(p.geti("budget")),
+        memory_budget_(memory_budget(p)),
         share_(p.get("share")),
         level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
         grow_(p.get("grow")),
@@ -116,10 +116,18 @@ class KaraPolicy final : public Policy {
         q_heads_(g.num_q_heads),
         block_(g.block_size) {}
 
+  // The budget's default: a fixed size wherever it applies (decode observers, and none of `share`,
+  // `rho2` or `grow`, the alternatives to a fixed size), else 0 (unbounded, version 2).
+  static constexpr int kDefaultBudget = 768;
+  static int memory_budget(const PolicyParams& p) {
+    if (p.given("budget")) return p.geti("budget");
+    const bool applies = p.geti("observers") == 1 && p.get("share") == 0 && p.get("rho2") == 0 && p.get("grow") == 0;
+    return applies ? kDefaultBudget : 0;
+  }
   // fit: as given, or by default 1 wherever it applies (a budget or a share, decode observers).
   static int fits(const PolicyParams& p) {
     if (p.given("fit")) return p.geti("fit");
-    return (p.geti("budget") > 0 || p.get("share") > 0) && p.geti("observers") == 1 ? 1 : 0;
+    return (memory_budget(p) > 0 || p.get("share") > 0) && p.geti("observers") == 1 ? 1 : 0;
   }
 
   // B = round(rho * W) (halves away from zero), then to the nearest multiple of the block size
@@ -136,7 +144,10 @@ class KaraPolicy final : public Policy {
   // A window, the recent region, the steps until the next turn, and the prompt's last block.
   int query_capacity_hint() const override { return uses_window_queries() ? window_ + recent_ + 2 * period_ + 16 : 0; }
   int merge_tokens() const override { return merge_; }
-  void effective_params(std::map<std::string, double>* params) const override { (*params)["fit"] = fit_; }
+  void effective_params(std::map<std::string, double>* params) const override {
+    (*params)["fit"] = fit_;
+    (*params)["budget"] = memory_budget_;
+  }
   // Measured, CaM has not helped Kara (docs/QUALITY.md).
   std::string advice() const override {
     if (merge_ == 0) return "";
@@ -558,8 +569,10 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
                                 "the prompt a fork before decoding shares); with observers other than 1, which need "
                                 "the prompt's queries to window it, 2 keeps it"},
       {"sinks", 4, 0, 8192, true, "S: first positions always kept"},
-      {"budget", 0, 0, 1 << 30, true, "version 3: resident tokens above which turns compress, re-ranking the "
-                                      "compressed region when the tail has no window yet (0: unbounded, version 2)"},
+      {"budget", 768, 0, 1 << 30, true, "version 3: resident tokens above which turns compress (with fit, the "
+                                        "default, re-ranking everything older than the recent region down to it); "
+                                        "768 by default where it applies (observers=1, no share, rho2 or grow), else "
+                                        "0 (0: unbounded, version 2)"},
       {"share", 0, 0, 0.99, false, "version 3 without a fixed size: the budget at each turn is floor(share x L), L the "
                                    "tokens ever appended to the sequence (0: none; budget or share, not both)"},
       {"rho2", 0, 0, 0.99, false, "two levels: kept share of a second-level window, the oldest W compressed tokens "
@@ -582,14 +595,15 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
                                                      " must be a multiple of the block size ", g.block_size));
     }
   }
-  if (p.geti("budget") > 0 && p.get("share") > 0) {
+  const int memory_budget = KaraPolicy::memory_budget(p);
+  if (memory_budget > 0 && p.get("share") > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "policy 'kara': budget=", p.geti("budget"), " and share=", p.get("share"),
+        "policy 'kara': budget=", memory_budget, " and share=", p.get("share"),
         " both set the memory budget (a fixed size, or a share of the sequence's length); set one of them"));
   }
   // The budget as the request set it, for the messages below: "budget=N" or "share=F".
-  const bool bounded = p.geti("budget") > 0 || p.get("share") > 0;
-  const std::string bound = p.geti("budget") > 0 ? absl::StrCat("budget=", p.geti("budget"))
+  const bool bounded = memory_budget > 0 || p.get("share") > 0;
+  const std::string bound = memory_budget > 0 ? absl::StrCat("budget=", memory_budget)
                                                  : absl::StrCat("share=", p.get("share"));
   if (bounded && p.geti("observers") == 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   const uint64_t plain = check(c.CreateSequence("none"), "CreateSequence none");
   karakv::SequenceOptions kara;
   kara.policy = "kara";
-  kara.params = {{"window", 16}, {"rho", 0.25}, {"period", 2}, {"sinks", 2}, {"recent", 0}};
+  kara.params = {{"window", 16}, {"rho", 0.25}, {"period", 2}, {"sinks", 2}, {"recent", 0}, {"budget", 0}};
   const uint64_t karaseq = check(c.CreateSequence(kara), "CreateSequence kara");
   karakv::SequenceOptions snap;
   snap.prefill_policy = "snapkv";

@@ -322,7 +322,7 @@ TEST(LlamaDaemonTest, KaraCompressesWhileDecodingAndStaysFinite) {
   ASSERT_TRUE(client.ok()) << client.status();
   SequenceOptions kara;
   kara.policy = "kara";
-  kara.params = {{"window", 32}, {"period", 4}, {"rho", 0.5}, {"recent", 16}};
+  kara.params = {{"window", 32}, {"period", 4}, {"rho", 0.5}, {"recent", 16}, {"budget", 0}};
   DaemonAttention served(**client, kara);
   const Trace tr = greedy(*m, served, {m->tokenizer.encode("Once upon a time", true, false)}, 120);
   for (const auto& step : tr.logits) {

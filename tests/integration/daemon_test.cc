@@ -609,7 +609,7 @@ TEST_P(CompactedAttentionTest, StepOverCompactedCacheEqualsDenseOverKeptTokens) 
   const Geometry& g = (*c)->geometry();
   SequenceOptions o;
   o.policy = GetParam();
-  if (o.policy == "kara") o.params = {{"window", 32}, {"period", 4}, {"recent", 16}};
+  if (o.policy == "kara") o.params = {{"window", 32}, {"period", 4}, {"recent", 16}, {"budget", 0}};
   else if (o.policy != "none") o.params = {{"c_max", 64}, {"c_target", 40}, {"w_obs", 8}};
   if (o.policy == "streaming" || o.policy == "h2o") o.params.erase("w_obs");
   auto id = (*c)->CreateSequence(o);

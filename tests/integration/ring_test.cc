@@ -64,7 +64,7 @@ Trace workload(Client& c) {
   const Geometry& g = c.geometry();
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"recent", 0}};
+  o.params = {{"window", 16}, {"recent", 0}, {"budget", 0}};
   std::vector<uint64_t> seqs;
   constexpr int kPrompt = 20;
   for (int s = 0; s < 3; ++s) {

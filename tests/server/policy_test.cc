@@ -110,7 +110,7 @@ TEST(KaraPolicyTest, WindowsKeepExactlyBNeverTouchThePromptOrEarlierWindows) {
       std::mt19937 rng(seed);
       SequenceOptions o;
       o.policy = "kara";
-      o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}, {"recent", recent}, {"prompt", 0}};  // B = 4
+      o.params = {{"window", 16}, {"rho", 0.25}, {"period", 4}, {"recent", recent}, {"prompt", 0}, {"budget", 0}};  // B = 4
       const uint64_t seq = *d.create(o);
       const int prompt = 1 + rng() % 23;
       ASSERT_TRUE(d.append(seq, 0, prompt).ok());
@@ -242,7 +242,7 @@ TEST(KaraPolicyTest, DecodeAndBothObserversMatchAFloat64Reference) {
       SequenceOptions o;
       o.policy = "kara";
       o.params = {{"window", kWindow}, {"rho", 0.5}, {"period", 1}, {"recent", kRecent},
-                  {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}, {"prompt", 0}};
+                  {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}, {"prompt", 0}, {"budget", 0}};
       const uint64_t seq = *d.create(o);
       ASSERT_TRUE(d.append(seq, 0, kPrompt).ok());
       std::vector<int64_t> logical{kPrompt};
@@ -342,11 +342,11 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"grow", 0.5}, {"budget", 64}}, "grow=0.5 with budget=64");
   refused({{"grow", 0.5}, {"observers", 2}}, "grow=0.5 needs observers=1 (decode); observers=2");
   refused({{"grow", 0.96}}, "grow=0.96 out of range");
-  refused({{"fit", 1}}, "fit=1 needs a budget (budget > 0 or share > 0)");
+  refused({{"fit", 1}, {"budget", 0}}, "fit=1 needs a budget (budget > 0 or share > 0)");
   refused({{"fit", 1}, {"observers", 2}}, "fit=1 needs a budget");
   refused({{"fit", 1}, {"budget", 64}, {"observers", 2}}, "fit=1 needs observers=1 (decode); observers=2");
   refused({{"fit", 3}, {"budget", 64}}, "fit=3 out of range");
-  refused({{"fit", 2}}, "fit=2 needs a budget (budget > 0 or share > 0)");
+  refused({{"fit", 2}, {"budget", 0}}, "fit=2 needs a budget (budget > 0 or share > 0)");
   refused({{"share", 1.0}}, "share=1 out of range");
   refused({{"share", 0.5}, {"budget", 64}}, "budget=64 and share=0.5 both set the memory budget");
   refused({{"share", 0.5}, {"observers", 0}}, "share=0.5 needs decode observations (observers=1 decode or 2 both)");
@@ -361,11 +361,30 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   EXPECT_EQ(d.info(*both_id).params.at("fit"), 0);
   SequenceOptions plain;
   plain.policy = "kara";
+  plain.params = {{"budget", 0}};
   EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 0);
   plain.params = {{"budget", 64}};
   EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 1);
   plain.params = {{"share", 0.5}};
   EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 1);
+  // Not given, the budget is 768 (with fit 1) where it applies: decode observers and none of its
+  // alternatives; elsewhere 0, so that each of them alone is version 2's form of it.
+  auto reported = [&](std::map<std::string, double> params) {
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = std::move(params);
+    auto id = d.create(o);
+    EXPECT_TRUE(id.ok()) << id.status();
+    const auto info = d.info(*id).params;
+    return std::make_pair(info.at("budget"), info.at("fit"));
+  };
+  EXPECT_EQ(reported({}), std::make_pair(768.0, 1.0));
+  EXPECT_EQ(reported({{"observers", 0}}), std::make_pair(0.0, 0.0));
+  EXPECT_EQ(reported({{"observers", 2}}), std::make_pair(0.0, 0.0));
+  EXPECT_EQ(reported({{"share", 0.5}}), std::make_pair(0.0, 1.0));
+  EXPECT_EQ(reported({{"rho2", 0.25}}), std::make_pair(0.0, 0.0));
+  EXPECT_EQ(reported({{"grow", 0.5}}), std::make_pair(0.0, 0.0));
+  EXPECT_EQ(reported({{"budget", 100}, {"fit", 2}}), std::make_pair(100.0, 2.0));
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
@@ -374,7 +393,7 @@ TEST(KaraPolicyTest, PromptWindowCompressesThePromptAfterTheSinks) {
   Driver d(3);
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"period", 1}, {"recent", 16}, {"prompt", 1}};
+  o.params = {{"window", 16}, {"period", 1}, {"recent", 16}, {"prompt", 1}, {"budget", 0}};
   const uint64_t seq = *d.create(o);
   ASSERT_TRUE(d.append(seq, 0, 40, 40).ok());  // the prompt's queries too
   std::vector<int64_t> logical{40};
@@ -389,6 +408,26 @@ TEST(KaraPolicyTest, PromptWindowCompressesThePromptAfterTheSinks) {
   }
 }
 
+// With no parameters Kara holds a sequence at its default budget: never more than 768 resident
+// tokens plus the P = 16 a turn may let in, and the budget used (not a floor far below it).
+TEST(KaraPolicyTest, DefaultsHoldTheDefaultBudget) {
+  Driver d(11);
+  SequenceOptions o;
+  o.policy = "kara";
+  const uint64_t seq = *d.create(o);
+  ASSERT_TRUE(d.append(seq, 0, 100).ok());
+  std::vector<int64_t> logical{100};
+  int32_t most = 0;
+  for (int i = 0; i < 1100; ++i) {
+    ASSERT_TRUE(d.step({seq}, logical).ok());
+    most = std::max<int32_t>(most, d.info(seq).length);
+  }
+  EXPECT_LE(most, 768 + 16);
+  EXPECT_GT(most, 768);
+  EXPECT_GE(d.info(seq).length, 768 - 16);
+  EXPECT_GT(d.info(seq).compactions, 0);
+}
+
 // prompt = auto (the default): a prompt no other sequence shares is windowed exactly as with
 // prompt = window; with window or both observers (which would need the prompt's queries) it is
 // kept exactly as with prompt = keep.
@@ -397,7 +436,7 @@ TEST(KaraPolicyTest, PromptAutoWindowsAnUnsharedPromptAndKeepsItForWindowObserve
     Driver d(3);
     SequenceOptions o;
     o.policy = "kara";
-    o.params = {{"window", 16}, {"period", 1}, {"recent", 16}};
+    o.params = {{"window", 16}, {"period", 1}, {"recent", 16}, {"budget", 0}};
     for (const auto& [k, v] : params) o.params[k] = v;
     const uint64_t seq = *d.create(o);
     EXPECT_TRUE(d.append(seq, 0, 40, 40).ok());
@@ -425,7 +464,7 @@ TEST(KaraPolicyTest, PromptAutoKeepsThePromptAForkShares) {
   Driver d(3);
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"period", 1}, {"recent", 16}};
+  o.params = {{"window", 16}, {"period", 1}, {"recent", 16}, {"budget", 0}};
   const uint64_t parent = *d.create(o), twin = *d.create(o);
   ASSERT_TRUE(d.append(parent, 0, 42, 42).ok());
   ASSERT_TRUE(d.append(twin, 0, 42, 42).ok());
@@ -455,7 +494,7 @@ TEST(KaraPolicyTest, EachSequenceCompressesOnItsOwnTurns) {
   Driver d(5);
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"period", 4}, {"recent", 0}};
+  o.params = {{"window", 16}, {"period", 4}, {"recent", 0}, {"budget", 0}};
   std::vector<uint64_t> ids;
   for (int i = 0; i < 4; ++i) ids.push_back(*d.create(o));
   for (uint64_t id : ids) ASSERT_TRUE(d.append(id, 0, 4).ok());  // tails start at slot 4
@@ -533,7 +572,7 @@ TEST(KaraPolicyTest, AccumulatingOnlyTheTailKeepsTheSameTokens) {
         o.policy = v.policy;
         if (v.policy == "kara") {
           o.params = {{"window", 16}, {"rho", 0.25}, {"period", 2}, {"recent", 8},
-                      {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}, {"prompt", 0}};
+                      {"observers", v.observers}, {"norm", v.norm}, {"agg", v.agg}, {"prompt", 0}, {"budget", 0}};
         } else {
           o.params = {{"c_max", 48}, {"c_target", 32}};
         }
@@ -577,7 +616,7 @@ TEST(KaraPolicyTest, CapPerStepTakesTheLongestTailFirst) {
   d.session = d.reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions o;
   o.policy = "kara";
-  o.params = {{"window", 16}, {"period", 1}, {"recent", 0}};
+  o.params = {{"window", 16}, {"period", 1}, {"recent", 0}, {"budget", 0}};
   const uint64_t c_id = *d.create(o), a = *d.create(o), b = *d.create(o);
   for (uint64_t id : {c_id, a, b}) ASSERT_TRUE(d.append(id, 0, 4).ok());  // tails start at slot 4
   std::vector<int64_t> ab{4, 4};
@@ -1544,7 +1583,7 @@ TEST(CamPolicyTest, MergingKeepsTheSameTokensAndChangesOnlyValues) {
       Driver d(8);
       SequenceOptions o;
       o.policy = policy;
-      if (o.policy == "kara") o.params = {{"window", 16}, {"period", 4}, {"recent", 0}};
+      if (o.policy == "kara") o.params = {{"window", 16}, {"period", 4}, {"recent", 0}, {"budget", 0}};
       else o.params = {{"c_max", 40}, {"c_target", 24}};
       if (o.policy == "snapkv") o.params["w_obs"] = 4;
       o.params["cam"] = cam;

@@ -171,7 +171,7 @@ class PrefixRegistryTest : public ::testing::Test {
                                            const std::string& policy = "none") {
     SequenceOptions o;
     o.policy = policy;
-    if (policy == "kara") o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}};
+    if (policy == "kara") o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
     o.prefix_token_ids = prompt;
     auto r = reg_->create_sequence_from_prefix(s, o);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -352,7 +352,7 @@ TEST_F(PrefixRegistryTest, KaraPromptAutoKeepsTheAdoptedBlocksAndWindowsTheRest)
   for (int mode = 0; mode < 2; ++mode) {  // 0: auto (the default), 1: window
     SequenceOptions o;
     o.policy = "kara";
-    o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}};
+    o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
     if (mode == 1) o.params["prompt"] = 1;
     o.prefix_token_ids = prompt;
     auto r = reg_->create_sequence_from_prefix(b_, o);

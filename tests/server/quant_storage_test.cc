@@ -285,7 +285,7 @@ TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTo
   const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
   SequenceOptions o;
   o.policy = "kara+kivi4";
-  o.params = {{"window", 64}, {"period", 4}, {"recent", 0}, {"residual", 16}};  // B = 16: one block per window
+  o.params = {{"window", 64}, {"period", 4}, {"recent", 0}, {"residual", 16}, {"budget", 0}};  // B = 16: one block per window
   const uint64_t seq = *reg->create_sequence(session, o);
   ASSERT_TRUE(append_prompt(*reg, session, seq, seq, 3, 40).ok());
   for (int64_t pos = 40; pos < 400; ++pos) {

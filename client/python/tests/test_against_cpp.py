@@ -14,7 +14,7 @@ import karakv.aio
 
 PROMPT, STEPS, W_OBS, BATCH = 40, 20, 8, 4
 L, HQ, HK, D = 2, 4, 2, 16  # conftest.GEOMETRY
-KARA = {"window": 16, "rho": 0.25, "period": 2, "sinks": 2, "recent": 0}
+KARA = {"window": 16, "rho": 0.25, "period": 2, "sinks": 2, "recent": 0, "budget": 0}
 SNAP_PREFILL = {"c_max": 32, "c_target": 16, "w_obs": W_OBS, "sinks": 2}
 
 
