@@ -267,7 +267,7 @@ class Worker {
     switch (std::uniform_int_distribution<int>(0, 2)(rng_)) {
       case 0: o.policy = "none"; break;
       case 1: o.policy = "streaming", o.params = {{"c_max", 128}, {"c_target", 64}}; break;
-      default: o.policy = "kara", o.params = {{"window", 64}}; break;
+      default: o.policy = "kara", o.params = {{"budget", 128}, {"recent", 64}}; break;
     }
     auto id = client_->CreateSequence(o);
     if (!count_pool(kCreate, id.status())) return;

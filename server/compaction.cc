@@ -35,10 +35,11 @@ Compactor::Compactor(SequenceStore& store, int max_sequences_per_tick)
 absl::StatusOr<std::shared_ptr<PolicyBinding>> Compactor::bind(const std::string& name,
                                                                const std::map<std::string, double>& params,
                                                                const std::string& prefill_policy,
-                                                               const std::map<std::string, double>& prefill_params) const {
+                                                               const std::map<std::string, double>& prefill_params,
+                                                               bool quantized_storage) const {
   const kernels::Geometry& g = store_.geometry();
   kernels::Backend& backend = store_.backend();
-  auto policy = make_policy(name, params, g);
+  auto policy = make_policy(name, params, g, quantized_storage);
   if (!policy.ok()) return policy.status();
   if (absl::Status s = check_backend_runs(backend, g.dtype, **policy, "policy"); !s.ok()) return s;
   auto binding = std::make_shared<PolicyBinding>();
@@ -341,6 +342,8 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
     record(result, seq, 0, true);
     return s;
   }
+  // The range's blocks are the sequence's own now (a prefill policy over a cached prompt, say).
+  seq.shared_prefix = std::min(seq.shared_prefix, plan->begin);
   const PolicyBinding& binding = *seq.policy;
   if (binding.state) {
     if (absl::Status s = binding.policy->on_compacted(binding.state.get(), *plan, resident_before, own); !s.ok()) {

@@ -37,11 +37,13 @@ class Compactor {
   Compactor(SequenceStore& store, int max_sequences_per_tick);
 
   // The binding CreateSequence asks for: the policy and the prefill policy built and checked
-  // against the backend (UNIMPLEMENTED naming the op it cannot run).
+  // against the backend (UNIMPLEMENTED naming the op it cannot run); `quantized_storage`: the
+  // sequence stores aged tokens in a quantized format.
   absl::StatusOr<std::shared_ptr<PolicyBinding>> bind(const std::string& policy,
                                                       const std::map<std::string, double>& params,
                                                       const std::string& prefill_policy,
-                                                      const std::map<std::string, double>& prefill_params) const;
+                                                      const std::map<std::string, double>& prefill_params,
+                                                      bool quantized_storage = false) const;
   // A deep copy for a forked sequence (its state is its own from now on); an error when the state's
   // copy cannot be had (memory).
   absl::StatusOr<std::shared_ptr<PolicyBinding>> fork(const Sequence& parent) const;

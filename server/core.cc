@@ -223,7 +223,8 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
   const Geometry& g = config_.geometry;
   fill_from_tier(session_id, options.prefix_token_ids);
   absl::MutexLock lock(&mu_);
-  auto binding = compactor_->bind(spec->policy, spec->params, options.prefill_policy, options.prefill_params);
+  const bool quantized = !spec->storage.empty() && spec->storage != "fp16" && spec->storage != kernels::dtype_name(g.dtype);
+  auto binding = compactor_->bind(spec->policy, spec->params, options.prefill_policy, options.prefill_params, quantized);
   if (!binding.ok()) return binding.status();
   kernels::QuantFormat format = kernels::QuantFormat::kKivi4;
   int32_t tokens_per_qblock = 0;
@@ -338,13 +339,13 @@ absl::StatusOr<uint64_t> Core::fork_sequence(const std::string& session_id, uint
       !s.ok()) {
     return s;
   }
+  auto binding = compactor_->fork(**parent);
+  if (!binding.ok()) return binding.status();
   if (!(*parent)->decoding) {
     // Parent and child now share the prompt's whole blocks (the child copies this).
     const int32_t b = store_->geometry().block_size;
     (*parent)->shared_prefix = std::max((*parent)->shared_prefix, (*parent)->length / b * b);
   }
-  auto binding = compactor_->fork(**parent);
-  if (!binding.ok()) return binding.status();
   Sequence& child = store_->fork(**parent);  // `parent` may move: the store's map may grow
   child.session_id = session_id;
   child.policy = std::move(*binding);

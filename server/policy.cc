@@ -72,7 +72,7 @@ absl::StatusOr<PolicyParams> policy_params(const std::string& name, const std::m
 
 absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
                                                     const std::map<std::string, double>& params,
-                                                    const kernels::Geometry& geometry) {
+                                                    const kernels::Geometry& geometry, bool quantized_storage) {
   auto it = policy_table().find(name);
   if (it == policy_table().end()) {
     return absl::InvalidArgumentError(
@@ -80,6 +80,7 @@ absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
   }
   auto p = resolve_params(name, it->second.params(geometry), params);
   if (!p.ok()) return p.status();
+  p->set_quantized_storage(quantized_storage);
   return it->second.make(*p, geometry);
 }
 

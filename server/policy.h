@@ -40,10 +40,15 @@ class PolicyParams {
   // Whether the request named the parameter (false: its default).
   bool given(const std::string& name) const { return given_.contains(name); }
   void mark_given(const std::string& name) { given_.insert(name); }
+  // Not a parameter: whether the sequence stores aged tokens in a quantized format (kara+kivi4),
+  // which a policy's defaults may depend on.
+  bool quantized_storage() const { return quantized_storage_; }
+  void set_quantized_storage(bool q) { quantized_storage_ = q; }
 
  private:
   std::map<std::string, double> values_;
   std::set<std::string> given_;
+  bool quantized_storage_ = false;
 };
 
 // Fills defaults and refuses unknown names or values out of range, naming the parameter and the
@@ -198,10 +203,11 @@ bool register_policy(PolicyEntry entry);
   static const bool karakv_policy_registered_##params = ::karakv::server::register_policy({name, params, make})
 
 // Builds the named policy with the given parameters (defaults filled, ranges checked).
-// The geometry is needed to check block alignment of budgets.
+// The geometry is needed to check block alignment of budgets; `quantized_storage`: the sequence
+// stores aged tokens quantized (PolicyParams::quantized_storage).
 absl::StatusOr<std::unique_ptr<Policy>> make_policy(const std::string& name,
                                                     const std::map<std::string, double>& params,
-                                                    const kernels::Geometry& geometry);
+                                                    const kernels::Geometry& geometry, bool quantized_storage = false);
 // The parameters `make_policy` would build the named policy with: defaults filled, ranges checked.
 absl::StatusOr<PolicyParams> policy_params(const std::string& name, const std::map<std::string, double>& params,
                                            const kernels::Geometry& geometry);

@@ -39,6 +39,9 @@ struct KaraState final : PolicyState {
   // The position of the tail's first slot when decoding began: `logical` minus it is how many tokens
   // have entered the tail (grow > 0).
   int32_t origin = 0;
+  // prompt = auto: the leading slots kept because the sequence shares them; they do not count
+  // against the budget (they are the prefix cache's and every sharer's, not this sequence's own).
+  int32_t shared_kept = 0;
   uint64_t steps = 0;      // decode steps this sequence has taken
   // observers = decode | both: decode attention probabilities each slot received, summed over the
   // group's query heads, per (layer, KV head) [L * Hk][slots]; and how many decode steps' queries
@@ -117,11 +120,14 @@ class KaraPolicy final : public Policy {
         block_(g.block_size) {}
 
   // The budget's default: a fixed size wherever it applies (decode observers, and none of `share`,
-  // `rho2` or `grow`, the alternatives to a fixed size), else 0 (unbounded, version 2).
+  // `rho2` or `grow`, the alternatives to a fixed size), else 0 (unbounded, version 2). Not with
+  // quantized storage either: a budget keeps the whole region open for its re-ranks, so nothing
+  // would ever be quantized; version 2's windows are final, and quantized as they age.
   static constexpr int kDefaultBudget = 768;
   static int memory_budget(const PolicyParams& p) {
     if (p.given("budget")) return p.geti("budget");
-    const bool applies = p.geti("observers") == 1 && p.get("share") == 0 && p.get("rho2") == 0 && p.get("grow") == 0;
+    const bool applies = p.geti("observers") == 1 && p.get("share") == 0 && p.get("rho2") == 0 &&
+                         p.get("grow") == 0 && !p.quantized_storage();
     return applies ? kDefaultBudget : 0;
   }
   // fit: as given, or by default 1 wherever it applies (a budget or a share, decode observers).
@@ -191,6 +197,7 @@ class KaraPolicy final : public Policy {
   void on_decode_start(State* state, const SequenceView& seq) const override {
     auto& s = *static_cast<KaraState*>(state);
     s.tail_start = first_prompt_slot(seq);
+    s.shared_kept = prompt_ == Prompt::kAuto && windows_prompt() && seq.shared_prefix > 0 ? s.tail_start : 0;
     s.compressed_start = s.tail_start;
     s.level1_start = s.tail_start;
     s.origin = s.tail_start + (seq.logical - seq.resident);  // slots after the explicit ones are contiguous
@@ -451,7 +458,7 @@ class KaraPolicy final : public Policy {
   // 1). The product is nudged up by far less than one token so that a share given in decimals
   // floors as in decimals (0.35 * 180 is 63, not the 62.99... of binary floating point).
   int32_t budget_of(const SequenceView& seq) const {
-    if (memory_budget_ > 0) return memory_budget_;
+    if (memory_budget_ > 0) return memory_budget_ + (seq.state != nullptr ? state_of(seq).shared_kept : 0);
     return std::max<int32_t>(1, int32_t(std::floor(share_ * double(seq.logical) + 1e-6)));
   }
 
@@ -620,7 +627,8 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
   if (p.given("fit") && p.geti("fit") > 0 && !bounded) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy 'kara': fit=", p.geti("fit"), " needs a budget (budget > 0 or share > 0): it re-ranks what is "
-        "older than the recent region down to the budget, and budget=0 with share=0 sets none"));
+        "older than the recent region down to the budget, and there is none (budget=0 and share=0; the budget "
+        "defaults to 0 with observers other than 1, with rho2 or grow, and with quantized storage)"));
   }
   if (p.given("fit") && p.geti("fit") > 0 && p.geti("observers") != 1) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -787,7 +787,7 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
     SequenceOptions o;
     o.policy = "kara";
     o.params = {{"window", window}, {"rho", rho}, {"recent", recent}, {"period", period}, {"budget", budget},
-                {"observers", 1 + int(rng() % 2)}, {"fit", 0}};
+                {"observers", 1 + int(rng() % 2)}, {"fit", 0}, {"prompt", 0}};
     std::vector<uint64_t> seqs;
     for (int i = 0; i < 3; ++i) {
       seqs.push_back(*d.create(o));
@@ -1432,7 +1432,7 @@ TEST(PolicyPropertyTest, RandomStepCompactForkReleaseKeepInvariants) {
       if (kind == 0 || live.empty()) {
         SequenceOptions o;
         o.policy = policies[rng() % 6];
-        if (o.policy == "kara") o.params = {{"window", 8}, {"period", 2}, {"recent", 0}};
+        if (o.policy == "kara") o.params = {{"window", 8}, {"period", 2}, {"recent", 0}, {"budget", 0}};
         else if (o.policy != "none") o.params = {{"c_max", 24}, {"c_target", 12}, {"sinks", 2}};
         if (o.policy == "snapkv" || o.policy == "chunkkv") o.params["w_obs"] = 4;
         auto id = d.create(o);

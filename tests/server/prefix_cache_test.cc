@@ -388,6 +388,56 @@ TEST_F(PrefixRegistryTest, KaraPromptAutoKeepsTheAdoptedBlocksAndWindowsTheRest)
   }
 }
 
+// The shared blocks prompt = auto keeps do not count against Kara's budget: a sequence on a cached
+// prompt holds the prompt plus up to its budget of its own tokens (a turn may let in P = 1 more).
+TEST_F(PrefixRegistryTest, KaraBudgetCountsOnlyTheTokensASequenceDoesNotShare) {
+  make(256);
+  const std::vector<int32_t> prompt = ids(40, 16);
+  publish(a_, prompt, 1);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"budget", 32}, {"recent", 4}, {"period", 1}, {"sinks", 0}};  // fit 1, prompt auto
+  o.prefix_token_ids = prompt;
+  auto r = reg_->create_sequence_from_prefix(b_, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->second, 16);
+  int32_t most = 0;
+  for (int64_t pos = 16; pos < 100; ++pos) {
+    step(b_, r->first, 2, pos);
+    const auto seen = reg_->inspect(r->first);
+    ASSERT_TRUE(seen.ok()) << seen.status();
+    most = std::max(most, seen->first.length);
+    for (const auto& row : seen->second) {
+      for (int p = 0; p < 16; ++p) ASSERT_EQ(row[p], p) << "the shared prompt is kept";
+    }
+  }
+  EXPECT_LE(most, 16 + 32 + 1);
+  EXPECT_GT(most, 16 + 32 - 4) << "the budget is the sequence's own tokens, not the shared prompt's too";
+  EXPECT_GT(reg_->inspect(r->first)->first.compactions, 0);
+}
+
+// A prefill policy that rewrites the cached prompt makes its blocks the sequence's own: Kara's
+// prompt = auto then windows them, from slot 0, as it would an unshared prompt.
+TEST_F(PrefixRegistryTest, KaraPromptAutoWindowsACachedPromptAPrefillPolicyRewrote) {
+  make(256);
+  const std::vector<int32_t> prompt = ids(40, 16);
+  publish(a_, prompt, 1);
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
+  o.prefill_policy = "streaming";
+  o.prefill_params = {{"c_max", 24}, {"c_target", 20}, {"sinks", 4}};
+  o.prefix_token_ids = prompt;
+  auto r = reg_->create_sequence_from_prefix(b_, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->second, 16);
+  ASSERT_TRUE(append(b_, r->first, 16, 16, [](int64_t) { return 7; }).ok());
+  // The first step: streaming keeps 20 of 32 (4 sinks and the newest 16) in fresh blocks, then
+  // Kara's first window, slots 0..7, keeps 4: 20 + 1 - 4.
+  step(b_, r->first, 2, 32);
+  EXPECT_EQ(reg_->inspect(r->first)->first.length, 17);
+}
+
 TEST_F(PrefixRegistryTest, ThresholdCompactionOfASharingSequenceWritesFreshBlocks) {
   make(128);
   const std::vector<int32_t> prompt = ids(40, 16);
