@@ -4,7 +4,9 @@ perplexity task, perplexity above `none` (%), for the long-generation fidelity t
 the mean KL divergence from `none` (nats), for GSM8K (`greedy`), the greedy agreement with
 `none` (%), against MEAN resident K/V tokens per sequence, one
 curve per policy family joined in memory order. Rows come from llama_quality CSVs: a Kara point
-labelled `kara` is Kara's version 2 defaults; any other Kara point is "kara v3" when it has a
+labelled `kara` is Kara's version 2 defaults (the suite's rows of 2026-12-06; the CSV records
+the parameters a run gave, so a point run later with no `budget` is read as version 2 too: name
+the budget in `--kara_points` when plotting the defaults since 2026-12-07); any other Kara point is "kara v3" when it has a
 `budget` (e.g. `k70`, `kb994`), "kara v3 fit" / "kara v3 fit 2" with `fit=1` / `fit=2` as well, "kara v3 share" with
 `share` (the budget a share of the length), "kara, two levels" with `rho2`, "kara, growing recent" with
 `grow`, and "kara v2" otherwise, with the prompt kept or windowed

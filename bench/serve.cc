@@ -45,7 +45,7 @@ ABSL_FLAG(std::string, serve_policies, "none,snapkv,kara,streaming,kara+kivi4",
           "serve: policies swept, comma separated (policy names as CreateSequence takes them)");
 ABSL_FLAG(std::string, serve_kara_params, "",
           "serve: Kara's parameters over its defaults for every kara sequence (kara+kivi4 too), name=value,... "
-          "(e.g. budget=768 for contract version 3's memory budget)");
+          "(e.g. budget=512, or budget=0 for contract version 2's unbounded windows)");
 ABSL_FLAG(std::string, serve_batches, "8,16,32,64,128,256", "serve: max decode batch sizes swept");
 ABSL_FLAG(int32_t, serve_steps, 1600,
           "serve: engine decode steps per (policy, max batch) run; every run covers the same steps, so contexts "

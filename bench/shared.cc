@@ -1,7 +1,8 @@
 // karakv-bench shared: the pool memory of N sequences that start from one cached system prompt,
-// per compression configuration. With Kara's prompt kept, the prompt's blocks stay shared (one copy
-// for every sequence and the cache); a configuration that compresses the prompt (prompt=1, a
-// budget's fit, a threshold baseline) gathers what it keeps into each sequence's own blocks. So a
+// per compression configuration. With Kara's prompt kept (prompt=0, or the default prompt=auto for
+// the blocks a sequence adopted from the cache), the prompt's blocks stay shared (one copy for
+// every sequence and the cache); a configuration that compresses the prompt (prompt=1, a threshold
+// baseline) gathers what it keeps into each sequence's own blocks. So a
 // per-sequence saving can cost memory in total where many sequences share a prompt; this mode
 // measures both, side by side, with the workload otherwise the same.
 //

@@ -135,7 +135,7 @@ class Policy {
   // once per daemon run and text); empty: none.
   virtual std::string advice() const { return ""; }
   // The resolved parameters as the policy applies them, where a default depends on other
-  // parameters (Kara's `fit`); what GetSequence reports.
+  // parameters (Kara's `budget` and `fit`); what GetSequence reports.
   virtual void effective_params(std::map<std::string, double>* /*params*/) const {}
   // The kernel ops its plans and compactions call (CaM's merge excluded: see merge_tokens), so a
   // sequence is refused at creation when the daemon's backend cannot run one of them.

@@ -852,9 +852,10 @@ std::vector<PolicySpec> all_policies(int window, int period) {
     karakv::SequenceOptions o;
     o.policy = "kara";
     o.storage = storage;
-    // Version 2's windows, labelled by the share of each window they keep (budget 0: the default
-    // budget would make rho moot; --kara_points compares the defaults).
-    o.params = {{"window", window}, {"period", period}, {"rho", rho}, {"budget", 0}};
+    // Version 2's windows with the prompt kept, as these rows always ran, labelled by the share of
+    // each window they keep (the default budget would make rho moot, and prompt = auto would window
+    // the prompt; --kara_points compares the defaults).
+    o.params = {{"window", window}, {"period", period}, {"rho", rho}, {"budget", 0}, {"prompt", 0}};
     if (cam) o.params["cam"] = 1;
     std::string label = absl::StrFormat("kara-%.2f", rho);
     if (!storage.empty()) label += "+" + storage;

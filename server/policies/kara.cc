@@ -1,16 +1,16 @@
-// Kara: periodic sliding-window compression of generated tokens (docs/COMPRESSION.md section 1,
-// version 2). Once a sequence's tail holds W + R tokens, its oldest W tail tokens are scored (by
-// the window's own queries, by every decode query that saw them, or both) and replaced by
+// Kara: periodic compression of a sequence's cache (docs/COMPRESSION.md section 1). Each sequence
+// counts its own decode steps and is looked at on every P-th of them, phase-shifted by its creation
+// index. Version 2 (budget 0): once the tail holds W + R tokens, its oldest W tail tokens are scored
+// (by the window's own queries, by every decode query that saw them, or both) and replaced by
 // B = rho * W of them chosen by Token2Chunk; the newest R stay; compressed windows and (with
-// prompt = keep, or the blocks prompt = auto finds shared) the prompt are never touched again. Each sequence counts its own decode steps
-// and is looked at on every P-th of them, phase-shifted by its creation index. Version 3 adds a
-// memory budget: turns act only above it, and when the compressed region itself is what keeps the
-// sequence above it, a turn re-ranks that region down to fit (docs/COMPRESSION.md section 1); with
-// `fit` (the default with a budget), a turn above the budget re-ranks everything older than the
-// recent region, the tail's blocks too, down to the budget (fit 2: by at least W - B), instead of
-// compressing a window to rho; `share` sets the budget as a share of the sequence's length. Its
-// alternatives without a budget: two levels (`rho2`: the oldest W compressed tokens compressed
-// again) and a recent region that grows with the tail (`grow`).
+// prompt = keep, or the blocks prompt = auto finds shared) the prompt are never touched again.
+// Version 3 adds a memory budget (768 tokens by default where it applies): turns act only above it;
+// with `fit` (the default with a budget) a turn above the budget re-ranks everything older than the
+// recent region, the tail's blocks too, down to the budget (fit 2: by at least W - B); with fit 0 it
+// compresses a window, or re-ranks the compressed region when that is what keeps the sequence above
+// the budget. `share` sets the budget as a share of the sequence's length. Version 2's alternatives
+// to a budget: two levels (`rho2`: the oldest W compressed tokens compressed again) and a recent
+// region that grows with the tail (`grow`).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -157,7 +157,7 @@ class KaraPolicy final : public Policy {
   // Measured, CaM has not helped Kara (docs/QUALITY.md).
   std::string advice() const override {
     if (merge_ == 0) return "";
-    return "cam=1 with kara is not recommended: on the development set (Shakespeare, W 128, rho 0.25) "
+    return "cam=1 with kara is not recommended: on the development set (Shakespeare, version 2: W 128, rho 0.25) "
            "kara+cam has perplexity 38.19 against kara's 38.14 (+1.21% vs +1.07% over none), and merging "
            "keys as well was worse still (38.34); see docs/QUALITY.md";
   }
@@ -256,8 +256,9 @@ class KaraPolicy final : public Policy {
     return seq.state != nullptr && state_of(seq).steps % uint64_t(period_) == seq.id % uint64_t(period_);
   }
   // The tail may still be compressed (and the compressed region with a budget, level 1 with two
-  // levels). Before decoding nothing is fixed yet, except that with
-  // prompt = window the prompt after the sinks will be windowed (its queries are kept).
+  // levels). Before decoding nothing is fixed yet, except that where windows may cover the prompt
+  // (prompt = window, or auto with decode observers) the prompt after the sinks may be windowed.
+  // The shared part auto keeps is settled only when decoding starts.
   int32_t first_open_slot(const SequenceView& seq) const override {
     if (!seq.decoding) return windows_prompt() ? std::min(seq.resident, first_window_start()) : seq.resident;
     if (seq.state == nullptr) return seq.resident;
