@@ -279,27 +279,20 @@ TEST_F(QuantBatchTest, SequencesOfOneFormatShareAKernelCall) {
 
 // With quantized storage Kara's budget defaults to 0: a budget keeps the whole region open for its
 // re-ranks, so nothing would ever be quantized; version 2's windows are final and age into it.
-TEST(QuantStorageCompositionTest, KaraWithQuantizedStorageDefaultsToFinalWindows) {
-  CoreConfig c;
-  c.geometry = geometry();
-  c.pool_bytes = 512ll * c.geometry.block_bytes();
-  auto reg = std::move(*Core::create(c, kernels::make_cpu_backend(1)));
-  const std::string session = reg->attach("w", "t", 0, kernels::Geometry{})->session_id;
-  SequenceOptions o;
-  o.policy = "kara+kivi4";
-  o.params = {{"window", 64}, {"period", 4}, {"recent", 32}, {"residual", 16}};
-  const uint64_t seq = *reg->create_sequence(session, o);
-  ASSERT_TRUE(append_prompt(*reg, session, seq, seq, 3, 40).ok());
-  for (int64_t pos = 40; pos < 400; ++pos) ASSERT_TRUE(step_token(*reg, session, seq, seq, 3, pos).ok());
-  const SequenceInfo info = reg->inspect(seq)->first;
+TEST_F(QuantStorageFixture, KaraWithQuantizedStorageDefaultsToFinalWindows) {
+  const std::map<std::string, double> params = {{"window", 64}, {"period", 4}, {"recent", 32}};
+  std::map<std::string, double> stored = params;
+  stored["residual"] = 16;
+  const uint64_t seq = create("kara+kivi4", stored);
+  ASSERT_TRUE(append_prompt(*reg_, session_, seq, seq, 3, 40).ok());
+  for (int64_t pos = 40; pos < 400; ++pos) ASSERT_TRUE(step_token(*reg_, session_, seq, seq, 3, pos).ok());
+  const SequenceInfo info = reg_->inspect(seq)->first;
   EXPECT_EQ(info.params.at("budget"), 0);
   EXPECT_EQ(info.params.at("fit"), 0);
   EXPECT_GE(info.compactions, 4);
   EXPECT_GT(info.quantized, 0);
   // Without storage the same request gets the default budget.
-  o.policy = "kara";
-  o.params.erase("residual");
-  EXPECT_EQ(reg->inspect(*reg->create_sequence(session, o))->first.params.at("budget"), 768);
+  EXPECT_EQ(reg_->inspect(create("kara", params))->first.params.at("budget"), 768);
 }
 
 TEST(QuantStorageCompositionTest, KaraCompactsThenQuantizesOnlyWhatItWillNeverTouch) {
