@@ -229,7 +229,7 @@ absl::StatusOr<std::pair<uint64_t, int32_t>> Core::create_sequence_from_prefix(c
   kernels::QuantFormat format = kernels::QuantFormat::kKivi4;
   int32_t tokens_per_qblock = 0;
   const std::string& storage = spec->storage;
-  if (!storage.empty() && storage != "fp16" && storage != kernels::dtype_name(g.dtype)) {
+  if (quantized) {
     if (!parse_quant_format(storage, &format)) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown storage '", storage, "'; expected kivi2, kivi4, tq2, tq3 or tq4 (or none)"));

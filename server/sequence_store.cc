@@ -683,8 +683,8 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   // values afterwards, and the backend can. Then no block is allocated (a full pool does not stop
   // the compaction), the range's trailing blocks go back, and a row whose kept prefix is already
   // in place copies only what follows it.
-  bool in_place = merge_tokens == 0 && (plan.begin - q0) % b == 0 &&
-                  backend_.supports(kernels::Op::kGatherTokensInPlace, g.dtype);
+  // (plan.begin is block-aligned, and so is q0: a quantized block holds whole blocks of tokens.)
+  bool in_place = merge_tokens == 0 && backend_.supports(kernels::Op::kGatherTokensInPlace, g.dtype);
   for (int32_t i = first_old; in_place && i < end_old; ++i) in_place = pool_.refcount(seq.blocks[i]) == 1;
   std::vector<int32_t> fresh;
   if (in_place) {

@@ -527,18 +527,9 @@ class KaraPolicy final : public Policy {
   // (window), or after the prompt's shared blocks where it has any (auto: a shared block windowed
   // would be copied into a compacted one of the sequence's own while the shared one stays).
   int32_t first_prompt_slot(const SequenceView& seq) const {
-    switch (prompt_) {
-      case Prompt::kKeep:
-        return align_up(seq.resident);
-      case Prompt::kWindow:
-        return first_window_start();
-      case Prompt::kAuto:
-        break;
-    }
-    // Windows over the prompt need its queries unless decode queries alone score them.
-    if (observers_ != Observers::kDecode) return align_up(seq.resident);
-    const int32_t shared = std::min(seq.shared_prefix, align_up(seq.resident));
-    return std::max(first_window_start(), shared);
+    if (!windows_prompt()) return align_up(seq.resident);
+    if (prompt_ == Prompt::kWindow) return first_window_start();
+    return std::max(first_window_start(), std::min(seq.shared_prefix, align_up(seq.resident)));
   }
 
   const std::string name_ = "kara";
