@@ -21,16 +21,21 @@
 #include "../common/checks.h"
 #include "../common/dispatch.h"
 #include "../common/quant_codebook.h"
+#include "../common/quant_layout.h"
 #include "karakv/kernels/half.h"
 #include "simd.h"
 
 namespace karakv::kernels::cpu {
 namespace {
 
-constexpr int kKiviGroup = 32;         // tokens per key group, channels per value group
 constexpr float kHalfMax = 65504.0f;   // largest finite fp16
 
-bool is_kivi(QuantFormat f) { return f == QuantFormat::kKivi2 || f == QuantFormat::kKivi4; }
+// The layout every backend shares (common/quant_layout.h).
+using common::is_kivi;
+using common::kivi_key_group_bytes;
+using common::kivi_value_token_bytes;
+using common::kKiviGroup;
+using common::tq_token_bytes;
 
 // Lloyd-Max centroids of N(0, 1) and their decision thresholds (common/quant_codebook.h, shared
 // with the CUDA backend so that a code means the same centroid on both).
@@ -151,16 +156,6 @@ void store_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
 
 // ---- sizes and validation --------------------------------------------------------------------
 
-bool head_dim_ok(QuantFormat f, int d) {
-  if (d < 1 || d > kMaxQuantHeadDim) return false;
-  if (is_kivi(f)) return d % kKiviGroup == 0;
-  return d >= 8 && (d & (d - 1)) == 0;
-}
-
-size_t kivi_key_group_bytes(int bits, int d) { return 4 * size_t(d) + size_t(4) * bits * d; }
-size_t kivi_value_token_bytes(int bits, int d) { return 4 * size_t(d / kKiviGroup) + size_t(d) * bits / 8; }
-size_t tq_token_bytes(int bits, int d) { return 2 + size_t(d) * bits / 8; }
-
 KernelStatus invalid(std::string_view op, const std::string& msg) {
   return KernelStatus::invalid(std::string(op) + ": " + msg);
 }
@@ -173,7 +168,7 @@ KernelStatus check_run(std::string_view op, QuantFormat f, int n, int d, bool is
   if (is_kivi(f) && is_key && n % kKiviGroup != 0)
     return invalid(op, std::string("n ") + std::to_string(n) + " must be a multiple of " + std::to_string(kKiviGroup) +
                            " for " + quant_format_name(f) + " keys");
-  if (!head_dim_ok(f, d)) {
+  if (!common::quant_head_dim_ok(f, d)) {
     if (is_kivi(f))
       return invalid(op, "head_dim " + std::to_string(d) + " must be a multiple of 32 in [32, " +
                              std::to_string(kMaxQuantHeadDim) + "] for " + quant_format_name(f));
@@ -780,36 +775,6 @@ const char* quant_format_name(QuantFormat f) {
     case QuantFormat::kTq4: return "tq4";
   }
   return "unknown";
-}
-
-int quant_bits(QuantFormat f) {
-  switch (f) {
-    case QuantFormat::kKivi2: return 2;
-    case QuantFormat::kKivi4: return 4;
-    case QuantFormat::kTq2: return 2;
-    case QuantFormat::kTq3: return 3;
-    case QuantFormat::kTq4: return 4;
-  }
-  return 0;
-}
-
-int token_multiple(QuantFormat f) {
-  if (quant_bits(f) == 0) return 0;
-  return is_kivi(f) ? kKiviGroup : 1;
-}
-
-size_t key_run_bytes(QuantFormat f, int n, int head_dim) {
-  if (!check_run("key_run_bytes", f, n, head_dim, /*is_key=*/true).is_ok()) return 0;
-  const int bits = quant_bits(f);
-  if (is_kivi(f)) return size_t(n / kKiviGroup) * kivi_key_group_bytes(bits, head_dim);
-  return size_t(n) * tq_token_bytes(bits, head_dim);
-}
-
-size_t value_run_bytes(QuantFormat f, int n, int head_dim) {
-  if (!check_run("value_run_bytes", f, n, head_dim, /*is_key=*/false).is_ok()) return 0;
-  const int bits = quant_bits(f);
-  if (is_kivi(f)) return size_t(n) * kivi_value_token_bytes(bits, head_dim);
-  return size_t(n) * tq_token_bytes(bits, head_dim);
 }
 
 namespace {

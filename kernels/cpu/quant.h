@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../common/quant_layout.h"
 #include "karakv/kernels/types.h"
 
 namespace karakv::kernels::cpu {
@@ -14,10 +15,11 @@ namespace karakv::kernels::cpu {
 using kernels::QuantFormat;  // types.h: the formats the daemon stores
 
 const char* quant_format_name(QuantFormat f);  // "kivi2", ..., "tq4"; "unknown" otherwise
-int quant_bits(QuantFormat f);                  // 2, 3 or 4; 0 for an unknown format
 
-// Largest head_dim any format accepts (a power of two and a multiple of 32).
-constexpr int kMaxQuantHeadDim = 4096;
+// The layout both backends share (common/quant_layout.h): bits (2, 3 or 4; 0 for an unknown
+// format), the largest head_dim any format accepts, run sizes and token granularity below.
+using common::kMaxQuantHeadDim;
+using common::quant_bits;
 
 // ---------------------------------------------------------------------------------------------
 // Byte layouts. A run is a concatenation of self-contained records, so the run of tokens
@@ -45,11 +47,11 @@ constexpr int kMaxQuantHeadDim = 4096;
 //
 // Bytes of the run of n tokens; 0 when (f, n, d) is not a valid run (n < 0, n not a multiple of
 // token_multiple(f) for keys, or d not allowed for f).
-size_t key_run_bytes(QuantFormat f, int n, int head_dim);
-size_t value_run_bytes(QuantFormat f, int n, int head_dim);
-// Granularity in tokens in which runs are quantized: 32 for KIVI (key groups), 1 for TurboQuant.
-// 0 for an unknown format.
-int token_multiple(QuantFormat f);
+// Granularity in tokens in which runs are quantized (token_multiple): 32 for KIVI (key groups), 1
+// for TurboQuant, 0 for an unknown format.
+using common::key_run_bytes;
+using common::token_multiple;
+using common::value_run_bytes;
 
 // ---------------------------------------------------------------------------------------------
 // KIVI (asymmetric min-max). For a group with fp32 minimum m and maximum M and L = 2^b - 1:

@@ -199,19 +199,6 @@ std::vector<float>& thread_probs() {
 
 }  // namespace
 
-int quantized_tokens_per_block(const Geometry& g, kernels::QuantFormat format) {
-  const QuantFormat f = format;
-  const size_t run = size_t(g.block_size) * g.head_dim * dtype_size(g.dtype);
-  const int multiple = std::lcm(std::max(1, token_multiple(f)), g.block_size);
-  int best = 0;
-  for (int n = multiple; n <= 1 << 16; n += multiple) {
-    const size_t kb = key_run_bytes(f, n, g.head_dim), vb = value_run_bytes(f, n, g.head_dim);
-    if (kb == 0 || vb == 0 || kb > run || vb > run) break;
-    best = n;
-  }
-  return best;
-}
-
 KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q, int32_t dst) {
   constexpr std::string_view op = "quantize_tokens";
   KARAKV_RETURN_IF_ERROR(check_qkv(op, kv, q));

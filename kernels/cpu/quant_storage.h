@@ -5,11 +5,12 @@
 
 #include <cstdint>
 
+#include "../common/quant_layout.h"
 #include "karakv/kernels/types.h"
 
 namespace karakv::kernels::cpu {
 
-int quantized_tokens_per_block(const Geometry& g, QuantFormat format);
+using common::quantized_tokens_per_block;  // common/quant_layout.h
 
 KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q, int32_t dst);
 

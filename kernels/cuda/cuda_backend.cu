@@ -27,8 +27,8 @@
 
 #include "../common/allocations.h"
 #include "../common/checks.h"
+#include "../common/quant_layout.h"
 #include "../common/validate.h"
-#include "../cpu/quant_storage.h"
 #include "arena.h"
 #include "attention.cuh"
 #include "cam_merge.cuh"
@@ -455,7 +455,7 @@ class CudaBackend final : public Backend {
   // the reference's too.
   int quantized_tokens_per_block(const Geometry& g, QuantFormat format) const override {
     if (!cuda::check_geometry(g).is_ok()) return 0;
-    return cpu::quantized_tokens_per_block(g, format);
+    return common::quantized_tokens_per_block(g, format);
   }
 
   KernelStatus quantize_tokens(const PagedKV& kv, int seq, int slot_begin, const QuantizedKV& q,
@@ -585,11 +585,11 @@ class CudaBackend final : public Backend {
     return seeds;
   }
 
-  // The reference's checks of a quantized call (cpu/quant_storage.cc: geometry, and tokens_per_block
-  // the format's), then the CUDA kernels' limits.
+  // The reference's checks of a quantized call (common::check_geometry, and tokens_per_block the format's:
+  // common/quant_layout.h), then the CUDA kernels' limits.
   static KernelStatus check_quantized(std::string_view op, const PagedKV& kv, const QuantizedKV& q) {
     KARAKV_RETURN_IF_ERROR(common::check_geometry(op, kv));
-    const int want = cpu::quantized_tokens_per_block(kv.geometry, q.format);
+    const int want = common::quantized_tokens_per_block(kv.geometry, q.format);
     if (q.tokens_per_block < 1 || q.tokens_per_block != want)
       return KernelStatus::invalid(std::string(op) + ": tokens_per_block " + std::to_string(q.tokens_per_block) +
                                    " does not match the format's " + std::to_string(want));

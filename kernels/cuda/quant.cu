@@ -2,13 +2,18 @@
 #include <cmath>
 
 #include "../common/quant_codebook.h"
+#include "../common/quant_layout.h"
 #include "karakv/kernels/half.h"
 #include "quant.cuh"
 
 namespace karakv::kernels::cuda {
 namespace {
 
-constexpr int kKiviGroup = 32;        // tokens per key group, channels per value group
+using common::is_kivi;
+using common::kivi_key_group_bytes;
+using common::kivi_value_token_bytes;
+using common::kKiviGroup;  // tokens per key group, channels per value group
+using common::tq_token_bytes;
 constexpr float kHalfMax = 65504.0f;  // largest finite fp16
 constexpr int kThreads = 256;
 constexpr int kTileElems = 1024;      // TurboQuant: tokens per CTA = kTileElems / head_dim (>= 1)
@@ -18,22 +23,6 @@ constexpr int kSlotsPerSplit = 256;   // slots per CTA of the value kernel
 // causal call; a single row larger than this is one chunk of its own.
 constexpr long long kChunkLogits = 16LL << 20;
 
-bool is_kivi(QuantFormat f) { return f == QuantFormat::kKivi2 || f == QuantFormat::kKivi4; }
-int format_bits(QuantFormat f) {
-  switch (f) {
-    case QuantFormat::kKivi2: case QuantFormat::kTq2: return 2;
-    case QuantFormat::kTq3: return 3;
-    case QuantFormat::kKivi4: case QuantFormat::kTq4: return 4;
-  }
-  return 0;
-}
-
-// Record sizes of cpu/quant.h's layouts.
-__host__ __device__ inline size_t kivi_key_group_bytes(int bits, int d) { return 4 * size_t(d) + size_t(4) * bits * d; }
-__host__ __device__ inline size_t kivi_value_token_bytes(int bits, int d) {
-  return 4 * size_t(d / kKiviGroup) + size_t(d) * bits / 8;
-}
-__host__ __device__ inline size_t tq_token_bytes(int bits, int d) { return 2 + size_t(d) * bits / 8; }
 
 // The codebook as a kernel argument (indexed at run time from the parameter space).
 struct Codebook {
@@ -594,7 +583,7 @@ KernelStatus upload(const std::vector<T>& host, const T** out, Arena& arena, cud
 template <typename F>
 KernelStatus dispatch_quant(DType dtype, QuantFormat format, F&& f) {
   return common::dispatch_dtype(dtype, [&](auto dtag) {
-    return common::dispatch_quant_bits(format, format_bits(format), [&](auto btag) -> KernelStatus {
+    return common::dispatch_quant_bits(format, common::quant_bits(format), [&](auto btag) -> KernelStatus {
       constexpr int B = decltype(btag)::value;
       if (is_kivi(format)) {
         if constexpr (B == 3) return KernelStatus::invalid("kivi has no 3-bit format");
