@@ -4,7 +4,7 @@
 
 namespace karakv::kernels {
 
-std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
+std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {
   if (error != nullptr)
     *error = "this build has no CUDA backend (nvcc was not found when it was configured; reconfigure with "
              "-DKARAKV_CUDA=ON where the CUDA toolkit is installed)";

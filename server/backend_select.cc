@@ -46,8 +46,15 @@ absl::StatusOr<SelectedBackend> select(const std::string& requested, int cuda_de
   if (geometry != nullptr) {
     if (kernels::KernelStatus st = kernels::cuda::check_geometry(*geometry); !st.is_ok()) why = st.message;
   }
+  // $KARAKV_CUDA_ATTENTION picks the CUDA decode attention; a value that is unknown or that this
+  // build cannot run refuses the start, as the CPU backend's variables do, whether or not a GPU is
+  // here (the setting is wrong either way).
+  kernels::CudaAttention attention;
+  if (kernels::KernelStatus st = kernels::cuda_attention_from_env(&attention); !st.is_ok()) {
+    return absl::InvalidArgumentError(st.message);
+  }
   if (why.empty()) {
-    out.backend = kernels::make_cuda_backend(cuda_device, &why);
+    out.backend = kernels::make_cuda_backend(cuda_device, attention, &why);
     if (out.backend != nullptr) {
       out.reason = absl::StrCat("requested --backend=", requested);
       return out;

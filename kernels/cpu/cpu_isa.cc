@@ -6,46 +6,15 @@
 #include <string>
 #include <utility>
 
+#include "../common/choice.h"
 #include "simd.h"
 
 namespace karakv::kernels {
 namespace {
 
+using common::parse_choice;
+
 constexpr std::string_view kBaselineName = KARAKV_CPU_AVX2 ? "avx2" : "scalar";
-
-// `text` as one of two named choices, "auto" or empty meaning `best`; a choice this build or CPU
-// cannot run is refused with what is missing. `what` names the setting in messages ("CPU ISA").
-template <typename T>
-KernelStatus parse_choice(std::string_view what, std::string_view text, std::pair<std::string_view, T> first,
-                          std::pair<std::string_view, T> second, T best, std::string (*missing_of)(T), T* out) {
-  const std::string expected =
-      "expected auto, " + std::string(first.first) + " or " + std::string(second.first);
-  T value;
-  if (text.empty() || text == "auto") {
-    value = best;
-  } else if (text == first.first) {
-    value = first.second;
-  } else if (text == second.first) {
-    value = second.second;
-  } else {
-    return KernelStatus::invalid("unknown " + std::string(what) + " '" + std::string(text) + "', " + expected);
-  }
-  if (std::string missing = missing_of(value); !missing.empty()) {
-    return KernelStatus::invalid(std::string(what) + " " + std::string(text) + " cannot run here: " + missing +
-                                 "; use auto or " + std::string(first.first));
-  }
-  *out = value;
-  return KernelStatus::ok();
-}
-
-// parse(getenv(env)), errors prefixed with the variable's name.
-template <typename T>
-KernelStatus from_env(const char* env, KernelStatus (*parse)(std::string_view, T*), T* out) {
-  const char* value = std::getenv(env);
-  KernelStatus st = parse(value == nullptr ? "" : value, out);
-  if (!st.is_ok()) st.message = std::string(env) + ": " + st.message;
-  return st;
-}
 
 }  // namespace
 
@@ -71,7 +40,7 @@ KernelStatus parse_cpu_isa(std::string_view text, CpuIsa* out) {
                               best_cpu_isa(), cpu_isa_missing, out);
 }
 
-KernelStatus cpu_isa_from_env(CpuIsa* out) { return from_env(kCpuIsaEnv, parse_cpu_isa, out); }
+KernelStatus cpu_isa_from_env(CpuIsa* out) { return common::choice_from_env(kCpuIsaEnv, parse_cpu_isa, out); }
 
 std::string_view cpu_gemm_name(CpuGemm gemm) { return gemm == CpuGemm::kLibxsmm ? "libxsmm" : "tile"; }
 
@@ -97,6 +66,6 @@ KernelStatus parse_cpu_gemm(std::string_view text, CpuGemm* out) {
                                best_cpu_gemm(), cpu_gemm_missing, out);
 }
 
-KernelStatus cpu_gemm_from_env(CpuGemm* out) { return from_env(kCpuGemmEnv, parse_cpu_gemm, out); }
+KernelStatus cpu_gemm_from_env(CpuGemm* out) { return common::choice_from_env(kCpuGemmEnv, parse_cpu_gemm, out); }
 
 }  // namespace karakv::kernels

@@ -34,6 +34,9 @@
 #include "cam_merge.cuh"
 #include "common.cuh"
 #include "cuda_limits.h"
+#if KARAKV_HAVE_FLASHINFER
+#include "flashinfer_decode.h"
+#endif
 #include "gather_tokens.cuh"
 #include "karakv/kernels/backend.h"
 #include "quant.cuh"
@@ -66,8 +69,8 @@ class CudaScratchMemory final : public cuda::ArenaMemory {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, int num_sms, std::string device_name)
-      : device_(device), num_sms_(num_sms), device_name_(std::move(device_name)) {}
+  CudaBackend(int device, int num_sms, std::string device_name, CudaAttention attention)
+      : device_(device), num_sms_(num_sms), device_name_(std::move(device_name)), attention_(attention) {}
 
   KernelStatus init() {
     KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaSetDevice", cudaSetDevice(device_));
@@ -86,7 +89,8 @@ class CudaBackend final : public Backend {
 
   std::string_view name() const override { return "cuda"; }
   std::string description() const override {
-    return "cuda device " + std::to_string(device_) + " (" + device_name_ + ", " + std::to_string(num_sms_) + " SMs)";
+    return "cuda device " + std::to_string(device_) + " (" + device_name_ + ", " + std::to_string(num_sms_) +
+           " SMs, " + std::string(cuda_attention_name(attention_)) + " decode attention)";
   }
 
   // Every op, quantized storage (KIVI, TurboQuant) included, for every storage dtype.
@@ -1045,9 +1049,13 @@ class CudaBackend final : public Backend {
     } else if (scoring) {
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
     }
-    KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
-      return cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_, stream);
-    }));
+    if (flashinfer_covers(kv)) {
+      KARAKV_RETURN_IF_ERROR(flashinfer_decode(call, kv, layer, dq, dout, scale, lse));
+    } else {
+      KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
+        return cuda::launch_paged_attention(dkv, geo.dtype, layer, rows, dq, dout, scale, lse, num_sms_, arena_, stream);
+      }));
+    }
     if (!observing) return call.finish();
 
     // Per-(sequence, KV head) probabilities of the accumulated slots on the device: added there into
@@ -1084,6 +1092,74 @@ class CudaBackend final : public Backend {
     return KernelStatus::ok();
   }
 
+  // Whether this decode call runs FlashInfer's batch decode: asked for, built, a geometry it covers
+  // (flashinfer_decode_gap) and a sequence with a token.
+  bool flashinfer_covers(const PagedKV& kv) const {
+#if KARAKV_HAVE_FLASHINFER
+    if (attention_ != CudaAttention::kFlashInfer || !cuda::flashinfer_decode_gap(kv.geometry).empty()) return false;
+    for (int s = 0; s < kv.num_seqs; ++s)
+      if (kv.seq_len[s] > 0) return true;
+#else
+    (void)kv;
+#endif
+    return false;
+  }
+
+  // One layer of decode through FlashInfer (arguments validated, flashinfer_covers): the non-empty
+  // sequences' tables as its pages (each one's first ceil(seq_len / block_size) block ids), a plan
+  // that the call's other layers and the next calls of the same shape reuse, then its kernel and the
+  // widening of its output into dout (0 for an empty sequence) and, when given, lse (natural; -inf
+  // for an empty sequence).
+  KernelStatus flashinfer_decode(Call& call, const PagedKV& kv, int layer, const float* dq, float* dout, float scale,
+                                 float* lse) {
+#if KARAKV_HAVE_FLASHINFER
+    const Geometry& g = kv.geometry;
+    std::vector<int32_t> indptr(1, 0), last, indices, row_map(kv.num_seqs, -1);
+    bool all_rows = true;
+    for (int s = 0; s < kv.num_seqs; ++s) {
+      if (kv.seq_len[s] <= 0) {
+        all_rows = false;
+        continue;
+      }
+      const int32_t pages = (kv.seq_len[s] + g.block_size - 1) / g.block_size;
+      row_map[s] = int32_t(last.size());
+      indices.insert(indices.end(), kv.block_table + kv.table_offset[s], kv.block_table + kv.table_offset[s] + pages);
+      indptr.push_back(indptr.back() + pages);
+      last.push_back(kv.seq_len[s] - (pages - 1) * g.block_size);
+    }
+    const int batch = int(last.size());
+    cuda::FlashInferPages pages;
+    pages.batch = batch;
+    KARAKV_RETURN_IF_ERROR(call.upload(indptr, &pages.indptr));
+    KARAKV_RETURN_IF_ERROR(call.upload(indices, &pages.indices));
+    KARAKV_RETURN_IF_ERROR(call.upload(last, &pages.last_page_len));
+    cuda::FlashInferRows rows;
+    rows.rows = kv.num_seqs;
+    rows.q = dq;
+    rows.out = dout;
+    rows.lse = lse;
+    rows.scale = scale;
+    if (!all_rows) {
+      KARAKV_RETURN_IF_ERROR(call.upload(row_map, &rows.row_map));
+      KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.q_token_elems(), &rows.q_batch)));
+    }
+    KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.q_token_elems() * dtype_size(g.dtype), &rows.o16)));
+    if (lse != nullptr) KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.num_q_heads, &rows.lse2)));
+    // The plan's upload is queued on the stream before the call's inputs; launch() queues those
+    // before the kernels, so both are in place when they run.
+    if (std::string err = flashinfer_.plan(g, indptr, stream_); !err.empty())
+      return call.named({KernelStatus::Code::kInternal, err});
+    return call.launch([&](cudaStream_t stream) -> KernelStatus {
+      std::string err = flashinfer_.run(g, kv.pool, layer, pages, rows, stream);
+      if (err.empty()) return KernelStatus::ok();
+      return {KernelStatus::Code::kInternal, err};
+    });
+#else
+    (void)call, (void)kv, (void)layer, (void)dq, (void)dout, (void)scale, (void)lse;
+    return {KernelStatus::Code::kInternal, "FlashInfer is not in this build"};
+#endif
+  }
+
   long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
 
   const int device_;
@@ -1096,15 +1172,21 @@ class CudaBackend final : public Backend {
   CudaScratchMemory scratch_memory_;
   Arena arena_{scratch_memory_};
   PinnedStaging pinned_up_, pinned_down_;
+  const CudaAttention attention_;
+#if KARAKV_HAVE_FLASHINFER
+  cuda::FlashInferDecode flashinfer_;  // its workspaces and the last plan
+#endif
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
+std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {
   auto fail = [&](const std::string& why) -> std::unique_ptr<Backend> {
     if (error != nullptr) *error = why;
     return nullptr;
   };
+  if (std::string missing = cuda_attention_missing(attention); !missing.empty())
+    return fail("CUDA attention " + std::string(cuda_attention_name(attention)) + ": " + missing);
   int count = 0;
   if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
     cudaGetLastError();
@@ -1117,7 +1199,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
   cudaDeviceProp prop{};
   if (const cudaError_t err = cudaGetDeviceProperties(&prop, device); err != cudaSuccess)
     return fail(std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(err));
-  auto backend = std::make_unique<CudaBackend>(device, prop.multiProcessorCount, prop.name);
+  auto backend = std::make_unique<CudaBackend>(device, prop.multiProcessorCount, prop.name, attention);
   if (KernelStatus st = backend->init(); !st.is_ok()) return fail(st.message);
   // A device whose context cannot be created, or that is out of memory, fails here rather than on
   // the first request.

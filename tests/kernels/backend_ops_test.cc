@@ -17,20 +17,24 @@
 namespace karakv::kernels::test {
 namespace {
 
-// Backends this suite knows about. On machines or builds without a GPU create_backend returns null
-// with the reason, and the cuda cases skip saying "no device" and why.
-std::vector<std::string> registered_backends() { return {"cpu", "cuda"}; }
+// Backends this suite knows about: the CPU reference, the CUDA backend with its own decode kernels,
+// and the CUDA backend with FlashInfer's decode where it covers the call ("flashinfer"; every other
+// op is the same as "cuda"'s). On machines or builds without a GPU create_backend returns null with
+// the reason, and the cuda cases skip saying "no device" and why; a build without FlashInfer skips
+// the flashinfer cases saying "not built".
+std::vector<std::string> registered_backends() { return {"cpu", "cuda", "flashinfer"}; }
 
 std::unique_ptr<Backend> create_backend(const std::string& name, std::string* why) {
   if (name == "cpu") return make_cpu_backend();
-  if (name == "cuda") return make_cuda_backend(0, why);
+  if (name == "cuda") return make_cuda_backend(0, CudaAttention::kOwn, why);
+  if (name == "flashinfer") return make_cuda_backend(0, CudaAttention::kFlashInfer, why);
   *why = "unknown backend";
   return nullptr;
 }
 
 // Per-op tolerance against the reference. Data movement ops are bit exact; attention may differ in
 // fp32 summation order and exp implementation (outputs are O(1): |v| <= 1).
-double tolerance(Op op) {
+double reference_tolerance(Op op) {
   switch (op) {
     case Op::kDecodeAttention:
     case Op::kCausalAttention: return 1e-4;
@@ -92,6 +96,8 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
  protected:
   void SetUp() override {
     std::string why;
+    if (std::get<0>(GetParam()) == "flashinfer" && !cuda_attention_missing(CudaAttention::kFlashInfer).empty())
+      GTEST_SKIP() << "not built: " << cuda_attention_missing(CudaAttention::kFlashInfer);
     backend_ = create_backend(std::get<0>(GetParam()), &why);
     if (backend_ == nullptr) GTEST_SKIP() << "no device: backend " << std::get<0>(GetParam()) << ": " << why;
     const GeometryCase& c = std::get<2>(GetParam());
@@ -104,6 +110,16 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
     if (c.long_len > 0) lens_.push_back(c.long_len);
   }
   bool supported(Op op) const { return backend_->supports(op, geo_.dtype); }
+
+  // The op's tolerance against the reference; FlashInfer's decode output is rounded to the pool's
+  // dtype before it is widened (kernels/cuda/flashinfer_decode.h), which adds a unit roundoff of the
+  // O(1) outputs: 2^-11 for fp16, 2^-8 for bf16.
+  double tolerance(Op op) const {
+    double t = reference_tolerance(op);
+    if (op == Op::kDecodeAttention && std::get<0>(GetParam()) == "flashinfer")
+      t += geo_.dtype == DType::kFloat16 ? std::ldexp(1.0, -11) : geo_.dtype == DType::kBFloat16 ? std::ldexp(1.0, -8) : 0.0;
+    return t;
+  }
 
   // The same sequences, block tables (same seed) and values in a cache per backend.
   struct Pair {

@@ -4,11 +4,11 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
-#include <optional>
 #include <string>
 
 #include "karakv/kernels/backend.h"
 #include "karakv/kernels/cpu_isa.h"
+#include "kernel_test_util.h"
 
 namespace karakv::kernels::test {
 namespace {
@@ -56,19 +56,6 @@ TEST(CpuIsaTest, Avx512IsAcceptedExactlyWhereItRuns) {
   }
 }
 
-// Restores the environment variable kVar whatever the test does.
-template <const char* kVar>
-class EnvVarTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (const char* v = getenv(kVar)) saved_ = v;
-  }
-  void TearDown() override {
-    if (saved_) setenv(kVar, saved_->c_str(), 1);
-    else unsetenv(kVar);
-  }
-  std::optional<std::string> saved_;
-};
 using CpuIsaEnvTest = EnvVarTest<kCpuIsaEnv>;
 
 TEST_F(CpuIsaEnvTest, ForcesTheBackendsIsa) {

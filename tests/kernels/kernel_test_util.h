@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +21,20 @@
 #include "karakv/kernels/half.h"
 
 namespace karakv::kernels::test {
+
+// Restores the environment variable kVar whatever the test does.
+template <const char* kVar>
+class EnvVarTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const char* v = getenv(kVar)) saved_ = v;
+  }
+  void TearDown() override {
+    if (saved_) setenv(kVar, saved_->c_str(), 1);
+    else unsetenv(kVar);
+  }
+  std::optional<std::string> saved_;
+};
 
 // Threads of this process named `name` (/proc/self/task/*/comm): the kernels' pool helpers are
 // karakv-kernels, the fast path's ring threads karakv-ring. Counted by name, so the runtime's own

@@ -89,6 +89,36 @@ TEST(BackendSelectTest, CpuGemmFromTheEnvironment) {
   }
 }
 
+// KARAKV_CUDA_ATTENTION picks the CUDA backend's decode attention; a value that is unknown or that
+// this build cannot run refuses the start wherever the CUDA backend is tried (auto or cuda, with or
+// without a GPU), and --backend=cpu does not read it.
+TEST(BackendSelectTest, CudaAttentionFromTheEnvironment) {
+  const RestoreEnv restore(kernels::kCudaAttentionEnv);
+  setenv(kernels::kCudaAttentionEnv, "cudnn", 1);
+  for (const char* requested : {"auto", "cuda"}) {
+    auto b = select_backend(requested, 0, 1);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << requested;
+    EXPECT_THAT(b.status().message(), HasSubstr("KARAKV_CUDA_ATTENTION"));
+    EXPECT_THAT(b.status().message(), HasSubstr("'cudnn'"));
+    EXPECT_THAT(b.status().message(), HasSubstr("expected auto, own or flashinfer"));
+  }
+  auto cpu = select_backend("cpu", 0, 1);
+  EXPECT_TRUE(cpu.ok()) << cpu.status();
+
+  setenv(kernels::kCudaAttentionEnv, "own", 1);
+  auto own = select_backend("auto", 0, 1);
+  ASSERT_TRUE(own.ok()) << own.status();
+  if (own->backend->name() == "cuda") EXPECT_THAT(own->backend->description(), HasSubstr("own decode attention"));
+
+  if (const std::string missing = kernels::cuda_attention_missing(kernels::CudaAttention::kFlashInfer);
+      !missing.empty()) {
+    setenv(kernels::kCudaAttentionEnv, "flashinfer", 1);
+    auto b = select_backend("auto", 0, 1);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(b.status().message(), HasSubstr(missing));
+  }
+}
+
 TEST(BackendSelectTest, AutoFallsBackToCpuAndSaysWhyOrRunsOnTheGpu) {
   std::string why;
   const bool gpu = gpu_here(&why);

@@ -1,0 +1,53 @@
+// The CUDA backend's choice of decode attention (karakv/kernels/cuda_attention.h). Built in every
+// configuration, so the daemon can refuse a choice its build cannot run.
+#include "karakv/kernels/cuda_attention.h"
+
+#include <cstdio>
+
+#include "common/choice.h"
+#include "karakv/kernels/backend.h"
+
+namespace karakv::kernels {
+
+std::string_view cuda_attention_name(CudaAttention attention) {
+  return attention == CudaAttention::kFlashInfer ? "flashinfer" : "own";
+}
+
+std::string cuda_attention_missing(CudaAttention attention) {
+  if (attention == CudaAttention::kOwn) return "";
+#if KARAKV_HAVE_FLASHINFER
+  return "";
+#elif KARAKV_HAVE_CUDA
+  return "this build has no FlashInfer (run scripts/fetch_flashinfer.sh, then configure again)";
+#else
+  return "this build has no CUDA backend";
+#endif
+}
+
+CudaAttention default_cuda_attention() { return CudaAttention::kOwn; }
+
+KernelStatus parse_cuda_attention(std::string_view text, CudaAttention* out) {
+  return common::parse_choice<CudaAttention>("CUDA attention", text, {"own", CudaAttention::kOwn},
+                                             {"flashinfer", CudaAttention::kFlashInfer}, default_cuda_attention(),
+                                             cuda_attention_missing, out);
+}
+
+KernelStatus cuda_attention_from_env(CudaAttention* out) {
+  return common::choice_from_env(kCudaAttentionEnv, parse_cuda_attention, out);
+}
+
+}  // namespace karakv::kernels
+
+namespace karakv::kernels {
+
+std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
+  CudaAttention attention = default_cuda_attention();
+  if (KernelStatus st = cuda_attention_from_env(&attention); !st.is_ok()) {
+    std::fprintf(stderr, "karakv: %s; using %s\n", st.message.c_str(),
+                 std::string(cuda_attention_name(default_cuda_attention())).c_str());
+    attention = default_cuda_attention();
+  }
+  return make_cuda_backend(device, attention, error);
+}
+
+}  // namespace karakv::kernels

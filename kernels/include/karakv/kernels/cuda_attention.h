@@ -1,0 +1,42 @@
+// Which kernels the CUDA backend's decode attention runs over fp16 and bf16 pools: the project's
+// own (kernels/cuda/attention.cu) or FlashInfer's batch decode (kernels/cuda/flashinfer_decode.h),
+// where the build has FlashInfer's headers. FlashInfer runs only where it covers the call (fp16 or
+// bf16, head_dim 64/128/256, GQA groups 1-4, 6, 8, 16, every sequence non-empty); everything
+// else, and every other op, runs the project's kernels, which stay the reference.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "karakv/kernels/types.h"
+
+namespace karakv::kernels {
+
+enum class CudaAttention : uint8_t {
+  kOwn,         // the project's paged decode kernels
+  kFlashInfer,  // FlashInfer's batch decode where it covers the call
+};
+
+// "own" and "flashinfer".
+std::string_view cuda_attention_name(CudaAttention attention);
+
+// Empty when this build can run `attention`, else what is missing ("this build has no FlashInfer
+// ...").
+std::string cuda_attention_missing(CudaAttention attention);
+
+// What "auto" means: the project's own kernels until FlashInfer's route has passed the device
+// check on a GPU (scripts/gpu-check.sh runs the op tests under both; docs/BENCHMARKS.md, "GPU").
+CudaAttention default_cuda_attention();
+
+// "auto" (or empty): default_cuda_attention(); "own" or "flashinfer": that one, if this build has
+// it. Anything else is kInvalidArgument saying what was wrong and what is expected.
+KernelStatus parse_cuda_attention(std::string_view text, CudaAttention* out);
+
+// The environment variable that picks the CUDA backend's decode attention.
+inline constexpr char kCudaAttentionEnv[] = "KARAKV_CUDA_ATTENTION";
+
+// parse_cuda_attention of $KARAKV_CUDA_ATTENTION; unset is "auto". Errors name the variable.
+KernelStatus cuda_attention_from_env(CudaAttention* out);
+
+}  // namespace karakv::kernels
