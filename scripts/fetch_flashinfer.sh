@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fetches FlashInfer's header library (Apache-2.0) for the CUDA backend's paged decode: the PyPI
 # wheel flashinfer-python==0.7.2.post1, checked against its pinned SHA-256, of which only the headers
-# the decode needs are unpacked (flashinfer/data/include, cutlass/include, and CCCL's libcudacxx,
-# cub and thrust, which must come ahead of the CUDA toolkit's own on the include path) with the
-# wheel's licence files. Nothing else is downloaded and nothing from the wheel runs.
+# the decode includes are unpacked (flashinfer/data/include, and CCCL's libcudacxx, which must come
+# ahead of the CUDA toolkit's own on the include path: 21 MB) with the wheel's licence files.
+# Nothing else is downloaded and nothing from the wheel runs.
 #
 #   scripts/fetch_flashinfer.sh        unpacks into ${KARAKV_FLASHINFER_DIR:-$HOME/.cache/karakv/flashinfer-0.7.2.post1}
 #
@@ -37,8 +37,7 @@ rm -rf "$dir.tmp"
 python3 - "$wheel" "$dir.tmp" <<'PY' || { echo "fetch_flashinfer: cannot unpack $wheel" >&2; rm -rf "$dir.tmp"; exit 1; }
 import os, sys, zipfile
 wheel, dest = sys.argv[1], sys.argv[2]
-keep = ("flashinfer/data/include/", "flashinfer/data/cutlass/include/", "flashinfer/data/cccl/libcudacxx/include/",
-        "flashinfer/data/cccl/cub/", "flashinfer/data/cccl/thrust/")
+keep = ("flashinfer/data/include/", "flashinfer/data/cccl/libcudacxx/include/")
 n = 0
 with zipfile.ZipFile(wheel) as z:
     for name in z.namelist():

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check: every CUDA kernel against the CPU reference on fresh random inputs, the kernel
-# benchmarks, the two-process device staging test (CUDA IPC) and karakv-bench serve on the GPU, in one
-# short table. Two halves:
+# The GPU check: every CUDA kernel against the CPU reference on fresh random inputs (the decode tests
+# once more with FlashInfer's decode, KARAKV_CUDA_ATTENTION=flashinfer), the kernel benchmarks (fp16
+# decode by both), the two-process device staging test (CUDA IPC) and karakv-bench serve on the GPU,
+# in one short table. Two halves:
 #
-#   scripts/gpu-check.sh --prepare   here, on a machine with nvcc but no GPU: builds the kernel library,
+#   scripts/gpu-check.sh --prepare   here, on a machine with nvcc but no GPU: fetches FlashInfer's headers
+#                                    (scripts/fetch_flashinfer.sh) and packs them (2 MB) for a rebuild
+#                                    there; builds the kernel library,
 #                                    its tests and benchmark into build-gpu/ (KARAKV_KERNELS_ONLY: no
 #                                    gRPC needed; libstdc++ and libgcc linked in statically), and copies
 #                                    the shared libraries they still need that are not part of the C
@@ -56,8 +59,9 @@
 # step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
 # are left alone) over the paged decode and the quantized decode kernels, at most 120 s per run.
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
-# the sizes and fails above 60 MiB):
-#   build-gpu/tests/kernels/kernels_test  build-gpu/bench/kernels/kernels_bench  build-gpu/carry
+# the sizes and fails above 60 MiB): build-gpu/carry, which holds the kernel binaries packed
+# (kernels.tar.xz: with FlashInfer's instantiations they are 53 MB unpacked, 10 MB packed), unpacked
+# into build-gpu/ by the GPU-machine half.
 set -uo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -80,8 +84,13 @@ if [ "${1:-}" = "--prepare" ]; then
   set -e
   # Static libstdc++ / libgcc: this machine's (Debian's) need a newer C library than the GPU
   # machine may have. Test discovery at ctest time: building runs no test binary.
-  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKARAKV_KERNELS_ONLY=ON -DKARAKV_CUDA=ON \
-    -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" \
+  # FlashInfer's decode (KARAKV_CUDA_ATTENTION=flashinfer): its headers fetched here (the GPU machine
+  # has no network), built in when they are there, and carried packed (2 MB) for a rebuild there.
+  fi_dir="${KARAKV_FLASHINFER_DIR:-$HOME/.cache/karakv/flashinfer-0.7.2.post1}"
+  bash scripts/fetch_flashinfer.sh ||
+    echo "gpu-check.sh --prepare: no FlashInfer headers (see above); building without its decode" >&2
+  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKARAKV_KERNELS_ONLY=ON -DKARAKV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    -DKARAKV_FLASHINFER_DIR="$fi_dir" -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" \
     -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST > /dev/null
   cmake --build "$B" -j "$JOBS" --target kernels_test kernels_bench
   rm -rf "$B/carry" && mkdir -p "$B/carry/lib"
@@ -101,12 +110,16 @@ if [ "${1:-}" = "--prepare" ]; then
   cp /usr/lib/x86_64-linux-gnu/libgtest*.a /usr/lib/x86_64-linux-gnu/libgmock*.a "$B/carry/gtest/lib/x86_64-linux-gnu/"
   cp -r /usr/lib/x86_64-linux-gnu/cmake/GTest "$B/carry/gtest/lib/x86_64-linux-gnu/cmake/"
   echo "carried libraries: $(find "$B/carry/lib" -maxdepth 1 -type f -printf '%f ')"
+  if [ -f "$fi_dir/include/flashinfer/attention/decode.cuh" ]; then
+    tar -C "$fi_dir" -cJf "$B/carry/flashinfer-headers.tar.xz" include cccl licenses
+  fi
 
   # The full CUDA build for the device staging test and karakv-bench serve. The same flags as
   # build/ (scripts/setup.sh), so ccache serves what that tree compiled.
   command -v patchelf > /dev/null || { echo "gpu-check.sh --prepare needs patchelf (apt-get install patchelf)" >&2; exit 1; }
   F=build-gpu-full
-  cmake -S . -B "$F" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_CUDA=ON > /dev/null
+  cmake -S . -B "$F" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKARAKV_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real \
+    -DKARAKV_FLASHINFER_DIR="$fi_dir" > /dev/null
   cmake --build "$F" -j "$JOBS" --target karakvd karakv-bench device_staging_test
   C="$B/carry/full"
   rm -rf "$C" && mkdir -p "$C/bin" "$C/server" "$C/lib"
@@ -131,13 +144,14 @@ if [ "${1:-}" = "--prepare" ]; then
   # Packed (about a quarter of the size); the GPU-machine half unpacks it.
   tar -C "$B/carry" -cJf "$B/carry/full.tar.xz" full
   rm -rf "$C"
-  du -sh "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench" "$B/carry" "$B/carry/full.tar.xz"
-  total=$(du -sck "$B/tests/kernels/kernels_test" "$B/bench/kernels/kernels_bench" "$B/carry" | tail -1 | cut -f1)
+  tar -C "$B" -cJf "$B/carry/kernels.tar.xz" tests/kernels/kernels_test bench/kernels/kernels_bench
+  du -sh "$B/carry" "$B/carry/full.tar.xz" "$B/carry/kernels.tar.xz"
+  total=$(du -sk "$B/carry" | cut -f1)
   if [ "$total" -gt $((60 * 1024)) ]; then
     echo "gpu-check.sh --prepare: what to carry is $((total / 1024)) MiB, over the 60 MiB budget" >&2
     exit 1
   fi
-  echo "prepared $B ($((total / 1024)) MiB to carry); run scripts/gpu-check.sh on the GPU machine carrying $B"
+  echo "prepared $B ($((total / 1024)) MiB to carry); run scripts/gpu-check.sh on the GPU machine carrying $B/carry"
   exit 0
 fi
 
@@ -157,6 +171,10 @@ mkdir -p "$RESULTS"
 STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging,profile}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 FULL="$PWD/build-gpu/carry/full"
+if [ -f build-gpu/carry/kernels.tar.xz ]; then
+  tar -C build-gpu -xJf build-gpu/carry/kernels.tar.xz 2> /dev/null ||
+    python3 -m tarfile -e build-gpu/carry/kernels.tar.xz build-gpu
+fi
 if [ ! -d "$FULL" ] && [ -f build-gpu/carry/full.tar.xz ]; then
   tar -C build-gpu/carry -xJf build-gpu/carry/full.tar.xz 2> /dev/null ||
     python3 -m tarfile -e build-gpu/carry/full.tar.xz build-gpu/carry
@@ -261,8 +279,14 @@ if why=$(cannot_start); then
       { tail -40 /tmp/gpu-gtest.txt; exit 1; }
     gtest_dir="$PWD/build-gpu-local/_gtest/lib/cmake/GTest"
   fi
+  fi_flags=(-DKARAKV_FLASHINFER=OFF)
+  if [ -f "$B/carry/flashinfer-headers.tar.xz" ]; then
+    mkdir -p build-gpu-local/_flashinfer
+    tar -C build-gpu-local/_flashinfer -xJf "$B/carry/flashinfer-headers.tar.xz" &&
+      fi_flags=(-DKARAKV_FLASHINFER=ON -DKARAKV_FLASHINFER_DIR="$PWD/build-gpu-local/_flashinfer")
+  fi
   cmake -S . -B build-gpu-local -G Ninja -DCMAKE_BUILD_TYPE=Release -DKARAKV_KERNELS_ONLY=ON -DKARAKV_CUDA=ON \
-    -DGTest_DIR="$gtest_dir" -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST > /tmp/gpu-cmake.txt 2>&1 ||
+    "${fi_flags[@]}" -DGTest_DIR="$gtest_dir" -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST > /tmp/gpu-cmake.txt 2>&1 ||
     { cat /tmp/gpu-cmake.txt; exit 1; }
   cmake --build build-gpu-local -j "$JOBS" --target kernels_test kernels_bench > /tmp/gpu-build.txt 2>&1 ||
     { tail -40 /tmp/gpu-build.txt; exit 1; }
@@ -270,12 +294,17 @@ if why=$(cannot_start); then
   set_bin_env
 fi
 
+# The decode tests once more with FlashInfer's decode where it covers the call ("flashinfer" cases:
+# the other ops are the same code as "cuda"'s).
+FI_TESTS='*/BackendOpsTest.Decode*/flashinfer_*:*/BackendOpsTest.AccumulatorsInBackendMemory/flashinfer_*'
+TEST_FILTER="AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*:$FI_TESTS"
+TEST_FILTER="$TEST_FILTER:CudaAttentionTest.*:FlashInferDecodeTest.*"
 if want tests; then
   # 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test), and the
   # backend's geometry limits (cuda_limits_test). Not --gtest_brief: it prints no line for a passed or
   # skipped test, and no failed count.
   with_timeout "$TEST_TIMEOUT" "${BIN_ENV[@]}" "$B/tests/kernels/kernels_test" \
-    --gtest_filter="${GPU_CHECK_TEST_FILTER:-AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*}" \
+    --gtest_filter="${GPU_CHECK_TEST_FILTER:-$TEST_FILTER}" \
     > /tmp/gpu-tests.txt 2>&1
   tests_rc=$?
   read -r passed failed skipped running < <(gtest_counts /tmp/gpu-tests.txt)
@@ -303,6 +332,8 @@ else
 fi
 
 MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTest.*/cuda_fp16_hd96_g1'
+MEMCHECK_FILTER="$MEMCHECK_FILTER:AllBackends/BackendOpsTest.DecodeAttention*/flashinfer_fp16"
+MEMCHECK_FILTER="$MEMCHECK_FILTER:Geometries/BackendOpsTest.DecodeAttention/flashinfer_fp16_hd256_g2"
 ATTENTION_FILTER='AllBackends/BackendOpsTest.DecodeAttention/cuda_fp16:AllBackends/BackendOpsTest.CausalAttention/cuda_fp16'
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd256_g2"
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd64_g8"
@@ -363,11 +394,21 @@ if want bench; then
       r[$model.$name]=$value
     done < <(cat /tmp/gpu-bench-$model.txt /tmp/gpu-sdpa-$model.txt)
     head -1 /tmp/gpu-bench-$model.txt
+    # The same fp16 decode through FlashInfer's batch decode (its rows prefixed fi_).
+    with_timeout 240 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --attention=flashinfer \
+      --model=$model --seqs="$SEQS" --tokens="$TOKENS" --iters="$ITERS" > /tmp/gpu-bench-fi-$model.txt 2>&1
+    rc=$?
+    status[$model.flashinfer_bench]=$(describe_rc "$rc")
+    [ "$rc" -eq 0 ] || { echo "kernels_bench $model with FlashInfer (${status[$model.flashinfer_bench]}):"; tail -5 /tmp/gpu-bench-fi-$model.txt; }
+    while read -r name value _; do
+      case "$name" in \#* | "") continue ;; esac
+      r[$model.fi_$name]=$value
+    done < /tmp/gpu-bench-fi-$model.txt
   done
   head -1 /tmp/gpu-sdpa-llama8b.txt
 else
   declare -A r status=([smollm2.kernels_bench]=skipped [llama8b.kernels_bench]=skipped [smollm2.sdpa_bench]=skipped
-    [llama8b.sdpa_bench]=skipped)
+    [llama8b.sdpa_bench]=skipped [smollm2.flashinfer_bench]=skipped [llama8b.flashinfer_bench]=skipped)
 fi
 
 if want ipc; then
@@ -476,12 +517,15 @@ if want profile; then
     NCU_METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
     NCU_METRICS=$NCU_METRICS,sm__throughput.avg.pct_of_peak_sustained_elapsed
     NCU_METRICS=$NCU_METRICS,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
-    for what in decode:partial_kernel:2 quant:'quant_(logits|softmax|values)_kernel':3; do
+    for what in decode:partial_kernel:2 quant:'quant_(logits|softmax|values)_kernel':3 \
+                flashinfer:BatchDecodeWithPagedKVCacheKernel:2; do
       IFS=: read -r tag regex count <<< "$what"
       quant_flag=()
       [ "$tag" = quant ] && quant_flag=(--quant=kivi4)
+      attention=own
+      [ "$tag" = flashinfer ] && attention=flashinfer
       with_timeout 120 "${BIN_ENV[@]}" "$NCU" --clock-control none --csv --page raw --metrics "$NCU_METRICS" \
-        -k "regex:$regex" -c "$count" "$B/bench/kernels/kernels_bench" --backend=cuda --model=smollm2 \
+        -k "regex:$regex" -c "$count" "$B/bench/kernels/kernels_bench" --backend=cuda --attention=$attention --model=smollm2 \
         --seqs="$SEQS" --tokens="$TOKENS" --iters=1 ${quant_flag[@]+"${quant_flag[@]}"} > /tmp/gpu-ncu-$tag.csv 2> /tmp/gpu-ncu-$tag.log
       rc=$?
       if [ "$rc" -ne 0 ]; then
@@ -500,7 +544,7 @@ name_col = next((head.index(c) for c in ("Kernel Name", "Function Name", "Demang
 def value(row, metric):
     return row[head.index(metric)] if metric in head else "?"
 for row in rows[2:]:
-    found = re.search(r"(\w+_kernel)\b", row[name_col]) if name_col is not None else None
+    found = re.search(r"(\w+_kernel|BatchDecodeWithPagedKVCacheKernel)\b", row[name_col]) if name_col is not None else None
     name = found.group(1) if found else (row[name_col][:60] if name_col is not None else "?")
     t = value(row, "gpu__time_duration.sum")
     t_unit = units[head.index("gpu__time_duration.sum")] if "gpu__time_duration.sum" in head else ""
@@ -516,7 +560,7 @@ else
   profile_rows+=("ncu profile: skipped (GPU_CHECK_STEPS)")
 fi
 
-cp /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
+cp /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
@@ -525,7 +569,13 @@ echo "| --- | --- | --- |"
 echo "| cuda ops vs CPU reference (tests passed / failed / skipped; exit status) | $passed / $failed / $skipped; $tests_status | (same run) |"
 echo "| cuda ops under compute-sanitizer memcheck (fp16, $MEMCHECK_FILTER) | ${sanitized[memcheck]} | (same run) |"
 echo "| attention under synccheck / racecheck (fp16; head_dim 64 g3, 256 g2, 64 g8) | ${sanitized[synccheck]} / ${sanitized[racecheck]} | (same run) |"
-echo "| kernels_bench exit status | ${status[smollm2.kernels_bench]} | ${status[llama8b.kernels_bench]} |"
+fi_built="not known (the test step did not run)"
+if want tests; then
+  fi_built=yes
+  grep -q '^not built: ' /tmp/gpu-tests.txt && fi_built="no ($(grep -m1 '^not built: ' /tmp/gpu-tests.txt))"
+fi
+echo "| FlashInfer's decode in this build (the flashinfer test cases and fi_ rows) | $fi_built | (same build) |"
+echo "| kernels_bench exit status (own decode; with FlashInfer's) | ${status[smollm2.kernels_bench]}; ${status[smollm2.flashinfer_bench]} | ${status[llama8b.kernels_bench]}; ${status[llama8b.flashinfer_bench]} |"
 echo "| sdpa_bench exit status | ${status[smollm2.sdpa_bench]} | ${status[llama8b.sdpa_bench]} |"
 for m in decode_layer_us decode_step_ms decode_bandwidth copy_bandwidth decode_vs_copy sdpa_layer_us sdpa_bandwidth \
          sdpa_layer_sync_us kara_tick_ms kara_tick_vs_decode_step; do
@@ -534,6 +584,11 @@ done
 for f in ${QUANT_FORMATS//,/ }; do
   echo "| quantized decode $f: time / fp16 decode; mean rel err | ${r[smollm2.quant_${f}_vs_fp16]:-n/a}; ${r[smollm2.quant_${f}_rel_err]:-n/a} | ${r[llama8b.quant_${f}_vs_fp16]:-n/a}; ${r[llama8b.quant_${f}_rel_err]:-n/a} |"
 done
+for m in decode_layer_us decode_bandwidth decode_vs_copy; do
+  echo "| FlashInfer $m | ${r[smollm2.fi_$m]:-n/a} | ${r[llama8b.fi_$m]:-n/a} |"
+done
+echo "| FlashInfer decode time / own decode time | $(ratio "${r[smollm2.fi_decode_layer_us]:-}" "${r[smollm2.decode_layer_us]:-}") | $(ratio "${r[llama8b.fi_decode_layer_us]:-}" "${r[llama8b.decode_layer_us]:-}") |"
+echo "| FlashInfer decode time / sdpa time (target <= 1.00) | $(ratio "${r[smollm2.fi_decode_layer_us]:-}" "${r[smollm2.sdpa_layer_us]:-}") | $(ratio "${r[llama8b.fi_decode_layer_us]:-}" "${r[llama8b.sdpa_layer_us]:-}") |"
 echo "| paged decode time / sdpa time | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_us]:-}") |"
 echo "| paged decode time / sdpa time, both synchronized per call | $(ratio "${r[smollm2.decode_layer_us]:-}" "${r[smollm2.sdpa_layer_sync_us]:-}") | $(ratio "${r[llama8b.decode_layer_us]:-}" "${r[llama8b.sdpa_layer_sync_us]:-}") |"
 echo "| device staging, two processes (device_staging_test passed / failed / skipped; exit status) | $ipc_passed / $ipc_failed / $ipc_skipped; $ipc_status | (same run) |"

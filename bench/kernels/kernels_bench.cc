@@ -47,6 +47,7 @@ struct Options {
   int iters = 10;
   int threads = 0;           // CPU backend: 0 = the CPUs this process may use
   std::string isa = "auto";  // CPU backend: attention ISA (karakv/kernels/cpu_isa.h)
+  std::string attention;     // CUDA backend: own or flashinfer (karakv/kernels/cuda_attention.h); empty: the environment's
   std::vector<std::pair<std::string, QuantFormat>> quant;  // --quant: formats to time
 };
 
@@ -90,13 +91,14 @@ bool parse(int argc, char** argv, Options* o) {
     else if (const char* v = value("iters")) o->iters = std::atoi(v);
     else if (const char* v = value("threads")) o->threads = std::atoi(v);
     else if (const char* v = value("isa")) o->isa = v;
+    else if (const char* v = value("attention")) o->attention = v;
     else if (const char* v = value("quant")) {
       if (!parse_quant(v, o)) return false;
     } else {
       std::fprintf(stderr,
                    "unknown argument '%s'\nusage: kernels_bench [--backend=cpu|cuda] [--model=smollm2|llama8b] "
                    "[--seqs=64] [--tokens=8192] [--iters=10] [--threads=0] [--isa=auto|avx2|avx512]\n"
-                   "                     [--quant=kivi2,kivi4,tq2,tq3,tq4]\n",
+                   "                     [--quant=kivi2,kivi4,tq2,tq3,tq4] [--attention=auto|own|flashinfer]\n",
                    argv[i]);
       return false;
     }
@@ -157,8 +159,15 @@ int main(int argc, char** argv) {
   if (!parse(argc, argv, &o)) return 2;
   std::unique_ptr<Backend> backend;
   if (o.backend == "cuda") {
+    CudaAttention attention;
+    const KernelStatus st =
+        o.attention.empty() ? cuda_attention_from_env(&attention) : parse_cuda_attention(o.attention, &attention);
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "--attention: %s\n", st.message.c_str());
+      return 2;
+    }
     std::string why;
-    backend = make_cuda_backend(0, &why);
+    backend = make_cuda_backend(0, attention, &why);
     if (!backend) {
       std::printf("no device: %s\n", why.c_str());
       return 3;

@@ -1139,7 +1139,9 @@ class CudaBackend final : public Backend {
     rows.out = dout;
     rows.lse = lse;
     rows.scale = scale;
-    if (!all_rows) {
+    // FlashInfer loads the queries 16 bytes at a time: a caller's device q that is not 16-byte
+    // aligned is gathered into scratch (which is), as when a row is left out.
+    if (!all_rows || reinterpret_cast<uintptr_t>(dq) % 16 != 0) {
       KARAKV_RETURN_IF_ERROR(call.upload(row_map, &rows.row_map));
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.q_token_elems(), &rows.q_batch)));
     }

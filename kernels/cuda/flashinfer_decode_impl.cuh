@@ -30,7 +30,10 @@ constexpr flashinfer::PosEncodingMode kNoPositions = flashinfer::PosEncodingMode
 // Helpers of this file, one copy per instantiation file.
 namespace {
 
+// A failed CUDA call of FlashInfer's (it returns the code and leaves it as the runtime's last error,
+// which the next op's launch check would take for its own) in words, the last error cleared.
 std::string cuda_failure(const char* what, cudaError_t e) {
+  cudaGetLastError();
   return std::string("FlashInfer ") + what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 

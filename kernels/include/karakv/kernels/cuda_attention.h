@@ -1,8 +1,9 @@
 // Which kernels the CUDA backend's decode attention runs over fp16 and bf16 pools: the project's
 // own (kernels/cuda/attention.cu) or FlashInfer's batch decode (kernels/cuda/flashinfer_decode.h),
 // where the build has FlashInfer's headers. FlashInfer runs only where it covers the call (fp16 or
-// bf16, head_dim 64/128/256, GQA groups 1-4, 6, 8, 16, every sequence non-empty); everything
-// else, and every other op, runs the project's kernels, which stay the reference.
+// bf16, head_dim 64/128/256, GQA groups 1-4, 6, 8, 16, a sequence with a token; empty ones get
+// the own kernels' result); everything else, and every other op, runs the project's kernels,
+// which stay the reference.
 #pragma once
 
 #include <cstdint>
