@@ -48,16 +48,20 @@
 # synccheck and racecheck at most 60 and 90 seconds, each kernel benchmark (fp16 decode, a Kara
 # tick, and decode straight from each quantized format: kivi2, kivi4, tq2, tq3, tq4) well under a minute, karakv-bench serve (none, snapkv, kara at max batch 64 and 256, then kara at 256
 # with workers on device staging) at most GPU_CHECK_SERVE_SECONDS per run, and karakv-bench p3
-# (a Step through device staging, then shm staging, against an empty Ping) seconds. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
+# (a Step through device staging, then shm staging, against an empty Ping) seconds; the decode
+# tests and benchmarks again with FlashInfer's decode about two minutes more, and the mps step (the
+# device-staging Step and serve run again under NVIDIA's MPS, whose control daemon it starts and
+# quits) at most GPU_CHECK_SERVE_SECONDS + 6 minutes, usually under one. Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; kernels_bench gets
 # 240 seconds per model, sdpa_bench 180), GPU_CHECK_SERVE_STEPS (300: too few for any context to grow long enough to compact; the
 # compaction seconds in the serve rows say whether the policies did anything), GPU_CHECK_SERVE_SECONDS (20),
 # GPU_CHECK_SERVE_BATCHES (64,256), GPU_CHECK_SERVE_POLICIES (none,snapkv,kara), GPU_CHECK_TEST_FILTER
-# (the test step's gtest filter; default every cuda op test), GPU_CHECK_MEMCHECK_TIMEOUT (120),
-# GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,profile:
+# (the test step's gtest filter; default every cuda op test and the flashinfer decode tests), GPU_CHECK_MEMCHECK_TIMEOUT (120),
+# GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,mps,profile:
 # a rerun after a fix can take only the steps that failed; the others print "skipped"). The profile
 # step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
-# are left alone) over the paged decode and the quantized decode kernels, at most 120 s per run.
+# are left alone) over the paged decode (own and FlashInfer's) and the quantized decode kernels, at
+# most 120 s per run.
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB): build-gpu/carry, which holds the kernel binaries packed
 # (kernels.tar.xz: with FlashInfer's instantiations they are 53 MB unpacked, 10 MB packed), unpacked
@@ -167,8 +171,9 @@ CARRY_LIB="$PWD/build-gpu/carry/lib"
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 mkdir -p "$RESULTS"
 # The steps to run (a rerun after a fix can take only what failed): tests, sanitize, bench, ipc,
-# serve, staging (P3 and the serve run with device staging workers), profile (ncu).
-STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging,profile}
+# serve, staging (P3 and the serve run with device staging workers), mps (the device-staging rows
+# again under NVIDIA's Multi-Process Service), profile (ncu).
+STEPS=${GPU_CHECK_STEPS:-tests,sanitize,bench,ipc,serve,staging,mps,profile}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 FULL="$PWD/build-gpu/carry/full"
 if [ -f build-gpu/carry/kernels.tar.xz ]; then
@@ -458,51 +463,98 @@ else
 fi
 
 declare -A p3
+# p3_run KIND TAG: karakv-bench p3 through KIND staging (device, device-ring, shm, device-idle) into
+# p3[TAG]: "Step p50 .. us, Ping p50 .. us, ..x (PASS|FAIL)", or the failure; p3_failed=1 after one.
+p3_run() {
+  local st=$1 tag=$2 rc
+  local ring_flag=--p3_fast_path=false write_every=--p3_write_every=1
+  [ "$st" = device-ring ] && ring_flag=--p3_fast_path=true
+  [ "$st" = device-idle ] && write_every=--p3_write_every=1000000
+  with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging="${st%-*}" \
+    "$ring_flag" "$write_every" --csv > /tmp/gpu-p3-$tag.txt 2> /tmp/gpu-p3-$tag.log
+  rc=$?
+  p3[$tag]="$(describe_rc "$rc")"
+  if [ "$rc" -eq 0 ]; then
+    p3[$tag]=$(python3 - /tmp/gpu-p3-$tag.txt <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) >= 7 and r[0] == "P3"]
+p50 = rows[0]
+print(f"Step p50 {float(p50[2]):.0f} us, Ping p50 {float(p50[4]):.0f} us, {float(p50[6]):.2f}x ({p50[8]})")
+PY
+    )
+  else
+    echo "karakv-bench p3 --p3_staging=$st ($tag) failed (${p3[$tag]}):"; tail -5 /tmp/gpu-p3-$tag.log
+    p3_failed=1
+  fi
+}
+# serve_device_run DIR: one serve run of kara at max batch 256 whose workers use device staging;
+# sets serve_device_rc and serve_device ("exit 0; N tok/s; TPOT M ms").
+serve_device_run() {
+  local dir=$1
+  with_timeout $((SERVE_SECONDS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+    --serve_staging=device --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
+    --serve_seconds="$SERVE_SECONDS" --out_dir="$dir" > "/tmp/gpu-$(basename "$dir").txt" 2>&1
+  serve_device_rc=$?
+  serve_device="$(describe_rc "$serve_device_rc")"
+  if [ -f "$dir/serve_runs.csv" ]; then
+    serve_device="$serve_device; $(python3 - "$dir/serve_runs.csv" <<'PY'
+import csv, sys
+for row in csv.DictReader(open(sys.argv[1])):
+    print(f"{float(row['throughput_tok_s']):.0f} tok/s; TPOT {float(row['tpot_mean_ms']):.2f} ms")
+PY
+    )"
+  fi
+  [ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging ($dir) failed:"; tail -20 "/tmp/gpu-$(basename "$dir").txt"; }
+}
+
 if want staging; then
   # 5. A one-token Step through device staging (CUDA IPC) against an empty gRPC Ping on the same
   # karakvd --backend=cuda (target p50 <= 1x), by gRPC and through the fast path's ring, shm staging
   # on the same daemon for comparison; and one serve run whose workers use device staging.
   # device-idle: the worker writes its staging once, not before every Step, so no copy of its own
   # reaches the GPU between Steps (what the worker's GPU work costs the daemon's Step).
-  for st in device device-ring shm device-idle; do
-    ring_flag=--p3_fast_path=false write_every=--p3_write_every=1
-    [ "$st" = device-ring ] && ring_flag=--p3_fast_path=true
-    [ "$st" = device-idle ] && write_every=--p3_write_every=1000000
-    with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging="${st%-*}" \
-      "$ring_flag" "$write_every" --csv > /tmp/gpu-p3-$st.txt 2> /tmp/gpu-p3-$st.log
-    rc=$?
-    p3[$st]="$(describe_rc "$rc")"
-    if [ "$rc" -eq 0 ]; then
-      p3[$st]=$(python3 - /tmp/gpu-p3-$st.txt <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) >= 7 and r[0] == "P3"]
-p50 = rows[0]
-print(f"Step p50 {float(p50[2]):.0f} us, Ping p50 {float(p50[4]):.0f} us, {float(p50[6]):.2f}x ({p50[8]})")
-PY
-  )
-    else
-      echo "karakv-bench p3 --p3_staging=$st failed (${p3[$st]}):"; tail -5 /tmp/gpu-p3-$st.log
-      p3_failed=1
-    fi
-  done
-  with_timeout $((SERVE_SECONDS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
-    --serve_staging=device --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
-    --serve_seconds="$SERVE_SECONDS" --out_dir="$RESULTS/serve-device" > /tmp/gpu-serve-device.txt 2>&1
-  serve_device_rc=$?
-  serve_device="$(describe_rc "$serve_device_rc")"
-  if [ -f "$RESULTS/serve-device/serve_runs.csv" ]; then
-    serve_device="$serve_device; $(python3 - "$RESULTS/serve-device/serve_runs.csv" <<'PY'
-import csv, sys
-for row in csv.DictReader(open(sys.argv[1])):
-    print(f"{float(row['throughput_tok_s']):.0f} tok/s; TPOT {float(row['tpot_mean_ms']):.2f} ms")
-PY
-  )"
-  fi
-  [ "$serve_device_rc" -eq 0 ] || { echo "karakv-bench serve with device staging failed:"; tail -20 /tmp/gpu-serve-device.txt; }
+  for st in device device-ring shm device-idle; do p3_run "$st" "$st"; done
+  serve_device_run "$RESULTS/serve-device"
 else
   p3=([device]="skipped (GPU_CHECK_STEPS)" [device-ring]=skipped [shm]=skipped [device-idle]=skipped)
   serve_device_rc=0 serve_device="skipped (GPU_CHECK_STEPS)"
 fi
+
+if want mps; then
+  # 5b. NVIDIA's Multi-Process Service: without it the kernels of two processes on one GPU (the
+  # worker and karakvd) take turns; with it they run together. Where nvidia-cuda-mps-control exists,
+  # its control daemon starts with pipe and log directories of this check's own (nothing about the
+  # GPU is changed: no compute mode, no clocks), the device-staging Step and serve run are repeated
+  # under it, and it is told to quit, on any exit too.
+  mps_control=$(command -v nvidia-cuda-mps-control || ls /usr/local/cuda/bin/nvidia-cuda-mps-control 2> /dev/null | head -1)
+  saved_serve_device=$serve_device saved_serve_device_rc=$serve_device_rc
+  if [ -z "$mps_control" ]; then
+    mps_status="not run: nvidia-cuda-mps-control not found"
+  else
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/karakv-mps-pipe.XXXXXX)
+    CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/karakv-mps-log.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    if "$mps_control" -d > /tmp/gpu-mps-start.txt 2>&1; then
+      trap 'echo quit | "$mps_control" > /dev/null 2>&1' EXIT
+      p3_run device mps-device
+      p3_run device-ring mps-device-ring
+      serve_device_run "$RESULTS/serve-device-mps"
+      mps_servers=$(echo get_server_list | "$mps_control" 2> /dev/null | tr '\n' ' ')
+      mps_status="MPS server(s) seen: ${mps_servers:-none (the processes did not go through MPS)}; serve: $serve_device"
+      mps_rc=$serve_device_rc
+      echo quit | "$mps_control" > /dev/null 2>&1
+      trap - EXIT
+      cp -r "$CUDA_MPS_LOG_DIRECTORY" "$RESULTS/mps-log" 2> /dev/null
+    else
+      mps_status="not run: nvidia-cuda-mps-control -d failed: $(tail -1 /tmp/gpu-mps-start.txt)"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+  serve_device=$saved_serve_device serve_device_rc=$saved_serve_device_rc
+else
+  mps_status="skipped (GPU_CHECK_STEPS)"
+fi
+mps_rc=${mps_rc:-0}
 
 profile_rows=()
 if want profile; then
@@ -560,7 +612,7 @@ else
   profile_rows+=("ncu profile: skipped (GPU_CHECK_STEPS)")
 fi
 
-cp /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
+cp /tmp/gpu-mps-start.txt /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-serve-device-mps.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
@@ -604,6 +656,8 @@ echo "| Step via device staging, staging written once (no worker copies between 
 echo "| Step via shm staging vs Ping, same karakvd (for comparison) | ${p3[shm]:-n/a} | - |"
 for row in ${profile_rows[@]+"${profile_rows[@]}"}; do echo "| profile (SmolLM2 geometry, $SEQS x $TOKENS tokens) | $row | - |"; done
 echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
+echo "| under MPS: Step via device staging vs Ping; through the ring | ${p3[mps-device]:-n/a}; ${p3[mps-device-ring]:-n/a} | - |"
+echo "| under MPS: serve kara, max batch 256, device staging | $mps_status | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
@@ -613,4 +667,5 @@ if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$serve_rc" -eq 0 ] || exit 1
 [ -z "${p3_failed:-}" ] || exit 1
 [ "$serve_device_rc" -eq 0 ] || exit 1
+[ "$mps_rc" -eq 0 ] || exit 1
 exit 0

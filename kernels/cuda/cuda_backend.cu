@@ -1026,9 +1026,12 @@ class CudaBackend final : public Backend {
       total += int64_t(kv.seq_len[s] - first[s]) * geo.num_kv_heads;
     }
     const bool scoring = total > 0 || !device.rows.empty();
+    // FlashInfer's route uploads its own page arrays: the whole tables go up only for the own
+    // kernels or the observers' probability kernel.
+    const bool flashinfer = flashinfer_covers(kv);
     Call call(*this, op);
     DeviceKV dkv;
-    KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
+    if (!flashinfer || scoring) KARAKV_RETURN_IF_ERROR(call.tables(kv, &dkv));
     cuda::AttentionRows rows;  // row s is sequence s
     rows.row_len = dkv.seq_len;
     rows.num_rows = kv.num_seqs;
@@ -1049,7 +1052,7 @@ class CudaBackend final : public Backend {
     } else if (scoring) {
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(kv.num_seqs) * geo.num_q_heads, &lse)));
     }
-    if (flashinfer_covers(kv)) {
+    if (flashinfer) {
       KARAKV_RETURN_IF_ERROR(flashinfer_decode(call, kv, layer, dq, dout, scale, lse));
     } else {
       KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {

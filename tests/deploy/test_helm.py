@@ -67,6 +67,8 @@ REAL_WORKER = {
     "networkPolicy": {"enabled": True, "extraIngress": [{"ports": [{"port": "http", "protocol": "TCP"}]}]},
 }
 MODES["sidecar-real-worker"] = REAL_WORKER
+MODES["sidecar-mps"] = {"mps": {"enabled": True}}
+MODES["daemonset-mps"] = {"mode": "daemonset", "mps": {"enabled": True, "pipeDirectory": "/run/nvidia-mps"}}
 
 
 def render(values, name="kv", namespace="llm"):
@@ -180,6 +182,29 @@ def test_daemonset_on_gpu_nodes_with_hostpaths():
     # The one root container: it only chowns the hostPath directories.
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert "chown 10001:10001 /host/sock /host/shm" in init["args"][0]
+
+
+@pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
+def test_mps_gives_every_cuda_process_the_nodes_pipe_directory(mode):
+    def cuda_containers(spec):
+        # karakvd, and in sidecar mode the worker: the two processes that share the GPU.
+        return [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] in ("karakvd", "model-worker")]
+
+    spec = pod_spec(render(MODES[mode + "-mps"]))
+    pipe = MODES[mode + "-mps"]["mps"].get("pipeDirectory", "/tmp/nvidia-mps")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["nvidia-mps"]["hostPath"] == {"path": pipe, "type": "Directory"}
+    containers = cuda_containers(spec)
+    assert len(containers) == (2 if mode == "sidecar" else 1)
+    for c in containers:
+        assert {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": pipe} in c["env"], c["name"]
+        assert mounts(c)["nvidia-mps"] == pipe, c["name"]
+    # Off (the default): no volume, no mount, no variable.
+    spec = pod_spec(render(MODES[mode]))
+    assert "nvidia-mps" not in {v["name"] for v in spec["volumes"]}
+    for c in cuda_containers(spec):
+        assert "nvidia-mps" not in mounts(c)
+        assert all(e["name"] != "CUDA_MPS_PIPE_DIRECTORY" for e in c.get("env", []))
 
 
 @pytest.mark.parametrize("mode", ["sidecar", "daemonset"])
@@ -390,6 +415,7 @@ def test_chart_refuses_bad_values():
     ({"mode": "deployment"}, "/mode"),
     ({"probes": {"type": "tcp"}}, "/probes/type"),
     ({"serviceMonitor": {"enable": True}}, "/serviceMonitor"),    # a typo, not silently ignored
+    ({"mps": {"enabled": True, "pipeDirectory": "nvidia-mps"}}, "/mps/pipeDirectory"),  # not a node path
     ({"metrics": {"port": 70000}}, "/metrics/port"),
     ({"metrics": {"port": "9464"}}, "/metrics/port"),
     ({"podMonitor": {"enabled": True, "interval": "15"}}, "/podMonitor/interval"),
@@ -497,7 +523,8 @@ def test_pod_security_check_can_fail():
 
 # The levels helm/README.md promises ("Pod Security"): sidecar mode meets restricted (with the
 # TLS Secret too); the DaemonSet's hostPaths need privileged, with or without its root init
-# container; a worker that adds a capability outside baseline's list (IPC_LOCK) needs privileged.
+# container; a worker that adds a capability outside baseline's list (IPC_LOCK) needs privileged, and
+# so does MPS's hostPath pipe directory.
 @pytest.mark.parametrize("values, level", [
     ({}, "restricted"),
     ({"sidecar": {"native": False}}, "restricted"),
@@ -505,6 +532,7 @@ def test_pod_security_check_can_fail():
     ({"mode": "daemonset"}, "privileged"),
     ({"mode": "daemonset", "daemonset": {"fixPermissions": False}}, "privileged"),
     (REAL_WORKER, "privileged"),
+    ({"mps": {"enabled": True}}, "privileged"),   # the MPS pipe directory is a hostPath
 ])
 def test_pod_security_level_of_each_mode(values, level):
     assert pod_security_level(pod_spec(render(values))) == level, pod_security_violations(pod_spec(render(values)))

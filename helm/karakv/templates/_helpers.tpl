@@ -154,7 +154,12 @@ resources:
   {{- toYaml .Values.resources | nindent 2 }}
 securityContext:
   {{- include "karakv.containerSecurityContext" . | nindent 2 }}
+{{- if .Values.mps.enabled }}
+env:
+  {{- include "karakv.mpsEnv" . | nindent 2 }}
+{{- end }}
 volumeMounts:
+  {{- include "karakv.mpsMount" . | nindent 2 }}
   - name: karakv-socket
     mountPath: {{ .Values.socketDir }}
   - name: dshm
@@ -191,6 +196,28 @@ after the chart's other volumes). */}}
     items:
       - key: {{ .Values.prefixTier.passwordKey }}
         path: {{ .Values.prefixTier.passwordKey }}
+{{- end }}
+{{- end -}}
+
+{{/* MPS (values.yaml, mps): the client side's environment, mount and pod volume; empty when off. */}}
+{{- define "karakv.mpsEnv" -}}
+{{- if .Values.mps.enabled }}
+- name: CUDA_MPS_PIPE_DIRECTORY
+  value: {{ .Values.mps.pipeDirectory | quote }}
+{{- end }}
+{{- end -}}
+{{- define "karakv.mpsMount" -}}
+{{- if .Values.mps.enabled }}
+- name: nvidia-mps
+  mountPath: {{ .Values.mps.pipeDirectory }}
+{{- end }}
+{{- end -}}
+{{- define "karakv.mpsVolume" -}}
+{{- if .Values.mps.enabled }}
+- name: nvidia-mps
+  hostPath:
+    path: {{ .Values.mps.pipeDirectory }}
+    type: Directory
 {{- end }}
 {{- end -}}
 
