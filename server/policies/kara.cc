@@ -153,6 +153,8 @@ class KaraPolicy final : public Policy {
   void effective_params(std::map<std::string, double>* params) const override {
     (*params)["fit"] = fit_;
     (*params)["budget"] = memory_budget_;
+    // auto with window or both observers keeps the prompt (they would need its queries): say so.
+    (*params)["prompt"] = prompt_ == Prompt::kAuto && !windows_prompt() ? double(Prompt::kKeep) : double(prompt_);
   }
   // Measured, CaM has not helped Kara (docs/QUALITY.md).
   std::string advice() const override {

@@ -385,6 +385,21 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   EXPECT_EQ(reported({{"rho2", 0.25}}), std::make_pair(0.0, 0.0));
   EXPECT_EQ(reported({{"grow", 0.5}}), std::make_pair(0.0, 0.0));
   EXPECT_EQ(reported({{"budget", 100}, {"fit", 2}}), std::make_pair(100.0, 2.0));
+  // prompt: auto (2) where it decides per sequence (decode observers); with window or both
+  // observers auto keeps the prompt, and the sequence says keep (0); given values as given.
+  auto prompt = [&](std::map<std::string, double> params) {
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = std::move(params);
+    auto id = d.create(o);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return d.info(*id).params.at("prompt");
+  };
+  EXPECT_EQ(prompt({}), 2.0);
+  EXPECT_EQ(prompt({{"observers", 0}}), 0.0);
+  EXPECT_EQ(prompt({{"observers", 2}}), 0.0);
+  EXPECT_EQ(prompt({{"observers", 2}, {"prompt", 1}}), 1.0);
+  EXPECT_EQ(prompt({{"prompt", 0}}), 0.0);
 }
 
 // prompt = window: the prompt after the sinks is windowed like the tail (its queries kept from
