@@ -5,6 +5,11 @@
 namespace karakv::kernels {
 
 std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {
+  // As the CUDA build: a decode attention this build lacks is named first.
+  if (std::string missing = cuda_attention_missing(attention); !missing.empty()) {
+    if (error != nullptr) *error = "CUDA attention " + std::string(cuda_attention_name(attention)) + ": " + missing;
+    return nullptr;
+  }
   if (error != nullptr)
     *error = "this build has no CUDA backend (nvcc was not found when it was configured; reconfigure with "
              "-DKARAKV_CUDA=ON where the CUDA toolkit is installed)";

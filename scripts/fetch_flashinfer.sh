@@ -5,16 +5,19 @@
 # ahead of the CUDA toolkit's own on the include path: 21 MB) with the wheel's licence files.
 # Nothing else is downloaded and nothing from the wheel runs.
 #
-#   scripts/fetch_flashinfer.sh        unpacks into ${KARAKV_FLASHINFER_DIR:-$HOME/.cache/karakv/flashinfer-0.7.2.post1}
+#   scripts/fetch_flashinfer.sh [DIR]  unpacks into DIR, default
+#                                      ${KARAKV_FLASHINFER_DIR:-$HOME/.cache/karakv/flashinfer-0.7.2.post1}
 #
-# CMake's KARAKV_FLASHINFER=AUTO (the default) builds the FlashInfer route when that folder holds
-# the headers and the CUDA backend is built; scripts/gpu-check.sh --prepare runs this script. Idempotent;
-# exits non-zero, saying why, on any failure.
+# The wheel is kept in ${KARAKV_MODEL_DIR:-$HOME/.cache/karakv} (with the model) for the next run.
+# CMake's KARAKV_FLASHINFER=AUTO (the default) builds the FlashInfer route when the default folder
+# (or -DKARAKV_FLASHINFER_DIR) holds the headers and the CUDA backend is built; scripts/gpu-check.sh
+# --prepare unpacks into a folder of its own under build-gpu/, so it changes no other build.
+# Idempotent; exits non-zero, saying why, on any failure.
 set -euo pipefail
 version=0.7.2.post1
 sha256=bfdc18b9e1e4d8d0730fe4343dc0e284cd0c160086de80f99888bc4867922d49
-dir="${KARAKV_FLASHINFER_DIR:-$HOME/.cache/karakv/flashinfer-$version}"
-wheel_dir="$(dirname "$dir")"
+dir="${1:-${KARAKV_FLASHINFER_DIR:-$HOME/.cache/karakv/flashinfer-$version}}"
+wheel_dir="${KARAKV_MODEL_DIR:-$HOME/.cache/karakv}"
 wheel="$wheel_dir/flashinfer_python-$version-py3-none-any.whl"
 
 if [ -f "$dir/include/flashinfer/attention/decode.cuh" ] && [ -f "$dir/.complete" ]; then

@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     const KernelStatus st =
         o.attention.empty() ? cuda_attention_from_env(&attention) : parse_cuda_attention(o.attention, &attention);
     if (!st.is_ok()) {
-      std::fprintf(stderr, "--attention: %s\n", st.message.c_str());
+      std::fprintf(stderr, "%s%s\n", o.attention.empty() ? "" : "--attention: ", st.message.c_str());
       return 2;
     }
     std::string why;

@@ -1,8 +1,10 @@
 // What every backend must agree on about quantized storage (docs/COMPRESSION.md section 3; the
 // records themselves are described in cpu/quant.h, "Byte layouts"): each format's bits and token
 // granularity, the size of its key and value records, the head_dims it accepts, and how many
-// tokens one quantized block of the pool holds. Plain C++17, host and device (nvcc includes it),
-// so neither backend reaches into the other for the layout.
+// tokens one quantized block of the pool holds. Plain C++17 that nvcc includes: the record sizes
+// and format facts are host and device functions, the run and block sizes host ones (constexpr,
+// callable from device code only with --expt-relaxed-constexpr), so neither backend reaches into
+// the other for the layout.
 #pragma once
 
 #include <cstddef>

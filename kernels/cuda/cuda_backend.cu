@@ -494,7 +494,7 @@ class CudaBackend final : public Backend {
       return cuda::launch_quantize_tokens(dkv, g.dtype, dq, seq, slot_begin, dst, dbad, arena_, stream);
     }));
     KARAKV_RETURN_IF_ERROR(call.finish());
-    const bool kivi = q.format == QuantFormat::kKivi2 || q.format == QuantFormat::kKivi4;
+    const bool kivi = common::is_kivi(q.format);
     for (size_t r = 0; r < first_bad.size(); ++r) {
       if (first_bad[r] == cuda::kNoBadToken) continue;
       const int hk = g.num_kv_heads;
@@ -1152,12 +1152,15 @@ class CudaBackend final : public Backend {
     if (lse != nullptr) KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.num_q_heads, &rows.lse2)));
     // The plan's upload is queued on the stream before the call's inputs; launch() queues those
     // before the kernels, so both are in place when they run.
-    if (std::string err = flashinfer_.plan(g, indptr, stream_); !err.empty())
-      return call.named({KernelStatus::Code::kInternal, err});
+    // A failure names FlashInfer and says how to run without it.
+    auto failed = [](const std::string& err) -> KernelStatus {
+      return {KernelStatus::Code::kInternal,
+              err + " (KARAKV_CUDA_ATTENTION=own runs the project's decode kernels instead)"};
+    };
+    if (std::string err = flashinfer_.plan(g, indptr, stream_); !err.empty()) return call.named(failed(err));
     return call.launch([&](cudaStream_t stream) -> KernelStatus {
       std::string err = flashinfer_.run(g, kv.pool, layer, pages, rows, stream);
-      if (err.empty()) return KernelStatus::ok();
-      return {KernelStatus::Code::kInternal, err};
+      return err.empty() ? KernelStatus::ok() : failed(err);
     });
 #else
     (void)call, (void)kv, (void)layer, (void)dq, (void)dout, (void)scale, (void)lse;

@@ -69,16 +69,21 @@ std::string FlashInferDecode::reserve(size_t float_bytes, size_t int_bytes) {
     while (r < n) r *= 2;
     return r;
   };
+  // *p = `bytes` of device memory (or pinned host memory), or the failure in words.
+  auto allocate = [](void** p, size_t bytes, bool pinned, const char* what) -> std::string {
+    const cudaError_t e = pinned ? cudaHostAlloc(p, bytes, cudaHostAllocDefault) : cudaMalloc(p, bytes);
+    if (e == cudaSuccess) return "";
+    cudaGetLastError();
+    *p = nullptr;
+    return std::string("FlashInfer: ") + (pinned ? "cudaHostAlloc" : "cudaMalloc") + " of a " +
+           std::to_string(bytes) + "-byte " + what + ": " + cudaGetErrorName(e);
+  };
   if (float_bytes > float_bytes_) {
     if (float_workspace_ != nullptr) cudaFree(float_workspace_);
     float_workspace_ = nullptr;
     float_bytes_ = 0;
     const size_t want = round_up(float_bytes);
-    if (cudaError_t e = cudaMalloc(&float_workspace_, want); e != cudaSuccess) {
-      cudaGetLastError();
-      float_workspace_ = nullptr;
-      return "FlashInfer: cudaMalloc of a " + std::to_string(want) + "-byte float workspace: " + cudaGetErrorName(e);
-    }
+    if (std::string err = allocate(&float_workspace_, want, false, "float workspace"); !err.empty()) return err;
     float_bytes_ = want;
   }
   if (int_bytes > int_bytes_) {
@@ -87,17 +92,11 @@ std::string FlashInferDecode::reserve(size_t float_bytes, size_t int_bytes) {
     int_workspace_ = pinned_ = nullptr;
     int_bytes_ = 0;
     const size_t want = round_up(int_bytes);
-    if (cudaError_t e = cudaMalloc(&int_workspace_, want); e != cudaSuccess) {
-      cudaGetLastError();
-      int_workspace_ = nullptr;
-      return "FlashInfer: cudaMalloc of a " + std::to_string(want) + "-byte int workspace: " + cudaGetErrorName(e);
-    }
-    if (cudaError_t e = cudaHostAlloc(&pinned_, want, cudaHostAllocDefault); e != cudaSuccess) {
-      cudaGetLastError();
-      pinned_ = nullptr;
+    if (std::string err = allocate(&int_workspace_, want, false, "int workspace"); !err.empty()) return err;
+    if (std::string err = allocate(&pinned_, want, true, "plan buffer"); !err.empty()) {
       cudaFree(int_workspace_);
       int_workspace_ = nullptr;
-      return "FlashInfer: cudaHostAlloc of a " + std::to_string(want) + "-byte plan buffer: " + cudaGetErrorName(e);
+      return err;
     }
     int_bytes_ = want;
   }

@@ -369,13 +369,16 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   EXPECT_EQ(d.info(*d.create(plain)).params.at("fit"), 1);
   // Not given, the budget is 768 (with fit 1) where it applies: decode observers and none of its
   // alternatives; elsewhere 0, so that each of them alone is version 2's form of it.
-  auto reported = [&](std::map<std::string, double> params) {
+  auto params_of = [&](std::map<std::string, double> params) {
     SequenceOptions o;
     o.policy = "kara";
     o.params = std::move(params);
     auto id = d.create(o);
     EXPECT_TRUE(id.ok()) << id.status();
-    const auto info = d.info(*id).params;
+    return d.info(*id).params;
+  };
+  auto reported = [&](std::map<std::string, double> params) {
+    const auto info = params_of(std::move(params));
     return std::make_pair(info.at("budget"), info.at("fit"));
   };
   EXPECT_EQ(reported({}), std::make_pair(768.0, 1.0));
@@ -387,14 +390,7 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   EXPECT_EQ(reported({{"budget", 100}, {"fit", 2}}), std::make_pair(100.0, 2.0));
   // prompt: auto (2) where it decides per sequence (decode observers); with window or both
   // observers auto keeps the prompt, and the sequence says keep (0); given values as given.
-  auto prompt = [&](std::map<std::string, double> params) {
-    SequenceOptions o;
-    o.policy = "kara";
-    o.params = std::move(params);
-    auto id = d.create(o);
-    EXPECT_TRUE(id.ok()) << id.status();
-    return d.info(*id).params.at("prompt");
-  };
+  auto prompt = [&](std::map<std::string, double> params) { return params_of(std::move(params)).at("prompt"); };
   EXPECT_EQ(prompt({}), 2.0);
   EXPECT_EQ(prompt({{"observers", 0}}), 0.0);
   EXPECT_EQ(prompt({{"observers", 2}}), 0.0);

@@ -27,7 +27,7 @@ std::string_view cuda_attention_name(CudaAttention attention);
 std::string cuda_attention_missing(CudaAttention attention);
 
 // What "auto" means: the project's own kernels until FlashInfer's route has passed the device
-// check on a GPU (scripts/gpu-check.sh runs the op tests under both; docs/BENCHMARKS.md, "GPU").
+// check on a GPU (scripts/gpu-check.sh runs the decode op tests under both; docs/BENCHMARKS.md, "GPU").
 CudaAttention default_cuda_attention();
 
 // "auto" (or empty): default_cuda_attention(); "own" or "flashinfer": that one, if this build has
