@@ -25,7 +25,9 @@
 #                                    Debian libraries): runs the carried binaries, or rebuilds the kernel
 #                                    ones with that machine's nvcc when they cannot start there, then
 #                                    prints the table and writes every output (the serve CSVs, the
-#                                    gtest XML and each step's log) into DIR (default gpu-results/).
+#                                    gtest XML, each step's log, and targets.csv: the kernel targets
+#                                    of issue 39 in karakv-bench's CSV columns) into DIR (default
+#                                    gpu-results/).
 #                                    With no GPU (nvidia-smi finds none) it says "no device" and exits 0.
 #   scripts/gpu-check.sh --help      this text.
 #
@@ -669,6 +671,47 @@ echo "| under MPS: Step via device staging vs Ping; through the ring | ${p3[mps-
 echo "| under MPS: serve kara, max batch 256, device staging | $mps_status | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
+
+# Issue 39's kernel targets as karakv-bench's CSV columns, one row per target and model, into
+# $RESULTS/targets.csv (for bench/results/gpu/): fp16 decode against a device copy and against
+# PyTorch SDPA on the same bytes (own kernels and FlashInfer's), quantized decode time against fp16
+# decode. A value the run did not produce is empty, its result "n/a".
+for key in "${!r[@]}"; do echo "$key ${r[$key]}"; done > /tmp/gpu-values.txt
+python3 - /tmp/gpu-values.txt "$RESULTS/targets.csv" <<'PY'
+import csv, sys
+values = {}
+for line in open(sys.argv[1]):
+    key, _, value = line.strip().partition(" ")
+    try:
+        values[key] = float(value)
+    except ValueError:
+        pass
+rows = []
+def row(mode, metric, karakv, baseline, unit, ratio, op, target):
+    ok = None if ratio is None else (ratio >= target if op == ">=" else ratio <= target)
+    rows.append([mode, metric, "" if karakv is None else f"{karakv:.4g}", "" if baseline is None else f"{baseline:.4g}",
+                 unit, "" if ratio is None else f"{ratio:.3f}", f"{op} {target}",
+                 "n/a" if ok is None else "PASS" if ok else "FAIL"])
+for model in ("llama8b", "smollm2"):
+    get = lambda k: values.get(f"{model}.{k}")
+    for route, prefix in (("own", ""), ("flashinfer", "fi_")):
+        bw, copy, us, sdpa = get(prefix + "decode_bandwidth"), get("copy_bandwidth"), get(prefix + "decode_layer_us"), get("sdpa_layer_us")
+        row(f"gpu_decode_{model}", f"fp16 decode ({route}) bandwidth / device copy", bw, copy, "GB/s",
+            bw / copy if bw and copy else None, ">=", 0.80)
+        row(f"gpu_decode_{model}", f"fp16 decode ({route}) time / SDPA time", us, sdpa, "us",
+            us / sdpa if us and sdpa else None, "<=", 1.00)
+    us = get("decode_layer_us")
+    for fmt, target in (("kivi4", 0.6), ("kivi2", 0.45), ("tq4", 0.7)):
+        ratio = get(f"quant_{fmt}_vs_fp16")
+        row(f"gpu_quant_{model}", f"{fmt} decode time / fp16 decode time", ratio * us if ratio and us else None, us, "us",
+            ratio, "<=", target)
+with open(sys.argv[2], "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["mode", "metric", "karakv", "baseline", "unit", "ratio", "target", "result"])
+    w.writerows(rows)
+print(f"targets: {sum(r[-1] == 'PASS' for r in rows)} PASS, {sum(r[-1] == 'FAIL' for r in rows)} FAIL, "
+      f"{sum(r[-1] == 'n/a' for r in rows)} n/a ({sys.argv[2]})")
+PY
 if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$tests_ok" -eq 1 ] || exit 1
 [ "$sanitizer_rc" -eq 0 ] || exit 1
