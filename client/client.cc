@@ -1240,6 +1240,12 @@ class GrpcEventStream final : public EventStream {
         out->kind = Event::Kind::kDropped;
         out->dropped = e.dropped().count();
         break;
+      case v1::Event::kCompactionFailed:
+        out->kind = Event::Kind::kCompactionFailed;
+        out->sequence_id = e.compaction_failed().sequence_id();
+        out->policy = e.compaction_failed().policy();
+        out->reason = e.compaction_failed().reason();
+        break;
       default:  // a kind newer than this SDK: skip it
         return Next(out);
     }

@@ -266,7 +266,10 @@ absl::StatusOr<CompactionResult> Compactor::run_policy(Sequence& seq, const Poli
   // Kept tokens are re-quantized as they age out again, so their error compounds per compaction.
   auto copy = store_.dequantized_copy(seq);
   if (!copy.ok()) {
-    if (absl::IsResourceExhausted(copy.status())) ++policy_stats_[seq.label].failures;
+    if (absl::IsResourceExhausted(copy.status())) {
+      ++policy_stats_[seq.label].failures;
+      announce_failure(seq, seq.label, copy.status());
+    }
     return copy.status();
   }
   auto r = run_in_place(*copy, policy, dry_run);
@@ -300,10 +303,7 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   const int32_t fp_length = seq.fp_length();
   PagedView pv = store_.view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&fp_length, 1));
   auto plan = policy.plan(view, pv.kv, store_.backend());
-  if (!plan.ok()) {
-    record(result, seq, 0, true);
-    return plan.status();
-  }
+  if (!plan.ok()) return failed(result, seq, plan.status());
   const kernels::Geometry& g = store_.geometry();
   const int32_t b = g.block_size;
   const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
@@ -312,17 +312,17 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
       (plan->end < seq.length && (plan->end % b != 0 || plan->num_kept % b != 0)) ||
       plan->num_kept > plan->end - plan->begin || plan->kept.size() != rows * plan->num_kept ||
       plan->begin < seq.quantized()) {
-    record(result, seq, 0, true);
-    return absl::InternalError(absl::StrCat("policy ", policy.name(), " produced an invalid plan [", plan->begin, ", ",
-                                            plan->end, ") keeping ", plan->num_kept, " of ", seq.length));
+    return failed(result, seq,
+                  absl::InternalError(absl::StrCat("policy ", policy.name(), " produced an invalid plan [", plan->begin,
+                                                   ", ", plan->end, ") keeping ", plan->num_kept, " of ", seq.length)));
   }
   for (size_t r = 0; r < rows; ++r) {
     const int32_t* row = plan->kept.data() + r * plan->num_kept;
     for (int32_t i = 0; i < plan->num_kept; ++i) {
       if (row[i] < plan->begin || row[i] >= plan->end || (i > 0 && row[i] <= row[i - 1])) {
-        record(result, seq, 0, true);
-        return absl::InternalError(absl::StrCat("policy ", policy.name(), " kept slot ", row[i],
-                                                " out of order or outside [", plan->begin, ", ", plan->end, ")"));
+        return failed(result, seq,
+                      absl::InternalError(absl::StrCat("policy ", policy.name(), " kept slot ", row[i],
+                                                       " out of order or outside [", plan->begin, ", ", plan->end, ")")));
       }
     }
   }
@@ -339,30 +339,42 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   }
   const int32_t resident_before = seq.length;
   if (absl::Status s = store_.apply_plan(seq, *plan, policy.merge_tokens(), policy.name()); !s.ok()) {
-    record(result, seq, 0, true);
-    return s;
+    return failed(result, seq, s);
   }
   // The range's blocks are the sequence's own now (a prefill policy over a cached prompt, say).
   seq.shared_prefix = std::min(seq.shared_prefix, plan->begin);
   const PolicyBinding& binding = *seq.policy;
   if (binding.state) {
     if (absl::Status s = binding.policy->on_compacted(binding.state.get(), *plan, resident_before, own); !s.ok()) {
-      record(result, seq, 0, true);
-      return absl::Status(s.code(), absl::StrCat("sequence ", seq.id, " was compacted but policy ", policy.name(),
-                                                 " could not remap its state: ", s.message()));
+      return failed(result, seq,
+                    absl::Status(s.code(), absl::StrCat("sequence ", seq.id, " was compacted but policy ", policy.name(),
+                                                        " could not remap its state: ", s.message())));
     }
   }
   result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  record(result, seq, result.tokens_before - result.tokens_after, false);
+  record(result, seq, result.tokens_before - result.tokens_after);
   return result;
 }
 
-void Compactor::record(const CompactionResult& r, const Sequence& seq, int32_t removed, bool failed) {
+absl::Status Compactor::failed(const CompactionResult& r, const Sequence& seq, absl::Status error) {
+  ++policy_stats_[r.policy].failures;
+  announce_failure(seq, r.policy, error);
+  return error;
+}
+
+void Compactor::announce_failure(const Sequence& seq, const std::string& policy, const absl::Status& error) {
+  if (!event_observer_) return;
+  CoreEvent e;
+  e.kind = CoreEvent::Kind::kCompactionFailed;
+  e.session_id = seq.session_id;
+  e.sequence_id = seq.id;
+  e.policy = policy;
+  e.message = absl::StrCat(absl::StatusCodeToString(error.code()), ": ", error.message());
+  event_observer_(e);
+}
+
+void Compactor::record(const CompactionResult& r, const Sequence& seq, int32_t removed) {
   PolicyStats& ps = policy_stats_[r.policy];
-  if (failed) {
-    ++ps.failures;
-    return;
-  }
   ++ps.compactions;
   ps.tokens_removed += uint64_t(removed);
   ps.seconds += r.seconds;

@@ -96,7 +96,11 @@ class Compactor {
   absl::StatusOr<CompactionResult> run_policy(Sequence& seq, const Policy& policy, bool dry_run);
   // run_policy for a sequence whose slots the plan may take from are all unquantized.
   absl::StatusOr<CompactionResult> run_in_place(Sequence& seq, const Policy& policy, bool dry_run);
-  void record(const CompactionResult& r, const Sequence& seq, int32_t removed, bool failed);
+  // A compaction that ran: counted, observed, and announced on the sequence's session's events.
+  void record(const CompactionResult& r, const Sequence& seq, int32_t removed);
+  // One that failed: counted and announced (kCompactionFailed); returns `error`.
+  absl::Status failed(const CompactionResult& r, const Sequence& seq, absl::Status error);
+  void announce_failure(const Sequence& seq, const std::string& policy, const absl::Status& error);
 
   SequenceStore& store_;
   const int max_sequences_per_tick_;

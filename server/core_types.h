@@ -15,16 +15,17 @@ namespace karakv::server {
 // What the event stream (WatchEvents) tells a session about its own sequences. Emitted under the
 // core's lock: observers must not block or call back into the core.
 struct CoreEvent {
-  enum class Kind { kPreempted, kCompaction, kSessionEnded };
+  enum class Kind { kPreempted, kCompaction, kSessionEnded, kCompactionFailed };
   Kind kind = Kind::kCompaction;
   std::string session_id;
   uint64_t sequence_id = 0;
-  // kPreempted: why (wanted vs free blocks, the request, the priority rule); kSessionEnded: why.
+  // kPreempted: why (wanted vs free blocks, the request, the priority rule); kSessionEnded: why;
+  // kCompactionFailed: the error (its code, then the message; a kernel's names its op).
   std::string message;
   int32_t priority = 0;       // kPreempted: the victim's
   int32_t blocks_freed = 0;   // kPreempted: blocks that went back to the pool
   int32_t tokens = 0;         // kPreempted: resident tokens lost
-  // kCompaction
+  // kCompaction, kCompactionFailed
   std::string policy;
   int32_t tokens_before = 0, tokens_after = 0;
   // kSessionEnded

@@ -52,6 +52,13 @@ v1::Event to_event(const CoreEvent& e) {
       c->set_tokens_after(static_cast<uint32_t>(e.tokens_after));
       break;
     }
+    case CoreEvent::Kind::kCompactionFailed: {
+      auto* c = out.mutable_compaction_failed();
+      c->set_sequence_id(e.sequence_id);
+      c->set_policy(e.policy);
+      c->set_reason(e.message);
+      break;
+    }
     case CoreEvent::Kind::kSessionEnded: {
       auto* s = out.mutable_session_ended();
       s->set_lease_expired(e.lease_expired);

@@ -154,6 +154,14 @@ int main(int argc, char** argv) {
       spdlog::warn("preempted: {} ({} blocks freed, {} tokens lost)", e.message, e.blocks_freed, e.tokens);
       metrics_ptr->preempted();
     }
+    if (e.kind == karakv::server::CoreEvent::Kind::kCompactionFailed) {
+      // Logged at the 1st, 2nd, 4th, 8th, ... failure: a broken kernel fails every tick. (Called
+      // under the core's lock: no other thread touches the count.)
+      static uint64_t failures = 0;
+      if ((++failures & (failures - 1)) == 0)
+        spdlog::warn("compaction of sequence {} ({}) failed: {} ({} failures so far)", e.sequence_id, e.policy,
+                     e.message, failures);
+    }
     events->publish(e);
   });
   karakv::server::RingConfig ring_config;

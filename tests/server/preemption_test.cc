@@ -11,6 +11,7 @@
 #include "server/events.h"
 #include "server/core.h"
 #include "tests/server/core_driver.h"
+#include "tests/server/delegating_backend.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -23,12 +24,12 @@ constexpr int kBlocks = 16;  // block_size 4: 64 tokens in all
 
 class PreemptionTest : public ::testing::Test {
  protected:
-  void make(bool preempt) {
+  void make(bool preempt, std::unique_ptr<kernels::Backend> backend = kernels::make_cpu_backend(1)) {
     CoreConfig c;
     c.geometry = testing::small_test_geometry(kernels::DType::kFloat32);
     c.pool_bytes = int64_t(kBlocks) * c.geometry.block_bytes();
     c.preempt_on_pressure = preempt;
-    auto r = Core::create(c, kernels::make_cpu_backend(1));
+    auto r = Core::create(c, std::move(backend));
     ASSERT_TRUE(r.ok()) << r.status();
     reg_ = std::move(*r);
     reg_->set_event_observer([this](const CoreEvent& e) { events_.push_back(e); });
@@ -197,6 +198,72 @@ TEST_F(PreemptionTest, StepNeverPreemptsItsOwnBatchAndCountsSharedBlocksOnce) {
   std::vector<uint64_t> live;
   for (const auto& i : reg_->list_sequences("")) live.push_back(i.id);
   EXPECT_THAT(live, ::testing::UnorderedElementsAre(high, low_in_batch, one));
+  EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+}
+
+// The CPU backend whose gathers (what applying a compaction's plan runs) fail, as a device kernel
+// that faulted would, while `fail` is set.
+class FailingGather : public karakv::testing::DelegatingBackend {
+ public:
+  using DelegatingBackend::DelegatingBackend;
+  bool fail = false;
+  KernelStatus gather_tokens(const PagedKV& kv, int seq, const int32_t* kept, int num_kept,
+                             const int32_t* dst_blocks) override {
+    if (fail) return {KernelStatus::Code::kInternal, "gather_tokens: injected device fault"};
+    return DelegatingBackend::gather_tokens(kv, seq, kept, num_kept, dst_blocks);
+  }
+  KernelStatus gather_tokens_in_place(const PagedKV& kv, int seq, int begin, const int32_t* kept,
+                                      int num_kept) override {
+    if (fail) return {KernelStatus::Code::kInternal, "gather_tokens_in_place: injected device fault"};
+    return DelegatingBackend::gather_tokens_in_place(kv, seq, begin, kept, num_kept);
+  }
+};
+
+// A compaction whose kernel fails is an event of the sequence's session naming the op: the one the
+// scheduler runs after a Step (whose reply is OK and says nothing of it) and the one Compact asks
+// for (whose reply carries the error too). The sequence stays usable and compacts once the kernel
+// works again.
+TEST_F(PreemptionTest, AFailedCompactionIsAnEventNamingTheKernel) {
+  auto backend = std::make_unique<FailingGather>(kernels::make_cpu_backend(1));
+  FailingGather* gather = backend.get();
+  make(false, std::move(backend));
+  const std::string a = attach("ta");
+  SequenceOptions o;
+  o.policy = "streaming";
+  o.params = {{"c_max", 24}, {"c_target", 8}};
+  auto seq = reg_->create_sequence(a, o);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  ASSERT_TRUE(append(a, *seq, 20).ok());
+  gather->fail = true;
+  for (int64_t pos = 20; pos < 26; ++pos) ASSERT_TRUE(step(a, {*seq}, pos).ok()) << "step at " << pos;
+  ASSERT_FALSE(events_.empty());
+  for (const CoreEvent& e : events_) {
+    EXPECT_EQ(e.kind, CoreEvent::Kind::kCompactionFailed);
+    EXPECT_EQ(e.session_id, a);
+    EXPECT_EQ(e.sequence_id, *seq);
+    EXPECT_EQ(e.policy, "streaming");
+    EXPECT_THAT(e.message, HasSubstr("INTERNAL"));
+    EXPECT_THAT(e.message, HasSubstr("injected device fault"));
+  }
+  const size_t after_steps = events_.size();
+  auto compacted = reg_->compact(a, *seq, false);
+  EXPECT_FALSE(compacted.ok());
+  ASSERT_EQ(events_.size(), after_steps + 1);
+  EXPECT_EQ(events_.back().kind, CoreEvent::Kind::kCompactionFailed);
+  EXPECT_THAT(events_.back().message, HasSubstr(std::string(compacted.status().message())));
+  // The published form (WatchEvents) carries the same.
+  const v1::Event published = to_event(events_.back());
+  ASSERT_TRUE(published.has_compaction_failed());
+  EXPECT_EQ(published.compaction_failed().sequence_id(), *seq);
+  EXPECT_EQ(published.compaction_failed().policy(), "streaming");
+  EXPECT_EQ(published.compaction_failed().reason(), events_.back().message);
+  EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
+
+  gather->fail = false;
+  compacted = reg_->compact(a, *seq, false);
+  ASSERT_TRUE(compacted.ok()) << compacted.status();
+  EXPECT_EQ(events_.back().kind, CoreEvent::Kind::kCompaction);
+  EXPECT_EQ(events_.back().tokens_after, 8);
   EXPECT_TRUE(reg_->check_invariants().ok()) << reg_->check_invariants();
 }
 

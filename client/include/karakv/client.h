@@ -216,16 +216,17 @@ struct SequenceInfo {
 
 // One event of this session's stream (WatchEvents; karakv.proto's Event).
 struct Event {
-  enum class Kind { kPreempted, kCompaction, kSessionEnded, kDropped };
+  enum class Kind { kPreempted, kCompaction, kSessionEnded, kDropped, kCompactionFailed };
   Kind kind = Kind::kCompaction;
   uint64_t number = 0;     // 1, 2, ... per stream; 0 for kDropped
   double time_unix = 0;
-  uint64_t sequence_id = 0;  // kPreempted, kCompaction
-  // kPreempted: why (the request, wanted vs free blocks, the priority rule); kSessionEnded: why.
+  uint64_t sequence_id = 0;  // kPreempted, kCompaction, kCompactionFailed
+  // kPreempted: why (the request, wanted vs free blocks, the priority rule); kSessionEnded: why;
+  // kCompactionFailed: the error's code and message (a kernel's names its op).
   std::string reason;
   int32_t priority = 0;
   uint32_t blocks_freed = 0, tokens_lost = 0;              // kPreempted
-  std::string policy;                                      // kCompaction
+  std::string policy;                                      // kCompaction, kCompactionFailed
   uint32_t tokens_before = 0, tokens_after = 0;            // kCompaction
   bool lease_expired = false;                              // kSessionEnded
   uint32_t sequences_released = 0;                         // kSessionEnded

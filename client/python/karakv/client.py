@@ -104,16 +104,19 @@ class Inspection:
 @dataclass
 class Event:
     """One event of a session's stream (WatchEvents; karakv.proto's Event). kind is "preempted",
-    "compaction", "session_ended" or "dropped"; the fields of other kinds keep their defaults."""
+    "compaction", "compaction_failed", "session_ended" or "dropped"; the fields of other kinds keep
+    their defaults."""
     kind: str
     number: int = 0           # 1, 2, ... per stream; 0 for "dropped"
     time_unix: float = 0.0
-    sequence_id: int = 0      # preempted, compaction
-    reason: str = ""          # preempted: why (request, wanted vs free blocks, priority rule); session_ended: why
+    sequence_id: int = 0      # preempted, compaction, compaction_failed
+    # preempted: why (request, wanted vs free blocks, priority rule); session_ended: why;
+    # compaction_failed: the error's code and message (a kernel's names its op)
+    reason: str = ""
     priority: int = 0         # preempted
     blocks_freed: int = 0     # preempted
     tokens_lost: int = 0      # preempted
-    policy: str = ""          # compaction
+    policy: str = ""          # compaction, compaction_failed
     tokens_before: int = 0    # compaction
     tokens_after: int = 0     # compaction
     lease_expired: bool = False   # session_ended
@@ -133,6 +136,9 @@ def _event(e: pb.Event) -> Optional[Event]:
         c = e.compaction
         out.sequence_id, out.policy, out.tokens_before, out.tokens_after = \
             c.sequence_id, c.policy, c.tokens_before, c.tokens_after
+    elif kind == "compaction_failed":
+        c = e.compaction_failed
+        out.sequence_id, out.policy, out.reason = c.sequence_id, c.policy, c.reason
     elif kind == "session_ended":
         s = e.session_ended
         out.reason, out.lease_expired, out.sequences_released = s.reason, s.lease_expired, s.sequences_released

@@ -279,3 +279,21 @@ def test_an_expired_lease_stays_not_found(start_daemon):
         with pytest.raises(karakv.NotFound) as e:
             c.create_sequence()
         assert not isinstance(e.value, karakv.DaemonRestarted)
+
+
+def test_every_event_kind_of_the_proto_maps_to_an_event():
+    # A failed compaction (a kernel's error naming its op) comes through with its sequence, policy
+    # and reason; a kind this SDK does not know would be skipped (None), so each the proto has must map.
+    from karakv.client import _event
+    from karakv.v1 import karakv_pb2 as pb
+    e = pb.Event(number=3, time_unix=1.5)
+    e.compaction_failed.sequence_id = 7
+    e.compaction_failed.policy = "kara"
+    e.compaction_failed.reason = "INTERNAL: gather_tokens: device fault"
+    out = _event(e)
+    assert (out.kind, out.number, out.sequence_id, out.policy, out.reason) == (
+        "compaction_failed", 3, 7, "kara", "INTERNAL: gather_tokens: device fault")
+    for kind in pb.Event.DESCRIPTOR.oneofs_by_name["kind"].fields:
+        e = pb.Event()
+        getattr(e, kind.name).SetInParent()
+        assert _event(e) is not None and _event(e).kind == kind.name, kind.name
