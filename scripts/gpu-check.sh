@@ -488,7 +488,9 @@ PY
     )
   else
     echo "karakv-bench p3 --p3_staging=$st ($tag) failed (${p3[$tag]}):"; tail -5 /tmp/gpu-p3-$tag.log
-    p3_failed=1
+    # Under MPS a failure is a row of the table, not a failure of the check (the product runs
+    # without MPS; what MPS changes is reported, not required).
+    [[ $tag == mps-* ]] || p3_failed=1
   fi
 }
 # serve_device_run DIR: one serve run of kara at max batch 256 whose workers use device staging;
@@ -551,7 +553,6 @@ if want mps; then
       mps_clients=$(cat "$CUDA_MPS_LOG_DIRECTORY"/server.log 2> /dev/null | grep -ci 'client')
       mps_servers=$(cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2> /dev/null | grep -ci 'new server')
       mps_status="MPS log: ${mps_servers:-0} server start(s), ${mps_clients:-0} client line(s); serve: $serve_device"
-      mps_rc=$serve_device_rc
       rm -rf "$RESULTS/mps-log"
       cp -r "$CUDA_MPS_LOG_DIRECTORY" "$RESULTS/mps-log" 2> /dev/null
     else
@@ -564,7 +565,6 @@ if want mps; then
 else
   mps_status="skipped (GPU_CHECK_STEPS)"
 fi
-mps_rc=${mps_rc:-0}
 
 profile_rows=()
 if want profile; then
@@ -719,5 +719,4 @@ if [ "$tests_rc" -ne 0 ]; then exit "$tests_rc"; fi
 [ "$serve_rc" -eq 0 ] || exit 1
 [ -z "${p3_failed:-}" ] || exit 1
 [ "$serve_device_rc" -eq 0 ] || exit 1
-[ "$mps_rc" -eq 0 ] || exit 1
 exit 0
