@@ -36,6 +36,7 @@
 #include "cuda_limits.h"
 #if KARAKV_HAVE_FLASHINFER
 #include "flashinfer_decode.h"
+#include "flashinfer_pages.h"
 #endif
 #include "gather_tokens.cuh"
 #include "karakv/kernels/backend.h"
@@ -1117,25 +1118,13 @@ class CudaBackend final : public Backend {
                                  float* lse) {
 #if KARAKV_HAVE_FLASHINFER
     const Geometry& g = kv.geometry;
-    std::vector<int32_t> indptr(1, 0), last, indices, row_map(kv.num_seqs, -1);
-    bool all_rows = true;
-    for (int s = 0; s < kv.num_seqs; ++s) {
-      if (kv.seq_len[s] <= 0) {
-        all_rows = false;
-        continue;
-      }
-      const int32_t pages = (kv.seq_len[s] + g.block_size - 1) / g.block_size;
-      row_map[s] = int32_t(last.size());
-      indices.insert(indices.end(), kv.block_table + kv.table_offset[s], kv.block_table + kv.table_offset[s] + pages);
-      indptr.push_back(indptr.back() + pages);
-      last.push_back(kv.seq_len[s] - (pages - 1) * g.block_size);
-    }
-    const int batch = int(last.size());
+    const cuda::FlashInferHostPages host = cuda::flashinfer_pages(kv);
+    const int batch = host.batch();
     cuda::FlashInferPages pages;
     pages.batch = batch;
-    KARAKV_RETURN_IF_ERROR(call.upload(indptr, &pages.indptr));
-    KARAKV_RETURN_IF_ERROR(call.upload(indices, &pages.indices));
-    KARAKV_RETURN_IF_ERROR(call.upload(last, &pages.last_page_len));
+    KARAKV_RETURN_IF_ERROR(call.upload(host.indptr, &pages.indptr));
+    KARAKV_RETURN_IF_ERROR(call.upload(host.indices, &pages.indices));
+    KARAKV_RETURN_IF_ERROR(call.upload(host.last_page_len, &pages.last_page_len));
     cuda::FlashInferRows rows;
     rows.rows = kv.num_seqs;
     rows.q = dq;
@@ -1144,8 +1133,8 @@ class CudaBackend final : public Backend {
     rows.scale = scale;
     // FlashInfer loads the queries 16 bytes at a time: a caller's device q that is not 16-byte
     // aligned is gathered into scratch (which is), as when a row is left out.
-    if (!all_rows || reinterpret_cast<uintptr_t>(dq) % 16 != 0) {
-      KARAKV_RETURN_IF_ERROR(call.upload(row_map, &rows.row_map));
+    if (!host.every_row || reinterpret_cast<uintptr_t>(dq) % 16 != 0) {
+      KARAKV_RETURN_IF_ERROR(call.upload(host.row_map, &rows.row_map));
       KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.q_token_elems(), &rows.q_batch)));
     }
     KARAKV_RETURN_IF_ERROR(call.named(arena_.take(size_t(batch) * g.q_token_elems() * dtype_size(g.dtype), &rows.o16)));
@@ -1157,7 +1146,7 @@ class CudaBackend final : public Backend {
       return {KernelStatus::Code::kInternal,
               err + " (KARAKV_CUDA_ATTENTION=own runs the project's decode kernels instead)"};
     };
-    if (std::string err = flashinfer_.plan(g, indptr, stream_); !err.empty()) return call.named(failed(err));
+    if (std::string err = flashinfer_.plan(g, host.indptr, stream_); !err.empty()) return call.named(failed(err));
     return call.launch([&](cudaStream_t stream) -> KernelStatus {
       std::string err = flashinfer_.run(g, kv.pool, layer, pages, rows, stream);
       return err.empty() ? KernelStatus::ok() : failed(err);

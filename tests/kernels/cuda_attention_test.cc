@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <random>
 #include <string>
+#include <vector>
 
+#include "cuda/flashinfer_pages.h"
 #include "karakv/kernels/backend.h"
 #include "karakv/kernels/cuda_attention.h"
 #include "kernel_test_util.h"
@@ -89,6 +92,75 @@ TEST_F(CudaAttentionEnvTest, PicksTheDecodeAttention) {
   EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
   EXPECT_EQ(st.message.rfind(std::string(kCudaAttentionEnv) + ": ", 0), 0u) << st.message;
   EXPECT_NE(st.message.find("'fastest'"), std::string::npos) << st.message;
+}
+
+// The host side of FlashInfer's route, which runs here: a call's tables as its pages. Sequences of
+// 0, 1, 16, 17, 32, 0 and 5 tokens (block 16), each table one block longer than it needs.
+TEST(FlashInferPagesTest, TablesBecomeTheNonEmptySequencesPages) {
+  Geometry g;
+  g.num_layers = 1;
+  g.num_q_heads = g.num_kv_heads = 1;
+  g.head_dim = 64;
+  g.block_size = 16;
+  const std::vector<int32_t> lens = {0, 1, 16, 17, 32, 0, 5};
+  std::vector<int32_t> table, offset = {0};
+  int32_t next = 100;
+  for (int32_t len : lens) {
+    for (int32_t i = 0; i < (len + 15) / 16 + 1; ++i) table.push_back(next++);
+    offset.push_back(int32_t(table.size()));
+  }
+  PagedKV kv;
+  kv.geometry = g;
+  kv.block_table = table.data();
+  kv.table_offset = offset.data();
+  kv.seq_len = lens.data();
+  kv.num_seqs = int(lens.size());
+  const cuda::FlashInferHostPages p = cuda::flashinfer_pages(kv);
+  EXPECT_EQ(p.batch(), 5);
+  EXPECT_FALSE(p.every_row);
+  EXPECT_EQ(p.row_map, (std::vector<int32_t>{-1, 0, 1, 2, 3, -1, 4}));
+  EXPECT_EQ(p.indptr, (std::vector<int32_t>{0, 1, 2, 4, 6, 7}));
+  // Tables: seq 0 [100], 1 [101 102], 2 [103 104], 3 [105 106 107], 4 [108 109 110], 5 [111], 6 [112 113].
+  EXPECT_EQ(p.indices, (std::vector<int32_t>{101, 103, 105, 106, 108, 109, 112}));
+  EXPECT_EQ(p.last_page_len, (std::vector<int32_t>{1, 16, 1, 16, 5}));
+
+  // Random shapes: every token of every sequence is found in its page, and the pages hold exactly
+  // its tokens.
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    g.block_size = 1 << (rng() % 6);
+    kv.geometry = g;
+    std::vector<int32_t> ls(1 + rng() % 8), t, o = {0};
+    for (auto& l : ls) {
+      l = rng() % 4 == 0 ? 0 : int32_t(rng() % 90);
+      const int32_t blocks = (l + g.block_size - 1) / g.block_size + int32_t(rng() % 3);
+      for (int32_t i = 0; i < blocks; ++i) t.push_back(int32_t(rng() % 100000));
+      o.push_back(int32_t(t.size()));
+    }
+    kv.block_table = t.data();
+    kv.table_offset = o.data();
+    kv.seq_len = ls.data();
+    kv.num_seqs = int(ls.size());
+    const cuda::FlashInferHostPages q = cuda::flashinfer_pages(kv);
+    int expected_batch = 0;
+    for (size_t s = 0; s < ls.size(); ++s) {
+      if (ls[s] == 0) {
+        EXPECT_EQ(q.row_map[s], -1);
+        continue;
+      }
+      const int32_t b = q.row_map[s];
+      ASSERT_EQ(b, expected_batch++) << "trial " << trial << ", sequence " << s;
+      const int32_t pages = q.indptr[b + 1] - q.indptr[b];
+      ASSERT_GE(q.last_page_len[b], 1);
+      ASSERT_LE(q.last_page_len[b], g.block_size);
+      EXPECT_EQ((pages - 1) * g.block_size + q.last_page_len[b], ls[s]) << "trial " << trial;
+      for (int32_t tok = 0; tok < ls[s]; ++tok)
+        ASSERT_EQ(q.indices[q.indptr[b] + tok / g.block_size], kv.block_of(int(s), tok)) << "trial " << trial;
+    }
+    EXPECT_EQ(q.batch(), expected_batch);
+    EXPECT_EQ(q.every_row, expected_batch == int(ls.size()));
+    EXPECT_EQ(q.indptr.back(), int32_t(q.indices.size()));
+  }
 }
 
 #if KARAKV_TEST_EXPECT_FLASHINFER
