@@ -155,6 +155,7 @@ int main(int argc, char** argv) {
       metrics_ptr->preempted();
     }
     if (e.kind == karakv::server::CoreEvent::Kind::kCompactionFailed) {
+      metrics_ptr->compaction_failed(e.policy);
       // Logged at the 1st, 2nd, 4th, 8th, ... failure: a broken kernel fails every tick. (Called
       // under the core's lock: no other thread touches the count.)
       static uint64_t failures = 0;

@@ -223,6 +223,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
                          .Name("karakv_compactions_total")
                          .Help("Compactions run, by policy")
                          .Register(reg);
+  m->compaction_failures_ = &prometheus::BuildCounter()
+                                 .Name("karakv_compaction_failures_total")
+                                 .Help("Compactions that failed (a kernel's error, no memory for a copy, a policy "
+                                       "bug), by policy; each is also a compaction_failed event of its session")
+                                 .Register(reg);
   m->tokens_removed_ = &prometheus::BuildCounter()
                             .Name("karakv_compaction_removed_tokens_total")
                             .Help("Tokens removed by compaction per (layer, KV head) row, by policy")
@@ -265,6 +270,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
                                  "Cached blocks the prefix tier's writer holds in the pool until they are written");
   for (const std::string& policy : policy_names()) {
     m->compactions_->Add({{"policy", policy}});
+    m->compaction_failures_->Add({{"policy", policy}});
     m->tokens_removed_->Add({{"policy", policy}});
     m->compaction_seconds_->Add({{"policy", policy}}, compaction_buckets());
   }
@@ -349,6 +355,8 @@ void Metrics::update_prefix_cache(const CoreStats& s) {
   prefix_unused_blocks_->Set(s.prefix_unused_blocks);
   tier_pinned_blocks_->Set(s.tier_pinned_blocks);
 }
+
+void Metrics::compaction_failed(const std::string& policy) { compaction_failures_->Add({{"policy", policy}}).Increment(); }
 
 void Metrics::compaction(const std::string& policy, int tokens_removed, double seconds) {
   compactions_->Add({{"policy", policy}}).Increment();

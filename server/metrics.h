@@ -57,6 +57,8 @@ class Metrics {
   std::vector<RpcErrorCount> rpc_errors() const;
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
   void compaction(const std::string& policy, int tokens_removed, double seconds);
+  // One that failed (each is also a compaction_failed event of the sequence's session).
+  void compaction_failed(const std::string& policy);
   // Prefix cache counters and gauges from a core snapshot (called by update_state).
   void update_prefix_cache(const CoreStats& stats);
   std::shared_ptr<prometheus::Registry> registry() const { return core_; }
@@ -89,6 +91,7 @@ class Metrics {
   prometheus::Histogram* first_step_seconds_ = nullptr;
   prometheus::Counter* invariant_violations_ = nullptr;
   prometheus::Family<prometheus::Counter>* compactions_ = nullptr;
+  prometheus::Family<prometheus::Counter>* compaction_failures_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_removed_ = nullptr;
   prometheus::Family<prometheus::Histogram>* compaction_seconds_ = nullptr;
   prometheus::Gauge* logical_tokens_ = nullptr;

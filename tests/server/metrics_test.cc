@@ -163,6 +163,7 @@ TEST_F(MetricsTest, KnownLabelSetsExistAtZeroBeforeTheFirstEvent) {
   }
   for (const std::string& policy : policy_names()) {
     EXPECT_EQ(value(*metrics_, "karakv_compactions_total", {{"policy", policy}}), 0) << policy;
+    EXPECT_EQ(value(*metrics_, "karakv_compaction_failures_total", {{"policy", policy}}), 0) << policy;
     EXPECT_EQ(value(*metrics_, "karakv_compaction_removed_tokens_total", {{"policy", policy}}), 0) << policy;
     EXPECT_EQ(value(*metrics_, "karakv_compaction_duration_seconds", {{"policy", policy}}), 0) << policy;
   }
