@@ -266,10 +266,7 @@ absl::StatusOr<CompactionResult> Compactor::run_policy(Sequence& seq, const Poli
   // Kept tokens are re-quantized as they age out again, so their error compounds per compaction.
   auto copy = store_.dequantized_copy(seq);
   if (!copy.ok()) {
-    if (absl::IsResourceExhausted(copy.status())) {
-      ++policy_stats_[seq.label].failures;
-      announce_failure(seq, seq.label, copy.status());
-    }
+    if (absl::IsResourceExhausted(copy.status())) return failed(seq.label, seq, copy.status());
     return copy.status();
   }
   auto r = run_in_place(*copy, policy, dry_run);
@@ -303,7 +300,7 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   const int32_t fp_length = seq.fp_length();
   PagedView pv = store_.view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&fp_length, 1));
   auto plan = policy.plan(view, pv.kv, store_.backend());
-  if (!plan.ok()) return failed(result, seq, plan.status());
+  if (!plan.ok()) return failed(result.policy, seq, plan.status());
   const kernels::Geometry& g = store_.geometry();
   const int32_t b = g.block_size;
   const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
@@ -312,7 +309,7 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
       (plan->end < seq.length && (plan->end % b != 0 || plan->num_kept % b != 0)) ||
       plan->num_kept > plan->end - plan->begin || plan->kept.size() != rows * plan->num_kept ||
       plan->begin < seq.quantized()) {
-    return failed(result, seq,
+    return failed(result.policy, seq,
                   absl::InternalError(absl::StrCat("policy ", policy.name(), " produced an invalid plan [", plan->begin,
                                                    ", ", plan->end, ") keeping ", plan->num_kept, " of ", seq.length)));
   }
@@ -320,7 +317,7 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
     const int32_t* row = plan->kept.data() + r * plan->num_kept;
     for (int32_t i = 0; i < plan->num_kept; ++i) {
       if (row[i] < plan->begin || row[i] >= plan->end || (i > 0 && row[i] <= row[i - 1])) {
-        return failed(result, seq,
+        return failed(result.policy, seq,
                       absl::InternalError(absl::StrCat("policy ", policy.name(), " kept slot ", row[i],
                                                        " out of order or outside [", plan->begin, ", ", plan->end, ")")));
       }
@@ -339,14 +336,14 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   }
   const int32_t resident_before = seq.length;
   if (absl::Status s = store_.apply_plan(seq, *plan, policy.merge_tokens(), policy.name()); !s.ok()) {
-    return failed(result, seq, s);
+    return failed(result.policy, seq, s);
   }
   // The range's blocks are the sequence's own now (a prefill policy over a cached prompt, say).
   seq.shared_prefix = std::min(seq.shared_prefix, plan->begin);
   const PolicyBinding& binding = *seq.policy;
   if (binding.state) {
     if (absl::Status s = binding.policy->on_compacted(binding.state.get(), *plan, resident_before, own); !s.ok()) {
-      return failed(result, seq,
+      return failed(result.policy, seq,
                     absl::Status(s.code(), absl::StrCat("sequence ", seq.id, " was compacted but policy ", policy.name(),
                                                         " could not remap its state: ", s.message())));
     }
@@ -356,14 +353,9 @@ absl::StatusOr<CompactionResult> Compactor::run_in_place(Sequence& seq, const Po
   return result;
 }
 
-absl::Status Compactor::failed(const CompactionResult& r, const Sequence& seq, absl::Status error) {
-  ++policy_stats_[r.policy].failures;
-  announce_failure(seq, r.policy, error);
-  return error;
-}
-
-void Compactor::announce_failure(const Sequence& seq, const std::string& policy, const absl::Status& error) {
-  if (!event_observer_) return;
+absl::Status Compactor::failed(const std::string& policy, const Sequence& seq, absl::Status error) {
+  ++policy_stats_[policy].failures;
+  if (!event_observer_) return error;
   CoreEvent e;
   e.kind = CoreEvent::Kind::kCompactionFailed;
   e.session_id = seq.session_id;
@@ -371,6 +363,7 @@ void Compactor::announce_failure(const Sequence& seq, const std::string& policy,
   e.policy = policy;
   e.message = absl::StrCat(absl::StatusCodeToString(error.code()), ": ", error.message());
   event_observer_(e);
+  return error;
 }
 
 void Compactor::record(const CompactionResult& r, const Sequence& seq, int32_t removed) {

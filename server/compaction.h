@@ -99,8 +99,7 @@ class Compactor {
   // A compaction that ran: counted, observed, and announced on the sequence's session's events.
   void record(const CompactionResult& r, const Sequence& seq, int32_t removed);
   // One that failed: counted and announced (kCompactionFailed); returns `error`.
-  absl::Status failed(const CompactionResult& r, const Sequence& seq, absl::Status error);
-  void announce_failure(const Sequence& seq, const std::string& policy, const absl::Status& error);
+  absl::Status failed(const std::string& policy, const Sequence& seq, absl::Status error);
 
   SequenceStore& store_;
   const int max_sequences_per_tick_;

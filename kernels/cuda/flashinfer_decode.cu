@@ -104,8 +104,8 @@ std::string FlashInferDecode::reserve(size_t float_bytes, size_t int_bytes) {
 }
 
 std::string FlashInferDecode::plan(const Geometry& g, const std::vector<int32_t>& indptr, cudaStream_t stream) {
-  if (planned_ && same_geometry(g, planned_geometry_) && indptr == planned_indptr_) return "";
-  planned_ = false;
+  if (!planned_indptr_.empty() && same_geometry(g, planned_geometry_) && indptr == planned_indptr_) return "";
+  planned_indptr_.clear();  // no plan until this one is made
   if (indptr.size() < 2) return "FlashInfer: a plan needs at least one non-empty sequence";
   std::vector<int32_t> pages = indptr;  // FlashInfer's planner takes a non-const pointer
   PlanArgs a{};
@@ -132,7 +132,6 @@ std::string FlashInferDecode::plan(const Geometry& g, const std::vector<int32_t>
                                                                                     nullptr, nullptr, &plan_info_);
   });
   if (!err.empty()) return err;
-  planned_ = true;
   planned_geometry_ = g;
   planned_indptr_ = indptr;
   ++plans_;
@@ -141,7 +140,7 @@ std::string FlashInferDecode::plan(const Geometry& g, const std::vector<int32_t>
 
 std::string FlashInferDecode::run(const Geometry& g, void* pool, int layer, const FlashInferPages& pages,
                                   const FlashInferRows& rows, cudaStream_t stream) {
-  if (!planned_ || !same_geometry(g, planned_geometry_) || size_t(pages.batch) + 1 != planned_indptr_.size())
+  if (planned_indptr_.empty() || !same_geometry(g, planned_geometry_) || size_t(pages.batch) + 1 != planned_indptr_.size())
     return "FlashInfer: run without a plan for this batch";
   RunArgs a{&plan_info_, float_workspace_, int_workspace_, pool, layer, &g, pages, rows, stream};
   return with_instance(g, [&](auto kv, auto d) {

@@ -90,9 +90,9 @@ class FlashInferDecode {
   size_t int_bytes_ = 0;
   void* pinned_ = nullptr;  // page-locked mirror of the int workspace, the plan's upload source
   std::vector<int64_t> plan_info_;
+  // The last plan's batch (empty: no plan; a plan has at least one sequence, so two entries).
   Geometry planned_geometry_{};
   std::vector<int32_t> planned_indptr_;
-  bool planned_ = false;
   long long plans_ = 0;
 };
 

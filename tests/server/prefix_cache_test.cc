@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <set>
 
@@ -167,12 +168,22 @@ class PrefixRegistryTest : public ::testing::Test {
     return *id;
   }
 
+  // Kara with `params` on the cached `prompt`.
+  static SequenceOptions kara_on(const std::vector<int32_t>& prompt, std::map<std::string, double> params) {
+    SequenceOptions o;
+    o.policy = "kara";
+    o.params = std::move(params);
+    o.prefix_token_ids = prompt;
+    return o;
+  }
+  static std::map<std::string, double> kara_windows() {  // version 2's windows, W 8, every step
+    return {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
+  }
+
   std::pair<uint64_t, int32_t> from_prefix(const std::string& s, const std::vector<int32_t>& prompt,
                                            const std::string& policy = "none") {
-    SequenceOptions o;
+    SequenceOptions o = kara_on(prompt, policy == "kara" ? kara_windows() : std::map<std::string, double>{});
     o.policy = policy;
-    if (policy == "kara") o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
-    o.prefix_token_ids = prompt;
     auto r = reg_->create_sequence_from_prefix(s, o);
     EXPECT_TRUE(r.ok()) << r.status();
     return *r;
@@ -350,11 +361,8 @@ TEST_F(PrefixRegistryTest, KaraPromptAutoKeepsTheAdoptedBlocksAndWindowsTheRest)
   const uint64_t owner = publish(a_, prompt, 1);
   const auto kv_before = read(a_, owner);
   for (int mode = 0; mode < 2; ++mode) {  // 0: auto (the default), 1: window
-    SequenceOptions o;
-    o.policy = "kara";
-    o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
+    SequenceOptions o = kara_on(prompt, kara_windows());
     if (mode == 1) o.params["prompt"] = 1;
-    o.prefix_token_ids = prompt;
     auto r = reg_->create_sequence_from_prefix(b_, o);
     ASSERT_TRUE(r.ok()) << r.status();
     const auto [sharer, cached] = *r;
@@ -394,11 +402,8 @@ TEST_F(PrefixRegistryTest, KaraBudgetCountsOnlyTheTokensASequenceDoesNotShare) {
   make(256);
   const std::vector<int32_t> prompt = ids(40, 16);
   publish(a_, prompt, 1);
-  SequenceOptions o;
-  o.policy = "kara";
-  o.params = {{"budget", 32}, {"recent", 4}, {"period", 1}, {"sinks", 0}};  // fit 1, prompt auto
-  o.prefix_token_ids = prompt;
-  auto r = reg_->create_sequence_from_prefix(b_, o);
+  // fit 1, prompt auto
+  auto r = reg_->create_sequence_from_prefix(b_, kara_on(prompt, {{"budget", 32}, {"recent", 4}, {"period", 1}, {"sinks", 0}}));
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->second, 16);
   int32_t most = 0;
@@ -422,12 +427,9 @@ TEST_F(PrefixRegistryTest, KaraPromptAutoWindowsACachedPromptAPrefillPolicyRewro
   make(256);
   const std::vector<int32_t> prompt = ids(40, 16);
   publish(a_, prompt, 1);
-  SequenceOptions o;
-  o.policy = "kara";
-  o.params = {{"window", 8}, {"rho", 0.5}, {"period", 1}, {"sinks", 0}, {"recent", 0}, {"budget", 0}};
+  SequenceOptions o = kara_on(prompt, kara_windows());
   o.prefill_policy = "streaming";
   o.prefill_params = {{"c_max", 24}, {"c_target", 20}, {"sinks", 4}};
-  o.prefix_token_ids = prompt;
   auto r = reg_->create_sequence_from_prefix(b_, o);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->second, 16);
