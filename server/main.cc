@@ -159,7 +159,8 @@ int main(int argc, char** argv) {
       // Logged at the 1st, 2nd, 4th, 8th, ... failure: a broken kernel fails every tick. (Called
       // under the core's lock: no other thread touches the count.)
       static uint64_t failures = 0;
-      if ((++failures & (failures - 1)) == 0)
+      const uint64_t n = ++failures;
+      if ((n & (n - 1)) == 0)
         spdlog::warn("compaction of sequence {} ({}) failed: {} ({} failures so far)", e.sequence_id, e.policy,
                      e.message, failures);
     }
