@@ -36,6 +36,30 @@ KernelStatus cuda_attention_from_env(CudaAttention* out) {
   return common::choice_from_env(kCudaAttentionEnv, parse_cuda_attention, out);
 }
 
+std::string_view cuda_quant_decode_name(CudaQuantDecode quant) {
+  return quant == CudaQuantDecode::kFused ? "fused" : "staged";
+}
+
+std::string cuda_quant_decode_missing(CudaQuantDecode) {
+#if KARAKV_HAVE_CUDA
+  return "";
+#else
+  return "this build has no CUDA backend";
+#endif
+}
+
+CudaQuantDecode default_cuda_quant_decode() { return CudaQuantDecode::kStaged; }
+
+KernelStatus parse_cuda_quant_decode(std::string_view text, CudaQuantDecode* out) {
+  return common::parse_choice<CudaQuantDecode>("CUDA quantized decode", text, {"staged", CudaQuantDecode::kStaged},
+                                               {"fused", CudaQuantDecode::kFused}, default_cuda_quant_decode(),
+                                               cuda_quant_decode_missing, out);
+}
+
+KernelStatus cuda_quant_decode_from_env(CudaQuantDecode* out) {
+  return common::choice_from_env(kCudaQuantDecodeEnv, parse_cuda_quant_decode, out);
+}
+
 }  // namespace karakv::kernels
 
 namespace karakv::kernels {
@@ -47,7 +71,17 @@ std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
                  std::string(cuda_attention_name(default_cuda_attention())).c_str());
     attention = default_cuda_attention();
   }
-  return make_cuda_backend(device, attention, error);
+  CudaQuantDecode quant = default_cuda_quant_decode();
+  if (KernelStatus st = cuda_quant_decode_from_env(&quant); !st.is_ok()) {
+    std::fprintf(stderr, "karakv: %s; using %s\n", st.message.c_str(),
+                 std::string(cuda_quant_decode_name(default_cuda_quant_decode())).c_str());
+    quant = default_cuda_quant_decode();
+  }
+  return make_cuda_backend(device, attention, quant, error);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {
+  return make_cuda_backend(device, attention, default_cuda_quant_decode(), error);
 }
 
 }  // namespace karakv::kernels

@@ -4,7 +4,7 @@
 
 namespace karakv::kernels {
 
-std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {
+std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, CudaQuantDecode, std::string* error) {
   // As the CUDA build: a decode attention this build lacks is named first.
   if (std::string missing = cuda_attention_missing(attention); !missing.empty()) {
     if (error != nullptr) *error = "CUDA attention " + std::string(cuda_attention_name(attention)) + ": " + missing;

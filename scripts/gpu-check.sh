@@ -52,17 +52,20 @@
 # with workers on device staging) at most GPU_CHECK_SERVE_SECONDS per run, and karakv-bench p3
 # (a Step through device staging, then shm staging, against an empty Ping) seconds; not yet timed
 # on a GPU: the decode tests and benchmarks again with FlashInfer's decode (estimated at two minutes
-# more), and the mps step (the device-staging Step and serve run again under NVIDIA's MPS, whose
+# more), the quantized tests and benchmark again with the fused quantized decode
+# (KARAKV_CUDA_QUANT_DECODE=fused; estimated at a minute more), and the mps step (the device-staging Step and serve run again under NVIDIA's MPS, whose
 # control daemon it starts and quits; bounded by GPU_CHECK_SERVE_SECONDS + 6 minutes of timeouts). Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; kernels_bench gets
 # 240 seconds per model, sdpa_bench 180), GPU_CHECK_SERVE_STEPS (300: too few for any context to grow long enough to compact; the
 # compaction seconds in the serve rows say whether the policies did anything), GPU_CHECK_SERVE_SECONDS (20),
 # GPU_CHECK_SERVE_BATCHES (64,256), GPU_CHECK_SERVE_POLICIES (none,snapkv,kara), GPU_CHECK_TEST_FILTER
-# (the test step's gtest filter; default every cuda op test and the flashinfer decode tests), GPU_CHECK_MEMCHECK_TIMEOUT (120),
+# (the test step's gtest filter; default every cuda op test, the flashinfer decode tests and
+# the fused quantized ones), GPU_CHECK_MEMCHECK_TIMEOUT (120),
 # GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,mps,profile:
 # a rerun after a fix can take only the steps that failed; the others print "skipped"). The profile
 # step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
-# are left alone) over the paged decode (own and FlashInfer's) and the quantized decode kernels, at
+# are left alone) over the paged decode (own and FlashInfer's) and the quantized decode kernels
+# (staged and fused), at
 # most 120 s per run.
 # What to carry (the object files in build-gpu/ and build-gpu-full/ need not travel; --prepare prints
 # the sizes and fails above 60 MiB): build-gpu/carry, which holds the kernel binaries packed
@@ -306,7 +309,8 @@ fi
 # The decode tests once more with FlashInfer's decode where it covers the call ("flashinfer" cases:
 # the other ops are the same code as "cuda"'s).
 FI_TESTS='*/BackendOpsTest.Decode*/flashinfer_*:*/BackendOpsTest.AccumulatorsInBackendMemory/flashinfer_*'
-TEST_FILTER="AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*:$FI_TESTS"
+FUSED_TESTS='*/BackendOpsTest.Quantized*/fused_*'  # the fused quantized decode (KARAKV_CUDA_QUANT_DECODE=fused)
+TEST_FILTER="AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*:$FI_TESTS:$FUSED_TESTS"
 TEST_FILTER="$TEST_FILTER:CudaAttentionTest.*:FlashInferDecodeTest.*"
 if want tests; then
   # 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test), and the
@@ -343,9 +347,14 @@ fi
 MEMCHECK_FILTER='AllBackends/BackendOpsTest.*/cuda_fp16:Geometries/BackendOpsTest.*/cuda_fp16_hd96_g1'
 MEMCHECK_FILTER="$MEMCHECK_FILTER:AllBackends/BackendOpsTest.DecodeAttention/flashinfer_fp16"
 MEMCHECK_FILTER="$MEMCHECK_FILTER:Geometries/BackendOpsTest.DecodeAttention/flashinfer_fp16_hd256_g2"
+MEMCHECK_FILTER="$MEMCHECK_FILTER:AllBackends/BackendOpsTest.QuantizedAttention/fused_fp16"
+MEMCHECK_FILTER="$MEMCHECK_FILTER:Geometries/BackendOpsTest.QuantizedAttention/fused_fp16_hd256_g2"
 ATTENTION_FILTER='AllBackends/BackendOpsTest.DecodeAttention/cuda_fp16:AllBackends/BackendOpsTest.CausalAttention/cuda_fp16'
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd256_g2"
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd64_g8"
+# The fused quantized decode stages records and logits in shared memory: races there are its risk.
+ATTENTION_FILTER="$ATTENTION_FILTER:AllBackends/BackendOpsTest.QuantizedAttention/fused_fp16"
+ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.QuantizedAttention/fused_fp16_hd64_g8"
 if want sanitize; then
   # 1b. One dtype's ops under compute-sanitizer: memcheck (out-of-bounds and misaligned device
   # accesses, errors of CUDA calls) over the default geometry and the generic head_dim layout, fp16;
@@ -413,11 +422,24 @@ if want bench; then
       case "$name" in \#* | "") continue ;; esac
       r[$model.fi_$name]=$value
     done < /tmp/gpu-bench-fi-$model.txt
+    # The quantized decode through the fused kernels (its rows prefixed fq_; its fp16 rows are the
+    # same kernels as the first run's, measured again beside it).
+    with_timeout 240 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --quant_decode=fused \
+      --model=$model --seqs="$SEQS" --tokens="$TOKENS" --iters="$ITERS" --quant="$QUANT_FORMATS" \
+      > /tmp/gpu-bench-fq-$model.txt 2>&1
+    rc=$?
+    status[$model.fused_bench]=$(describe_rc "$rc")
+    [ "$rc" -eq 0 ] || { echo "kernels_bench $model with the fused quantized decode (${status[$model.fused_bench]}):"; tail -5 /tmp/gpu-bench-fq-$model.txt; }
+    while read -r name value _; do
+      case "$name" in \#* | "") continue ;; esac
+      r[$model.fq_$name]=$value
+    done < /tmp/gpu-bench-fq-$model.txt
   done
   head -1 /tmp/gpu-sdpa-llama8b.txt
 else
   declare -A r status=([smollm2.kernels_bench]=skipped [llama8b.kernels_bench]=skipped [smollm2.sdpa_bench]=skipped
-    [llama8b.sdpa_bench]=skipped [smollm2.flashinfer_bench]=skipped [llama8b.flashinfer_bench]=skipped)
+    [llama8b.sdpa_bench]=skipped [smollm2.flashinfer_bench]=skipped [llama8b.flashinfer_bench]=skipped
+    [smollm2.fused_bench]=skipped [llama8b.fused_bench]=skipped)
 fi
 
 if want ipc; then
@@ -580,10 +602,11 @@ if want profile; then
     NCU_METRICS=$NCU_METRICS,sm__throughput.avg.pct_of_peak_sustained_elapsed
     NCU_METRICS=$NCU_METRICS,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
     for what in decode:partial_kernel:2 quant:'quant_(logits|softmax|values)_kernel':3 \
-                flashinfer:BatchDecodeWithPagedKVCacheKernel:2; do
+                fused:'quant_fused_(kernel|combine_kernel)':2 flashinfer:BatchDecodeWithPagedKVCacheKernel:2; do
       IFS=: read -r tag regex count <<< "$what"
       quant_flag=()
       [ "$tag" = quant ] && quant_flag=(--quant=kivi4)
+      [ "$tag" = fused ] && quant_flag=(--quant=kivi4 --quant_decode=fused)
       attention=own
       [ "$tag" = flashinfer ] && attention=flashinfer
       with_timeout 120 "${BIN_ENV[@]}" "$NCU" --clock-control none --csv --page raw --metrics "$NCU_METRICS" \
@@ -647,6 +670,10 @@ done
 for f in ${QUANT_FORMATS//,/ }; do
   echo "| quantized decode $f: time / fp16 decode; mean rel err | ${r[smollm2.quant_${f}_vs_fp16]:-n/a}; ${r[smollm2.quant_${f}_rel_err]:-n/a} | ${r[llama8b.quant_${f}_vs_fp16]:-n/a}; ${r[llama8b.quant_${f}_rel_err]:-n/a} |"
 done
+for f in ${QUANT_FORMATS//,/ }; do
+  echo "| fused quantized decode $f: time / fp16 decode; mean rel err | ${r[smollm2.fq_quant_${f}_vs_fp16]:-n/a}; ${r[smollm2.fq_quant_${f}_rel_err]:-n/a} | ${r[llama8b.fq_quant_${f}_vs_fp16]:-n/a}; ${r[llama8b.fq_quant_${f}_rel_err]:-n/a} |"
+done
+echo "| kernels_bench exit status, fused quantized decode | ${status[smollm2.fused_bench]} | ${status[llama8b.fused_bench]} |"
 for m in decode_layer_us decode_bandwidth decode_vs_copy; do
   echo "| FlashInfer $m | ${r[smollm2.fi_$m]:-n/a} | ${r[llama8b.fi_$m]:-n/a} |"
 done
@@ -700,11 +727,12 @@ for model in ("llama8b", "smollm2"):
             bw / copy if bw and copy else None, ">=", 0.80)
         row(f"gpu_decode_{model}", f"fp16 decode ({route}) time / SDPA time", us, sdpa, "us",
             us / sdpa if us and sdpa else None, "<=", 1.00)
-    us = get("decode_layer_us")
-    for fmt, target in (("kivi4", 0.6), ("kivi2", 0.45), ("tq4", 0.7)):
-        ratio = get(f"quant_{fmt}_vs_fp16")
-        row(f"gpu_quant_{model}", f"{fmt} decode time / fp16 decode time", ratio * us if ratio and us else None, us, "us",
-            ratio, "<=", target)
+    for route, prefix in (("staged", ""), ("fused", "fq_")):
+        us = get(prefix + "decode_layer_us")
+        for fmt, target in (("kivi4", 0.6), ("kivi2", 0.45), ("tq4", 0.7)):
+            ratio = get(f"{prefix}quant_{fmt}_vs_fp16")
+            row(f"gpu_quant_{model}", f"{fmt} decode ({route}) time / fp16 decode time",
+                ratio * us if ratio and us else None, us, "us", ratio, "<=", target)
 with open(sys.argv[2], "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["mode", "metric", "karakv", "baseline", "unit", "ratio", "target", "result"])

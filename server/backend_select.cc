@@ -53,8 +53,12 @@ absl::StatusOr<SelectedBackend> select(const std::string& requested, int cuda_de
   if (kernels::KernelStatus st = kernels::cuda_attention_from_env(&attention); !st.is_ok()) {
     return absl::InvalidArgumentError(st.message);
   }
+  kernels::CudaQuantDecode quant;  // $KARAKV_CUDA_QUANT_DECODE, likewise
+  if (kernels::KernelStatus st = kernels::cuda_quant_decode_from_env(&quant); !st.is_ok()) {
+    return absl::InvalidArgumentError(st.message);
+  }
   if (why.empty()) {
-    out.backend = kernels::make_cuda_backend(cuda_device, attention, &why);
+    out.backend = kernels::make_cuda_backend(cuda_device, attention, quant, &why);
     if (out.backend != nullptr) {
       out.reason = absl::StrCat("requested --backend=", requested);
       return out;

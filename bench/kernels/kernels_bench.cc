@@ -48,6 +48,7 @@ struct Options {
   int threads = 0;           // CPU backend: 0 = the CPUs this process may use
   std::string isa = "auto";  // CPU backend: attention ISA (karakv/kernels/cpu_isa.h)
   std::string attention;     // CUDA backend: own or flashinfer (karakv/kernels/cuda_attention.h); empty: the environment's
+  std::string quant_decode;  // CUDA backend: staged or fused (the same header); empty: the environment's
   std::vector<std::pair<std::string, QuantFormat>> quant;  // --quant: formats to time
 };
 
@@ -92,13 +93,15 @@ bool parse(int argc, char** argv, Options* o) {
     else if (const char* v = value("threads")) o->threads = std::atoi(v);
     else if (const char* v = value("isa")) o->isa = v;
     else if (const char* v = value("attention")) o->attention = v;
+    else if (const char* v = value("quant_decode")) o->quant_decode = v;
     else if (const char* v = value("quant")) {
       if (!parse_quant(v, o)) return false;
     } else {
       std::fprintf(stderr,
                    "unknown argument '%s'\nusage: kernels_bench [--backend=cpu|cuda] [--model=smollm2|llama8b] "
                    "[--seqs=64] [--tokens=8192] [--iters=10] [--threads=0] [--isa=auto|avx2|avx512]\n"
-                   "                     [--quant=kivi2,kivi4,tq2,tq3,tq4] [--attention=auto|own|flashinfer]\n",
+                   "                     [--quant=kivi2,kivi4,tq2,tq3,tq4] [--attention=auto|own|flashinfer]\n"
+                   "                     [--quant_decode=auto|staged|fused]\n",
                    argv[i]);
       return false;
     }
@@ -166,8 +169,15 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s%s\n", o.attention.empty() ? "" : "--attention: ", st.message.c_str());
       return 2;
     }
+    CudaQuantDecode quant;
+    const KernelStatus qst = o.quant_decode.empty() ? cuda_quant_decode_from_env(&quant)
+                                                    : parse_cuda_quant_decode(o.quant_decode, &quant);
+    if (!qst.is_ok()) {
+      std::fprintf(stderr, "%s%s\n", o.quant_decode.empty() ? "" : "--quant_decode: ", qst.message.c_str());
+      return 2;
+    }
     std::string why;
-    backend = make_cuda_backend(0, attention, &why);
+    backend = make_cuda_backend(0, attention, quant, &why);
     if (!backend) {
       std::printf("no device: %s\n", why.c_str());
       return 3;

@@ -70,8 +70,12 @@ class CudaScratchMemory final : public cuda::ArenaMemory {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, int num_sms, std::string device_name, CudaAttention attention)
-      : device_(device), num_sms_(num_sms), device_name_(std::move(device_name)), attention_(attention) {}
+  CudaBackend(int device, int num_sms, std::string device_name, CudaAttention attention, CudaQuantDecode quant)
+      : device_(device),
+        num_sms_(num_sms),
+        device_name_(std::move(device_name)),
+        attention_(attention),
+        quant_(quant) {}
 
   KernelStatus init() {
     KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaSetDevice", cudaSetDevice(device_));
@@ -91,7 +95,8 @@ class CudaBackend final : public Backend {
   std::string_view name() const override { return "cuda"; }
   std::string description() const override {
     return "cuda device " + std::to_string(device_) + " (" + device_name_ + ", " + std::to_string(num_sms_) +
-           " SMs, " + std::string(cuda_attention_name(attention_)) + " decode attention)";
+           " SMs, " + std::string(cuda_attention_name(attention_)) + " decode attention, " +
+           std::string(cuda_quant_decode_name(quant_)) + " quantized decode)";
   }
 
   // Every op, quantized storage (KIVI, TurboQuant) included, for every storage dtype.
@@ -685,7 +690,8 @@ class CudaBackend final : public Backend {
     }
     KARAKV_RETURN_IF_ERROR(call.launch([&](cudaStream_t stream) {
       return cuda::launch_quantized_attention(dkv, g.dtype, dq, layer, row_seq, row_quantized, row_fp, first, dq_in,
-                                              dout, scale, dprobs, device.row_on_device, dacc, dlse, arena_, stream);
+                                              dout, scale, dprobs, device.row_on_device, dacc, dlse,
+                                              quant_ == CudaQuantDecode::kFused, arena_, stream);
     }));
     KARAKV_RETURN_IF_ERROR(call.finish());
     for (int r = 0; lse_out != nullptr && r < rows; ++r) {
@@ -1170,6 +1176,7 @@ class CudaBackend final : public Backend {
   Arena arena_{scratch_memory_};
   PinnedStaging pinned_up_, pinned_down_;
   const CudaAttention attention_;
+  const CudaQuantDecode quant_;
 #if KARAKV_HAVE_FLASHINFER
   cuda::FlashInferDecode flashinfer_;  // its workspaces and the last plan
 #endif
@@ -1177,7 +1184,8 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {
+std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, CudaQuantDecode quant,
+                                           std::string* error) {
   auto fail = [&](const std::string& why) -> std::unique_ptr<Backend> {
     if (error != nullptr) *error = why;
     return nullptr;
@@ -1196,7 +1204,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, 
   cudaDeviceProp prop{};
   if (const cudaError_t err = cudaGetDeviceProperties(&prop, device); err != cudaSuccess)
     return fail(std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(err));
-  auto backend = std::make_unique<CudaBackend>(device, prop.multiProcessorCount, prop.name, attention);
+  auto backend = std::make_unique<CudaBackend>(device, prop.multiProcessorCount, prop.name, attention, quant);
   if (KernelStatus st = backend->init(); !st.is_ok()) return fail(st.message);
   // A device whose context cannot be created, or that is out of memory, fails here rather than on
   // the first request.

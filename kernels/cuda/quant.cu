@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <climits>
 #include <cmath>
 
@@ -5,6 +6,7 @@
 #include "../common/quant_layout.h"
 #include "karakv/kernels/half.h"
 #include "quant.cuh"
+#include "quant_fused_layout.h"
 
 namespace karakv::kernels::cuda {
 namespace {
@@ -565,6 +567,350 @@ __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float*
   }
 }
 
+// ---- fused attention (KARAKV_CUDA_QUANT_DECODE=fused) ------------------------------------------
+//
+// One kernel reads each KV head's codes once for all the query heads of its group and never writes
+// a logit to device memory: a CTA per (row, KV head and up to kFusedHeads of its query heads, split
+// of kFusedSplit slots) stages its records in shared memory with 4-byte loads, computes the split's
+// logits there, its local softmax (max m, sum l), and the values weighted by exp(logit - m); a
+// combine merges the splits (weights exp(m_s - M) / L), de-rotates TurboQuant's part once and
+// writes the log-sum-exp M + log L. With observers, a third kernel recomputes only the observed
+// slots' logits and turns them into probabilities with that log-sum-exp.
+
+constexpr int kMaxFusedChannels = (kMaxHeadDim + kFusedThreads - 1) / kFusedThreads;
+
+// Copies records [a, b) of a quantized run (records of `rec` bytes, `per_block` of them in each
+// quantized block: tokens, or KIVI's key groups) into `dst` (4-byte aligned) with 4-byte loads by
+// threads [thread, thread + threads) of the caller's group. A piece ends at each block boundary and
+// is copied from its aligned start (the pool is a whole number of 4-byte words, so the words around
+// a piece stay inside it). Returns where record `mine` lies in `dst` (null if outside [a, b)); with
+// `offsets`, also writes each record's offset in `dst` at offsets[i - a].
+template <typename T>
+__device__ __forceinline__ const uint8_t* stage_records(const DeviceKV& kv, const DeviceQuant& qd, int seq, int layer,
+                                                        int kvi, int head, int rec, int per_block, int a, int b,
+                                                        int mine, uint8_t* dst, int* offsets, int thread,
+                                                        int threads) {
+  const int32_t* table = qd.block_table + qd.table_offset[seq];
+  const uint8_t* found = nullptr;
+  int at = 0;  // bytes of dst used
+  for (const int first = a; a < b;) {
+    const int end = min(b, (a / per_block + 1) * per_block);
+    const uint8_t* src = run_at(kv, sizeof(T), table[a / per_block], layer, kvi, head) + size_t(a % per_block) * rec;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t(3));
+    const int shift = int(reinterpret_cast<uintptr_t>(src) & 3);
+    const int count = (shift + (end - a) * rec + 3) / 4;
+    for (int w = thread; w < count; w += threads) reinterpret_cast<uint32_t*>(dst + at)[w] = __ldg(words + w);
+    if (mine >= a && mine < end) found = dst + at + shift + size_t(mine - a) * rec;
+    if (offsets != nullptr)
+      for (int i = a + thread; i < end; i += threads) offsets[i - first] = at + shift + (i - a) * rec;
+    at += count * 4;
+    a = end;
+  }
+  return found;
+}
+
+__device__ __forceinline__ float smem_half(const uint8_t* p) {  // p is 2-byte aligned
+  return __half2float(*reinterpret_cast<const __half*>(p));
+}
+
+// The split [s0, s1) of row r for query heads [j0, j0 + nh) of KV head `head`: unnormalised values
+// into part[row][head][split][2][d] (quantized part first; TurboQuant's in the rotated space) and
+// the split's (max, sum) into ml[row][head][split][2]; a split past the row's end writes -inf, 0.
+template <typename T, int B, bool kKivi>
+__global__ void __launch_bounds__(kFusedThreads)
+    quant_fused_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ q,
+                       const float* __restrict__ qrot, float scale, Codebook book, int num_splits,
+                       float* __restrict__ part, float* __restrict__ ml) {
+  extern __shared__ __align__(16) float s_fused[];
+  __shared__ float s_centroid[16];
+  __shared__ float s_m[kFusedHeads], s_l[kFusedHeads];
+  __shared__ int s_offset[kFusedTile];  // the values' records in the staging
+  const int r = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int hq = kv.num_q_heads, d = kv.head_dim, g = kv.group_size(), passes = fused_passes(g);
+  const int head = blockIdx.y / passes, j0 = head * g + (blockIdx.y % passes) * kFusedHeads;
+  const int nh = min(kFusedHeads, head * g + g - j0);
+  const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r];
+  const int s0 = split * kFusedSplit, s1 = min(n, s0 + kFusedSplit);
+  float* s_q = s_fused;                                            // [kFusedHeads][d]
+  float* s_qr = s_q + kFusedHeads * d;                             // TurboQuant: [kFusedHeads][d]
+  float* s_p = s_qr + (kKivi ? 0 : kFusedHeads * d);               // [kFusedHeads][kFusedSplit]
+  uint8_t* s_stage = reinterpret_cast<uint8_t*>(s_p + kFusedHeads * kFusedSplit);
+  const int key_stage = fused_key_stage(kKivi, B, d);
+
+  const int cpt = (d + kFusedThreads - 1) / kFusedThreads;  // channels per thread in the values
+  if (s0 >= s1) {  // nothing of this row here
+    for (int h = 0; h < nh; ++h) {
+      const size_t at = (size_t(r) * hq + j0 + h) * num_splits + split;
+      for (int c = tid; c < 2 * d; c += kFusedThreads) part[at * 2 * d + c] = 0.0f;
+      if (tid == 0) {
+        ml[at * 2] = -INFINITY;
+        ml[at * 2 + 1] = 0.0f;
+      }
+    }
+    return;
+  }
+  for (int e = tid; e < nh * d; e += kFusedThreads) {
+    const size_t at = (size_t(r) * hq + j0) * d + e;
+    s_q[e] = q[at];
+    if constexpr (!kKivi) s_qr[e] = qrot[at];
+  }
+  if (tid < 16) s_centroid[tid] = book.centroid[tid];
+  __syncthreads();
+
+  // ---- logits of the split's quantized slots: a warp per tile of 32 tokens, a lane per token
+  const int q_end = min(s1, nq);
+  uint8_t* my_stage = s_stage + size_t(warp) * key_stage;
+  for (int t0 = s0 + warp * kFusedTile; t0 < q_end; t0 += kFusedWarps * kFusedTile) {
+    const int t1 = min(q_end, t0 + kFusedTile), t = t0 + lane;
+    float acc[kFusedHeads] = {};
+    if constexpr (kKivi) {
+      // One key group (t0 is a multiple of 32): scales[d], zeros[d] (fp16), then per channel the
+      // group's 32 codes. sum_c q_c (code s_c + z_c) = sum_c (q_c s_c) code + sum_c q_c z_c.
+      const int gbytes = int(kivi_key_group_bytes(B, d));
+      const int group = t0 / kKiviGroup;
+      const uint8_t* rec = stage_records<T>(kv, qd, seq, layer, 0, head, gbytes, qd.tokens_per_block / kKiviGroup,
+                                            group, group + 1, group, my_stage, nullptr, lane, 32);
+      __syncwarp();
+      const uint8_t* codes = rec + 4 * size_t(d);
+      float bias[kFusedHeads] = {};
+      for (int c = lane; c < d; c += 32) {  // the bias, a channel per lane, then summed over the warp
+        const float zc = smem_half(rec + 2 * (d + c));
+#pragma unroll
+        for (int h = 0; h < kFusedHeads; ++h)
+          if (h < nh) bias[h] = fmaf(s_q[h * d + c], zc, bias[h]);
+      }
+#pragma unroll
+      for (int h = 0; h < kFusedHeads; ++h)
+        for (int off = 16; off > 0; off /= 2) bias[h] += __shfl_xor_sync(0xffffffffu, bias[h], off);
+      for (int c = 0; c < d; c += 4) {  // four channels a step: the scales and each head's q as one load
+        const uint2 raw = *reinterpret_cast<const uint2*>(rec + 2 * c);  // rec is 16-byte aligned
+        const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+        const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+        float code[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) code[k] = float(code_at<B>(codes + size_t(c + k) * (kKiviGroup * B / 8), lane));
+#pragma unroll
+        for (int h = 0; h < kFusedHeads; ++h)
+          if (h < nh) {
+            const float4 qv = *reinterpret_cast<const float4*>(s_q + h * d + c);
+            acc[h] = fmaf(qv.x * s01.x, code[0], acc[h]);
+            acc[h] = fmaf(qv.y * s01.y, code[1], acc[h]);
+            acc[h] = fmaf(qv.z * s23.x, code[2], acc[h]);
+            acc[h] = fmaf(qv.w * s23.y, code[3], acc[h]);
+          }
+      }
+#pragma unroll
+      for (int h = 0; h < kFusedHeads; ++h) acc[h] = scale * (acc[h] + bias[h]);
+    } else {
+      // TurboQuant: q . R^T (norm c) = norm * (H D q) . centroid / d
+      const int rec_bytes = int(tq_token_bytes(B, d));
+      const uint8_t* rec = stage_records<T>(kv, qd, seq, layer, 0, head, rec_bytes, qd.tokens_per_block, t0, t1, t,
+                                            my_stage, nullptr, lane, 32);
+      __syncwarp();
+      if (t < t1) {
+        for (int c = 0; c < d; c += 4) {  // d >= 8: four channels a step, each head's rotation as one load
+          float cent[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) cent[k] = s_centroid[code_at<B>(rec + 2, c + k)];
+#pragma unroll
+          for (int h = 0; h < kFusedHeads; ++h)
+            if (h < nh) {
+              const float4 qv = *reinterpret_cast<const float4*>(s_qr + h * d + c);
+              acc[h] = fmaf(qv.x, cent[0], acc[h]);
+              acc[h] = fmaf(qv.y, cent[1], acc[h]);
+              acc[h] = fmaf(qv.z, cent[2], acc[h]);
+              acc[h] = fmaf(qv.w, cent[3], acc[h]);
+            }
+        }
+        const float norm = load_half(rec);  // TurboQuant records may be of odd length
+#pragma unroll
+        for (int h = 0; h < kFusedHeads; ++h) acc[h] = scale / float(d) * norm * acc[h];
+      }
+    }
+    if (t < t1) {
+#pragma unroll
+      for (int h = 0; h < kFusedHeads; ++h)
+        if (h < nh) s_p[h * kFusedSplit + (t - s0)] = acc[h];
+    }
+    __syncwarp();  // the next tile overwrites the staging
+  }
+  // ---- logits of its unquantized slots: a warp per token, a lane per channel
+  for (int t = max(s0, nq) + warp; t < s1; t += kFusedWarps) {
+    const T* k = static_cast<const T*>(kv.pool) + kv.token_offset(seq, t - nq, layer, 0, head);
+    float acc[kFusedHeads] = {};
+    for (int c = lane; c < d; c += 32) {
+      const float kc = to_float(k[c]);
+#pragma unroll
+      for (int h = 0; h < kFusedHeads; ++h)
+        if (h < nh) acc[h] = fmaf(s_q[h * d + c], kc, acc[h]);
+    }
+#pragma unroll
+    for (int h = 0; h < kFusedHeads; ++h) {
+      for (int off = 16; off > 0; off /= 2) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], off);
+      if (lane == 0 && h < nh) s_p[h * kFusedSplit + (t - s0)] = acc[h] * scale;
+    }
+  }
+  __syncthreads();
+
+  // ---- the split's softmax, a warp per head: p = exp(logit - m), l = sum p
+  const int m_slots = s1 - s0;
+  for (int h = warp; h < nh; h += kFusedWarps) {
+    float* p = s_p + h * kFusedSplit;
+    float mx = -INFINITY;
+    for (int i = lane; i < m_slots; i += 32) mx = fmaxf(mx, p[i]);
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.0f;
+    for (int i = lane; i < m_slots; i += 32) sum += (p[i] = expf(p[i] - mx));
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      s_m[h] = mx;
+      s_l[h] = sum;
+    }
+  }
+  __syncthreads();
+
+  // ---- values: a thread per channel (cpt of them), every head of the pass from one read
+  float acc_q[kMaxFusedChannels][kFusedHeads] = {}, acc_f[kMaxFusedChannels][kFusedHeads] = {};
+  const int groups = d / kKiviGroup;
+  const int v_rec = int(kKivi ? kivi_value_token_bytes(B, d) : tq_token_bytes(B, d));
+  for (int t0 = s0; t0 < q_end; t0 += kFusedTile) {
+    const int t1 = min(q_end, t0 + kFusedTile);
+    __syncthreads();  // the previous tile's reads are done
+    stage_records<T>(kv, qd, seq, layer, 1, head, v_rec, qd.tokens_per_block, t0, t1, -1, s_stage, s_offset, tid,
+                     kFusedThreads);
+    __syncthreads();
+    for (int t = t0; t < t1; ++t) {
+      float w[kFusedHeads];
+      bool any = false;
+#pragma unroll
+      for (int h = 0; h < kFusedHeads; ++h) {
+        w[h] = h < nh ? s_p[h * kFusedSplit + (t - s0)] : 0.0f;
+        any |= w[h] != 0.0f;
+      }
+      if (!any) continue;
+      const uint8_t* rec = s_stage + s_offset[t - t0];
+#pragma unroll
+      for (int k = 0; k < kMaxFusedChannels; ++k) {
+        const int c = tid + k * kFusedThreads;
+        if (k >= cpt || c >= d) break;
+        if constexpr (kKivi) {
+          const int gc = c / kKiviGroup;
+          const float sc = smem_half(rec + 2 * gc), zc = smem_half(rec + 2 * (groups + gc));
+          const float code = float(code_at<B>(rec + 4 * size_t(groups), c));
+#pragma unroll
+          for (int h = 0; h < kFusedHeads; ++h)
+            if (h < nh) acc_q[k][h] += fmaf(w[h] * sc, code, w[h] * zc);
+        } else {
+          const float norm = load_half(rec), cent = s_centroid[code_at<B>(rec + 2, c)];
+#pragma unroll
+          for (int h = 0; h < kFusedHeads; ++h)
+            if (h < nh) acc_q[k][h] = fmaf(w[h] * norm, cent, acc_q[k][h]);
+        }
+      }
+    }
+  }
+  for (int t = max(s0, nq); t < s1; ++t) {
+    const T* v = static_cast<const T*>(kv.pool) + kv.token_offset(seq, t - nq, layer, 1, head);
+#pragma unroll
+    for (int k = 0; k < kMaxFusedChannels; ++k) {
+      const int c = tid + k * kFusedThreads;
+      if (k >= cpt || c >= d) break;
+      const float vc = to_float(v[c]);
+#pragma unroll
+      for (int h = 0; h < kFusedHeads; ++h)
+        if (h < nh) acc_f[k][h] = fmaf(s_p[h * kFusedSplit + (t - s0)], vc, acc_f[k][h]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < kFusedHeads; ++h) {
+    if (h >= nh) break;
+    const size_t at = (size_t(r) * hq + j0 + h) * num_splits + split;
+#pragma unroll
+    for (int k = 0; k < kMaxFusedChannels; ++k) {
+      const int c = tid + k * kFusedThreads;
+      if (k >= cpt || c >= d) break;
+      part[at * 2 * d + c] = acc_q[k][h];
+      part[at * 2 * d + d + c] = acc_f[k][h];
+    }
+    if (tid == 0) {
+      ml[at * 2] = s_m[h];
+      ml[at * 2 + 1] = s_l[h];
+    }
+  }
+}
+
+// Merges the splits of (row, query head): M = max m_s, L = sum exp(m_s - M) l_s, the values
+// sum exp(m_s - M) part_s / L; TurboQuant de-rotates its part once; lse (null: none) = M + log L
+// for rows with a slot. One thread per channel (blockDim.x >= d).
+template <bool kKivi>
+__global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int num_splits,
+                                           const uint64_t* __restrict__ head_seeds, const float* __restrict__ part,
+                                           const float* __restrict__ ml, float* __restrict__ out,
+                                           float* __restrict__ lse) {
+  extern __shared__ float s_acc[];  // [d]
+  const int r = blockIdx.x, j = blockIdx.y, c = threadIdx.x;
+  const size_t base = (size_t(r) * hq + j) * num_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, ml[(base + s) * 2]);
+  float total = 0.0f, quantized = 0.0f, fp = 0.0f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float l = ml[(base + s) * 2 + 1];
+    if (l == 0.0f) continue;  // an empty split (a NaN sum goes on, so NaN stays NaN)
+    const float f = expf(ml[(base + s) * 2] - mx);
+    total = fmaf(f, l, total);
+    if (c < d) {
+      quantized = fmaf(f, part[(base + s) * 2 * d + c], quantized);
+      fp = fmaf(f, part[(base + s) * 2 * d + d + c], fp);
+    }
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  if (c < d) s_acc[c] = quantized * inv;
+  if constexpr (!kKivi) fwht_rows(s_acc, 1, d);
+  if (c >= d) return;
+  float qpart = s_acc[c];
+  if constexpr (!kKivi) qpart *= rotation_sign(head_seeds[layer * hk + j / (hq / hk)], c) * (1.0f / float(d));
+  out[(size_t(r) * hq + j) * d + c] = qpart + fp * inv;
+  if (lse != nullptr && c == 0 && total > 0.0f) lse[size_t(r) * hq + j] = mx + logf(total);
+}
+
+// For observers after the fused kernel: per (row, KV head, slot t >= first[r]) exp(logit - lse)
+// summed over the group's query heads, the logits recomputed for those slots only; written or
+// added as quant_group_probs_kernel does. One thread per slot.
+template <typename T, int B, bool kKivi>
+__global__ void quant_observed_probs_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows,
+                                            const float* __restrict__ q, const float* __restrict__ qrot, float scale,
+                                            Codebook book, const float* __restrict__ lse,
+                                            const int32_t* __restrict__ first,
+                                            const long long* __restrict__ group_offset,
+                                            float* __restrict__ group_probs, float* const* __restrict__ acc) {
+  __shared__ float s_centroid[16];
+  if (threadIdx.x < 16) s_centroid[threadIdx.x] = book.centroid[threadIdx.x];
+  __syncthreads();
+  const int r = blockIdx.x, h = blockIdx.y;
+  const int hq = kv.num_q_heads, d = kv.head_dim, g = kv.group_size();
+  const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r], f = first[r], m = n - f;
+  float* const dst = acc != nullptr ? acc[size_t(r) * kv.num_kv_heads + h] : nullptr;
+  if (dst == nullptr && group_offset[r] < 0) return;
+  for (int i = blockIdx.z * blockDim.x + threadIdx.x; i < m; i += gridDim.z * blockDim.x) {
+    float sum = 0.0f;
+    for (int j0 = 0; j0 < g; j0 += kHeadsPerPass) {
+      const int nh = min(kHeadsPerPass, g - j0);
+      const size_t at = (size_t(r) * hq + h * g + j0) * d;
+      float logit[kHeadsPerPass];
+      slot_logits<T, B, kKivi>(kv, qd, layer, seq, nq, h, f + i, q + at, kKivi ? nullptr : qrot + at, nh, scale,
+                               s_centroid, logit);
+#pragma unroll
+      for (int k = 0; k < kHeadsPerPass; ++k)
+        if (k < nh) sum += expf(logit[k] - lse[size_t(r) * hq + h * g + j0 + k]);
+    }
+    if (dst != nullptr) {
+      dst[f + i] += sum;
+    } else {
+      group_probs[group_offset[r] + size_t(h) * m + i] = sum;
+    }
+  }
+}
+
 // Slots per CTA of the value kernel for rows of up to `slots` slots: at least kSlotsPerSplit, and
 // few enough splits for grid.z.
 int split_slots(int slots) { return std::max(kSlotsPerSplit, ceil_div(slots, 65535)); }
@@ -658,7 +1004,7 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
                                         const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
                                         const float* query, float* out, float scale, float* group_probs,
                                         const std::vector<char>& row_on_device, float* const* row_acc, float* lse,
-                                        Arena& arena, cudaStream_t stream) {
+                                        bool fused, Arena& arena, cudaStream_t stream) {
   const int num_rows = int(row_seq.size());
   if (num_rows == 0) return KernelStatus::ok();
   const int hq = kv.num_q_heads, hk = kv.num_kv_heads, d = kv.head_dim;
@@ -709,15 +1055,26 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
     if (auto st = upload(first, &dfirst, arena, stream); !st.is_ok()) return st;
   }
 
-  size_t max_chunk_rows = 0, max_part = 0;
+  // The fused kernels split every row in kFusedSplit slots (grid.z): rows too long for that take
+  // the staged path.
+  fused = fused && std::all_of(chunk_max.begin(), chunk_max.end(), [](int m) { return ceil_div(m, kFusedSplit) <= 65535; });
+  size_t max_chunk_rows = 0, max_part = 0, max_splits = 0;
   for (size_t i = 0; i + 1 < chunk_begin.size(); ++i) {
     const size_t rows = size_t(chunk_begin[i + 1] - chunk_begin[i]);
-    const size_t splits = std::max(1, ceil_div(chunk_max[i], split_slots(chunk_max[i])));
+    const size_t splits = std::max(1, fused ? ceil_div(chunk_max[i], kFusedSplit)
+                                            : ceil_div(chunk_max[i], split_slots(chunk_max[i])));
     max_chunk_rows = std::max(max_chunk_rows, rows);
     max_part = std::max(max_part, rows * hq * splits * 2 * d);
+    max_splits = std::max(max_splits, rows * hq * splits);
   }
-  float *logits = nullptr, *qrot = nullptr, *part = nullptr;
-  if (auto st = arena.take(size_t(std::max<long long>(largest, 1)), &logits); !st.is_ok()) return st;
+  float *logits = nullptr, *qrot = nullptr, *part = nullptr, *ml = nullptr, *lse_scratch = nullptr;
+  if (fused) {  // no logits in device memory; the splits' (max, sum), and an lse for the observers
+    if (auto st = arena.take(max_splits * 2, &ml); !st.is_ok()) return st;
+    if (scoring && lse == nullptr)
+      if (auto st = arena.take(max_chunk_rows * hq, &lse_scratch); !st.is_ok()) return st;
+  } else if (auto st = arena.take(size_t(std::max<long long>(largest, 1)), &logits); !st.is_ok()) {
+    return st;
+  }
   if (auto st = arena.take(max_part, &part); !st.is_ok()) return st;
   if (!kivi)
     if (auto st = arena.take(max_chunk_rows * hq * d, &qrot); !st.is_ok()) return st;
@@ -741,6 +1098,26 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
             hq, hk, d, layer, q.head_seeds, cq, qrot);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention rotate");
       }
+      const int threads = (d + 31) / 32 * 32;
+      if (fused) {
+        const int splits = ceil_div(slots, kFusedSplit);
+        quant_fused_kernel<T, B, kKivi><<<dim3(rows, hk * fused_passes(hq / hk), splits), kFusedThreads,
+                                          fused_shared_bytes(kKivi, B, d), stream>>>(kv, q, layer, chunk, cq, qrot,
+                                                                                     scale, book, splits, part, ml);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused");
+        float* clse = lse != nullptr ? lse + size_t(r0) * hq : lse_scratch;
+        quant_fused_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
+            hq, hk, d, layer, splits, q.head_seeds, part, ml, cout, clse);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused combine");
+        if (scoring) {
+          const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
+          quant_observed_probs_kernel<T, B, kKivi><<<grid, kThreads, 0, stream>>>(
+              kv, q, layer, chunk, cq, qrot, scale, book, clse, dfirst + r0, dgroup + r0, group_probs,
+              row_acc != nullptr ? row_acc + size_t(r0) * hk : nullptr);
+          KARAKV_CUDA_CHECK_LAUNCH("quantized attention observed probabilities");
+        }
+        continue;
+      }
       const int passes = hk * head_passes(hq / hk);
       quant_logits_kernel<T, B, kKivi><<<dim3(rows, passes, std::min(ceil_div(slots, kScoreThreads), 65535)),
                                          kScoreThreads, (kKivi ? 1 : 2) * kHeadsPerPass * d * sizeof(float), stream>>>(
@@ -750,7 +1127,6 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
                                                                    lse != nullptr ? lse + size_t(r0) * hq : nullptr);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
       const int per_split = split_slots(slots), splits = std::max(1, ceil_div(slots, per_split));
-      const int threads = (d + 31) / 32 * 32;
       quant_values_kernel<T, B, kKivi><<<dim3(rows, passes, splits), threads, 0, stream>>>(
           kv, q, layer, chunk, logits, splits, per_split, book, part);
       KARAKV_CUDA_CHECK_LAUNCH("quantized attention values");

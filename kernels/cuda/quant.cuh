@@ -20,6 +20,9 @@
 // query once), a softmax per (row, query head), then the values in splits of the slots (TurboQuant
 // accumulates in the rotated space) and a combine that de-rotates once. fp32 throughout with a
 // different summation order and expf from the reference: agrees within 1e-4 on O(1) outputs.
+// With `fused` (KARAKV_CUDA_QUANT_DECODE=fused), one kernel per (row, KV head and up to 8 of its query
+// heads, split of 256 slots) does logits, softmax and values in shared memory, reading each code
+// once for the group; a combine merges the splits by their log-sum-exps (quant.cu, "fused attention").
 #pragma once
 
 #include <vector>
@@ -68,11 +71,14 @@ KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const Devi
 //                for t >= first(r), where non-null), or null; such rows take no room in group_probs
 //   lse:         null, or device [rows][num_q_heads]: each query head's log-sum-exp of its scaled
 //                logits (rows without a slot are not written)
+//   fused:       the fused kernels (KARAKV_CUDA_QUANT_DECODE=fused): one pass over the codes per KV
+//                head and split, no logits in device memory; the observers' probabilities are
+//                recomputed for their slots only, from the log-sum-exp. Else the staged kernels.
 KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
                                         const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
                                         const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
                                         const float* query, float* out, float scale, float* group_probs,
                                         const std::vector<char>& row_on_device, float* const* row_acc, float* lse,
-                                        Arena& arena, cudaStream_t stream);
+                                        bool fused, Arena& arena, cudaStream_t stream);
 
 }  // namespace karakv::kernels::cuda

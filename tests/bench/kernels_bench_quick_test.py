@@ -57,6 +57,10 @@ def main():
         fail(f"--quant=kivi4,kivi8 exited {bad.returncode}, expected 2")
     if "kivi8" not in bad.stderr or "kivi2, kivi4, tq2, tq3, tq4" not in bad.stderr:
         fail(f"--quant=kivi8 refusal does not name the format and the expected ones: {bad.stderr}")
+    # The CUDA choices are checked before any device is looked for: refused here too.
+    bad = subprocess.run([bench, "--backend=cuda", "--quant_decode=bogus"], capture_output=True, text=True, timeout=60)
+    if bad.returncode != 2 or "--quant_decode: " not in bad.stderr or "expected auto, staged or fused" not in bad.stderr:
+        fail(f"--quant_decode=bogus: exit {bad.returncode}, expected 2 naming the choices: {bad.stderr}")
     print("PASS")
 
 

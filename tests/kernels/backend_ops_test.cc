@@ -21,13 +21,16 @@ namespace {
 // and the CUDA backend with FlashInfer's decode where it covers the call ("flashinfer"; every other
 // op is the same as "cuda"'s). On machines or builds without a GPU create_backend returns null with
 // the reason, and the cuda cases skip saying "no device" and why; a build without FlashInfer skips
-// the flashinfer cases saying "not built".
-std::vector<std::string> registered_backends() { return {"cpu", "cuda", "flashinfer"}; }
+// the flashinfer cases saying "not built". "fused" is the CUDA backend with the fused quantized
+// decode (KARAKV_CUDA_QUANT_DECODE=fused); it runs only the quantized tests, every other op being
+// "cuda"'s.
+std::vector<std::string> registered_backends() { return {"cpu", "cuda", "flashinfer", "fused"}; }
 
 std::unique_ptr<Backend> create_backend(const std::string& name, std::string* why) {
   if (name == "cpu") return make_cpu_backend();
   if (name == "cuda") return make_cuda_backend(0, CudaAttention::kOwn, why);
   if (name == "flashinfer") return make_cuda_backend(0, CudaAttention::kFlashInfer, why);
+  if (name == "fused") return make_cuda_backend(0, CudaAttention::kOwn, CudaQuantDecode::kFused, why);
   *why = "unknown backend";
   return nullptr;
 }
@@ -98,6 +101,10 @@ class BackendOpsTest : public ::testing::TestWithParam<OpsParam> {
     std::string why;
     if (std::get<0>(GetParam()) == "flashinfer" && !cuda_attention_missing(CudaAttention::kFlashInfer).empty())
       GTEST_SKIP() << "not built: " << cuda_attention_missing(CudaAttention::kFlashInfer);
+    if (std::get<0>(GetParam()) == "fused" &&
+        std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()).find("/Quantized") ==
+            std::string::npos)
+      GTEST_SKIP() << "the fused backend differs from cuda only in quantized attention";
     backend_ = create_backend(std::get<0>(GetParam()), &why);
     if (backend_ == nullptr) GTEST_SKIP() << "no device: backend " << std::get<0>(GetParam()) << ": " << why;
     const GeometryCase& c = std::get<2>(GetParam());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/flashinfer_pages.h"
+#include "cuda/quant_fused_layout.h"
 #include "karakv/kernels/backend.h"
 #include "karakv/kernels/cuda_attention.h"
 #include "kernel_test_util.h"
@@ -57,9 +58,10 @@ TEST(CudaAttentionTest, FlashInferIsAcceptedExactlyWhereBuilt) {
   if (flashinfer_built()) {
     EXPECT_TRUE(st.is_ok()) << st.message;
     EXPECT_EQ(a, CudaAttention::kFlashInfer);
-    if (backend != nullptr)
+    if (backend != nullptr) {
       EXPECT_NE(backend->description().find("flashinfer decode attention"), std::string::npos)
           << backend->description();
+    }
   } else {
     EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
     EXPECT_NE(st.message.find("CUDA attention flashinfer cannot run here: " +
@@ -92,6 +94,74 @@ TEST_F(CudaAttentionEnvTest, PicksTheDecodeAttention) {
   EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
   EXPECT_EQ(st.message.rfind(std::string(kCudaAttentionEnv) + ": ", 0), 0u) << st.message;
   EXPECT_NE(st.message.find("'fastest'"), std::string::npos) << st.message;
+}
+
+TEST(CudaQuantDecodeTest, NamesDefaultAndRefusals) {
+  EXPECT_EQ(cuda_quant_decode_name(CudaQuantDecode::kStaged), "staged");
+  EXPECT_EQ(cuda_quant_decode_name(CudaQuantDecode::kFused), "fused");
+  for (const char* text : {"", "auto"}) {
+    CudaQuantDecode q = CudaQuantDecode::kFused;
+    ASSERT_TRUE(parse_cuda_quant_decode(text, &q).is_ok()) << text;
+    EXPECT_EQ(q, default_cuda_quant_decode()) << text;
+  }
+  CudaQuantDecode q = CudaQuantDecode::kStaged;
+  KernelStatus st = parse_cuda_quant_decode("tensorcore", &q);
+  EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
+  EXPECT_NE(st.message.find("'tensorcore'"), std::string::npos) << st.message;
+  EXPECT_NE(st.message.find("expected auto, staged or fused"), std::string::npos) << st.message;
+  EXPECT_EQ(q, CudaQuantDecode::kStaged);
+  // Both need only the CUDA backend: accepted where it is built, refused saying so where not.
+  st = parse_cuda_quant_decode("fused", &q);
+  if (cuda_backend_built()) {
+    ASSERT_TRUE(st.is_ok()) << st.message;
+    EXPECT_EQ(q, CudaQuantDecode::kFused);
+  } else {
+    EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
+    EXPECT_NE(st.message.find("this build has no CUDA backend"), std::string::npos) << st.message;
+  }
+}
+
+using CudaQuantDecodeEnvTest = EnvVarTest<kCudaQuantDecodeEnv>;
+
+TEST_F(CudaQuantDecodeEnvTest, PicksTheQuantizedDecode) {
+  unsetenv(kCudaQuantDecodeEnv);
+  CudaQuantDecode q = CudaQuantDecode::kFused;
+  ASSERT_TRUE(cuda_quant_decode_from_env(&q).is_ok());
+  EXPECT_EQ(q, default_cuda_quant_decode());
+  setenv(kCudaQuantDecodeEnv, "fastest", 1);
+  const KernelStatus st = cuda_quant_decode_from_env(&q);
+  EXPECT_EQ(st.code, KernelStatus::Code::kInvalidArgument);
+  EXPECT_EQ(st.message.rfind(std::string(kCudaQuantDecodeEnv) + ": ", 0), 0u) << st.message;
+}
+
+// The fused kernel launches without opting in to more than 48 KiB of shared memory: every format
+// and head_dim the quantized kernels take (up to the CUDA kernels' 256) must fit, its staging must
+// hold what a warp or the CTA copies (kFusedTile records from the pieces' aligned starts), and the
+// record offsets it keeps must fit an int.
+TEST(CudaQuantDecodeTest, FusedSharedMemoryFitsEveryFormatAndHeadDim) {
+  using namespace cuda;
+  int checked = 0;
+  for (QuantFormat f : {QuantFormat::kKivi2, QuantFormat::kKivi4, QuantFormat::kTq2, QuantFormat::kTq3,
+                        QuantFormat::kTq4}) {
+    const bool kivi = common::is_kivi(f);
+    const int bits = common::quant_bits(f);
+    for (int d = 1; d <= 256; ++d) {
+      if (!common::quant_head_dim_ok(f, d)) continue;
+      SCOPED_TRACE("format " + std::to_string(int(f)) + ", head_dim " + std::to_string(d));
+      const size_t total = fused_shared_bytes(kivi, bits, d) + kFusedStaticShared;
+      EXPECT_LE(total, kFusedSharedLimit);
+      // What is staged, at worst: every record a piece of its own, 3 bytes before and after each.
+      const int key_rec = kivi ? int(common::kivi_key_group_bytes(bits, d)) : int(common::tq_token_bytes(bits, d));
+      const int key_records = kivi ? 1 : kFusedTile;
+      EXPECT_GE(fused_key_stage(kivi, bits, d), key_records * (key_rec + 6));
+      const int value_rec =
+          kivi ? int(common::kivi_value_token_bytes(bits, d)) : int(common::tq_token_bytes(bits, d));
+      EXPECT_GE(fused_value_stage(kivi, bits, d), kFusedTile * (value_rec + 6));
+      EXPECT_EQ(fused_key_stage(kivi, bits, d) % 16, 0);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * 8 + 3 * 6);  // KIVI: 32, 64, ..., 256; TurboQuant: 8, 16, ..., 256
 }
 
 // The host side of FlashInfer's route, which runs here: a call's tables as its pages. Sequences of

@@ -108,7 +108,9 @@ TEST(BackendSelectTest, CudaAttentionFromTheEnvironment) {
   setenv(kernels::kCudaAttentionEnv, "own", 1);
   auto own = select_backend("auto", 0, 1);
   ASSERT_TRUE(own.ok()) << own.status();
-  if (own->backend->name() == "cuda") EXPECT_THAT(own->backend->description(), HasSubstr("own decode attention"));
+  if (own->backend->name() == "cuda") {
+    EXPECT_THAT(own->backend->description(), HasSubstr("own decode attention"));
+  }
 
   if (const std::string missing = kernels::cuda_attention_missing(kernels::CudaAttention::kFlashInfer);
       !missing.empty()) {
@@ -116,6 +118,28 @@ TEST(BackendSelectTest, CudaAttentionFromTheEnvironment) {
     auto b = select_backend("auto", 0, 1);
     EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(b.status().message(), HasSubstr(missing));
+  }
+}
+
+// KARAKV_CUDA_QUANT_DECODE likewise: an unknown value refuses the start wherever the CUDA backend
+// is tried; a known one is taken (and said in the backend's description on a GPU).
+TEST(BackendSelectTest, CudaQuantDecodeFromTheEnvironment) {
+  const RestoreEnv restore(kernels::kCudaQuantDecodeEnv);
+  setenv(kernels::kCudaQuantDecodeEnv, "unfused", 1);
+  for (const char* requested : {"auto", "cuda"}) {
+    auto b = select_backend(requested, 0, 1);
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << requested;
+    EXPECT_THAT(b.status().message(), HasSubstr("KARAKV_CUDA_QUANT_DECODE"));
+    EXPECT_THAT(b.status().message(), HasSubstr("'unfused'"));
+    EXPECT_THAT(b.status().message(), HasSubstr("expected auto, staged or fused"));
+  }
+  EXPECT_TRUE(select_backend("cpu", 0, 1).ok());
+
+  setenv(kernels::kCudaQuantDecodeEnv, "fused", 1);
+  auto fused = select_backend("auto", 0, 1);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  if (fused->backend->name() == "cuda") {
+    EXPECT_THAT(fused->backend->description(), HasSubstr("fused quantized decode"));
   }
 }
 

@@ -338,12 +338,15 @@ std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa, CpuGemm g
 
 // The CUDA backend on GPU `device` (kernels/cuda). Returns null, with the reason in *error when
 // error is non-null, when this build has no CUDA backend, no driver or device works, or `device`
-// is out of range; it never aborts. Its decode attention is $KARAKV_CUDA_ATTENTION's
-// (karakv/kernels/cuda_attention.h); a value that is invalid or that this build cannot run is
+// is out of range; it never aborts. Its decode attention is $KARAKV_CUDA_ATTENTION's and its
+// quantized decode $KARAKV_CUDA_QUANT_DECODE's (karakv/kernels/cuda_attention.h); a value that is invalid or that this build cannot run is
 // reported on stderr and the default is used (karakvd refuses to start instead).
 std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error);
-// The same with the decode attention given (null with the reason when this build lacks it).
+// The same with the decode attention given (null with the reason when this build lacks it), and
+// the default quantized decode; or with both given ($KARAKV_CUDA_QUANT_DECODE reads the second).
 std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error);
+std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, CudaQuantDecode quant,
+                                           std::string* error);
 // Whether this build contains the CUDA backend (nvcc was found when it was configured).
 bool cuda_backend_built();
 

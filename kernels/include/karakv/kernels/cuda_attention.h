@@ -40,4 +40,32 @@ inline constexpr char kCudaAttentionEnv[] = "KARAKV_CUDA_ATTENTION";
 // parse_cuda_attention of $KARAKV_CUDA_ATTENTION; unset is "auto". Errors name the variable.
 KernelStatus cuda_attention_from_env(CudaAttention* out);
 
+// Which kernels attend over quantized storage (KIVI, TurboQuant; kernels/cuda/quant.cuh): the
+// staged ones (logits of every slot written to device memory, a softmax, the values) or the fused
+// ones (each KV head's codes read once per split of 256 slots for all its query heads, the split's
+// softmax in shared memory, the splits merged by their log-sum-exps).
+enum class CudaQuantDecode : uint8_t {
+  kStaged,
+  kFused,
+};
+
+// "staged" and "fused".
+std::string_view cuda_quant_decode_name(CudaQuantDecode quant);
+
+// Empty when this build can run `quant` (both need only the CUDA backend), else what is missing.
+std::string cuda_quant_decode_missing(CudaQuantDecode quant);
+
+// What "auto" means: staged until the fused kernels have passed the device check on a GPU
+// (scripts/gpu-check.sh runs the quantized op tests and the quant benchmark under both).
+CudaQuantDecode default_cuda_quant_decode();
+
+// "auto" (or empty), "staged" or "fused"; anything else is kInvalidArgument naming what is expected.
+KernelStatus parse_cuda_quant_decode(std::string_view text, CudaQuantDecode* out);
+
+// The environment variable that picks them.
+inline constexpr char kCudaQuantDecodeEnv[] = "KARAKV_CUDA_QUANT_DECODE";
+
+// parse_cuda_quant_decode of $KARAKV_CUDA_QUANT_DECODE; unset is "auto". Errors name the variable.
+KernelStatus cuda_quant_decode_from_env(CudaQuantDecode* out);
+
 }  // namespace karakv::kernels
