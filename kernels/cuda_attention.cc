@@ -40,7 +40,9 @@ std::string_view cuda_quant_decode_name(CudaQuantDecode quant) {
   return quant == CudaQuantDecode::kFused ? "fused" : "staged";
 }
 
-std::string cuda_quant_decode_missing(CudaQuantDecode) {
+std::string cuda_quant_decode_missing(CudaQuantDecode quant) {
+  // The default is never missing: a build without CUDA must still start with the variable unset.
+  if (quant == CudaQuantDecode::kStaged) return "";
 #if KARAKV_HAVE_CUDA
   return "";
 #else

@@ -337,6 +337,10 @@ if want tests; then
   elif [ "$passed" -eq 0 ]; then
     tests_status="$tests_status, but no test passed"
     tests_ok=0
+  elif [ -z "${GPU_CHECK_TEST_FILTER:-}" ] && ! grep -qE '^\[ +OK \] .*Quantized.*/fused_' /tmp/gpu-tests.txt; then
+    # The fused quantized decode's tests must have run, not been skipped by their own filter.
+    tests_status="$tests_status, but no fused quantized test passed"
+    tests_ok=0
   else
     tests_ok=1
   fi
@@ -355,6 +359,7 @@ ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp
 # The fused quantized decode stages records and logits in shared memory: races there are its risk.
 ATTENTION_FILTER="$ATTENTION_FILTER:AllBackends/BackendOpsTest.QuantizedAttention/fused_fp16"
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.QuantizedAttention/fused_fp16_hd64_g8"
+ATTENTION_FILTER="$ATTENTION_FILTER:FusedGeometries/BackendOpsTest.QuantizedAttention/fused_fp16_hd64_g12"
 if want sanitize; then
   # 1b. One dtype's ops under compute-sanitizer: memcheck (out-of-bounds and misaligned device
   # accesses, errors of CUDA calls) over the default geometry and the generic head_dim layout, fp16;

@@ -817,8 +817,10 @@ __global__ void __launch_bounds__(kFusedThreads)
       if (k >= cpt || c >= d) break;
       const float vc = to_float(v[c]);
 #pragma unroll
-      for (int h = 0; h < kFusedHeads; ++h)
-        if (h < nh) acc_f[k][h] = fmaf(s_p[h * kFusedSplit + (t - s0)], vc, acc_f[k][h]);
+      for (int h = 0; h < kFusedHeads; ++h) {
+        const float w = h < nh ? s_p[h * kFusedSplit + (t - s0)] : 0.0f;
+        if (w != 0.0f) acc_f[k][h] = fmaf(w, vc, acc_f[k][h]);  // as staged: a zero weight adds nothing, inf included
+      }
     }
   }
 #pragma unroll
@@ -853,9 +855,11 @@ __global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int
   float mx = -INFINITY;
   for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, ml[(base + s) * 2]);
   float total = 0.0f, quantized = 0.0f, fp = 0.0f;
+  bool any = false;  // a slot anywhere: the lse is written (NaN where the logits were), as staged
   for (int s = 0; s < num_splits; ++s) {
     const float l = ml[(base + s) * 2 + 1];
     if (l == 0.0f) continue;  // an empty split (a NaN sum goes on, so NaN stays NaN)
+    any = true;
     const float f = expf(ml[(base + s) * 2] - mx);
     total = fmaf(f, l, total);
     if (c < d) {
@@ -870,7 +874,7 @@ __global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int
   float qpart = s_acc[c];
   if constexpr (!kKivi) qpart *= rotation_sign(head_seeds[layer * hk + j / (hq / hk)], c) * (1.0f / float(d));
   out[(size_t(r) * hq + j) * d + c] = qpart + fp * inv;
-  if (lse != nullptr && c == 0 && total > 0.0f) lse[size_t(r) * hq + j] = mx + logf(total);
+  if (lse != nullptr && c == 0 && any) lse[size_t(r) * hq + j] = mx + logf(total);
 }
 
 // For observers after the fused kernel: per (row, KV head, slot t >= first[r]) exp(logit - lse)
@@ -901,7 +905,12 @@ __global__ void quant_observed_probs_kernel(DeviceKV kv, DeviceQuant qd, int lay
                                s_centroid, logit);
 #pragma unroll
       for (int k = 0; k < kHeadsPerPass; ++k)
-        if (k < nh) sum += expf(logit[k] - lse[size_t(r) * hq + h * g + j0 + k]);
+        if (k < nh) {
+          // A NaN lse (NaN logits in the row): 0 at finite slots and NaN at NaN ones, as the staged
+          // softmax's zero normaliser gives.
+          const float l = lse[size_t(r) * hq + h * g + j0 + k];
+          sum += isnan(l) ? (isnan(logit[k]) ? logit[k] : 0.0f) : expf(logit[k] - l);
+        }
     }
     if (dst != nullptr) {
       dst[f + i] += sum;
@@ -1056,8 +1065,10 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
   }
 
   // The fused kernels split every row in kFusedSplit slots (grid.z): rows too long for that take
-  // the staged path.
-  fused = fused && std::all_of(chunk_max.begin(), chunk_max.end(), [](int m) { return ceil_div(m, kFusedSplit) <= 65535; });
+  // the staged path, as does a pool not 16-byte aligned (its KIVI scales are read 8 bytes at a time
+  // from records staged at their pool offsets mod 4; cudaMalloc and IPC pools are 256-aligned).
+  fused = fused && reinterpret_cast<uintptr_t>(kv.pool) % 16 == 0 &&
+          std::all_of(chunk_max.begin(), chunk_max.end(), [](int m) { return ceil_div(m, kFusedSplit) <= 65535; });
   size_t max_chunk_rows = 0, max_part = 0, max_splits = 0;
   for (size_t i = 0; i + 1 < chunk_begin.size(); ++i) {
     const size_t rows = size_t(chunk_begin[i + 1] - chunk_begin[i]);

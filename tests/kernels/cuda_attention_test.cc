@@ -97,6 +97,7 @@ TEST_F(CudaAttentionEnvTest, PicksTheDecodeAttention) {
 }
 
 TEST(CudaQuantDecodeTest, NamesDefaultAndRefusals) {
+  EXPECT_EQ(cuda_quant_decode_missing(CudaQuantDecode::kStaged), "") << "the default must start every build";
   EXPECT_EQ(cuda_quant_decode_name(CudaQuantDecode::kStaged), "staged");
   EXPECT_EQ(cuda_quant_decode_name(CudaQuantDecode::kFused), "fused");
   for (const char* text : {"", "auto"}) {

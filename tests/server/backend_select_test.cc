@@ -135,11 +135,21 @@ TEST(BackendSelectTest, CudaQuantDecodeFromTheEnvironment) {
   }
   EXPECT_TRUE(select_backend("cpu", 0, 1).ok());
 
+  setenv(kernels::kCudaQuantDecodeEnv, "staged", 1);  // the default: accepted by every build
+  EXPECT_TRUE(select_backend("auto", 0, 1).ok());
+
   setenv(kernels::kCudaQuantDecodeEnv, "fused", 1);
   auto fused = select_backend("auto", 0, 1);
-  ASSERT_TRUE(fused.ok()) << fused.status();
-  if (fused->backend->name() == "cuda") {
-    EXPECT_THAT(fused->backend->description(), HasSubstr("fused quantized decode"));
+  if (const std::string missing = kernels::cuda_quant_decode_missing(kernels::CudaQuantDecode::kFused);
+      !missing.empty()) {
+    EXPECT_EQ(fused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(fused.status().message(), HasSubstr("KARAKV_CUDA_QUANT_DECODE"));
+    EXPECT_THAT(fused.status().message(), HasSubstr(missing));
+  } else {
+    ASSERT_TRUE(fused.ok()) << fused.status();
+    if (fused->backend->name() == "cuda") {
+      EXPECT_THAT(fused->backend->description(), HasSubstr("fused quantized decode"));
+    }
   }
 }
 

@@ -52,7 +52,8 @@ enum class CudaQuantDecode : uint8_t {
 // "staged" and "fused".
 std::string_view cuda_quant_decode_name(CudaQuantDecode quant);
 
-// Empty when this build can run `quant` (both need only the CUDA backend), else what is missing.
+// Empty when this build can run `quant`: staged always (it is the default, and means nothing without
+// a CUDA backend), fused where the CUDA backend is built; else what is missing.
 std::string cuda_quant_decode_missing(CudaQuantDecode quant);
 
 // What "auto" means: staged until the fused kernels have passed the device check on a GPU
