@@ -357,8 +357,7 @@ ATTENTION_FILTER='AllBackends/BackendOpsTest.DecodeAttention/cuda_fp16:AllBacken
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd256_g2"
 ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.*Attention/cuda_fp16_hd64_g8"
 # The fused quantized decode stages records and logits in shared memory: races there are its risk.
-ATTENTION_FILTER="$ATTENTION_FILTER:AllBackends/BackendOpsTest.QuantizedAttention/fused_fp16"
-ATTENTION_FILTER="$ATTENTION_FILTER:Geometries/BackendOpsTest.QuantizedAttention/fused_fp16_hd64_g8"
+# One geometry (a group of 12: a full pass and a partial one), every format, within the timeouts.
 ATTENTION_FILTER="$ATTENTION_FILTER:FusedGeometries/BackendOpsTest.QuantizedAttention/fused_fp16_hd64_g12"
 if want sanitize; then
   # 1b. One dtype's ops under compute-sanitizer: memcheck (out-of-bounds and misaligned device
@@ -397,6 +396,21 @@ else
 fi
 
 QUANT_FORMATS=kivi2,kivi4,tq2,tq3,tq4
+# route_rows PREFIX STATUS_KEY LABEL FLAGS...: kernels_bench for $model with FLAGS, its exit status in
+# status[$model.STATUS_KEY], its rows in r[$model.PREFIX_<row>].
+route_rows() {
+  local prefix=$1 key=$2 label=$3 rc name value
+  shift 3
+  with_timeout 240 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --model=$model --seqs="$SEQS" \
+    --tokens="$TOKENS" --iters="$ITERS" "$@" > /tmp/gpu-bench-$prefix-$model.txt 2>&1
+  rc=$?
+  status[$model.$key]=$(describe_rc "$rc")
+  [ "$rc" -eq 0 ] || { echo "kernels_bench $model $label (${status[$model.$key]}):"; tail -5 /tmp/gpu-bench-$prefix-$model.txt; }
+  while read -r name value _; do
+    case "$name" in \#* | "") continue ;; esac
+    r[$model.${prefix}_$name]=$value
+  done < /tmp/gpu-bench-$prefix-$model.txt
+}
 if want bench; then
   # 2. Benchmarks, both geometries, and PyTorch SDPA on the same problem; decode straight from each
   # quantized format against the fp16 decode over the same tokens (time and output error).
@@ -417,28 +431,11 @@ if want bench; then
       r[$model.$name]=$value
     done < <(cat /tmp/gpu-bench-$model.txt /tmp/gpu-sdpa-$model.txt)
     head -1 /tmp/gpu-bench-$model.txt
-    # The same fp16 decode through FlashInfer's batch decode (its rows prefixed fi_).
-    with_timeout 240 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --attention=flashinfer \
-      --model=$model --seqs="$SEQS" --tokens="$TOKENS" --iters="$ITERS" > /tmp/gpu-bench-fi-$model.txt 2>&1
-    rc=$?
-    status[$model.flashinfer_bench]=$(describe_rc "$rc")
-    [ "$rc" -eq 0 ] || { echo "kernels_bench $model with FlashInfer (${status[$model.flashinfer_bench]}):"; tail -5 /tmp/gpu-bench-fi-$model.txt; }
-    while read -r name value _; do
-      case "$name" in \#* | "") continue ;; esac
-      r[$model.fi_$name]=$value
-    done < /tmp/gpu-bench-fi-$model.txt
-    # The quantized decode through the fused kernels (its rows prefixed fq_; its fp16 rows are the
-    # same kernels as the first run's, measured again beside it).
-    with_timeout 240 "${BIN_ENV[@]}" "$B/bench/kernels/kernels_bench" --backend=cuda --quant_decode=fused \
-      --model=$model --seqs="$SEQS" --tokens="$TOKENS" --iters="$ITERS" --quant="$QUANT_FORMATS" \
-      > /tmp/gpu-bench-fq-$model.txt 2>&1
-    rc=$?
-    status[$model.fused_bench]=$(describe_rc "$rc")
-    [ "$rc" -eq 0 ] || { echo "kernels_bench $model with the fused quantized decode (${status[$model.fused_bench]}):"; tail -5 /tmp/gpu-bench-fq-$model.txt; }
-    while read -r name value _; do
-      case "$name" in \#* | "") continue ;; esac
-      r[$model.fq_$name]=$value
-    done < /tmp/gpu-bench-fq-$model.txt
+    # The same fp16 decode through FlashInfer's batch decode (its rows prefixed fi_), and the
+    # quantized decode through the fused kernels (rows prefixed fq_; its fp16 rows are the first
+    # run's kernels measured again beside it).
+    route_rows fi flashinfer_bench "with FlashInfer" --attention=flashinfer
+    route_rows fq fused_bench "with the fused quantized decode" --quant_decode=fused --quant="$QUANT_FORMATS"
   done
   head -1 /tmp/gpu-sdpa-llama8b.txt
 else
