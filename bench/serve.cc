@@ -36,6 +36,7 @@
 #include "absl/strings/str_split.h"
 #include "common/synthetic.h"
 #include "karakv/kernels/half.h"
+#include "gpu_forward.h"
 #include "staging_io.h"
 
 ABSL_FLAG(bool, quick, false,
@@ -56,7 +57,16 @@ ABSL_FLAG(std::string, serve_output, "1000-8000", "serve: output tokens per requ
 ABSL_FLAG(std::string, serve_pool_bytes, "96MiB", "serve: karakvd --pool_bytes (the same for every run)");
 ABSL_FLAG(int32_t, serve_layers, 4, "serve: model layers (one Step per layer per decode step)");
 ABSL_FLAG(int32_t, serve_q_heads, 4, "serve: query heads");
-ABSL_FLAG(int32_t, serve_kv_heads, 2, "serve: KV heads (head_dim 64, fp16, block 16)");
+ABSL_FLAG(int32_t, serve_kv_heads, 2, "serve: KV heads (block 16)");
+ABSL_FLAG(int32_t, serve_head_dim, 64, "serve: head_dim");
+ABSL_FLAG(std::string, serve_dtype, "fp16", "serve: the pool's dtype: fp16, bf16 or fp32");
+ABSL_FLAG(std::string, serve_worker_compute, "sleep",
+          "serve: the workers' own model work: sleep (its time modeled by --serve_model_*_us and "
+          "--serve_prefill_us_per_token) or gemm (the projections' and MLP's matrix products of every layer "
+          "on the GPU with cuBLAS, around each Step; needs --serve_staging=device or device_fd)");
+ABSL_FLAG(int32_t, serve_mlp, 0, "serve: with gemm, the MLP's intermediate width (0: 3.5 x hidden, e.g. 14336)");
+ABSL_FLAG(std::string, serve_cublas, "libcublas.so.13:libcublas.so.12:libcublas.so",
+          "serve: with gemm, cuBLAS libraries tried in order (names on the loader's path, or paths)");
 ABSL_FLAG(double, serve_model_base_us, 3000, "serve: modeled model compute per decode step, fixed part (us)");
 ABSL_FLAG(double, serve_model_per_seq_us, 30, "serve: modeled model compute per decode step per running sequence (us)");
 ABSL_FLAG(double, serve_prefill_us_per_token, 10, "serve: modeled model compute per prefilled token (us)");
@@ -83,6 +93,10 @@ namespace karakv::bench {
 namespace {
 
 namespace kn = karakv::kernels;
+
+// Prompt tokens a worker appends (and, with --serve_worker_compute=gemm, runs through its forward
+// pass) at a time.
+constexpr int kPrefillChunk = 256;
 
 // Context-length buckets of the compression ratio (logical tokens).
 constexpr int kBuckets = 4;
@@ -216,9 +230,11 @@ struct WorkerSequence {
 
 class Worker {
  public:
-  Worker(std::unique_ptr<karakv::Client> client, std::string policy, std::map<std::string, double> kara_params)
+  // forward: the model's matrix products on the GPU (--serve_worker_compute=gemm), or null (sleep).
+  Worker(std::unique_ptr<karakv::Client> client, std::string policy, std::map<std::string, double> kara_params,
+         std::unique_ptr<GpuForward> forward)
       : c_(std::move(client)), g_(c_->geometry()), table_(g_), policy_(std::move(policy)),
-        kara_params_(std::move(kara_params)), device_(c_->device_staging()) {}
+        kara_params_(std::move(kara_params)), device_(c_->device_staging()), forward_(std::move(forward)) {}
 
   // Executes one command message; returns the reply.
   std::string execute(const std::string& message, bool* quit) {
@@ -283,10 +299,17 @@ class Worker {
     if (windowed && absl::StartsWith(policy_, "kara")) o.params["prompt"] = 1;
     auto id = c_->CreateSequence(o);
     if (!id.ok()) return id.status();
-    sleep_us(absl::GetFlag(FLAGS_serve_prefill_us_per_token) * context);
-    constexpr int kChunk = 256;
-    for (int done = 0; done < context; done += kChunk) {
-      const int n = std::min(kChunk, context - done);
+    if (!forward_) sleep_us(absl::GetFlag(FLAGS_serve_prefill_us_per_token) * context);
+    for (int done = 0; done < context; done += kPrefillChunk) {
+      const int n = std::min(kPrefillChunk, context - done);
+      for (int l = 0; forward_ && l < g_.num_layers; ++l) {  // the chunk's forward pass, every layer
+        absl::Status st = forward_->before_attention(n);
+        if (st.ok()) st = forward_->after_attention(n);
+        if (!st.ok()) {
+          (void)c_->Release(*id);
+          return st;
+        }
+      }
       c_->reset_staging();
       auto k = c_->alloc(c_->append_bytes(n));
       auto v = c_->alloc(c_->append_bytes(n));
@@ -333,7 +356,11 @@ class Worker {
     double in_step = 0;
     StagedWrite kw(*k, device_), vw(*v, device_), qw(*q, device_);
     for (int l = 0; l < g_.num_layers; ++l) {
-      sleep_us(layer_us);
+      if (!forward_) {
+        sleep_us(layer_us);
+      } else if (absl::Status st = forward_->before_attention(n); !st.ok()) {
+        return absl::StrCat("error in layer ", l, "'s forward pass: ", st.message(), "\n");
+      }
       for (int i = 0; i < n; ++i) {
         const WorkerSequence& s = seqs_[i];
         std::memcpy(kw.where() + i * kv, table_.k(s.request, l, s.position), kv);
@@ -349,6 +376,10 @@ class Worker {
         // The pool check runs at layer 0, before anything changes: the step can be retried.
         if (l == 0 && absl::IsResourceExhausted(r.status())) return "step full 0\n";
         return absl::StrCat("error Step layer ", l, ": ", r.status().message(), "\n");
+      }
+      if (forward_) {
+        if (absl::Status st = forward_->after_attention(n); !st.ok())
+          return absl::StrCat("error in layer ", l, "'s forward pass: ", st.message(), "\n");
       }
     }
     std::string reply = absl::StrFormat("step ok %.6f\n", in_step);
@@ -389,6 +420,7 @@ class Worker {
   std::string policy_;
   std::map<std::string, double> kara_params_;
   bool device_;  // device staging: buffers are device pointers, written through StagedWrite
+  std::unique_ptr<GpuForward> forward_;
   std::vector<WorkerSequence> seqs_;
 };
 
@@ -484,7 +516,8 @@ std::vector<std::string> geometry_flags(size_t pool_bytes) {
   return {absl::StrCat("--layers=", absl::GetFlag(FLAGS_serve_layers)),
           absl::StrCat("--q_heads=", absl::GetFlag(FLAGS_serve_q_heads)),
           absl::StrCat("--kv_heads=", absl::GetFlag(FLAGS_serve_kv_heads)),
-          "--head_dim=64", "--dtype=fp16", "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)};
+          absl::StrCat("--head_dim=", absl::GetFlag(FLAGS_serve_head_dim)),
+          "--dtype=" + absl::GetFlag(FLAGS_serve_dtype), "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)};
 }
 
 uint64_t held_bytes(const karakv::DaemonStats& st) {
@@ -540,6 +573,8 @@ class Scheduler {
           "--serve_worker_policy=" + policy_, absl::StrCat("--serve_worker_max_batch=", max_batch_),
           "--serve_kara_params=" + absl::GetFlag(FLAGS_serve_kara_params),
           "--serve_staging=" + absl::GetFlag(FLAGS_serve_staging),
+          "--serve_worker_compute=" + absl::GetFlag(FLAGS_serve_worker_compute),
+          absl::StrCat("--serve_mlp=", absl::GetFlag(FLAGS_serve_mlp)), "--serve_cublas=" + absl::GetFlag(FLAGS_serve_cublas),
           absl::StrCat("--serve_model_base_us=", absl::GetFlag(FLAGS_serve_model_base_us)),
           absl::StrCat("--serve_model_per_seq_us=", absl::GetFlag(FLAGS_serve_model_per_seq_us)),
           absl::StrCat("--serve_prefill_us_per_token=", absl::GetFlag(FLAGS_serve_prefill_us_per_token))};
@@ -959,6 +994,18 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   if (!pool.ok()) return pool.status();
   auto staging = parse_staging("serve_staging", absl::GetFlag(FLAGS_serve_staging));
   if (!staging.ok()) return staging.status();
+  auto compute = parse_worker_compute("serve_worker_compute", absl::GetFlag(FLAGS_serve_worker_compute));
+  if (!compute.ok()) return compute.status();
+  if (*compute == WorkerCompute::kGemm && *staging == karakv::Staging::kShm) {
+    // The products stand in for a model on the GPU, whose K/V/Q are on the device: shm staging
+    // would model a CPU worker.
+    return absl::InvalidArgumentError(
+        "--serve_worker_compute=gemm runs the model's products on the GPU: it needs --serve_staging=device or "
+        "device_fd (and karakvd on the GPU: --karakvd_flags=--backend=cuda), not shm");
+  }
+  if (const std::string d = absl::GetFlag(FLAGS_serve_dtype); d != "fp16" && d != "bf16" && d != "fp32") {
+    return absl::InvalidArgumentError(absl::StrCat("--serve_dtype=", d, ": expected fp16, bf16 or fp32"));
+  }
   if (auto kp = parse_policy_params("serve_kara_params", absl::GetFlag(FLAGS_serve_kara_params)); !kp.ok()) {
     return kp.status();
   }
@@ -1019,16 +1066,23 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   }
 
   ServeResult result;
-  const auto geometry = absl::StrFormat("%d layers, %d q heads, %d KV heads, head_dim 64, fp16, block 16",
+  const auto geometry = absl::StrFormat("%d layers, %d q heads, %d KV heads, head_dim %d, %s, block 16",
                                         absl::GetFlag(FLAGS_serve_layers), absl::GetFlag(FLAGS_serve_q_heads),
-                                        absl::GetFlag(FLAGS_serve_kv_heads));
+                                        absl::GetFlag(FLAGS_serve_kv_heads), absl::GetFlag(FLAGS_serve_head_dim),
+                                        absl::GetFlag(FLAGS_serve_dtype));
+  const std::string model =
+      *compute == WorkerCompute::kGemm
+          ? absl::StrFormat("model: its projections' and MLP's products on the GPU (cuBLAS, MLP %d)",
+                            mlp_width(absl::GetFlag(FLAGS_serve_mlp),
+                                      absl::GetFlag(FLAGS_serve_q_heads) * absl::GetFlag(FLAGS_serve_head_dim)))
+          : absl::StrFormat("model %.0f + %.0f x batch us per step, prefill %.0f us/token (slept)",
+                            absl::GetFlag(FLAGS_serve_model_base_us), absl::GetFlag(FLAGS_serve_model_per_seq_us),
+                            absl::GetFlag(FLAGS_serve_prefill_us_per_token));
   result.how = absl::StrFormat(
       "serve %s; pool %s; prompts %d-%d, outputs %d-%d tokens (uniform); %d engine steps per run (at most %.0f s); "
-      "model %.0f + %.0f x batch "
-      "us per step, prefill %.0f us/token (slept); %d worker processes, %s staging; %s%s%s",
+      "%s; %d worker processes, %s staging; %s%s%s",
       geometry, quick ? "8MiB" : absl::GetFlag(FLAGS_serve_pool_bytes), prompt->lo, prompt->hi, output->lo,
-      output->hi, steps, seconds, absl::GetFlag(FLAGS_serve_model_base_us), absl::GetFlag(FLAGS_serve_model_per_seq_us),
-      absl::GetFlag(FLAGS_serve_prefill_us_per_token), absl::GetFlag(FLAGS_serve_workers), staging_name(*staging),
+      output->hi, steps, seconds, model, absl::GetFlag(FLAGS_serve_workers), staging_name(*staging),
       open ? absl::StrCat("open loop, Poisson arrivals at ", absl::StrJoin(rates, ", "), " req/s")
                    : std::string("closed loop"),
       absl::GetFlag(FLAGS_serve_recompute_windows) ? "; preempted Kara requests re-prefilled with prompt=window" : "",
@@ -1112,6 +1166,11 @@ int serve_worker_main() {
     std::fprintf(stderr, "serve-worker: %s\n", staging.status().ToString().c_str());
     return 1;
   }
+  auto compute = parse_worker_compute("serve_worker_compute", absl::GetFlag(FLAGS_serve_worker_compute));
+  if (!compute.ok()) {
+    std::fprintf(stderr, "serve-worker: %s\n", compute.status().ToString().c_str());
+    return 1;
+  }
   o.staging = *staging;
   o.staging_bytes = 2 * (*probe)->append_bytes(256) + 2 * (*probe)->step_kv_bytes(max_batch) +
                     2 * (*probe)->q_bytes(max_batch) + (1 << 16);
@@ -1126,7 +1185,19 @@ int serve_worker_main() {
     std::fprintf(stderr, "serve-worker: %s\n", kara_params.status().ToString().c_str());
     return 1;
   }
-  Worker worker(std::move(*client), absl::GetFlag(FLAGS_serve_worker_policy), std::move(*kara_params));
+  std::unique_ptr<GpuForward> forward;
+  if (*compute == WorkerCompute::kGemm) {
+    auto f = GpuForward::make((*client)->geometry(), absl::GetFlag(FLAGS_serve_mlp), std::max(max_batch, kPrefillChunk),
+                              absl::GetFlag(FLAGS_serve_cublas));
+    if (!f.ok()) {
+      std::fprintf(stderr, "serve-worker: --serve_worker_compute=gemm: %s\n", f.status().ToString().c_str());
+      return 1;
+    }
+    forward = std::move(*f);
+    std::fprintf(stderr, "serve-worker: forward pass on the GPU: %s\n", forward->description().c_str());
+  }
+  Worker worker(std::move(*client), absl::GetFlag(FLAGS_serve_worker_policy), std::move(*kara_params),
+                std::move(forward));
   if (!send_message(3, "ready\n").ok()) return 1;
   bool quit = false;
   while (!quit) {

@@ -62,7 +62,10 @@
 # (the test step's gtest filter; default every cuda op test, the flashinfer decode tests and
 # the fused quantized ones), GPU_CHECK_MEMCHECK_TIMEOUT (120),
 # GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,mps,profile:
-# a rerun after a fix can take only the steps that failed; the others print "skipped"). The profile
+# a rerun after a fix can take only the steps that failed; the others print "skipped"; `deploy`, not
+# in the default list, is issue 39 item 5's serve run: Llama-3.1-8B's geometry with workers running
+# their projections and MLP on the GPU with cuBLAS, about GPU_CHECK_DEPLOY_SECONDS (120) per policy;
+# GPU_CHECK_DEPLOY_POLICIES, _BATCH (64), _STEPS (6000), _POOL (16GiB)). The profile
 # step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
 # are left alone) over the paged decode (own and FlashInfer's) and the quantized decode kernels
 # (staged and fused), at
@@ -590,6 +593,64 @@ else
   mps_status="skipped (GPU_CHECK_STEPS)"
 fi
 
+declare -A deploy
+DEPLOY_POLICIES=${GPU_CHECK_DEPLOY_POLICIES:-none,snapkv,kara}
+DEPLOY_BATCH=${GPU_CHECK_DEPLOY_BATCH:-64}
+DEPLOY_STEPS=${GPU_CHECK_DEPLOY_STEPS:-6000}
+DEPLOY_SECONDS=${GPU_CHECK_DEPLOY_SECONDS:-120}
+DEPLOY_POOL=${GPU_CHECK_DEPLOY_POOL:-16GiB}
+if want deploy; then
+  # 6b. Issue 39 item 5 (not in the default steps: about DEPLOY_SECONDS per policy): the serve run that
+  # looks like a deployment: Llama-3.1-8B's geometry (32 layers, 32/8 heads, head_dim 128, bf16),
+  # workers on device staging whose own projections and MLP run on the same GPU with cuBLAS
+  # (--serve_worker_compute=gemm), outputs of 4-8k tokens, a pool small enough that none preempts.
+  # cuBLAS is the machine's: a CUDA toolkit's, or PyTorch's nvidia-cublas wheel.
+  cublas_libs=$(python3 - <<'PY' 2> /dev/null
+import glob, os
+dirs = ["/usr/local/cuda/lib64"]
+for mod in ("nvidia.cublas", "torch"):
+    try:
+        m = __import__(mod, fromlist=["_"])
+        for p in list(getattr(m, "__path__", [])) or [os.path.dirname(m.__file__)]:
+            dirs.append(os.path.join(p, "lib"))
+    except Exception:
+        pass
+found = []
+for soname in ("libcublas.so.13", "libcublas.so.12"):
+    for d in dirs:
+        found += glob.glob(os.path.join(d, soname))
+print(":".join(dict.fromkeys(found)))
+PY
+  )
+  deploy[cublas]=${cublas_libs:-"none found (the workers will say so)"}
+  with_timeout $((DEPLOY_SECONDS * 3 + 180)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+    --serve_staging=device --serve_worker_compute=gemm ${cublas_libs:+--serve_cublas="$cublas_libs"} \
+    --serve_layers=32 --serve_q_heads=32 --serve_kv_heads=8 --serve_head_dim=128 --serve_dtype=bf16 \
+    --serve_pool_bytes="$DEPLOY_POOL" --serve_prompt=100-500 --serve_output=4000-8000 \
+    --serve_policies="$DEPLOY_POLICIES" --serve_batches="$DEPLOY_BATCH" --serve_steps="$DEPLOY_STEPS" \
+    --serve_seconds="$DEPLOY_SECONDS" --out_dir="$RESULTS/deploy" > /tmp/gpu-deploy.txt 2>&1
+  rc=$?
+  deploy[status]=$(describe_rc "$rc")
+  [ "$rc" -eq 0 ] || { echo "karakv-bench serve, deployment geometry (${deploy[status]}):"; tail -20 /tmp/gpu-deploy.txt; }
+  if [ -f "$RESULTS/deploy/serve_runs.csv" ]; then
+    while IFS=, read -r policy value; do deploy[$policy]=$value; done < <(python3 - "$RESULTS/deploy/serve_runs.csv" <<'PY'
+import csv, sys
+rows = {r["policy"]: r for r in csv.DictReader(open(sys.argv[1]))}
+for p, r in rows.items():
+    print(f"{p},{float(r['throughput_tok_s']):.0f} tok/s; TPOT {float(r['tpot_mean_ms']):.1f} ms; "
+          f"{r['preemptions']} preemptions; peak KV {float(r['peak_kv_mib']):.0f} MiB; {r['steps']} steps")
+tok = {p: float(r["throughput_tok_s"]) for p, r in rows.items()}
+if tok.get("kara") and tok.get("none"):
+    print(f"kara/none,{tok['kara'] / tok['none']:.2f}x (target >= 1.5)")
+if tok.get("kara") and tok.get("snapkv"):
+    print(f"kara/snapkv,{tok['kara'] / tok['snapkv']:.2f}x (target >= 1.2)")
+PY
+    )
+  fi
+else
+  deploy[status]="skipped (not in GPU_CHECK_STEPS; GPU_CHECK_STEPS=deploy runs it)"
+fi
+
 profile_rows=()
 if want profile; then
   # 6. Nsight Compute over the kernels the targets miss on: the fp16 paged decode (partial_kernel)
@@ -647,7 +708,7 @@ else
   profile_rows+=("ncu profile: skipped (GPU_CHECK_STEPS)")
 fi
 
-cp /tmp/gpu-mps-start.txt /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-serve-device-mps.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
+cp /tmp/gpu-deploy.txt /tmp/gpu-mps-start.txt /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-serve-device-mps.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
@@ -698,6 +759,10 @@ for row in ${profile_rows[@]+"${profile_rows[@]}"}; do echo "| profile (SmolLM2 
 echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
 echo "| under MPS: Step via device staging vs Ping; through the ring | ${p3[mps-device]:-n/a}; ${p3[mps-device-ring]:-n/a} | - |"
 echo "| under MPS: serve kara, max batch 256, device staging | $mps_status | - |"
+echo "| deployment serve (Llama-3.1-8B geometry, cuBLAS workers, max batch $DEPLOY_BATCH, pool $DEPLOY_POOL): exit status | ${deploy[status]} | cuBLAS: ${deploy[cublas]:-n/a} |"
+for policy in ${DEPLOY_POLICIES//,/ } kara/none kara/snapkv; do
+  [ -n "${deploy[$policy]:-}" ] && echo "| deployment serve $policy | - | ${deploy[$policy]} |"
+done
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 

@@ -185,7 +185,8 @@ def check_open_loop(bench, karakvd, plot):
 
 def check_staging_flag(bench, karakvd):
     """--serve_staging: an unknown kind is refused naming the flag and the choices; device staging on
-    the CPU backend is refused by the workers' Attach naming --backend=cuda (a GPU run is scripts/gpu-check.sh)."""
+    the CPU backend is refused by the workers' Attach naming --backend=cuda (a GPU run is scripts/gpu-check.sh).
+    --serve_worker_compute and --serve_dtype refusals likewise."""
     with tempfile.TemporaryDirectory(prefix="karakv-serve-staging.") as out:
         base = [bench, "serve", "--quick", "--serve_policies=none", "--serve_batches=8", f"--karakvd={karakvd}",
                 f"--out_dir={out}"]
@@ -195,6 +196,17 @@ def check_staging_flag(bench, karakvd):
         dev = subprocess.run(base + ["--serve_staging=device"], capture_output=True, text=True, timeout=120)
         if dev.returncode == 0 or "--backend=cuda" not in dev.stderr:
             fail(f"--serve_staging=device on the CPU backend: exit {dev.returncode}, stderr {dev.stderr[-1500:]!r}")
+        # --serve_worker_compute: an unknown kind is refused naming the choices; gemm (the model's
+        # products on the GPU) with shm staging is refused naming the staging it needs; so is a pool
+        # dtype karakvd has no name for.
+        for flags, message in [
+            (["--serve_worker_compute=cpu"], "--serve_worker_compute=cpu: expected sleep"),
+            (["--serve_worker_compute=gemm"], "it needs --serve_staging=device or device_fd"),
+            (["--serve_dtype=int8"], "--serve_dtype=int8: expected fp16, bf16 or fp32"),
+        ]:
+            bad = subprocess.run(base + flags, capture_output=True, text=True, timeout=60)
+            if bad.returncode == 0 or message not in bad.stderr:
+                fail(f"{flags}: exit {bad.returncode}, stderr {bad.stderr[-1000:]!r}")
         # --serve_kara_params: a malformed entry is refused naming the flag; a well-formed one reaches
         # every kara sequence the workers create (an out-of-range rho is refused by the daemon's
         # CreateSequence, naming the parameter), and leaves other policies alone.
