@@ -604,6 +604,7 @@ if want deploy; then
   # looks like a deployment: Llama-3.1-8B's geometry (32 layers, 32/8 heads, head_dim 128, bf16),
   # workers on device staging whose own projections and MLP run on the same GPU with cuBLAS
   # (--serve_worker_compute=gemm), outputs of 4-8k tokens, a pool small enough that none preempts.
+  # One worker: one model instance runs the whole batch (four would read the weights four times).
   # cuBLAS is the machine's: a CUDA toolkit's, or PyTorch's nvidia-cublas wheel.
   cublas_libs=$(python3 - <<'PY' 2> /dev/null
 import glob, os
@@ -624,7 +625,7 @@ PY
   )
   deploy[cublas]=${cublas_libs:-"none found (the workers will say so)"}
   with_timeout $((DEPLOY_SECONDS * 3 + 180)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
-    --serve_staging=device --serve_worker_compute=gemm ${cublas_libs:+--serve_cublas="$cublas_libs"} \
+    --serve_staging=device --serve_worker_compute=gemm ${cublas_libs:+--serve_cublas="$cublas_libs"} --serve_workers=1 \
     --serve_layers=32 --serve_q_heads=32 --serve_kv_heads=8 --serve_head_dim=128 --serve_dtype=bf16 \
     --serve_pool_bytes="$DEPLOY_POOL" --serve_prompt=100-500 --serve_output=4000-8000 \
     --serve_policies="$DEPLOY_POLICIES" --serve_batches="$DEPLOY_BATCH" --serve_steps="$DEPLOY_STEPS" \
