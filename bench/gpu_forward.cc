@@ -3,12 +3,15 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "karakv/kernels/half.h"
 
 #if KARAKV_HAVE_CUDA
 #include <cublas_v2.h>
@@ -58,17 +61,24 @@ absl::StatusOr<Cublas> open_cublas(std::string_view libraries) {
   if (c.lib == nullptr)
     return absl::NotFoundError(absl::StrCat("cuBLAS not found: tried ", absl::StrJoin(tried, "; "),
                                             "; put its directory on LD_LIBRARY_PATH or name it with --serve_cublas"));
+  std::string missing;  // the first entry point not found, with the loader's word on it
   auto sym = [&](const char* s, auto* out) {
+    if (!missing.empty()) return;
+    dlerror();
     *out = reinterpret_cast<std::remove_reference_t<decltype(*out)>>(dlsym(c.lib, s));
-    return *out != nullptr;
-  };
-  for (bool ok : {sym("cublasCreate_v2", &c.create), sym("cublasDestroy_v2", &c.destroy),
-                  sym("cublasSetStream_v2", &c.set_stream), sym("cublasGetVersion_v2", &c.version),
-                  sym("cublasGemmEx", &c.gemm)}) {
-    if (!ok) {
-      dlclose(c.lib);
-      return absl::NotFoundError(absl::StrCat(c.name, " lacks a cuBLAS entry point this bench calls (", dlerror(), ")"));
+    if (*out == nullptr) {
+      const char* why = dlerror();
+      missing = absl::StrCat(s, " (", why != nullptr ? why : "null", ")");
     }
+  };
+  sym("cublasCreate_v2", &c.create);
+  sym("cublasDestroy_v2", &c.destroy);
+  sym("cublasSetStream_v2", &c.set_stream);
+  sym("cublasGetVersion_v2", &c.version);
+  sym("cublasGemmEx", &c.gemm);
+  if (!missing.empty()) {
+    dlclose(c.lib);
+    return absl::NotFoundError(absl::StrCat(c.name, " lacks a cuBLAS entry point this bench calls: ", missing));
   }
   return c;
 }
@@ -111,19 +121,23 @@ class CublasForward final : public GpuForward {
     struct Alloc {
       void** p;
       size_t bytes;
+      float scale;  // values uniform in [-scale, scale]
     };
-    for (const Alloc& a : {Alloc{&w_qkv_, size_t(hidden_ + 2 * kv_) * hidden_ * e},
-                           Alloc{&w_o_, size_t(hidden_) * hidden_ * e}, Alloc{&w_gu_, size_t(2 * mlp_) * hidden_ * e},
-                           Alloc{&w_down_, size_t(hidden_) * mlp_ * e}, Alloc{&x_, widest * max_batch_ * e},
-                           Alloc{&y_, widest * max_batch_ * e}}) {
+    // Random values, as a model's: a GPU multiplies constant or zero data at less power (and so
+    // faster) than real data. Weights scaled by 1/sqrt(fan-in) keep the activations O(1) and finite
+    // through 32 layers without the nonlinearities.
+    for (const Alloc& a : {Alloc{&w_qkv_, size_t(hidden_ + 2 * kv_) * hidden_ * e, 1.0f / std::sqrt(float(hidden_))},
+                           Alloc{&w_o_, size_t(hidden_) * hidden_ * e, 1.0f / std::sqrt(float(hidden_))},
+                           Alloc{&w_gu_, size_t(2 * mlp_) * hidden_ * e, 1.0f / std::sqrt(float(hidden_))},
+                           Alloc{&w_down_, size_t(hidden_) * mlp_ * e, 1.0f / std::sqrt(float(mlp_))},
+                           Alloc{&x_, widest * max_batch_ * e, 1.0f}, Alloc{&y_, widest * max_batch_ * e, 1.0f}}) {
       if (absl::Status s = cuda_ok(cudaMalloc(a.p, a.bytes), absl::StrCat("cudaMalloc of ", a.bytes, " bytes"));
           !s.ok())
         return s;
-      // Small values: the products' time does not depend on them, and they stay finite.
-      if (absl::Status s = cuda_ok(cudaMemsetAsync(*a.p, 0x11, a.bytes, stream_), "cudaMemset"); !s.ok()) return s;
+      if (absl::Status s = fill(*a.p, a.bytes / e, a.scale); !s.ok()) return s;
       weight_bytes_ += (a.p == &x_ || a.p == &y_) ? 0 : a.bytes;
     }
-    return cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after the weights' fill");
+    return absl::OkStatus();
   }
 
   absl::Status before_attention(int rows) override {
@@ -149,16 +163,34 @@ class CublasForward final : public GpuForward {
   }
 
  private:
+  // `elems` 16-bit values at `p`: a host tile of up to 1M random values, copied over and over.
+  absl::Status fill(void* p, size_t elems, float scale) {
+    std::vector<uint16_t> tile(std::min<size_t>(elems, size_t(1) << 20));
+    std::mt19937 rng{uint32_t(elems)};
+    std::uniform_real_distribution<float> u(-scale, scale);
+    for (uint16_t& v : tile) v = bf16_ ? kernels::float_to_bf16(u(rng)) : kernels::float_to_half(u(rng));
+    for (size_t at = 0; at < elems; at += tile.size()) {
+      const size_t n = std::min(tile.size(), elems - at);
+      if (absl::Status s = cuda_ok(cudaMemcpy(static_cast<uint16_t*>(p) + at, tile.data(), n * 2, cudaMemcpyHostToDevice),
+                                   "cudaMemcpy of the weights' values");
+          !s.ok())
+        return s;
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status check_rows(int rows) const {
     if (rows >= 1 && rows <= max_batch_) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat("gpu forward: ", rows, " rows, expected 1 to ", max_batch_));
   }
 
-  // out[rows][m] = in[rows][k] W^T, column-major: C (m x rows) = W (m x k) * X (k x rows).
+  // out[rows][m] = in[rows][k] W^T with W stored [m][k] (a linear layer's [out][in], as PyTorch
+  // keeps it); column-major that is C (m x rows) = op_T(W: k x m) * X (k x rows), the TN product a
+  // serving engine's linear layers run.
   absl::Status gemm(const void* w, int m, int k, const void* in, void* out, int rows, const char* what) {
     const float one = 1.0f, zero = 0.0f;
     const cudaDataType t = bf16_ ? CUDA_R_16BF : CUDA_R_16F;
-    return cublas_ok(c_.gemm(handle_, CUBLAS_OP_N, CUBLAS_OP_N, m, rows, k, &one, w, t, m, in, t, k, &zero, out, t, m,
+    return cublas_ok(c_.gemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, m, rows, k, &one, w, t, k, in, t, k, &zero, out, t, m,
                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                      absl::StrCat("cublasGemmEx, ", what, " (", m, " x ", k, ", ", rows, " rows)"));
   }
@@ -178,6 +210,9 @@ class CublasForward final : public GpuForward {
 absl::StatusOr<std::unique_ptr<GpuForward>> GpuForward::make(const kernels::Geometry& g, int mlp, int max_batch,
                                                              std::string_view libraries) {
   const int hidden = g.num_q_heads * g.head_dim, kv = g.num_kv_heads * g.head_dim;
+  if (g.dtype != kernels::DType::kFloat16 && g.dtype != kernels::DType::kBFloat16)
+    return absl::InvalidArgumentError(
+        "gpu forward: the pool's dtype is fp32; the model's products run in its 16-bit dtype: use fp16 or bf16");
   if (hidden < 1 || kv < 1 || max_batch < 1)
     return absl::InvalidArgumentError(
         absl::StrCat("gpu forward: hidden ", hidden, ", KV width ", kv, ", max batch ", max_batch, ": expected >= 1"));

@@ -38,8 +38,10 @@ class GpuForward {
  public:
   // hidden = num_q_heads x head_dim, KV width = num_kv_heads x head_dim; batches of up to
   // max_batch rows. `libraries`: colon-separated names or paths tried in order with dlopen.
-  // Errors name what failed (no CUDA in this build, a pool dtype without 16-bit weights, cuBLAS not
-  // found with the names tried, a CUDA or cuBLAS call).
+  // Weights and activations hold random values (scaled by 1/sqrt(fan-in)), laid out [out][in] and
+  // multiplied transposed as a serving engine's linear layers are. Errors name what failed (no CUDA
+  // in this build, an fp32 pool, cuBLAS not found with the names tried, a missing entry point, a
+  // CUDA or cuBLAS call).
   static absl::StatusOr<std::unique_ptr<GpuForward>> make(const kernels::Geometry& g, int mlp, int max_batch,
                                                           std::string_view libraries);
   virtual ~GpuForward() = default;

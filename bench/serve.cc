@@ -547,7 +547,8 @@ class Scheduler {
     }
     for (WorkerHandle& w : workers_) {
       if (w.process) {
-        for (int i = 0; i < 200 && w.process->running(); ++i) sleep_ms(10);
+        // Up to 10 s: a worker with a forward pass on the GPU also tears down cuBLAS and its memory.
+        for (int i = 0; i < 1000 && w.process->running(); ++i) sleep_ms(10);
         if (std::string how = w.process->stop(); r.ok() && how != "exit 0") {
           r = absl::InternalError(absl::StrCat("serve worker ended with ", how, "; log tail:\n", w.process->log_tail()));
         }
@@ -1005,6 +1006,9 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   }
   if (const std::string d = absl::GetFlag(FLAGS_serve_dtype); d != "fp16" && d != "bf16" && d != "fp32") {
     return absl::InvalidArgumentError(absl::StrCat("--serve_dtype=", d, ": expected fp16, bf16 or fp32"));
+  } else if (d == "fp32" && *compute == WorkerCompute::kGemm) {
+    return absl::InvalidArgumentError(
+        "--serve_worker_compute=gemm runs the model's products in the pool's 16-bit dtype: use --serve_dtype=fp16 or bf16");
   }
   if (auto kp = parse_policy_params("serve_kara_params", absl::GetFlag(FLAGS_serve_kara_params)); !kp.ok()) {
     return kp.status();
@@ -1038,9 +1042,13 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
                                                               r.status().message()));
         }
         progress(absl::StrFormat("serve %s max batch %d%s: %.0f tok/s, %.1f decoding on average, %d preemptions, "
-                                 "%.1f ms per step in Step calls (all workers) vs %.1f ms modeled model compute%s",
+                                 "%.1f ms per step in Step calls (all workers)%s%s",
                                  policy, batch, at_rate, r->throughput(), r->mean_decoding, r->preemptions,
-                                 r->step_call_ms, model_step_us(int(std::lround(r->mean_decoding))) / 1e3,
+                                 r->step_call_ms,
+                                 *compute == WorkerCompute::kGemm
+                                     ? std::string(", the model's products on the GPU")
+                                     : absl::StrFormat(" vs %.1f ms modeled model compute",
+                                                       model_step_us(int(std::lround(r->mean_decoding))) / 1e3),
                                  rate > 0 ? absl::StrFormat("; TTFT p50 %.1f / p99 %.1f ms, %d of %d arrivals unserved",
                                                             r->ttft_p50_ms, r->ttft_p99_ms, r->unserved, r->arrived)
                                           : ""));

@@ -609,7 +609,7 @@ if want deploy; then
   cublas_libs=$(python3 - <<'PY' 2> /dev/null
 import glob, os
 dirs = ["/usr/local/cuda/lib64"]
-for mod in ("nvidia.cublas", "torch"):
+for mod in ("nvidia.cublas", "nvidia.cu13", "torch"):  # CUDA 12 wheels; CUDA 13 wheels; torch's own
     try:
         m = __import__(mod, fromlist=["_"])
         for p in list(getattr(m, "__path__", [])) or [os.path.dirname(m.__file__)]:
@@ -624,7 +624,9 @@ print(":".join(dict.fromkeys(found)))
 PY
   )
   deploy[cublas]=${cublas_libs:-"none found (the workers will say so)"}
-  with_timeout $((DEPLOY_SECONDS * 3 + 180)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+  rm -rf "$RESULTS/deploy"  # a failed rerun must not report the last run's numbers
+  deploy_runs=$(tr ',' '\n' <<< "$DEPLOY_POLICIES" | grep -c .)
+  with_timeout $((DEPLOY_SECONDS * deploy_runs + 180)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
     --serve_staging=device --serve_worker_compute=gemm ${cublas_libs:+--serve_cublas="$cublas_libs"} --serve_workers=1 \
     --serve_layers=32 --serve_q_heads=32 --serve_kv_heads=8 --serve_head_dim=128 --serve_dtype=bf16 \
     --serve_pool_bytes="$DEPLOY_POOL" --serve_prompt=100-500 --serve_output=4000-8000 \

@@ -203,6 +203,8 @@ def check_staging_flag(bench, karakvd):
             (["--serve_worker_compute=cpu"], "--serve_worker_compute=cpu: expected sleep"),
             (["--serve_worker_compute=gemm"], "it needs --serve_staging=device or device_fd"),
             (["--serve_dtype=int8"], "--serve_dtype=int8: expected fp16, bf16 or fp32"),
+            (["--serve_worker_compute=gemm", "--serve_staging=device", "--serve_dtype=fp32"],
+             "use --serve_dtype=fp16 or bf16"),
         ]:
             bad = subprocess.run(base + flags, capture_output=True, text=True, timeout=60)
             if bad.returncode == 0 or message not in bad.stderr:
