@@ -4,13 +4,14 @@ perplexity task, perplexity above `none` (%), for the long-generation fidelity t
 the mean KL divergence from `none` (nats), for GSM8K (`greedy`), the greedy agreement with
 `none` (%), against MEAN resident K/V tokens per sequence, one
 curve per policy family joined in memory order. Rows come from llama_quality CSVs: a Kara point
-labelled `kara` is Kara's version 2 defaults (the suite's rows of 2026-12-06; the CSV records
-the parameters a run gave, so a point run later with no `budget` is read as version 2 too: name
-the budget in `--kara_points` when plotting the defaults since 2026-12-07); any other Kara point is "kara v3" when it has a
+labelled `kara` without a `budget` in its params is Kara's version 2 defaults (the suite's rows of
+2026-12-06, when the CSV recorded only the parameters given); since 2026-12-07 llama_quality records
+every parameter as the daemon resolved it, so a `kara` row of the defaults carries its budget and is
+named like any other point; any other Kara point is "kara v3" when it has a
 `budget` (e.g. `k70`, `kb994`), "kara v3 fit" / "kara v3 fit 2" with `fit=1` / `fit=2` as well, "kara v3 share" with
 `share` (the budget a share of the length), "kara, two levels" with `rho2`, "kara, growing recent" with
-`grow`, and "kara v2" otherwise, with the prompt kept or windowed
-(`prompt=1` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s
+`grow`, and "kara v2" otherwise, with the prompt kept, windowed or auto
+(`prompt=1` or `prompt=2` in its params); `snapkv@k70` and plain `snapkv` are both snapkv, and so on. `none`'s
 perplexity per task is taken from a none row of any of the files.
 
 Usage: bench/plot_pareto.py OUTPUT_PNG QUALITY_CSV [QUALITY_CSV ...]
@@ -27,9 +28,9 @@ def family(row):
     base = row["policy"].split("@")[0]
     if base in BASELINES or base == "none":
         return base
-    if base == "kara":
-        return "kara (v2 defaults)"
     params = dict(p.split("=", 1) for p in row["params"].split() if "=" in p)
+    if base == "kara" and "budget" not in params:
+        return "kara (v2 defaults)"
     version = "kara v3" if float(params.get("budget", "0")) > 0 else "kara v2"
     if version == "kara v3" and params.get("fit") in ("1", "2"):
         version = "kara v3 fit" if params["fit"] == "1" else "kara v3 fit 2"
@@ -40,7 +41,8 @@ def family(row):
         version = "kara, two levels"
     elif float(params.get("grow", "0")) > 0:
         version = "kara, growing recent"
-    return f"{version}, prompt windowed" if params.get("prompt") == "1" else f"{version}, prompt kept"
+    prompt = {"1": "prompt windowed", "2": "prompt auto"}.get(params.get("prompt", "0"), "prompt kept")
+    return f"{version}, {prompt}"
 
 
 def main():
@@ -65,7 +67,7 @@ def main():
     for ax in axes.flat[len(tasks):]:
         ax.set_visible(False)
     styles = {"kara (v2 defaults)": "D", "kara v2, prompt windowed": "X", "kara v3, prompt kept": "o-",
-              "kara v3, prompt windowed": "P-", "kara v3 fit, prompt windowed": "d-", "kara v3 fit, prompt kept": "d--", "kara v3 fit 2, prompt windowed": "1-",
+              "kara v3, prompt windowed": "P-", "kara v3 fit, prompt windowed": "d-", "kara v3 fit, prompt kept": "d--", "kara v3 fit, prompt auto": "D-", "kara v3 fit 2, prompt windowed": "1-",
               "kara, two levels, prompt windowed": "*-", "kara, growing recent, prompt windowed": "h", "snapkv": "s-", "streaming": "^-", "h2o": "v-", "chunkkv": "x-"}
     for ax, task in zip(axes.flat, tasks):
         series = {}

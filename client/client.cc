@@ -1187,6 +1187,8 @@ absl::StatusOr<std::vector<SequenceInfo>> Client::ListSequences() {
     i.shared_blocks = s.shared_blocks();
     i.priority = s.priority();
     i.pending_layer = s.pending_layer();
+    i.params.insert(s.params().begin(), s.params().end());
+    i.prefill_params.insert(s.prefill_params().begin(), s.prefill_params().end());
     out.push_back(std::move(i));
   }
   return out;

@@ -279,14 +279,21 @@ std::vector<std::string> gsm8k_questions(const std::string& path, int n) {
 
 // ---- Runs -----------------------------------------------------------------------------------
 
-// Per-sequence residency of this client's sequences (means over sequences).
+// Per-sequence residency of this client's sequences (means over sequences), and the parameters
+// their policy ran with as the daemon resolved them (the first sequence's: one spec per run).
 struct Residency {
   double resident = 0, logical = 0, kv_bytes = 0, fp16_bytes = 0;
+  std::string params;  // "name=value ..." in name order; empty when no sequence was listed
 };
 Residency residency(karakv::Client* client) {
   Residency r;
   if (!client) return r;
   auto list = check(client->ListSequences());
+  if (!list.empty()) {
+    std::vector<std::string> parts;
+    for (const auto& [k, v] : list.front().params) parts.push_back(absl::StrFormat("%s=%g", k, v));
+    r.params = parts.empty() ? "-" : absl::StrJoin(parts, " ");
+  }
   for (const auto& s : list) {
     r.resident += s.length;
     r.logical += s.logical_length;
@@ -838,7 +845,10 @@ std::vector<PolicySpec> ablation_policies(int window, int period) {
   return out;
 }
 
-std::string params_text(const karakv::SequenceOptions& o) {
+// The CSV's params: as the daemon resolved them where the run saw a sequence (every default filled
+// in, so a row of the defaults says which defaults), else as given.
+std::string params_text(const karakv::SequenceOptions& o, const std::string& resolved = "") {
+  if (!resolved.empty()) return o.storage.empty() ? resolved : resolved + " storage=" + o.storage;
   std::vector<std::string> parts;
   for (const auto& [k, v] : o.params) parts.push_back(absl::StrFormat("%s=%g", k, v));
   if (!o.storage.empty()) parts.push_back("storage=" + o.storage);
@@ -1127,7 +1137,8 @@ int main(int argc, char** argv) {
           return r;
         },
         [&](const PolicySpec& spec, const PplResult& r) {
-          Row row{task.name, "perplexity", spec.label, params_text(spec.options), int(task.streams.size()), r.scored, NAN, NAN, NAN, {}};
+          Row row{task.name, "perplexity", spec.label, params_text(spec.options, r.end.params), int(task.streams.size()),
+                  r.scored, NAN, NAN, NAN, {}};
           row.ppl = std::exp(r.nll / r.scored);
           if (spec.label == "none") none_ppl = row.ppl;
           row.vs_none = none_ppl > 0 ? 100.0 * (row.ppl / none_ppl - 1) : NAN;
@@ -1175,7 +1186,8 @@ int main(int argc, char** argv) {
         [&](const PolicySpec& spec, const GreedyResult& r) {
           if (spec.label == "none") base = r.outputs;
           if (base.size() != r.outputs.size()) die("greedy agreement needs the none run first (--ablation_none)");
-          Row row{task.name, "greedy", spec.label, params_text(spec.options), int(task.prompts.size()), 0, NAN, NAN, NAN, {}};
+          Row row{task.name, "greedy", spec.label, params_text(spec.options, r.end.params), int(task.prompts.size()), 0,
+                  NAN, NAN, NAN, {}};
           double agree = 0, prefix = 0;
           for (size_t b = 0; b < r.outputs.size(); ++b) {
             const auto &x = r.outputs[b], &y = base[b];
@@ -1254,7 +1266,8 @@ int main(int argc, char** argv) {
           }
           const FidelityResult& x = spec.label == "none" ? *base : r;
           auto row_for = [&](const std::string& positions, double kl, double nll, long top1, long count) {
-            Row row{task.name, "fidelity", spec.label, params_text(spec.options), int(task.prompts.size()), int(count),
+            Row row{task.name, "fidelity", spec.label, params_text(spec.options, r.end.params), int(task.prompts.size()),
+                    int(count),
                     std::exp(nll / count), NAN, NAN, {}};
             row.positions = positions;
             row.kl = kl / count;

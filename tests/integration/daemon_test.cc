@@ -663,6 +663,34 @@ TEST_P(CompactedAttentionTest, StepOverCompactedCacheEqualsDenseOverKeptTokens) 
 INSTANTIATE_TEST_SUITE_P(Policies, CompactedAttentionTest,
                          ::testing::Values("none", "kara", "snapkv", "streaming", "h2o", "chunkkv"));
 
+// ListSequences says a sequence's parameters as the daemon resolved them: the one given, and the
+// defaults of the rest filled in (the quality runs record these, so a run says what ran).
+TEST(DaemonTest, ListSequencesSaysTheResolvedParameters) {
+  Daemon d(geometry_flags("fp16"));
+  ASSERT_TRUE(d.ready());
+  auto c = Client::Attach(d.options());
+  ASSERT_TRUE(c.ok());
+  SequenceOptions o;
+  o.policy = "kara";
+  o.params = {{"rho", 0.5}};
+  ASSERT_TRUE((*c)->CreateSequence(o).ok());
+  SequenceOptions none;
+  ASSERT_TRUE((*c)->CreateSequence(none).ok());
+  auto list = (*c)->ListSequences();
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 2u);
+  const SequenceInfo& kara = (*list)[0].policy == "kara" ? (*list)[0] : (*list)[1];
+  EXPECT_EQ(kara.params.at("rho"), 0.5);
+  for (const char* name : {"window", "period", "recent", "budget"}) {
+    ASSERT_TRUE(kara.params.count(name)) << name << " was not filled in";
+  }
+  EXPECT_GT(kara.params.at("window"), 0);
+  EXPECT_TRUE(kara.prefill_params.empty());
+  const SequenceInfo& plain = (*list)[0].policy == "kara" ? (*list)[1] : (*list)[0];
+  EXPECT_EQ(plain.policy, "none");
+  EXPECT_TRUE(plain.params.empty());
+}
+
 TEST(DaemonTest, CliCompactAndInspect) {
   Daemon d(geometry_flags("fp16"));
   ASSERT_TRUE(d.ready());

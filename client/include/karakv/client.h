@@ -212,6 +212,9 @@ struct SequenceInfo {
   uint64_t kv_bytes = 0, fp16_bytes = 0;
   double nominal_ratio = 1;
   int32_t priority = 0, pending_layer = -1;
+  // Every parameter of its policy (and prefill policy) as the daemon resolved them: the defaults
+  // filled in, so a record of a run says what ran, not only what was asked.
+  std::map<std::string, double> params, prefill_params;
 };
 
 // One event of this session's stream (WatchEvents; karakv.proto's Event).
