@@ -577,8 +577,6 @@ __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float*
 // writes the log-sum-exp M + log L. With observers, a third kernel recomputes only the observed
 // slots' logits and turns them into probabilities with that log-sum-exp.
 
-constexpr int kMaxFusedChannels = (kMaxHeadDim + kFusedThreads - 1) / kFusedThreads;
-
 // Copies records [a, b) of a quantized run (records of `rec` bytes, `per_block` of them in each
 // quantized block: tokens, or KIVI's key groups) into `dst` (4-byte aligned) with 4-byte loads by
 // threads [thread, thread + threads) of the caller's group. A piece ends at each block boundary and
@@ -637,7 +635,6 @@ __global__ void __launch_bounds__(kFusedThreads)
   uint8_t* s_stage = reinterpret_cast<uint8_t*>(s_p + kFusedHeads * kFusedSplit);
   const int key_stage = fused_key_stage(kKivi, B, d);
 
-  const int cpt = (d + kFusedThreads - 1) / kFusedThreads;  // channels per thread in the values
   if (s0 >= s1) {  // nothing of this row here
     for (int h = 0; h < nh; ++h) {
       const size_t at = (size_t(r) * hq + j0 + h) * num_splits + split;
@@ -769,17 +766,22 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
   __syncthreads();
 
-  // ---- values: a thread per channel (cpt of them), every head of the pass from one read
-  float acc_q[kMaxFusedChannels][kFusedHeads] = {}, acc_f[kMaxFusedChannels][kFusedHeads] = {};
-  const int groups = d / kKiviGroup;
+  // ---- values: token groups of d / 4 threads, a thread per 4 consecutive channels (one KIVI value
+  // group's scale and zero, adjacent codes), the groups taking every groups-th token; every head of
+  // the pass from one read. The groups' sums then meet in shared memory, group by group in order.
+  const int per_group = d / kFusedChannels, groups_n = kFusedThreads / per_group;
+  const int grp = tid / per_group, c0 = (tid % per_group) * kFusedChannels;
+  const bool active = grp < groups_n;  // head_dim 96: 5 groups of 24, 8 threads idle
+  float acc_q[kFusedChannels][kFusedHeads] = {}, acc_f[kFusedChannels][kFusedHeads] = {};
+  const int vgroups = d / kKiviGroup;
   const int v_rec = int(kKivi ? kivi_value_token_bytes(B, d) : tq_token_bytes(B, d));
   for (int t0 = s0; t0 < q_end; t0 += kFusedTile) {
     const int t1 = min(q_end, t0 + kFusedTile);
-    __syncthreads();  // the previous tile's reads are done
+    __syncthreads();  // the previous tile's reads (or the key phase's staging) are done
     stage_records<T>(kv, qd, seq, layer, 1, head, v_rec, qd.tokens_per_block, t0, t1, -1, s_stage, s_offset, tid,
                      kFusedThreads);
     __syncthreads();
-    for (int t = t0; t < t1; ++t) {
+    for (int t = t0 + grp; active && t < t1; t += groups_n) {
       float w[kFusedHeads];
       bool any = false;
 #pragma unroll
@@ -789,19 +791,21 @@ __global__ void __launch_bounds__(kFusedThreads)
       }
       if (!any) continue;
       const uint8_t* rec = s_stage + s_offset[t - t0];
+      if constexpr (kKivi) {
+        const int gc = c0 / kKiviGroup;  // the four channels share it (c0 % 4 == 0, groups of 32)
+        const float sc = smem_half(rec + 2 * gc), zc = smem_half(rec + 2 * (vgroups + gc));
 #pragma unroll
-      for (int k = 0; k < kMaxFusedChannels; ++k) {
-        const int c = tid + k * kFusedThreads;
-        if (k >= cpt || c >= d) break;
-        if constexpr (kKivi) {
-          const int gc = c / kKiviGroup;
-          const float sc = smem_half(rec + 2 * gc), zc = smem_half(rec + 2 * (groups + gc));
-          const float code = float(code_at<B>(rec + 4 * size_t(groups), c));
+        for (int k = 0; k < kFusedChannels; ++k) {
+          const float code = float(code_at<B>(rec + 4 * size_t(vgroups), c0 + k));
 #pragma unroll
           for (int h = 0; h < kFusedHeads; ++h)
             if (h < nh) acc_q[k][h] += fmaf(w[h] * sc, code, w[h] * zc);
-        } else {
-          const float norm = load_half(rec), cent = s_centroid[code_at<B>(rec + 2, c)];
+        }
+      } else {
+        const float norm = load_half(rec);
+#pragma unroll
+        for (int k = 0; k < kFusedChannels; ++k) {
+          const float cent = s_centroid[code_at<B>(rec + 2, c0 + k)];
 #pragma unroll
           for (int h = 0; h < kFusedHeads; ++h)
             if (h < nh) acc_q[k][h] = fmaf(w[h] * norm, cent, acc_q[k][h]);
@@ -809,13 +813,11 @@ __global__ void __launch_bounds__(kFusedThreads)
       }
     }
   }
-  for (int t = max(s0, nq); t < s1; ++t) {
-    const T* v = static_cast<const T*>(kv.pool) + kv.token_offset(seq, t - nq, layer, 1, head);
+  for (int t = max(s0, nq) + grp; active && t < s1; t += groups_n) {
+    const T* v = static_cast<const T*>(kv.pool) + kv.token_offset(seq, t - nq, layer, 1, head) + c0;
 #pragma unroll
-    for (int k = 0; k < kMaxFusedChannels; ++k) {
-      const int c = tid + k * kFusedThreads;
-      if (k >= cpt || c >= d) break;
-      const float vc = to_float(v[c]);
+    for (int k = 0; k < kFusedChannels; ++k) {
+      const float vc = to_float(v[k]);
 #pragma unroll
       for (int h = 0; h < kFusedHeads; ++h) {
         const float w = h < nh ? s_p[h * kFusedSplit + (t - s0)] : 0.0f;
@@ -823,21 +825,32 @@ __global__ void __launch_bounds__(kFusedThreads)
       }
     }
   }
+  // The groups' sums, [head][quantized, unquantized][d], in the staging (free now).
+  float* red = reinterpret_cast<float*>(s_stage);
+  for (int round = 0; round < groups_n; ++round) {
+    __syncthreads();
+    if (active && grp == round) {
 #pragma unroll
-  for (int h = 0; h < kFusedHeads; ++h) {
-    if (h >= nh) break;
-    const size_t at = (size_t(r) * hq + j0 + h) * num_splits + split;
+      for (int h = 0; h < kFusedHeads; ++h) {
+        if (h >= nh) break;
 #pragma unroll
-    for (int k = 0; k < kMaxFusedChannels; ++k) {
-      const int c = tid + k * kFusedThreads;
-      if (k >= cpt || c >= d) break;
-      part[at * 2 * d + c] = acc_q[k][h];
-      part[at * 2 * d + d + c] = acc_f[k][h];
+        for (int k = 0; k < kFusedChannels; ++k) {
+          float* q_at = red + size_t(h) * 2 * d + c0 + k;
+          *q_at = round == 0 ? acc_q[k][h] : *q_at + acc_q[k][h];
+          q_at[d] = round == 0 ? acc_f[k][h] : q_at[d] + acc_f[k][h];
+        }
+      }
     }
-    if (tid == 0) {
-      ml[at * 2] = s_m[h];
-      ml[at * 2 + 1] = s_l[h];
-    }
+  }
+  __syncthreads();
+  for (int e = tid; e < nh * 2 * d; e += kFusedThreads) {
+    const size_t at = (size_t(r) * hq + j0 + e / (2 * d)) * num_splits + split;
+    part[at * 2 * d + e % (2 * d)] = red[e];
+  }
+  if (tid < nh) {
+    const size_t at = (size_t(r) * hq + j0 + tid) * num_splits + split;
+    ml[at * 2] = s_m[tid];
+    ml[at * 2 + 1] = s_l[tid];
   }
 }
 

@@ -15,6 +15,7 @@ constexpr int kFusedWarps = kFusedThreads / 32;
 constexpr int kFusedHeads = 8;    // query heads of one KV head per CTA (GQA groups up to 8 in one pass)
 constexpr int kFusedSplit = 256;  // slots per CTA; a multiple of KIVI's 32-token key groups
 constexpr int kFusedTile = 32;    // records staged at once (a warp's tokens; KIVI keys: one group)
+constexpr int kFusedChannels = 4;  // value channels per thread (head_dims are multiples of 8)
 static_assert(kFusedSplit % common::kKiviGroup == 0, "a split holds whole KIVI key groups");
 static_assert(kFusedTile == common::kKiviGroup, "a warp's lanes are one KIVI key group's tokens");
 constexpr size_t kFusedSharedLimit = 48 * 1024;  // dynamic + static, without cudaFuncSetAttribute
@@ -36,12 +37,18 @@ KARAKV_HOST_DEVICE constexpr int fused_value_stage(bool kivi, int bits, int d) {
   return fused_stage_bytes(int(kivi ? common::kivi_value_token_bytes(bits, d) : common::tq_token_bytes(bits, d)));
 }
 
+// The token groups' value sums, [head][quantized, unquantized][d] floats, added in the staging area.
+KARAKV_HOST_DEVICE constexpr int fused_value_sums(int d) { return kFusedHeads * 2 * d * 4; }
+
 // Dynamic shared memory of the fused kernel: the queries (and TurboQuant's rotations of them), the
-// split's logits, and the staging (per warp for the keys; the values share that area).
+// split's logits, and the staging (per warp for the keys; the values' records, then their sums,
+// share that area).
 KARAKV_HOST_DEVICE constexpr size_t fused_shared_bytes(bool kivi, int bits, int d) {
   const size_t floats = size_t(kFusedHeads) * d * (kivi ? 1 : 2) + size_t(kFusedHeads) * kFusedSplit;
   const int keys = fused_key_stage(kivi, bits, d) * kFusedWarps, values = fused_value_stage(kivi, bits, d);
-  return floats * sizeof(float) + size_t(keys > values ? keys : values);
+  const int sums = fused_value_sums(d);
+  const int stage = keys > values ? keys : values;
+  return floats * sizeof(float) + size_t(stage > sums ? stage : sums);
 }
 
 // Its static shared memory: the codebook, each head's (max, sum), the values' record offsets.

@@ -159,6 +159,12 @@ TEST(CudaQuantDecodeTest, FusedSharedMemoryFitsEveryFormatAndHeadDim) {
           kivi ? int(common::kivi_value_token_bytes(bits, d)) : int(common::tq_token_bytes(bits, d));
       EXPECT_GE(fused_value_stage(kivi, bits, d), kFusedTile * (value_rec + 6));
       EXPECT_EQ(fused_key_stage(kivi, bits, d) % 16, 0);
+      // The values: token groups of d / 4 threads, at least one group in the CTA; their sums fit
+      // the staging area they reuse.
+      EXPECT_EQ(d % kFusedChannels, 0);
+      EXPECT_GE(kFusedThreads / (d / kFusedChannels), 1);
+      const size_t floats = size_t(kFusedHeads) * d * (kivi ? 1 : 2) + size_t(kFusedHeads) * kFusedSplit;
+      EXPECT_GE(fused_shared_bytes(kivi, bits, d) - floats * sizeof(float), size_t(fused_value_sums(d)));
       ++checked;
     }
   }
