@@ -577,6 +577,8 @@ __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float*
 // writes the log-sum-exp M + log L. With observers, a third kernel recomputes only the observed
 // slots' logits and turns them into probabilities with that log-sum-exp.
 
+static_assert(kMaxHeadDim / kFusedChannels <= kFusedThreads, "the values need at least one token group of d / 4 threads");
+
 // Copies records [a, b) of a quantized run (records of `rec` bytes, `per_block` of them in each
 // quantized block: tokens, or KIVI's key groups) into `dst` (4-byte aligned) with 4-byte loads by
 // threads [thread, thread + threads) of the caller's group. A piece ends at each block boundary and
@@ -798,8 +800,8 @@ __global__ void __launch_bounds__(kFusedThreads)
         for (int k = 0; k < kFusedChannels; ++k) {
           const float code = float(code_at<B>(rec + 4 * size_t(vgroups), c0 + k));
 #pragma unroll
-          for (int h = 0; h < kFusedHeads; ++h)
-            if (h < nh) acc_q[k][h] += fmaf(w[h] * sc, code, w[h] * zc);
+          for (int h = 0; h < kFusedHeads; ++h)  // as staged: a zero weight adds nothing, inf or NaN included
+            if (h < nh && w[h] != 0.0f) acc_q[k][h] += fmaf(w[h] * sc, code, w[h] * zc);
         }
       } else {
         const float norm = load_half(rec);
@@ -808,7 +810,7 @@ __global__ void __launch_bounds__(kFusedThreads)
           const float cent = s_centroid[code_at<B>(rec + 2, c0 + k)];
 #pragma unroll
           for (int h = 0; h < kFusedHeads; ++h)
-            if (h < nh) acc_q[k][h] = fmaf(w[h] * norm, cent, acc_q[k][h]);
+            if (h < nh && w[h] != 0.0f) acc_q[k][h] = fmaf(w[h] * norm, cent, acc_q[k][h]);
         }
       }
     }
@@ -833,12 +835,13 @@ __global__ void __launch_bounds__(kFusedThreads)
 #pragma unroll
       for (int h = 0; h < kFusedHeads; ++h) {
         if (h >= nh) break;
-#pragma unroll
-        for (int k = 0; k < kFusedChannels; ++k) {
-          float* q_at = red + size_t(h) * 2 * d + c0 + k;
-          *q_at = round == 0 ? acc_q[k][h] : *q_at + acc_q[k][h];
-          q_at[d] = round == 0 ? acc_f[k][h] : q_at[d] + acc_f[k][h];
-        }
+        // One 16-byte read-modify-write per part (c0 and d are multiples of 4).
+        float4* q4 = reinterpret_cast<float4*>(red + size_t(h) * 2 * d + c0);
+        float4* f4 = reinterpret_cast<float4*>(red + size_t(h) * 2 * d + d + c0);
+        const float4 q_old = round == 0 ? make_float4(0, 0, 0, 0) : *q4;
+        const float4 f_old = round == 0 ? make_float4(0, 0, 0, 0) : *f4;
+        *q4 = make_float4(q_old.x + acc_q[0][h], q_old.y + acc_q[1][h], q_old.z + acc_q[2][h], q_old.w + acc_q[3][h]);
+        *f4 = make_float4(f_old.x + acc_f[0][h], f_old.y + acc_f[1][h], f_old.z + acc_f[2][h], f_old.w + acc_f[3][h]);
       }
     }
   }

@@ -16,6 +16,7 @@ constexpr int kFusedHeads = 8;    // query heads of one KV head per CTA (GQA gro
 constexpr int kFusedSplit = 256;  // slots per CTA; a multiple of KIVI's 32-token key groups
 constexpr int kFusedTile = 32;    // records staged at once (a warp's tokens; KIVI keys: one group)
 constexpr int kFusedChannels = 4;  // value channels per thread (head_dims are multiples of 8)
+static_assert(kFusedChannels == 4, "the value sums are added as float4");
 static_assert(kFusedSplit % common::kKiviGroup == 0, "a split holds whole KIVI key groups");
 static_assert(kFusedTile == common::kKiviGroup, "a warp's lanes are one KIVI key group's tokens");
 constexpr size_t kFusedSharedLimit = 48 * 1024;  // dynamic + static, without cudaFuncSetAttribute
