@@ -574,8 +574,8 @@ __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float*
 // of kFusedSplit slots) stages its records in shared memory with 4-byte loads, computes the split's
 // logits there, its local softmax (max m, sum l), and the values weighted by exp(logit - m); a
 // combine merges the splits (weights exp(m_s - M) / L), de-rotates TurboQuant's part once and
-// writes the log-sum-exp M + log L. With observers, a third kernel recomputes only the observed
-// slots' logits and turns them into probabilities with that log-sum-exp.
+// writes the log-sum-exp M + log L. With observers, the fused kernel also keeps exp(logit - m_s) of
+// the observed slots, and a third kernel scales them by exp(m_s - lse): no key is read twice.
 
 static_assert(kMaxHeadDim / kFusedChannels <= kFusedThreads, "the values need at least one token group of d / 4 threads");
 
@@ -620,7 +620,8 @@ template <typename T, int B, bool kKivi>
 __global__ void __launch_bounds__(kFusedThreads)
     quant_fused_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows, const float* __restrict__ q,
                        const float* __restrict__ qrot, float scale, Codebook book, int num_splits,
-                       float* __restrict__ part, float* __restrict__ ml) {
+                       float* __restrict__ part, float* __restrict__ ml, const int32_t* __restrict__ first,
+                       float* __restrict__ observed) {
   extern __shared__ __align__(16) float s_fused[];
   __shared__ float s_centroid[16];
   __shared__ float s_m[kFusedHeads], s_l[kFusedHeads];
@@ -767,6 +768,13 @@ __global__ void __launch_bounds__(kFusedThreads)
     }
   }
   __syncthreads();
+  if (observed != nullptr) {  // observers: exp(logit - m) of the observed slots, [q head][slot] at the row's offset
+    const int o0 = max(s0, first[r]);
+    for (int e = tid; e < nh * (s1 - o0); e += kFusedThreads) {
+      const int h = e / (s1 - o0), t = o0 + e % (s1 - o0);
+      observed[rows.offset[r] + size_t(j0 + h) * n + t] = s_p[h * kFusedSplit + (t - s0)];
+    }
+  }
 
   // ---- values: token groups of d / 4 threads, a thread per 4 consecutive channels (one KIVI value
   // group's scale and zero, adjacent codes), the groups taking every groups-th token; every head of
@@ -893,43 +901,31 @@ __global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int
   if (lse != nullptr && c == 0 && any) lse[size_t(r) * hq + j] = mx + logf(total);
 }
 
-// For observers after the fused kernel: per (row, KV head, slot t >= first[r]) exp(logit - lse)
-// summed over the group's query heads, the logits recomputed for those slots only; written or
-// added as quant_group_probs_kernel does. One thread per slot.
-template <typename T, int B, bool kKivi>
-__global__ void quant_observed_probs_kernel(DeviceKV kv, DeviceQuant qd, int layer, Rows rows,
-                                            const float* __restrict__ q, const float* __restrict__ qrot, float scale,
-                                            Codebook book, const float* __restrict__ lse,
+// For observers after the fused kernels: per (row, KV head, slot t >= first[r]) the probabilities
+// summed over the group's query heads, each exp(logit - m_s) the fused kernel kept for the slot
+// times exp(m_s - lse) (m_s: its split's max, lse: the row's); written or added as
+// quant_group_probs_kernel does. One thread per slot.
+__global__ void quant_observed_probs_kernel(int hq, int hk, Rows rows, int num_splits, const float* __restrict__ ml,
+                                            const float* __restrict__ lse, const float* __restrict__ observed,
                                             const int32_t* __restrict__ first,
                                             const long long* __restrict__ group_offset,
                                             float* __restrict__ group_probs, float* const* __restrict__ acc) {
-  __shared__ float s_centroid[16];
-  if (threadIdx.x < 16) s_centroid[threadIdx.x] = book.centroid[threadIdx.x];
-  __syncthreads();
-  const int r = blockIdx.x, h = blockIdx.y;
-  const int hq = kv.num_q_heads, d = kv.head_dim, g = kv.group_size();
-  const int nq = rows.quantized[r], n = nq + rows.fp[r], seq = rows.seq[r], f = first[r], m = n - f;
-  float* const dst = acc != nullptr ? acc[size_t(r) * kv.num_kv_heads + h] : nullptr;
+  const int r = blockIdx.x, h = blockIdx.y, g = hq / hk;
+  const int n = slots_of(rows, r), f = first[r], m = n - f;
+  float* const dst = acc != nullptr ? acc[size_t(r) * hk + h] : nullptr;
   if (dst == nullptr && group_offset[r] < 0) return;
   for (int i = blockIdx.z * blockDim.x + threadIdx.x; i < m; i += gridDim.z * blockDim.x) {
+    const int t = f + i, split = t / kFusedSplit;
     float sum = 0.0f;
-    for (int j0 = 0; j0 < g; j0 += kHeadsPerPass) {
-      const int nh = min(kHeadsPerPass, g - j0);
-      const size_t at = (size_t(r) * hq + h * g + j0) * d;
-      float logit[kHeadsPerPass];
-      slot_logits<T, B, kKivi>(kv, qd, layer, seq, nq, h, f + i, q + at, kKivi ? nullptr : qrot + at, nh, scale,
-                               s_centroid, logit);
-#pragma unroll
-      for (int k = 0; k < kHeadsPerPass; ++k)
-        if (k < nh) {
-          // A NaN lse (NaN logits in the row): 0 at finite slots and NaN at NaN ones, as the staged
-          // softmax's zero normaliser gives.
-          const float l = lse[size_t(r) * hq + h * g + j0 + k];
-          sum += isnan(l) ? (isnan(logit[k]) ? logit[k] : 0.0f) : expf(logit[k] - l);
-        }
+    for (int j = h * g; j < h * g + g; ++j) {
+      const float p = observed[rows.offset[r] + size_t(j) * n + t], l = lse[size_t(r) * hq + j];
+      const float m_s = ml[((size_t(r) * hq + j) * num_splits + split) * 2];
+      // A NaN lse (NaN logits in the row): 0 at finite slots and NaN at NaN ones, as the staged
+      // softmax's zero normaliser gives.
+      sum += isnan(l) ? (isnan(p) ? p : 0.0f) : p * expf(m_s - l);
     }
     if (dst != nullptr) {
-      dst[f + i] += sum;
+      dst[t] += sum;  // each (row, head, slot) has one thread: rows are distinct sequences
     } else {
       group_probs[group_offset[r] + size_t(h) * m + i] = sum;
     }
@@ -1095,13 +1091,13 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
     max_splits = std::max(max_splits, rows * hq * splits);
   }
   float *logits = nullptr, *qrot = nullptr, *part = nullptr, *ml = nullptr, *lse_scratch = nullptr;
-  if (fused) {  // no logits in device memory; the splits' (max, sum), and an lse for the observers
+  if (fused) {  // the splits' (max, sum); for observers an lse, and their slots' exp(logit - m_s)
     if (auto st = arena.take(max_splits * 2, &ml); !st.is_ok()) return st;
     if (scoring && lse == nullptr)
       if (auto st = arena.take(max_chunk_rows * hq, &lse_scratch); !st.is_ok()) return st;
-  } else if (auto st = arena.take(size_t(std::max<long long>(largest, 1)), &logits); !st.is_ok()) {
-    return st;
   }
+  if (!fused || scoring)  // the staged kernels' logits, or (fused) the observed slots' in the same layout
+    if (auto st = arena.take(size_t(std::max<long long>(largest, 1)), &logits); !st.is_ok()) return st;
   if (auto st = arena.take(max_part, &part); !st.is_ok()) return st;
   if (!kivi)
     if (auto st = arena.take(max_chunk_rows * hq * d, &qrot); !st.is_ok()) return st;
@@ -1129,8 +1125,9 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
       if (fused) {
         const int splits = ceil_div(slots, kFusedSplit);
         quant_fused_kernel<T, B, kKivi><<<dim3(rows, hk * fused_passes(hq / hk), splits), kFusedThreads,
-                                          fused_shared_bytes(kKivi, B, d), stream>>>(kv, q, layer, chunk, cq, qrot,
-                                                                                     scale, book, splits, part, ml);
+                                          fused_shared_bytes(kKivi, B, d), stream>>>(
+            kv, q, layer, chunk, cq, qrot, scale, book, splits, part, ml, scoring ? dfirst + r0 : nullptr,
+            scoring ? logits : nullptr);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused");
         float* clse = lse != nullptr ? lse + size_t(r0) * hq : lse_scratch;
         quant_fused_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
@@ -1138,8 +1135,8 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused combine");
         if (scoring) {
           const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
-          quant_observed_probs_kernel<T, B, kKivi><<<grid, kThreads, 0, stream>>>(
-              kv, q, layer, chunk, cq, qrot, scale, book, clse, dfirst + r0, dgroup + r0, group_probs,
+          quant_observed_probs_kernel<<<grid, kThreads, 0, stream>>>(
+              hq, hk, chunk, splits, ml, clse, logits, dfirst + r0, dgroup + r0, group_probs,
               row_acc != nullptr ? row_acc + size_t(r0) * hk : nullptr);
           KARAKV_CUDA_CHECK_LAUNCH("quantized attention observed probabilities");
         }

@@ -72,8 +72,8 @@ KernelStatus launch_dequantize_block(const DeviceKV& kv, DType dtype, const Devi
 //   lse:         null, or device [rows][num_q_heads]: each query head's log-sum-exp of its scaled
 //                logits (rows without a slot are not written)
 //   fused:       the fused kernels (KARAKV_CUDA_QUANT_DECODE=fused): one pass over the codes per KV
-//                head and split, no logits in device memory; the observers' probabilities are
-//                recomputed for their slots only, from the log-sum-exp. Else the staged kernels.
+//                head and split, logits only in shared memory (the observed slots' exp(logit - m)
+//                kept in device memory and scaled by the log-sum-exp). Else the staged kernels.
 KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const DeviceQuant& q, int layer,
                                         const std::vector<int32_t>& row_seq, const std::vector<int32_t>& row_quantized,
                                         const std::vector<int32_t>& row_fp, const std::vector<int32_t>& row_first,
