@@ -759,8 +759,11 @@ __global__ void __launch_bounds__(kFusedThreads)
     float mx = -INFINITY;
     for (int i = lane; i < m_slots; i += 32) mx = fmaxf(mx, p[i]);
     for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    // A split whose logits are all -inf weighs nothing (exp(-inf) = 0, sum 0: the combine skips it)
+    // instead of exp(-inf - -inf) = NaN, which would poison the row where the staged softmax gives 0.
+    const float base = mx == -INFINITY ? 0.0f : mx;
     float sum = 0.0f;
-    for (int i = lane; i < m_slots; i += 32) sum += (p[i] = expf(p[i] - mx));
+    for (int i = lane; i < m_slots; i += 32) sum += (p[i] = expf(p[i] - base));
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
       s_m[h] = mx;
@@ -869,7 +872,7 @@ __global__ void __launch_bounds__(kFusedThreads)
 // sum exp(m_s - M) part_s / L; TurboQuant de-rotates its part once; lse (null: none) = M + log L
 // for rows with a slot. One thread per channel (blockDim.x >= d).
 template <bool kKivi>
-__global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int num_splits,
+__global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int num_splits, Rows rows,
                                            const uint64_t* __restrict__ head_seeds, const float* __restrict__ part,
                                            const float* __restrict__ ml, float* __restrict__ out,
                                            float* __restrict__ lse) {
@@ -891,14 +894,16 @@ __global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int
       fp = fmaf(f, part[(base + s) * 2 * d + d + c], fp);
     }
   }
+  // A row with slots whose logits are all -inf: NaN, as the staged softmax (exp(-inf - -inf)).
+  const bool nan_row = !any && slots_of(rows, r) > 0;
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   if (c < d) s_acc[c] = quantized * inv;
   if constexpr (!kKivi) fwht_rows(s_acc, 1, d);
   if (c >= d) return;
   float qpart = s_acc[c];
   if constexpr (!kKivi) qpart *= rotation_sign(head_seeds[layer * hk + j / (hq / hk)], c) * (1.0f / float(d));
-  out[(size_t(r) * hq + j) * d + c] = qpart + fp * inv;
-  if (lse != nullptr && c == 0 && any) lse[size_t(r) * hq + j] = mx + logf(total);
+  out[(size_t(r) * hq + j) * d + c] = nan_row ? NAN : qpart + fp * inv;
+  if (lse != nullptr && c == 0 && (any || nan_row)) lse[size_t(r) * hq + j] = nan_row ? NAN : mx + logf(total);
 }
 
 // For observers after the fused kernels: per (row, KV head, slot t >= first[r]) the probabilities
@@ -1131,7 +1136,7 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused");
         float* clse = lse != nullptr ? lse + size_t(r0) * hq : lse_scratch;
         quant_fused_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
-            hq, hk, d, layer, splits, q.head_seeds, part, ml, cout, clse);
+            hq, hk, d, layer, splits, chunk, q.head_seeds, part, ml, cout, clse);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused combine");
         if (scoring) {
           const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
