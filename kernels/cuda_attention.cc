@@ -66,20 +66,25 @@ KernelStatus cuda_quant_decode_from_env(CudaQuantDecode* out) {
 
 namespace karakv::kernels {
 
+namespace {
+
+// The environment's choice, or the default with the reason on stderr when the value is refused.
+template <typename T>
+T env_choice_or_default(KernelStatus (*from_env)(T*), std::string_view (*name)(T), T fallback) {
+  T value = fallback;
+  if (KernelStatus st = from_env(&value); !st.is_ok()) {
+    std::fprintf(stderr, "karakv: %s; using %s\n", st.message.c_str(), std::string(name(fallback)).c_str());
+    value = fallback;
+  }
+  return value;
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_cuda_backend(int device, std::string* error) {
-  CudaAttention attention = default_cuda_attention();
-  if (KernelStatus st = cuda_attention_from_env(&attention); !st.is_ok()) {
-    std::fprintf(stderr, "karakv: %s; using %s\n", st.message.c_str(),
-                 std::string(cuda_attention_name(default_cuda_attention())).c_str());
-    attention = default_cuda_attention();
-  }
-  CudaQuantDecode quant = default_cuda_quant_decode();
-  if (KernelStatus st = cuda_quant_decode_from_env(&quant); !st.is_ok()) {
-    std::fprintf(stderr, "karakv: %s; using %s\n", st.message.c_str(),
-                 std::string(cuda_quant_decode_name(default_cuda_quant_decode())).c_str());
-    quant = default_cuda_quant_decode();
-  }
-  return make_cuda_backend(device, attention, quant, error);
+  return make_cuda_backend(
+      device, env_choice_or_default(cuda_attention_from_env, cuda_attention_name, default_cuda_attention()),
+      env_choice_or_default(cuda_quant_decode_from_env, cuda_quant_decode_name, default_cuda_quant_decode()), error);
 }
 
 std::unique_ptr<Backend> make_cuda_backend(int device, CudaAttention attention, std::string* error) {

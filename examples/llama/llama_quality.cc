@@ -283,16 +283,16 @@ std::vector<std::string> gsm8k_questions(const std::string& path, int n) {
 // their policy ran with as the daemon resolved them (the first sequence's: one spec per run).
 struct Residency {
   double resident = 0, logical = 0, kv_bytes = 0, fp16_bytes = 0;
-  std::string params;  // "name=value ..." in name order; empty when no sequence was listed
+  bool listed = false;  // a sequence was listed: `params` is what its policy ran with
+  std::vector<std::pair<std::string, double>> params;  // in name order
 };
 Residency residency(karakv::Client* client) {
   Residency r;
   if (!client) return r;
   auto list = check(client->ListSequences());
   if (!list.empty()) {
-    std::vector<std::string> parts;
-    for (const auto& [k, v] : list.front().params) parts.push_back(absl::StrFormat("%s=%g", k, v));
-    r.params = parts.empty() ? "-" : absl::StrJoin(parts, " ");
+    r.listed = true;
+    r.params.assign(list.front().params.begin(), list.front().params.end());
   }
   for (const auto& s : list) {
     r.resident += s.length;
@@ -845,14 +845,19 @@ std::vector<PolicySpec> ablation_policies(int window, int period) {
   return out;
 }
 
+// "name=value ..." then "storage=...", or "-".
+template <typename Params>
+std::string params_text(const Params& params, const std::string& storage) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : params) parts.push_back(absl::StrFormat("%s=%g", k, v));
+  if (!storage.empty()) parts.push_back("storage=" + storage);
+  return parts.empty() ? "-" : absl::StrJoin(parts, " ");
+}
+
 // The CSV's params: as the daemon resolved them where the run saw a sequence (every default filled
 // in, so a row of the defaults says which defaults), else as given.
-std::string params_text(const karakv::SequenceOptions& o, const std::string& resolved = "") {
-  if (!resolved.empty()) return o.storage.empty() ? resolved : resolved + " storage=" + o.storage;
-  std::vector<std::string> parts;
-  for (const auto& [k, v] : o.params) parts.push_back(absl::StrFormat("%s=%g", k, v));
-  if (!o.storage.empty()) parts.push_back("storage=" + o.storage);
-  return parts.empty() ? "-" : absl::StrJoin(parts, " ");
+std::string params_text(const karakv::SequenceOptions& o, const Residency& end) {
+  return end.listed ? params_text(end.params, o.storage) : params_text(o.params, o.storage);
 }
 
 // Every policy and format of the comparison, in run order: none first (the baseline of agreement),
@@ -1137,7 +1142,7 @@ int main(int argc, char** argv) {
           return r;
         },
         [&](const PolicySpec& spec, const PplResult& r) {
-          Row row{task.name, "perplexity", spec.label, params_text(spec.options, r.end.params), int(task.streams.size()),
+          Row row{task.name, "perplexity", spec.label, params_text(spec.options, r.end), int(task.streams.size()),
                   r.scored, NAN, NAN, NAN, {}};
           row.ppl = std::exp(r.nll / r.scored);
           if (spec.label == "none") none_ppl = row.ppl;
@@ -1186,7 +1191,7 @@ int main(int argc, char** argv) {
         [&](const PolicySpec& spec, const GreedyResult& r) {
           if (spec.label == "none") base = r.outputs;
           if (base.size() != r.outputs.size()) die("greedy agreement needs the none run first (--ablation_none)");
-          Row row{task.name, "greedy", spec.label, params_text(spec.options, r.end.params), int(task.prompts.size()), 0,
+          Row row{task.name, "greedy", spec.label, params_text(spec.options, r.end), int(task.prompts.size()), 0,
                   NAN, NAN, NAN, {}};
           double agree = 0, prefix = 0;
           for (size_t b = 0; b < r.outputs.size(); ++b) {
@@ -1266,7 +1271,7 @@ int main(int argc, char** argv) {
           }
           const FidelityResult& x = spec.label == "none" ? *base : r;
           auto row_for = [&](const std::string& positions, double kl, double nll, long top1, long count) {
-            Row row{task.name, "fidelity", spec.label, params_text(spec.options, r.end.params), int(task.prompts.size()),
+            Row row{task.name, "fidelity", spec.label, params_text(spec.options, r.end), int(task.prompts.size()),
                     int(count),
                     std::exp(nll / count), NAN, NAN, {}};
             row.positions = positions;

@@ -548,7 +548,11 @@ __global__ void quant_combine_kernel(int hq, int hk, int d, int layer, int num_s
 // query heads.
 // Rows with a device accumulator (acc non-null, entry non-null) add into it instead; rows with
 // neither (group_offset -1: a device row's head without an accumulator) are skipped.
+// probs: the staged softmax's probabilities; or, after the fused kernels (ml non-null), each
+// observed slot's exp(logit - m_s) kept by its split, scaled here by exp(m_s - lse) (m_s: the
+// split's max in ml[row][q head][split][2], lse: [rows][hq]).
 __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float* __restrict__ probs,
+                                         const float* __restrict__ ml, const float* __restrict__ lse, int num_splits,
                                          const int32_t* __restrict__ first, const long long* __restrict__ group_offset,
                                          float* __restrict__ group_probs, float* const* __restrict__ acc) {
   const int r = blockIdx.x, h = blockIdx.y, g = hq / hk;
@@ -558,7 +562,17 @@ __global__ void quant_group_probs_kernel(int hq, int hk, Rows rows, const float*
   const float* p = probs + rows.offset[r];
   for (int i = blockIdx.z * blockDim.x + threadIdx.x; i < m; i += gridDim.z * blockDim.x) {
     float sum = 0.0f;
-    for (int j = 0; j < g; ++j) sum += p[size_t(h * g + j) * n + f + i];
+    for (int j = h * g; j < h * g + g; ++j) {
+      float pj = p[size_t(j) * n + f + i];
+      if (ml != nullptr) {
+        const float l = lse[size_t(r) * hq + j];
+        const float m_s = ml[((size_t(r) * hq + j) * num_splits + (f + i) / kFusedSplit) * 2];
+        // A NaN lse (NaN logits in the row): 0 at finite slots and NaN at NaN ones, as the staged
+        // softmax's zero normaliser gives.
+        pj = isnan(l) ? (isnan(pj) ? pj : 0.0f) : pj * expf(m_s - l);
+      }
+      sum += pj;
+    }
     if (dst != nullptr) {
       dst[f + i] += sum;  // each (row, head, slot) has one thread: rows are distinct sequences
     } else {
@@ -906,37 +920,6 @@ __global__ void quant_fused_combine_kernel(int hq, int hk, int d, int layer, int
   if (lse != nullptr && c == 0 && (any || nan_row)) lse[size_t(r) * hq + j] = nan_row ? NAN : mx + logf(total);
 }
 
-// For observers after the fused kernels: per (row, KV head, slot t >= first[r]) the probabilities
-// summed over the group's query heads, each exp(logit - m_s) the fused kernel kept for the slot
-// times exp(m_s - lse) (m_s: its split's max, lse: the row's); written or added as
-// quant_group_probs_kernel does. One thread per slot.
-__global__ void quant_observed_probs_kernel(int hq, int hk, Rows rows, int num_splits, const float* __restrict__ ml,
-                                            const float* __restrict__ lse, const float* __restrict__ observed,
-                                            const int32_t* __restrict__ first,
-                                            const long long* __restrict__ group_offset,
-                                            float* __restrict__ group_probs, float* const* __restrict__ acc) {
-  const int r = blockIdx.x, h = blockIdx.y, g = hq / hk;
-  const int n = slots_of(rows, r), f = first[r], m = n - f;
-  float* const dst = acc != nullptr ? acc[size_t(r) * hk + h] : nullptr;
-  if (dst == nullptr && group_offset[r] < 0) return;
-  for (int i = blockIdx.z * blockDim.x + threadIdx.x; i < m; i += gridDim.z * blockDim.x) {
-    const int t = f + i, split = t / kFusedSplit;
-    float sum = 0.0f;
-    for (int j = h * g; j < h * g + g; ++j) {
-      const float p = observed[rows.offset[r] + size_t(j) * n + t], l = lse[size_t(r) * hq + j];
-      const float m_s = ml[((size_t(r) * hq + j) * num_splits + split) * 2];
-      // A NaN lse (NaN logits in the row): 0 at finite slots and NaN at NaN ones, as the staged
-      // softmax's zero normaliser gives.
-      sum += isnan(l) ? (isnan(p) ? p : 0.0f) : p * expf(m_s - l);
-    }
-    if (dst != nullptr) {
-      dst[t] += sum;  // each (row, head, slot) has one thread: rows are distinct sequences
-    } else {
-      group_probs[group_offset[r] + size_t(h) * m + i] = sum;
-    }
-  }
-}
-
 // Slots per CTA of the value kernel for rows of up to `slots` slots: at least kSlotsPerSplit, and
 // few enough splits for grid.z.
 int split_slots(int slots) { return std::max(kSlotsPerSplit, ceil_div(slots, 65535)); }
@@ -1127,6 +1110,8 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention rotate");
       }
       const int threads = (d + 31) / 32 * 32;
+      int fused_splits = 0;         // fused: its splits, for the observers' rescaling
+      float* clse = nullptr;        // fused: the log-sum-exps the observers rescale by
       if (fused) {
         const int splits = ceil_div(slots, kFusedSplit);
         quant_fused_kernel<T, B, kKivi><<<dim3(rows, hk * fused_passes(hq / hk), splits), kFusedThreads,
@@ -1134,39 +1119,33 @@ KernelStatus launch_quantized_attention(const DeviceKV& kv, DType dtype, const D
             kv, q, layer, chunk, cq, qrot, scale, book, splits, part, ml, scoring ? dfirst + r0 : nullptr,
             scoring ? logits : nullptr);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused");
-        float* clse = lse != nullptr ? lse + size_t(r0) * hq : lse_scratch;
+        fused_splits = splits;
+        clse = lse != nullptr ? lse + size_t(r0) * hq : lse_scratch;
         quant_fused_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
             hq, hk, d, layer, splits, chunk, q.head_seeds, part, ml, cout, clse);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention fused combine");
-        if (scoring) {
-          const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
-          quant_observed_probs_kernel<<<grid, kThreads, 0, stream>>>(
-              hq, hk, chunk, splits, ml, clse, logits, dfirst + r0, dgroup + r0, group_probs,
-              row_acc != nullptr ? row_acc + size_t(r0) * hk : nullptr);
-          KARAKV_CUDA_CHECK_LAUNCH("quantized attention observed probabilities");
-        }
-        continue;
+      } else {
+        const int passes = hk * head_passes(hq / hk);
+        quant_logits_kernel<T, B, kKivi><<<dim3(rows, passes, std::min(ceil_div(slots, kScoreThreads), 65535)),
+                                           kScoreThreads, (kKivi ? 1 : 2) * kHeadsPerPass * d * sizeof(float),
+                                           stream>>>(kv, q, layer, chunk, cq, qrot, scale, book, logits);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention logits");
+        quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits,
+                                                                     lse != nullptr ? lse + size_t(r0) * hq : nullptr);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
+        const int per_split = split_slots(slots), splits = std::max(1, ceil_div(slots, per_split));
+        quant_values_kernel<T, B, kKivi><<<dim3(rows, passes, splits), threads, 0, stream>>>(
+            kv, q, layer, chunk, logits, splits, per_split, book, part);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention values");
+        quant_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
+            hq, hk, d, layer, splits, q.head_seeds, part, cout);
+        KARAKV_CUDA_CHECK_LAUNCH("quantized attention combine");
       }
-      const int passes = hk * head_passes(hq / hk);
-      quant_logits_kernel<T, B, kKivi><<<dim3(rows, passes, std::min(ceil_div(slots, kScoreThreads), 65535)),
-                                         kScoreThreads, (kKivi ? 1 : 2) * kHeadsPerPass * d * sizeof(float), stream>>>(
-          kv, q, layer, chunk, cq, qrot, scale, book, logits);
-      KARAKV_CUDA_CHECK_LAUNCH("quantized attention logits");
-      quant_softmax_kernel<<<dim3(rows, hq), kThreads, 0, stream>>>(hq, chunk, logits,
-                                                                   lse != nullptr ? lse + size_t(r0) * hq : nullptr);
-      KARAKV_CUDA_CHECK_LAUNCH("quantized attention softmax");
-      const int per_split = split_slots(slots), splits = std::max(1, ceil_div(slots, per_split));
-      quant_values_kernel<T, B, kKivi><<<dim3(rows, passes, splits), threads, 0, stream>>>(
-          kv, q, layer, chunk, logits, splits, per_split, book, part);
-      KARAKV_CUDA_CHECK_LAUNCH("quantized attention values");
-      quant_combine_kernel<kKivi><<<dim3(rows, hq), threads, d * sizeof(float), stream>>>(
-          hq, hk, d, layer, splits, q.head_seeds, part, cout);
-      KARAKV_CUDA_CHECK_LAUNCH("quantized attention combine");
-      if (scoring) {
+      if (scoring) {  // staged: the softmax's probabilities; fused: what its splits kept, rescaled
         const dim3 grid(rows, hk, std::min(ceil_div(slots, kThreads), 65535));
-        quant_group_probs_kernel<<<grid, kThreads, 0, stream>>>(hq, hk, chunk, logits, dfirst + r0, dgroup + r0,
-                                                                group_probs,
-                                                                row_acc != nullptr ? row_acc + size_t(r0) * hk : nullptr);
+        quant_group_probs_kernel<<<grid, kThreads, 0, stream>>>(
+            hq, hk, chunk, logits, fused ? ml : nullptr, clse, fused_splits, dfirst + r0, dgroup + r0, group_probs,
+            row_acc != nullptr ? row_acc + size_t(r0) * hk : nullptr);
         KARAKV_CUDA_CHECK_LAUNCH("quantized attention probabilities");
       }
     }

@@ -152,12 +152,7 @@ class Router:
                 return
         if seq > self.next_seq:  # missed some: a late join, a slow reader or a dropped socket
             self.replays += 1
-            for s, p in self.replay(self.next_seq):
-                if s >= seq:
-                    break
-                assert s == self.next_seq, f"replay gave {s}, expected {self.next_seq}"
-                self.apply(p)
-                self.next_seq += 1
+            self.apply_replayed(until=seq)
             assert self.next_seq == seq, f"replay ended at {self.next_seq}, the live stream is at {seq}"
         self.apply(payload)
         self.next_seq = seq + 1
@@ -189,14 +184,21 @@ class Router:
         self.watch_connection()
         if self.next_seq is None or self.lost:
             return  # nothing to go on from, or a reconnection the next drain waits for
-        history = self.replay(self.next_seq)
-        for s, p in history:
+        if self.apply_replayed():
+            self.catch_ups += 1
+            self.rebuilt = True
+
+    def apply_replayed(self, until=None):
+        """Applies the buffered batches from next_seq on (up to `until`), in order; how many."""
+        applied = 0
+        for s, p in self.replay(self.next_seq):
+            if until is not None and s >= until:
+                break
             assert s == self.next_seq, f"replay gave {s}, expected {self.next_seq}"
             self.apply(p)
             self.next_seq += 1
-        if history:
-            self.catch_ups += 1
-            self.rebuilt = True
+            applied += 1
+        return applied
 
     def cached_tokens(self, prompt):
         """The prompt's leading whole blocks the index holds, chained from the first."""
