@@ -17,6 +17,14 @@
 // stream has synchronized: when it returns OK its outputs are complete, and a kernel fault
 // surfaces as kInternal naming the op and the CUDA error ("decode_attention: cudaStreamSynchronize
 // ...: cudaErrorIllegalAddress (...)"). Every error an op returns starts with the op's name.
+//
+// Stream order (set_deferred, backend.h): on a thread that deferred waits, a call whose outputs are
+// all device memory returns once its work is queued. What the host hands such a call is safe to
+// change at once: tables and host inputs are packed into one of kUploadSlots pinned buffers, and a
+// call waits only for the upload that last used the buffer it takes (an event), not for the
+// kernels before it. Scratch memory is reused in stream order; memory the backend frees (arena
+// chunks, FlashInfer's workspaces) is freed only after the stream has passed its users. A fault
+// in a call that did not wait surfaces at the next wait, naming the calls queued without one.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -57,6 +65,7 @@ using cuda::DeviceKV;
 // The scratch arena's chunks: cudaMalloc on the current device (the backend's: every call sets it).
 class CudaScratchMemory final : public cuda::ArenaMemory {
  public:
+  explicit CudaScratchMemory(const cudaStream_t* stream) : stream_(stream) {}
   KernelStatus allocate(size_t bytes, void** out) override {
     const cudaError_t err = cudaMalloc(out, bytes);
     if (err == cudaSuccess) return KernelStatus::ok();
@@ -65,8 +74,18 @@ class CudaScratchMemory final : public cuda::ArenaMemory {
     return {KernelStatus::Code::kInternal,
             "cudaMalloc of " + std::to_string(bytes) + " bytes failed: " + cudaGetErrorString(err)};
   }
-  void free(void* p) override { cudaFree(p); }
+  // Calls that did not wait may still have kernels using the chunk queued.
+  void free(void* p) override {
+    if (*stream_ != nullptr) cudaStreamSynchronize(*stream_);
+    cudaFree(p);
+  }
+
+ private:
+  const cudaStream_t* stream_;
 };
+
+// The backend whose waits the calling thread deferred (set_deferred), if any.
+thread_local const Backend* t_deferring = nullptr;
 
 class CudaBackend final : public Backend {
  public:
@@ -81,15 +100,24 @@ class CudaBackend final : public Backend {
     KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaSetDevice", cudaSetDevice(device_));
     KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaStreamCreateWithFlags",
                                    cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : upload_done_)
+      KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaEventCreateWithFlags",
+                                     cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return KernelStatus::ok();
   }
 
   ~CudaBackend() override {
+    if (t_deferring == this) t_deferring = nullptr;
     cudaSetDevice(device_);
     allocations_.release_all([](void* p) { cudaFree(p); });
-    for (PinnedStaging* pinned : {&pinned_up_, &pinned_down_})
-      if (pinned->host != nullptr) cudaFreeHost(pinned->host);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (PinnedStaging& pinned : pinned_up_)
+      if (pinned.host != nullptr) cudaFreeHost(pinned.host);
+    if (pinned_down_.host != nullptr) cudaFreeHost(pinned_down_.host);
+    for (cudaEvent_t e : upload_done_)
+      if (e != nullptr) cudaEventDestroy(e);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    stream_ = nullptr;  // the arena's chunks go after this: nothing left to wait for
   }
 
   std::string_view name() const override { return "cuda"; }
@@ -145,6 +173,7 @@ class CudaBackend final : public Backend {
     allocations_.remove(ptr);
     std::lock_guard<std::mutex> lock(mu_);
     cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);  // calls that did not wait may still use it
     cudaFree(ptr);
   }
 
@@ -195,7 +224,83 @@ class CudaBackend final : public Backend {
     shared_allocations_.remove(memory.ptr);
     std::lock_guard<std::mutex> lock(mu_);
     cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
     cudaFree(memory.ptr);
+  }
+
+  void set_deferred(bool on) override {
+    if (on) {
+      t_deferring = this;
+    } else if (t_deferring == this) {
+      t_deferring = nullptr;
+    }
+  }
+
+  KernelStatus synchronize() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("synchronize", "cudaSetDevice", cudaSetDevice(device_));
+    return wait_stream("synchronize");
+  }
+
+  KernelStatus create_shared_event(SharedEvent* out) override {
+    if (out == nullptr) return KernelStatus::invalid("create_shared_event: out is null");
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("create_shared_event", "cudaSetDevice", cudaSetDevice(device_));
+    cudaEvent_t e = nullptr;
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("create_shared_event", "cudaEventCreateWithFlags",
+                                   cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming));
+    cudaIpcEventHandle_t handle;
+    if (const cudaError_t err = cudaIpcGetEventHandle(&handle, e); err != cudaSuccess) {
+      cudaEventDestroy(e);
+      return cuda::cuda_status(err, "create_shared_event: cudaIpcGetEventHandle");
+    }
+    out->event = e;
+    out->ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    return KernelStatus::ok();
+  }
+
+  KernelStatus open_shared_event(const std::string& ipc_handle, SharedEvent* out) override {
+    if (out == nullptr) return KernelStatus::invalid("open_shared_event: out is null");
+    if (ipc_handle.size() != sizeof(cudaIpcEventHandle_t))
+      return KernelStatus::invalid("open_shared_event: an event handle of " + std::to_string(ipc_handle.size()) +
+                                   " bytes; expected a cudaIpcEventHandle_t of " +
+                                   std::to_string(sizeof(cudaIpcEventHandle_t)));
+    cudaIpcEventHandle_t handle;
+    std::memcpy(&handle, ipc_handle.data(), sizeof(handle));
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("open_shared_event", "cudaSetDevice", cudaSetDevice(device_));
+    cudaEvent_t e = nullptr;
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("open_shared_event", "cudaIpcOpenEventHandle", cudaIpcOpenEventHandle(&e, handle));
+    out->event = e;
+    out->ipc_handle.clear();
+    return KernelStatus::ok();
+  }
+
+  void destroy_shared_event(SharedEvent* event) override {
+    if (event == nullptr || event->event == nullptr) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaSetDevice(device_);
+    cudaEventDestroy(static_cast<cudaEvent_t>(event->event));
+    event->event = nullptr;
+    event->ipc_handle.clear();
+  }
+
+  KernelStatus wait_event(const SharedEvent& event) override {
+    if (event.event == nullptr) return KernelStatus::invalid("wait_event: no event");
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("wait_event", "cudaSetDevice", cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("wait_event", "cudaStreamWaitEvent",
+                                   cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(event.event), 0));
+    return KernelStatus::ok();
+  }
+
+  KernelStatus record_event(const SharedEvent& event) override {
+    if (event.event == nullptr) return KernelStatus::invalid("record_event: no event");
+    std::lock_guard<std::mutex> lock(mu_);
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("record_event", "cudaSetDevice", cudaSetDevice(device_));
+    KARAKV_CUDA_RETURN_IF_ERROR_IN("record_event", "cudaEventRecord",
+                                   cudaEventRecord(static_cast<cudaEvent_t>(event.event), stream_));
+    return KernelStatus::ok();
   }
 
   // The backend's own allocations (the pool, device staging, buffers) without asking the driver;
@@ -723,8 +828,25 @@ class CudaBackend final : public Backend {
     KARAKV_CUDA_RETURN_IF_ERROR_IN(op, "cudaSetDevice", cudaSetDevice(device_));
     KARAKV_CUDA_RETURN_IF_ERROR_IN(op, "cudaMemcpyAsync of " + std::to_string(bytes) + " bytes",
                                    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-    KARAKV_CUDA_RETURN_IF_ERROR_IN(op, "cudaStreamSynchronize after the copy", cudaStreamSynchronize(stream_));
-    return KernelStatus::ok();
+    return wait_stream(op);
+  }
+
+  // Waits for everything queued on the stream (mu_ held). A fault names `op` and, when calls
+  // returned without waiting since the last wait, those calls: one of them may have caused it.
+  KernelStatus wait_stream(std::string_view op) {
+    const cudaError_t err = cudaStreamSynchronize(stream_);
+    const uint64_t queued = deferred_calls_;
+    deferred_calls_ = 0;
+    for (bool& pending : upload_pending_) pending = false;
+    if (err == cudaSuccess) return KernelStatus::ok();
+    KernelStatus st = cuda::cuda_status(err, std::string(op) + ": cudaStreamSynchronize");
+    if (queued > 0) {
+      st.message += " (" + std::to_string(queued) + " call(s) queued before it without a wait, the last:";
+      const uint64_t named = std::min<uint64_t>(queued, kDeferredNames);
+      for (uint64_t i = queued - named; i < queued; ++i) st.message += " " + std::string(deferred_names_[i % kDeferredNames]);
+      st.message += ")";
+    }
+    return st;
   }
 
   // Pinned host memory through which a call's host tensors travel: inputs packed into one
@@ -769,15 +891,25 @@ class CudaBackend final : public Backend {
   // finish(). The pinned buffers are reused by the next call only after this one synchronized.
   class Call {
    public:
-    Call(CudaBackend& b, std::string_view op) : b_(b), op_(op), lock_(b.mu_) {
+    Call(CudaBackend& b, std::string_view op) : b_(b), op_(op), lock_(b.mu_), slot_(b.upload_next_) {
       cudaSetDevice(b_.device_);
+      b_.upload_next_ = (slot_ + 1) % kUploadSlots;
+      // The last upload from this slot's pinned buffer must have left it before it is rewritten
+      // (or freed by grow); the kernels queued after that upload need not have run.
+      if (b_.upload_pending_[slot_]) {
+        cudaEventSynchronize(b_.upload_done_[slot_]);
+        b_.upload_pending_[slot_] = false;
+      }
       b_.arena_.reset();
-      grow(b_.pinned_up_);
+      grow(b_.pinned_up_[slot_]);
       grow(b_.pinned_down_);
     }
     ~Call() {
       // An early return after launches must not leave work running into the next call's scratch.
-      if (!finished_) cudaStreamSynchronize(b_.stream_);
+      if (!finished_) {
+        const KernelStatus ignored = b_.wait_stream(op_);  // the op already failed with its own error
+        (void)ignored;
+      }
     }
 
     // st, with the op's name in front when it failed (a launcher's or the arena's error).
@@ -797,7 +929,7 @@ class CudaBackend final : public Backend {
     template <typename Launcher>
     KernelStatus launch(Launcher&& launcher) {
       if (up_.used > up_.flushed) {
-        KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(up_.device + up_.flushed, b_.pinned_up_.host + up_.flushed,
+        KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(up_.device + up_.flushed, up_pinned().host + up_.flushed,
                                                      up_.used - up_.flushed, cudaMemcpyHostToDevice, b_.stream_),
                                      "cudaMemcpyAsync of the inputs to the device"));
         up_.flushed = up_.used;
@@ -818,9 +950,9 @@ class CudaBackend final : public Backend {
         return KernelStatus::ok();
       }
       size_t offset = 0;
-      KARAKV_RETURN_IF_ERROR(pack(b_.pinned_up_, up_, bytes, &offset));
+      KARAKV_RETURN_IF_ERROR(pack(up_pinned(), up_, bytes, &offset));
       if (offset != kNoRoom) {
-        std::memcpy(b_.pinned_up_.host + offset, p, bytes);
+        std::memcpy(up_pinned().host + offset, p, bytes);
         *out = reinterpret_cast<const T*>(up_.device + offset);
         return KernelStatus::ok();
       }
@@ -885,7 +1017,18 @@ class CudaBackend final : public Backend {
           KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(c.host, c.device, c.bytes, cudaMemcpyDeviceToHost, b_.stream_),
                                        "cudaMemcpyAsync of an output to the host"));
       finished_ = true;
-      KARAKV_RETURN_IF_ERROR(check(cudaStreamSynchronize(b_.stream_), "cudaStreamSynchronize after its kernels"));
+      if (t_deferring == &b_ && down_.used == 0 && copies_.empty()) {
+        // Nothing comes back to the host: queued is done, once this call's upload is marked.
+        if (up_.flushed > 0) {
+          KARAKV_RETURN_IF_ERROR(check(cudaEventRecord(b_.upload_done_[slot_], b_.stream_),
+                                       "cudaEventRecord after the upload"));
+          b_.upload_pending_[slot_] = true;
+        }
+        b_.deferred_names_[b_.deferred_calls_ % kDeferredNames] = op_;
+        ++b_.deferred_calls_;
+        return KernelStatus::ok();
+      }
+      KARAKV_RETURN_IF_ERROR(b_.wait_stream(op_));
       for (const Copy& c : copies_)
         if (c.pinned_offset != kNoRoom) std::memcpy(c.host, b_.pinned_down_.host + c.pinned_offset, c.bytes);
       return KernelStatus::ok();
@@ -902,6 +1045,7 @@ class CudaBackend final : public Backend {
 
    private:
     static constexpr size_t kNoRoom = SIZE_MAX;
+    PinnedStaging& up_pinned() { return b_.pinned_up_[slot_]; }
     // This call's packed region of one direction: `capacity` bytes of scratch mirroring the pinned
     // buffer, `used` of them packed, the first `flushed` already queued for upload.
     struct Packed {
@@ -939,6 +1083,7 @@ class CudaBackend final : public Backend {
     CudaBackend& b_;
     const std::string_view op_;
     std::lock_guard<std::mutex> lock_;
+    const int slot_;  // the pinned upload buffer of this call
     Packed up_, down_;
     std::vector<Copy> copies_;
     bool finished_ = false;
@@ -1172,9 +1317,21 @@ class CudaBackend final : public Backend {
   mutable std::mutex mu_;
   common::Allocations allocations_;
   common::Allocations shared_allocations_;  // allocate_shared's device staging
-  CudaScratchMemory scratch_memory_;
+  CudaScratchMemory scratch_memory_{&stream_};
   Arena arena_{scratch_memory_};
-  PinnedStaging pinned_up_, pinned_down_;
+  // Uploads rotate over kUploadSlots pinned buffers, each with the event of its last upload, so a
+  // call that did not wait leaves its buffer to the stream while the next calls pack theirs.
+  static constexpr int kUploadSlots = 4;
+  PinnedStaging pinned_up_[kUploadSlots];
+  cudaEvent_t upload_done_[kUploadSlots] = {};
+  bool upload_pending_[kUploadSlots] = {};
+  int upload_next_ = 0;
+  PinnedStaging pinned_down_;
+  // Calls that returned without waiting since the last wait: how many, and the names of the last
+  // kDeferredNames (op names are string literals).
+  static constexpr int kDeferredNames = 8;
+  uint64_t deferred_calls_ = 0;
+  std::string_view deferred_names_[kDeferredNames];
   const CudaAttention attention_;
   const CudaQuantDecode quant_;
 #if KARAKV_HAVE_FLASHINFER

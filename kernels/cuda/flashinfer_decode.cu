@@ -56,12 +56,16 @@ std::string flashinfer_decode_gap(const Geometry& g) {
 }
 
 FlashInferDecode::~FlashInferDecode() {
+  if (uploaded_ != nullptr) cudaEventDestroy(uploaded_);
   if (float_workspace_ != nullptr) cudaFree(float_workspace_);
   if (int_workspace_ != nullptr) cudaFree(int_workspace_);
   if (pinned_ != nullptr) cudaFreeHost(pinned_);
 }
 
-std::string FlashInferDecode::reserve(size_t float_bytes, size_t int_bytes) {
+std::string FlashInferDecode::reserve(size_t float_bytes, size_t int_bytes, cudaStream_t stream) {
+  // Kernels of calls that did not wait may still use the workspaces about to be replaced.
+  if ((float_bytes > float_bytes_ && float_workspace_ != nullptr) || (int_bytes > int_bytes_ && int_workspace_ != nullptr))
+    cudaStreamSynchronize(stream);
   // Grown to the next power of two past what is asked, so that a batch growing by a token does not
   // reallocate every step.
   auto round_up = [](size_t n) {
@@ -120,8 +124,19 @@ std::string FlashInferDecode::plan(const Geometry& g, const std::vector<int32_t>
     return flashinfer_detail::plan<typename decltype(kv)::type, decltype(d)::value>(a, /*size_only=*/true,
                                                                                     &float_need, &int_need, nullptr);
   });
-  if (err.empty()) err = reserve(float_need, int_need);
+  if (err.empty()) err = reserve(float_need, int_need, stream);
   if (!err.empty()) return err;
+  if (uploaded_ == nullptr) {
+    if (const cudaError_t e = cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming); e != cudaSuccess) {
+      uploaded_ = nullptr;
+      return std::string("FlashInfer: cudaEventCreateWithFlags: ") + cudaGetErrorName(e);
+    }
+  }
+  // The planner rewrites the pinned buffer: the last plan's upload from it must have left.
+  if (upload_pending_) {
+    cudaEventSynchronize(uploaded_);
+    upload_pending_ = false;
+  }
   a.float_workspace = float_workspace_;
   a.float_bytes = float_bytes_;
   a.int_workspace = int_workspace_;
@@ -132,6 +147,12 @@ std::string FlashInferDecode::plan(const Geometry& g, const std::vector<int32_t>
                                                                                     nullptr, nullptr, &plan_info_);
   });
   if (!err.empty()) return err;
+  if (const cudaError_t e = cudaEventRecord(uploaded_, stream); e != cudaSuccess) {
+    // Without the mark the next plan could not tell when the buffer is free: wait here instead.
+    cudaStreamSynchronize(stream);
+  } else {
+    upload_pending_ = true;
+  }
   planned_geometry_ = g;
   planned_indptr_ = indptr;
   ++plans_;

@@ -60,8 +60,9 @@ struct FlashInferRows {
 
 // The planner's state and workspaces: plan() once per batch shape (the pages per sequence), then
 // run() per layer. Not thread-safe (the backend serialises its calls). The pinned buffer the plan is
-// uploaded from is rewritten by the next plan(), so a plan must not be replaced before the stream
-// has passed its upload (the backend synchronizes at the end of every call).
+// uploaded from is rewritten by the next plan() only after the stream has passed the last upload
+// (an event), and workspaces are freed to grow only after the stream has passed their users, so
+// calls need not synchronize between plans (the backend's deferred waits).
 class FlashInferDecode {
  public:
   FlashInferDecode() = default;
@@ -82,13 +83,15 @@ class FlashInferDecode {
   long long plans() const { return plans_; }
 
  private:
-  std::string reserve(size_t float_bytes, size_t int_bytes);
+  std::string reserve(size_t float_bytes, size_t int_bytes, cudaStream_t stream);
 
   void* float_workspace_ = nullptr;
   size_t float_bytes_ = 0;
   void* int_workspace_ = nullptr;
   size_t int_bytes_ = 0;
   void* pinned_ = nullptr;  // page-locked mirror of the int workspace, the plan's upload source
+  cudaEvent_t uploaded_ = nullptr;  // recorded after the last plan's upload from pinned_
+  bool upload_pending_ = false;
   std::vector<int64_t> plan_info_;
   // The last plan's batch (empty: no plan; a plan has at least one sequence, so two entries).
   Geometry planned_geometry_{};

@@ -31,6 +31,13 @@ struct SharedDeviceMemory {
   std::string ipc_handle;  // cudaIpcMemHandle_t, 64 bytes
 };
 
+// An event another process can wait on or record (stream-ordered device staging): a CUDA
+// interprocess event. Made or opened by the backend, destroyed by destroy_shared_event().
+struct SharedEvent {
+  void* event = nullptr;   // this process's cudaEvent_t
+  std::string ipc_handle;  // cudaIpcEventHandle_t, 64 bytes (an event this process made; empty when opened)
+};
+
 enum class Op : uint8_t {
   kWriteKV,
   kDecodeAttention,
@@ -95,6 +102,33 @@ class Backend {
   // reads such bytes on the host, it moves them with copy_in / copy_out (which take device
   // memory on either side).
   virtual bool is_device_memory(const void* p) const { return false; }
+
+  // Stream order. A backend whose ops run asynchronously on a device (CUDA) waits at the end of
+  // every op until its work is done, unless the calling thread has deferred waits: then an op
+  // whose outputs are all device memory returns once its work is queued (in order, on the
+  // backend's one stream), and ops with host outputs still wait (for everything queued before
+  // them too). A fault in a deferred op surfaces at the next wait, naming the ops queued without
+  // one. Host-memory backends run every op to completion and ignore both calls.
+  virtual void set_deferred(bool on) {}
+  // Waits for every op queued so far (from any thread).
+  virtual KernelStatus synchronize() { return KernelStatus::ok(); }
+  // Interprocess events (CUDA IPC events, stream-ordered device staging): make one to export, open
+  // another process's, and order the backend's stream after the other process's last record
+  // (wait_event) or record this process's point in it (record_event). Backends without a device
+  // refuse with kUnsupported.
+  virtual KernelStatus create_shared_event(SharedEvent* out) {
+    return KernelStatus::unsupported(std::string(name()) + " backend has no device events");
+  }
+  virtual KernelStatus open_shared_event(const std::string& ipc_handle, SharedEvent* out) {
+    return KernelStatus::unsupported(std::string(name()) + " backend has no device events");
+  }
+  virtual void destroy_shared_event(SharedEvent* event) {}
+  virtual KernelStatus wait_event(const SharedEvent& event) {
+    return KernelStatus::unsupported(std::string(name()) + " backend has no device events");
+  }
+  virtual KernelStatus record_event(const SharedEvent& event) {
+    return KernelStatus::unsupported(std::string(name()) + " backend has no device events");
+  }
 
   // Writes tokens [start_pos, start_pos + num_tokens) of sequence `seq` for layers
   // [layer_begin, layer_begin + num_layers). The blocks covering them must already be in the
