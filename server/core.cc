@@ -112,7 +112,8 @@ size_t Core::q_bytes(size_t rows) const { return server::q_bytes(config_.geometr
 absl::StatusOr<AttachResult> Core::attach(const std::string& worker_id, const std::string& tenant,
                                           uint64_t staging_bytes, const Geometry& worker_geometry,
                                           const std::string& cache_namespace, uint64_t reserved_bytes,
-                                          StagingKind staging_kind, const std::string& model_fingerprint) {
+                                          StagingKind staging_kind, const std::string& model_fingerprint,
+                                          const std::string& worker_event_handle) {
   if (absl::Status s = check_worker_geometry(worker_geometry, config_.geometry); !s.ok()) return s;
   if (model_fingerprint.size() > 256 ||
       std::any_of(model_fingerprint.begin(), model_fingerprint.end(), [](char c) { return c < 0x21 || c > 0x7e; })) {
@@ -128,7 +129,8 @@ absl::StatusOr<AttachResult> Core::attach(const std::string& worker_id, const st
       absl::MutexLock lock(&mu_);
       sessions = sessions_.get();
     }
-    admission = sessions->prepare(worker_id, tenant, staging_bytes, cache_namespace, reserved_bytes, staging_kind);
+    admission = sessions->prepare(worker_id, tenant, staging_bytes, cache_namespace, reserved_bytes, staging_kind,
+                                  worker_event_handle);
   }
   if (!admission.ok()) return admission.status();
   if (!model_fingerprint.empty()) {
@@ -457,9 +459,44 @@ absl::StatusOr<int32_t> Core::append(const std::string& session_id, uint64_t seq
   return new_length;
 }
 
+namespace {
+
+// A request's kernels queue without waiting for each other (backend.h, set_deferred); finish()
+// waits once for all of them, or not at all for a stream-ordered request (the caller records the
+// daemon's event instead). A request that fails on the way waits too: its worker may reuse the
+// staging its kernels still read as soon as the refusal arrives.
+class DeferredWaits {
+ public:
+  DeferredWaits(kernels::Backend& backend, bool stream_ordered) : backend_(backend), ordered_(stream_ordered) {
+    backend_.set_deferred(true);
+  }
+  ~DeferredWaits() {
+    if (done_) return;
+    backend_.set_deferred(false);
+    if (ordered_) return;
+    const kernels::KernelStatus ignored = backend_.synchronize();  // the request failed with its own error
+    (void)ignored;
+  }
+  DeferredWaits(const DeferredWaits&) = delete;
+  DeferredWaits& operator=(const DeferredWaits&) = delete;
+
+  absl::Status finish() {
+    done_ = true;
+    backend_.set_deferred(false);
+    return ordered_ ? absl::OkStatus() : to_status(backend_.synchronize());
+  }
+
+ private:
+  kernels::Backend& backend_;
+  const bool ordered_;
+  bool done_ = false;
+};
+
+}  // namespace
+
 absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64_t layer,
                                             absl::Span<const uint64_t> sequence_ids, ConstBytes k, ConstBytes v,
-                                            ConstBytes q, MutableBytes out, float scale) {
+                                            ConstBytes q, MutableBytes out, float scale, bool stream_ordered) {
   const auto started = std::chrono::steady_clock::now();
   const Geometry& g = config_.geometry;
   const size_t batch = sequence_ids.size();
@@ -527,6 +564,7 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
       seq->step_started = started;
     }
   }
+  DeferredWaits deferred(*backend_, stream_ordered);
   if (absl::Status s = store_->write_step(seqs, static_cast<int>(layer), k, v); !s.ok()) return s;
   const float* qf = reinterpret_cast<const float*>(q.data());
   float* of = reinterpret_cast<float*>(out.data());
@@ -551,6 +589,7 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
   }
   StepResult result;
   if (layer + 1 < g.num_layers) {
+    if (absl::Status s = deferred.finish(); !s.ok()) return s;
     for (Sequence* seq : seqs) seq->pending_layer = static_cast<int32_t>(layer) + 1;
     result.decode_step = decode_steps_;
     return result;
@@ -574,6 +613,7 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
   decode_tokens_ += batch;
   result.decode_step = decode_steps_;
   result.compactions = compactor_->run_scheduler(seqs);
+  if (absl::Status s = deferred.finish(); !s.ok()) return s;
   // The reply follows the scheduler, so the step's compactions count in its latency.
   const auto finished = std::chrono::steady_clock::now();
   result.step_seconds = std::chrono::duration<double>(finished - earliest).count();
@@ -584,7 +624,7 @@ absl::StatusOr<Core::StepResult> Core::step(const std::string& session_id, int64
 }
 
 absl::Status Core::attend(const std::string& session_id, uint64_t sequence_id, int64_t layer, int64_t num_queries,
-                          ConstBytes q, MutableBytes out, float scale) {
+                          ConstBytes q, MutableBytes out, float scale, bool stream_ordered) {
   const Geometry& g = config_.geometry;
   if (absl::Status s = check_layer(layer, g); !s.ok()) return s;
   if (num_queries < 1) {
@@ -618,9 +658,14 @@ absl::Status Core::attend(const std::string& session_id, uint64_t sequence_id, i
                                                    " unquantized tokens of sequence ", sequence_id,
                                                    " (queries must sit in the full-precision window)"));
   }
-  return store_->attend(seq, static_cast<int>(layer), static_cast<int32_t>(num_queries),
-                        reinterpret_cast<const float*>(q.data()), reinterpret_cast<float*>(out.data()),
-                        effective_scale(scale, g.head_dim));
+  DeferredWaits deferred(*backend_, stream_ordered);
+  if (absl::Status s = store_->attend(seq, static_cast<int>(layer), static_cast<int32_t>(num_queries),
+                                      reinterpret_cast<const float*>(q.data()), reinterpret_cast<float*>(out.data()),
+                                      effective_scale(scale, g.head_dim));
+      !s.ok()) {
+    return s;
+  }
+  return deferred.finish();
 }
 
 absl::StatusOr<int32_t> Core::read_kv(const std::string& session_id, uint64_t sequence_id,

@@ -86,13 +86,15 @@ class Core {
   // Sessions. A `worker_geometry` with every field zero means "whatever the daemon serves"; any
   // field set and every field is compared (validation.h, check_worker_geometry).
   // `reserved_bytes` follow the staging region in the same mapping, out of the requests' reach
-  // (the fast path's rings).
+  // (the fast path's rings). `worker_event_handle` (device staging only): the worker's
+  // interprocess event, making the session stream-ordered (DeviceStaging::order_by_events).
   absl::StatusOr<AttachResult> attach(const std::string& worker_id, const std::string& tenant,
                                       uint64_t staging_bytes,
                                       const kernels::Geometry& worker_geometry,
                                       const std::string& cache_namespace = "",
                                       uint64_t reserved_bytes = 0, StagingKind staging_kind = StagingKind::kShm,
-                                      const std::string& model_fingerprint = "");
+                                      const std::string& model_fingerprint = "",
+                                      const std::string& worker_event_handle = "");
   absl::StatusOr<int> detach(const std::string& session_id);
   absl::Status heartbeat(const std::string& session_id);
   // The session's staging region, kept alive by the returned pointer even if the session ends.
@@ -147,12 +149,17 @@ class Core {
   //   k, v: [B][Hk][D] storage dtype; q: [B][Hq][D] fp32; out: [B][Hq][D] fp32.
   // When this completes a decode step (last layer), the scheduler runs: threshold policies of the
   // batch's sequences, then periodic policies (Kara's tick) over every sequence.
+  // The step's kernels queue without waiting for each other (backend.h, set_deferred) and the host
+  // waits once at the end, so `out` is complete on return; with stream_ordered (a session whose
+  // device staging is ordered by events, staging.h) it does not wait at all: the caller records
+  // the daemon's event after the call and the worker's stream waits on it.
   absl::StatusOr<StepResult> step(const std::string& session_id, int64_t layer,
                                   absl::Span<const uint64_t> sequence_ids, ConstBytes k, ConstBytes v,
-                                  ConstBytes q, MutableBytes out, float scale);
-  //   q, out: [N][Hq][D] fp32
+                                  ConstBytes q, MutableBytes out, float scale, bool stream_ordered = false);
+  //   q, out: [N][Hq][D] fp32; stream_ordered as for step().
   absl::Status attend(const std::string& session_id, uint64_t sequence_id, int64_t layer,
-                      int64_t num_queries, ConstBytes q, MutableBytes out, float scale);
+                      int64_t num_queries, ConstBytes q, MutableBytes out, float scale,
+                      bool stream_ordered = false);
   // Calls `targets(T)` under the lock to learn where to write T tokens, then copies them there.
   absl::StatusOr<int32_t> read_kv(
       const std::string& session_id, uint64_t sequence_id,

@@ -76,6 +76,8 @@ struct AttachResult {
   std::string staging_ipc_handle;
   int staging_device = -1;
   uint64_t staging_generation = 0;
+  // Stream-ordered device staging: the daemon's interprocess event handle (64 bytes), else empty.
+  std::string staging_event_ipc_handle;
 };
 
 struct SequenceInfo {

@@ -104,6 +104,59 @@ absl::StatusOr<int> DeviceStaging::export_fd() const {
   return vmm::export_fd(vmm_);
 }
 
-DeviceStaging::~DeviceStaging() { pool_->release(kind_, slot_, generation_, importer_closed_); }
+DeviceStaging::~DeviceStaging() {
+  if (events_) {
+    pool_->backend_.destroy_shared_event(&events_->worker);
+    pool_->backend_.destroy_shared_event(&events_->daemon);
+  }
+  pool_->release(kind_, slot_, generation_, importer_closed_);
+}
+
+absl::Status DeviceStaging::order_by_events(const std::string& worker_event_handle) {
+  constexpr size_t kHandleBytes = 64;  // cudaIpcEventHandle_t
+  if (worker_event_handle.size() != kHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("worker_event_ipc_handle of ", worker_event_handle.size(),
+                                                   " bytes; expected the ", kHandleBytes,
+                                                   " bytes of a cudaIpcEventHandle_t (cudaIpcGetEventHandle)"));
+  }
+  kernels::Backend& backend = pool_->backend_;
+  StagingEvents events;
+  if (kernels::KernelStatus st = backend.open_shared_event(worker_event_handle, &events.worker); !st.is_ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker_event_ipc_handle: ", st.message,
+        "; expected an event made with cudaEventInterprocess | cudaEventDisableTiming by a process on the daemon's "
+        "GPU, or attach without one (the daemon then waits for its kernels before each reply)"));
+  }
+  if (kernels::KernelStatus st = backend.create_shared_event(&events.daemon); !st.is_ok()) {
+    backend.destroy_shared_event(&events.worker);
+    return absl::FailedPreconditionError(absl::StrCat("stream-ordered staging: ", st.message));
+  }
+  events_ = std::move(events);
+  return absl::OkStatus();
+}
+
+absl::Status DeviceStaging::order_after_worker() const {
+  if (!events_) return absl::OkStatus();
+  if (kernels::KernelStatus st = pool_->backend_.wait_event(events_->worker); !st.is_ok()) {
+    return absl::InternalError(absl::StrCat("stream order: waiting for the worker's event: ", st.message));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceStaging::order_before_worker() const {
+  if (!events_) return absl::OkStatus();
+  kernels::KernelStatus st = pool_->backend_.record_event(events_->daemon);
+  if (st.is_ok()) return absl::OkStatus();
+  // Without the record the worker's wait would not cover this request's kernels: finish them here.
+  const kernels::KernelStatus waited = pool_->backend_.synchronize();
+  return absl::InternalError(absl::StrCat("stream order: recording the daemon's event: ", st.message,
+                                          waited.is_ok() ? " (the request's kernels were waited for on the host)"
+                                                         : "; then " + waited.message));
+}
+
+const std::string& DeviceStaging::event_ipc_handle() const {
+  static const std::string kNone;
+  return events_ ? events_->daemon.ipc_handle : kNone;
+}
 
 }  // namespace karakv::server

@@ -6,7 +6,10 @@
 //
 // Ordering: the worker synchronizes the stream that wrote a request's inputs before it sends the
 // request, and the backend synchronizes its stream before each call returns, so a reply means the
-// outputs are complete in device memory (docs/ARCHITECTURE.md, "Device staging").
+// outputs are complete in device memory (docs/ARCHITECTURE.md, "Device staging"). A session that
+// attached with its worker's interprocess event is stream-ordered instead (order_by_events): a
+// request's device work waits on the worker's event, the daemon records its own after it and
+// replies without waiting, and the worker's stream waits on the daemon's event.
 //
 // Allocations come from DeviceStagingPool's slots (staging_slots.h): never freed while the daemon
 // runs, reused for the same tenant only after a Detach, never after a lease expiry. The two kinds
@@ -16,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,6 +87,16 @@ class DeviceStaging final : public Staging {
   // CUDA_VMM_FD: a new file descriptor of the allocation for the worker; the caller closes it.
   // FAILED_PRECONDITION for CUDA IPC regions.
   absl::StatusOr<int> export_fd() const;
+  // Stream order: opens the worker's interprocess event (its cudaIpcEventHandle_t) and makes the
+  // daemon's, whose handle event_ipc_handle() then returns. INVALID_ARGUMENT for a handle that is
+  // not 64 bytes, FAILED_PRECONDITION when the backend cannot open or make events (both say what
+  // was expected). Called once, before the region is shared between threads.
+  absl::Status order_by_events(const std::string& worker_event_handle);
+  const StagingEvents* events() const override { return events_ ? &*events_ : nullptr; }
+  absl::Status order_after_worker() const override;
+  absl::Status order_before_worker() const override;
+  const std::string& event_ipc_handle() const;
+
   // The session detached: its SDK closed the mapping before sending Detach, so the slot may go to
   // the same tenant's next session. Without this (lease expiry) the slot is quarantined.
   void mark_importer_closed() { importer_closed_ = true; }
@@ -103,6 +117,7 @@ class DeviceStaging final : public Staging {
   const kernels::SharedDeviceMemory memory_;  // CUDA IPC
   const vmm::Mapping vmm_;                    // VMM
   bool importer_closed_ = false;  // set under the core's lock, read when the last reference goes
+  std::optional<StagingEvents> events_;  // destroyed with the region's last reference
 };
 
 }  // namespace karakv::server

@@ -32,7 +32,7 @@ absl::StatusOr<Core::StepResult> RequestGate::step(const StepCall& call, const a
   absl::Status s = run("Step", call.layer == 0, [&]() -> absl::Status {
     if (!resolution.ok()) return resolution;
     auto r = core_->step(std::string(call.session_id), call.layer, call.sequence_ids, call.k, call.v, call.q, call.out,
-                         call.scale);
+                         call.scale, call.stream_ordered);
     if (!r.ok()) return r.status();
     result = std::move(*r);
     return absl::OkStatus();
@@ -48,7 +48,7 @@ absl::Status RequestGate::attend(const AttendCall& call, const absl::Status& res
   return run("Attend", false, [&]() -> absl::Status {
     if (!resolution.ok()) return resolution;
     return core_->attend(std::string(call.session_id), call.sequence_id, call.layer, call.num_queries, call.q,
-                         call.out, call.scale);
+                         call.out, call.scale, call.stream_ordered);
   });
 }
 

@@ -27,6 +27,7 @@ struct StepCall {
   ConstBytes k, v, q;
   MutableBytes out;
   float scale = 0;
+  bool stream_ordered = false;  // Core::step
 };
 
 // One Attend: the newest `num_queries` tokens of a sequence.  q, out: [N][Hq][D] fp32
@@ -38,6 +39,7 @@ struct AttendCall {
   ConstBytes q;
   MutableBytes out;
   float scale = 0;
+  bool stream_ordered = false;  // Core::attend
 };
 
 class RequestGate {

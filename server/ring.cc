@@ -271,7 +271,10 @@ bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Comple
     call.q = q;
     call.out = out;
     call.scale = cmd.scale;
-    auto r = gate_->step(call, resolution);
+    auto r = in_stream_order(resolution.ok() ? &staging : nullptr, [&](bool ordered) {
+      call.stream_ordered = ordered;
+      return gate_->step(call, resolution);
+    });
     set_status(r.status(), done);
     if (r.ok()) {
       done->decode_step = r->decode_step;
@@ -293,7 +296,11 @@ bool RingServer::execute(const Worker& w, const ring::Command& cmd, ring::Comple
     call.q = q;
     call.out = out;
     call.scale = cmd.scale;
-    set_status(gate_->attend(call, resolution), done);
+    set_status(in_stream_order(resolution.ok() ? &staging : nullptr, [&](bool ordered) {
+                 call.stream_ordered = ordered;
+                 return gate_->attend(call, resolution);
+               }),
+               done);
     return true;
   }
   // The ops beyond Step and Attend, taken with shm staging only (an SDK checks Header::ops first; the

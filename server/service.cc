@@ -177,7 +177,8 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
   }
   auto r = core_->attach(req.worker_id(), req.tenant().empty() ? "default" : req.tenant(),
                              req.staging_bytes(), wg, req.cache_namespace(),
-                             req.fast_path() ? ring::kRingBytes : 0, kind, req.model_fingerprint());
+                             req.fast_path() ? ring::kRingBytes : 0, kind, req.model_fingerprint(),
+                             req.worker_event_ipc_handle());
   if (!r.ok()) return r.status();
   if (req.fast_path()) {
     // The rings follow shm staging in its region; device staging's have a region of their own.
@@ -203,11 +204,12 @@ absl::Status KaraKVService::DoAttach(const v1::AttachRequest& req, v1::AttachRep
     reply->set_staging_ipc_handle(r->staging_ipc_handle);
     reply->set_staging_device(r->staging_device);
     reply->set_staging_generation(r->staging_generation);
+    reply->set_staging_event_ipc_handle(r->staging_event_ipc_handle);
   }
   reply->set_instance_id(instance_id_);
-  spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of {} staging", r->session_id,
+  spdlog::info("session {} attached: worker '{}', tenant '{}', {} bytes of {} staging{}", r->session_id,
                req.worker_id(), req.tenant().empty() ? "default" : req.tenant(), r->staging_bytes,
-               staging_kind_name(kind));
+               staging_kind_name(kind), r->staging_event_ipc_handle.empty() ? "" : ", stream-ordered by CUDA events");
   return absl::OkStatus();
 }
 
@@ -221,9 +223,11 @@ absl::Status KaraKVService::DoAppend(const std::string& session_id, const v1::Ap
   if (req.num_query_tokens() > 0 || req.q().location_case() != v1::TensorRef::LOCATION_NOT_SET) {
     if (auto s = resolve_input(req.q(), staging->get(), "q", &q); !s.ok()) return s;
   }
-  auto r = core_->append(session_id, req.sequence_id(), int64_t{req.num_tokens()},
-                             k.bytes, v.bytes, q.bytes, int64_t{req.num_query_tokens()},
-                             absl::MakeConstSpan(req.token_ids().data(), req.token_ids_size()));
+  auto r = in_stream_order(staging->get(), [&](bool) {
+    return core_->append(session_id, req.sequence_id(), int64_t{req.num_tokens()}, k.bytes, v.bytes, q.bytes,
+                         int64_t{req.num_query_tokens()},
+                         absl::MakeConstSpan(req.token_ids().data(), req.token_ids_size()));
+  });
   if (!r.ok()) return r.status();
   reply->set_length(static_cast<uint32_t>(*r));
   return absl::OkStatus();
@@ -369,7 +373,10 @@ absl::Status KaraKVService::Handle(const v1::StepRequest& req, v1::StepReply* re
   call.q = q.bytes;
   if (out.ok()) call.out = *out;
   call.scale = req.scale();
-  auto r = gate_.step(call, resolution);
+  auto r = in_stream_order(resolution.ok() ? staging->get() : nullptr, [&](bool ordered) {
+    call.stream_ordered = ordered;
+    return gate_.step(call, resolution);
+  });
   if (!r.ok()) {
     reply->clear_out();
     return r.status();
@@ -398,7 +405,10 @@ absl::Status KaraKVService::Handle(const v1::AttendRequest& req, v1::AttendReply
   call.q = q.bytes;
   if (out.ok()) call.out = *out;
   call.scale = req.scale();
-  absl::Status s = gate_.attend(call, resolution);
+  absl::Status s = in_stream_order(resolution.ok() ? staging->get() : nullptr, [&](bool ordered) {
+    call.stream_ordered = ordered;
+    return gate_.attend(call, resolution);
+  });
   if (!s.ok()) reply->clear_out();
   return s;
 }
@@ -422,7 +432,7 @@ absl::Status KaraKVService::DoReadKV(const v1::ReadKVRequest& req, v1::ReadKVRep
     t.positions = *p;
     return t;
   };
-  auto r = core_->read_kv(req.session_id(), req.sequence_id(), targets);
+  auto r = in_stream_order(staging->get(), [&](bool) { return core_->read_kv(req.session_id(), req.sequence_id(), targets); });
   if (!r.ok()) {
     reply->Clear();
     return r.status();

@@ -30,7 +30,8 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
                                                               uint64_t staging_bytes,
                                                               const std::string& cache_namespace,
                                                               uint64_t reserved_bytes,
-                                                              StagingKind staging_kind) const {
+                                                              StagingKind staging_kind,
+                                                              const std::string& worker_event_handle) const {
   if (!cache_namespace.empty() && !limits_.prefix_cache_shared_namespaces) {
     return absl::PermissionDeniedError(absl::StrCat(
         "cache_namespace '", cache_namespace, "' asked for, but this daemon keeps each tenant's cached prompts "
@@ -40,6 +41,11 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
     return absl::InvalidArgumentError(absl::StrCat("staging_bytes ", staging_bytes, " exceeds the daemon's limit of ",
                                                    limits_.max_staging_bytes,
                                                    " (karakvd --max_staging_bytes); ask for less"));
+  }
+  if (!worker_event_handle.empty() && staging_kind == StagingKind::kShm) {
+    return absl::InvalidArgumentError(
+        "worker_event_ipc_handle orders device staging by CUDA events; with SHM staging there is no device work "
+        "to order: attach with staging_kind CUDA_IPC or CUDA_VMM_FD, or without the event");
   }
   Admission a;
   if (staging_kind != StagingKind::kShm) {
@@ -57,6 +63,10 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
     }
     auto region = device_staging_->acquire(staging_bytes, tenant, staging_kind);
     if (!region.ok()) return region.status();
+    if (!worker_event_handle.empty()) {
+      if (absl::Status s = (*region)->order_by_events(worker_event_handle); !s.ok()) return s;
+      a.result.staging_event_ipc_handle = (*region)->event_ipc_handle();
+    }
     a.result.staging_bytes = (*region)->size();
     a.result.staging_ipc_handle = (*region)->ipc_handle();
     a.result.staging_device = (*region)->device();

@@ -68,7 +68,8 @@ class SessionTable {
   };
   absl::StatusOr<Admission> prepare(const std::string& worker_id, const std::string& tenant, uint64_t staging_bytes,
                                     const std::string& cache_namespace, uint64_t reserved_bytes,
-                                    StagingKind staging_kind = StagingKind::kShm) const;
+                                    StagingKind staging_kind = StagingKind::kShm,
+                                    const std::string& worker_event_handle = "") const;
   // RESOURCE_EXHAUSTED at --max_sessions.
   absl::Status add(Admission admission);
 

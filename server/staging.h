@@ -10,11 +10,20 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "karakv/kernels/backend.h"
 
 namespace karakv::server {
 
 enum class StagingKind { kShm, kCudaIpc, kCudaVmmFd };
 const char* staging_kind_name(StagingKind kind);  // "shm", "cuda_ipc", "cuda_vmm_fd"
+
+// Stream-ordered device staging (AttachRequest.worker_event_ipc_handle): the worker's event, after
+// whose last record a request's device work starts, and the daemon's, recorded after it, on the
+// backend's stream. Neither side's host waits for the other's GPU work.
+struct StagingEvents {
+  kernels::SharedEvent worker;  // opened from the worker's handle
+  kernels::SharedEvent daemon;  // made here; its handle goes to the worker in AttachReply
+};
 
 // What requests see of a staging region, whichever memory it is.
 class Staging {
@@ -29,11 +38,36 @@ class Staging {
   bool on_device() const { return kind() != StagingKind::kShm; }
   // Unique per device region this daemon handed out; 0 for shm.
   virtual uint64_t generation() const { return 0; }
+  // The session's events when its device staging is stream-ordered, else null.
+  virtual const StagingEvents* events() const { return nullptr; }
+  // Stream order (events() set): queue, on the backend's stream, the wait for the worker's latest
+  // record before a request's device work, or the daemon's record after it. OK and nothing queued
+  // for other regions. A failed record waits for the device work on the host, so the reply still
+  // means the work is done.
+  virtual absl::Status order_after_worker() const { return absl::OkStatus(); }
+  virtual absl::Status order_before_worker() const { return absl::OkStatus(); }
 
   // Resolves [offset, offset + length) to a pointer, refusing ranges outside the region or not
   // aligned to `align` bytes. `what` names the tensor in the error message.
   absl::StatusOr<uint8_t*> resolve(uint64_t offset, uint64_t length, size_t align, const char* what) const;
 };
+
+// Runs `request(stream_ordered)` (returning absl::Status or absl::StatusOr) in the stream order of
+// `staging` (null: a request with no tensor in staging): between the wait for the worker's event
+// and the daemon's record when the region is stream-ordered, else as it is.
+template <typename Request>
+auto in_stream_order(const Staging* staging, Request&& request) -> decltype(request(false)) {
+  using Result = decltype(request(false));
+  const bool ordered = staging != nullptr && staging->events() != nullptr;
+  if (ordered) {
+    if (absl::Status s = staging->order_after_worker(); !s.ok()) return Result(s);
+  }
+  Result r = request(ordered);
+  if (ordered) {
+    if (absl::Status s = staging->order_before_worker(); !s.ok() && r.ok()) return Result(s);
+  }
+  return r;
+}
 
 // The generation a request names against its session's region: OK when they match; a request
 // without one (0) is accepted for shm and refused for device staging. FAILED_PRECONDITION names

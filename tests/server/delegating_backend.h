@@ -142,6 +142,15 @@ class DelegatingBackend : public kernels::Backend {
     Guard in_call(*this);
     return inner_->gather_tokens(kv, seq, kept, num_kept, dst_blocks);
   }
+  void set_deferred(bool on) override { inner_->set_deferred(on); }
+  KernelStatus synchronize() override { return inner_->synchronize(); }
+  KernelStatus create_shared_event(kernels::SharedEvent* out) override { return inner_->create_shared_event(out); }
+  KernelStatus open_shared_event(const std::string& handle, kernels::SharedEvent* out) override {
+    return inner_->open_shared_event(handle, out);
+  }
+  void destroy_shared_event(kernels::SharedEvent* event) override { inner_->destroy_shared_event(event); }
+  KernelStatus wait_event(const kernels::SharedEvent& event) override { return inner_->wait_event(event); }
+  KernelStatus record_event(const kernels::SharedEvent& event) override { return inner_->record_event(event); }
 
  protected:
   // Called around every call passed on, e.g. to let the inner backend at memory the test otherwise

@@ -307,5 +307,209 @@ TEST(DeviceStagingCoreTest, DeviceTensorsGoThroughTheBackendAndGiveTheHostResult
   for (size_t i = 0; i < want.outputs.size(); ++i) EXPECT_EQ(got.outputs[i], want.outputs[i]) << "output " << i;
 }
 
+
+// Stream order without a GPU: the CPU backend plus heap "device staging" and events that only log
+// what is done with them, so the order of waits, records, deferrals and host waits around a
+// request is checked here; the CUDA events themselves run in tests/integration on a GPU.
+class EventLogBackend final : public karakv::testing::DelegatingBackend {
+ public:
+  EventLogBackend() : DelegatingBackend(kn::make_cpu_backend(1)) {}
+  ~EventLogBackend() override { EXPECT_EQ(live_events_, 0) << "events not destroyed"; }
+  bool shares_device_memory() const override { return true; }
+  KernelStatus allocate_shared(size_t bytes, kn::SharedDeviceMemory* out) override {
+    out->ptr = std::calloc(1, bytes);
+    out->bytes = bytes;
+    out->device = 0;
+    out->ipc_handle.assign(64, 'm');
+    return KernelStatus::ok();
+  }
+  void free_shared(const kn::SharedDeviceMemory& m) override { std::free(m.ptr); }
+
+  void set_deferred(bool on) override { log.push_back(on ? "defer" : "undefer"); }
+  KernelStatus synchronize() override {
+    log.push_back("synchronize");
+    return KernelStatus::ok();
+  }
+  KernelStatus create_shared_event(kn::SharedEvent* out) override {
+    out->event = &daemon_;
+    out->ipc_handle.assign(64, 'd');
+    ++live_events_;
+    return KernelStatus::ok();
+  }
+  KernelStatus open_shared_event(const std::string& handle, kn::SharedEvent* out) override {
+    EXPECT_EQ(handle, std::string(64, 'w'));
+    out->event = &worker_;
+    ++live_events_;
+    return KernelStatus::ok();
+  }
+  void destroy_shared_event(kn::SharedEvent* e) override {
+    if (e->event == nullptr) return;
+    log.push_back(e->event == &worker_ ? "destroy worker" : "destroy daemon");
+    e->event = nullptr;
+    --live_events_;
+  }
+  KernelStatus wait_event(const kn::SharedEvent& e) override {
+    log.push_back(e.event == &worker_ ? "wait worker" : "wait ?");
+    return KernelStatus::ok();
+  }
+  KernelStatus record_event(const kn::SharedEvent& e) override {
+    log.push_back(e.event == &daemon_ ? "record daemon" : "record ?");
+    if (fail_record_) return {KernelStatus::Code::kInternal, "cudaEventRecord: cudaErrorLaunchFailure (fake)"};
+    return KernelStatus::ok();
+  }
+  KernelStatus write_step_kv(const PagedKV& kv, int layer, const int32_t* positions, const void* k,
+                             const void* v) override {
+    log.push_back("write_step_kv");
+    return DelegatingBackend::write_step_kv(kv, layer, positions, k, v);
+  }
+  KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
+    log.push_back("decode_attention");
+    return DelegatingBackend::decode_attention(kv, layer, q, out, scale);
+  }
+
+  std::vector<std::string> log;
+  bool fail_record_ = false;
+
+ private:
+  int worker_ = 0, daemon_ = 0, live_events_ = 0;
+};
+
+TEST(StreamOrderTest, AHandleOfTheWrongSizeOrABackendWithoutEventsIsRefused) {
+  EventLogBackend events;
+  auto pool = DeviceStagingPool::create(events, 8 * kMiB2);
+  auto r = pool->acquire(kMiB2, "t");
+  ASSERT_TRUE(r.ok()) << r.status();
+  absl::Status s = (*r)->order_by_events(std::string(10, 'w'));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("10 bytes; expected the 64 bytes of a cudaIpcEventHandle_t"));
+  EXPECT_EQ((*r)->events(), nullptr);
+
+  FakeDeviceBackend plain;  // device staging, but no events (Backend's defaults)
+  auto plain_pool = DeviceStagingPool::create(plain, 8 * kMiB2);
+  auto p = plain_pool->acquire(kMiB2, "t");
+  ASSERT_TRUE(p.ok());
+  s = (*p)->order_by_events(std::string(64, 'w'));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("fake-device backend has no device events"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("attach without one"));
+  EXPECT_EQ((*p)->events(), nullptr);
+}
+
+TEST(StreamOrderTest, ARequestRunsBetweenTheWaitForTheWorkerAndTheDaemonsRecord) {
+  EventLogBackend backend;
+  auto pool = DeviceStagingPool::create(backend, 8 * kMiB2);
+  {
+    auto r = pool->acquire(kMiB2, "t");
+    ASSERT_TRUE(r.ok());
+    ASSERT_TRUE((*r)->order_by_events(std::string(64, 'w')).ok());
+    EXPECT_EQ((*r)->event_ipc_handle(), std::string(64, 'd'));
+    ASSERT_NE((*r)->events(), nullptr);
+    auto got = in_stream_order(r->get(), [&](bool ordered) -> absl::StatusOr<int> {
+      backend.log.push_back(ordered ? "request ordered" : "request plain");
+      return 7;
+    });
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(*got, 7);
+    EXPECT_EQ(backend.log, (std::vector<std::string>{"wait worker", "request ordered", "record daemon"}));
+    // A failed request is still followed by the record: the worker's stream waits on it either way.
+    backend.log.clear();
+    absl::Status failed = in_stream_order(r->get(), [&](bool) { return absl::InvalidArgumentError("refused"); });
+    EXPECT_EQ(failed.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(backend.log, (std::vector<std::string>{"wait worker", "record daemon"}));
+    // A record that fails waits for the request's work on the host and fails the request.
+    backend.log.clear();
+    backend.fail_record_ = true;
+    failed = in_stream_order(r->get(), [&](bool) { return absl::OkStatus(); });
+    backend.fail_record_ = false;
+    EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
+    EXPECT_THAT(std::string(failed.message()), HasSubstr("recording the daemon's event"));
+    EXPECT_THAT(std::string(failed.message()), HasSubstr("waited for on the host"));
+    EXPECT_EQ(backend.log, (std::vector<std::string>{"wait worker", "record daemon", "synchronize"}));
+    backend.log.clear();
+  }  // the region's last reference: both events go with it
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"destroy worker", "destroy daemon"}));
+
+  // A region without events, and a request with no tensor in staging, run as they are.
+  backend.log.clear();
+  auto plain = pool->acquire(kMiB2, "u");
+  ASSERT_TRUE(plain.ok());
+  for (const Staging* staging : {static_cast<const Staging*>(plain->get()), static_cast<const Staging*>(nullptr)}) {
+    absl::Status s = in_stream_order(staging, [&](bool ordered) {
+      backend.log.push_back(ordered ? "request ordered" : "request plain");
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(s.ok());
+  }
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"request plain", "request plain"}));
+}
+
+// A Step's two kernels queue without a host wait between them; a plain Step waits once at its end,
+// a stream-ordered one not at all; the outputs are the same.
+TEST(StreamOrderTest, AStepWaitsOnceOrNotAtAllAndGivesTheSameOutputs) {
+  auto backend_owner = std::make_unique<EventLogBackend>();
+  EventLogBackend& backend = *backend_owner;
+  CoreConfig c;
+  c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16);
+  c.pool_bytes = 64 * c.geometry.block_bytes();
+  c.max_device_staging_bytes = 8 * kMiB2;
+  auto core = Core::create(c, std::move(backend_owner));
+  ASSERT_TRUE(core.ok()) << core.status();
+  Core& k = **core;
+
+  auto shm = k.attach("w", "t", 1 << 16, kn::Geometry{}, "", 0, StagingKind::kShm, "", std::string(64, 'w'));
+  ASSERT_FALSE(shm.ok());
+  EXPECT_EQ(shm.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(shm.status().message()), HasSubstr("attach with staging_kind CUDA_IPC or CUDA_VMM_FD"));
+
+  auto a = k.attach("w", "t", kMiB2, kn::Geometry{}, "", 0, StagingKind::kCudaIpc, "", std::string(64, 'w'));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->staging_event_ipc_handle, std::string(64, 'd'));
+  auto staging = k.staging(a->session_id);
+  ASSERT_TRUE(staging.ok());
+  ASSERT_NE((*staging)->events(), nullptr);
+
+  const kn::Geometry& g = c.geometry;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist;
+  auto random_bytes = [&](size_t bytes) {
+    std::vector<uint8_t> out(bytes);
+    for (size_t i = 0; i + 4 <= bytes; i += 4) {
+      const float f = dist(rng);
+      std::memcpy(out.data() + i, &f, 4);
+    }
+    return out;
+  };
+  std::vector<std::vector<uint8_t>> outputs[2];
+  for (int ordered = 0; ordered < 2; ++ordered) {
+    rng.seed(5);
+    auto id = k.create_sequence(a->session_id, SequenceOptions{});
+    ASSERT_TRUE(id.ok());
+    const auto pk = random_bytes(k.append_bytes(20)), pv = random_bytes(k.append_bytes(20));
+    ASSERT_TRUE(k.append(a->session_id, *id, 20, ConstBytes(pk.data(), pk.size()), ConstBytes(pv.data(), pv.size()),
+                         ConstBytes(), 0)
+                    .ok());
+    const uint64_t ids[] = {*id};
+    for (int layer = 0; layer < g.num_layers; ++layer) {
+      const auto sk = random_bytes(k.step_kv_bytes(1)), sv = random_bytes(k.step_kv_bytes(1)),
+                 q = random_bytes(k.q_bytes(1));
+      std::vector<uint8_t> out(k.q_bytes(1));
+      backend.log.clear();
+      auto r = k.step(a->session_id, layer, ids, ConstBytes(sk.data(), sk.size()), ConstBytes(sv.data(), sv.size()),
+                      ConstBytes(q.data(), q.size()), MutableBytes(out.data(), out.size()), 0, ordered == 1);
+      ASSERT_TRUE(r.ok()) << r.status();
+      std::vector<std::string> want = {"defer", "write_step_kv", "decode_attention", "undefer"};
+      if (!ordered) want.push_back("synchronize");
+      EXPECT_EQ(backend.log, want) << "layer " << layer << (ordered ? ", stream-ordered" : "");
+      outputs[ordered].push_back(out);
+    }
+    ASSERT_TRUE(k.release_sequence(a->session_id, *id).ok());
+  }
+  EXPECT_EQ(outputs[0], outputs[1]);
+  backend.log.clear();
+  ASSERT_TRUE(k.detach(a->session_id).ok());
+  staging->reset();
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"destroy worker", "destroy daemon"}));
+}
+
 }  // namespace
 }  // namespace karakv::server
