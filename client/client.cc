@@ -94,6 +94,7 @@ struct Client::Impl {
   size_t staging_used = 0;
   size_t mapped_size = 0;
   DeviceImport device;  // Staging::kDevice: the imported region (staging points into it)
+  DeviceEvents events;  // ClientOptions::stream_ordered
   uint64_t staging_generation = 0;
   std::unique_ptr<RingClient> ring;
   std::mutex ring_mu;  // the ring has one producer
@@ -369,6 +370,7 @@ absl::Status Client::Impl::attach_rpc(v1::AttachReply* reply) {
   req.set_fast_path(options.fast_path && options.staging_bytes > 0);
   if (options.staging == Staging::kDevice) req.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
   if (options.staging == Staging::kDeviceFd) req.set_staging_kind(v1::STAGING_KIND_CUDA_VMM_FD);
+  if (!events.worker_handle.empty()) req.set_worker_event_ipc_handle(events.worker_handle);
   if (options.geometry) *req.mutable_geometry() = to_proto(*options.geometry);
   grpc::ClientContext ctx;
   prepare(&ctx);
@@ -537,6 +539,21 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
   if (!creds.ok()) return creds.status();
   impl->channel = grpc::CreateCustomChannel(options.target, *creds, args);
   impl->stub = v1::KaraKV::NewStub(impl->channel);
+  if (options.stream_ordered) {
+    if (options.staging == Staging::kShm) {
+      return absl::InvalidArgumentError(
+          "ClientOptions.stream_ordered orders device staging by CUDA events: set staging to kDevice or kDeviceFd, "
+          "or leave stream_ordered false");
+    }
+    if (auto s = create_worker_event(&impl->events); !s.ok()) return s;
+  }
+  // An Attach that fails below leaves nothing of ours in karakvd to use the event: drop it.
+  struct EventsOnFailure {
+    Impl* impl;
+    ~EventsOnFailure() {
+      if (impl != nullptr) destroy_worker_event(&impl->events);
+    }
+  } events_on_failure{impl.get()};
 
   v1::AttachReply reply;
   if (auto s = impl->attach_rpc(&reply); !s.ok()) return s;
@@ -546,8 +563,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
   impl->geometry = from_proto(reply.geometry());
   impl->lease_seconds = reply.lease_seconds();
   impl->attached = true;
+  events_on_failure.impl = nullptr;  // from here the client's destructor detaches, then drops it
   std::unique_ptr<Client> client(new Client(std::move(impl)));
   Impl& im = *client->impl_;
+  if (options.stream_ordered) {
+    if (reply.staging_event_ipc_handle().empty()) {
+      return absl::FailedPreconditionError(
+          "Attach: stream_ordered, but karakvd answered without its event (a karakvd without stream-ordered "
+          "staging); attach without stream_ordered");
+    }
+    if (auto s = open_daemon_event(reply.staging_event_ipc_handle(), &im.events); !s.ok()) return s;
+  }
 
   if (reply.staging_kind() == v1::STAGING_KIND_CUDA_IPC) {
     auto imported = import_device_staging(reply.staging_ipc_handle(), reply.staging_device(), reply.staging_bytes());
@@ -641,6 +667,8 @@ Client::~Client() {
   } else if (impl_->staging) {
     munmap(impl_->staging, impl_->mapped_size);
   }
+  close_daemon_event(&impl_->events);
+  destroy_worker_event(&impl_->events);
   if (impl_->ring_map != nullptr) munmap(impl_->ring_map, impl_->ring_map_size);
 }
 
@@ -658,13 +686,21 @@ absl::Status Client::Detach() {
     impl_->staging = nullptr;
     impl_->staging_size = 0;
   }
+  close_daemon_event(&impl_->events);
   v1::DetachRequest req;
   req.set_session_id(impl_->session());
   v1::DetachReply reply;
   grpc::ClientContext ctx;
   impl_->prepare(&ctx);
-  return from_grpc(impl_->stub->Detach(&ctx, req, &reply), "Detach");
+  absl::Status s = from_grpc(impl_->stub->Detach(&ctx, req, &reply), "Detach");
+  // karakvd waits on the worker's event until the session is gone: only now may it be destroyed.
+  destroy_worker_event(&impl_->events);
+  return s;
 }
+
+bool Client::stream_ordered() const { return impl_->events.daemon != nullptr; }
+absl::Status Client::inputs_written(void* stream) { return record_worker_event(impl_->events, stream); }
+absl::Status Client::wait_outputs(void* stream) { return wait_daemon_event(impl_->events, stream); }
 
 const Geometry& Client::geometry() const { return impl_->geometry; }
 const std::string& Client::session_id() const { return impl_->session_id; }

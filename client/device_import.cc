@@ -54,7 +54,87 @@ void close_device_staging(DeviceImport* import) {
   *import = DeviceImport{};
 }
 
+namespace {
+absl::Status cuda_failed(const char* what, cudaError_t err, const char* hint = "") {
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")", hint));
+}
+}  // namespace
+
+absl::Status create_worker_event(DeviceEvents* events) {
+  cudaEvent_t e = nullptr;
+  if (cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming); err != cudaSuccess)
+    return cuda_failed("stream_ordered: cudaEventCreateWithFlags(cudaEventInterprocess | cudaEventDisableTiming)", err);
+  cudaIpcEventHandle_t h;
+  if (cudaError_t err = cudaIpcGetEventHandle(&h, e); err != cudaSuccess) {
+    cudaEventDestroy(e);
+    return cuda_failed("stream_ordered: cudaIpcGetEventHandle", err);
+  }
+  events->worker = e;
+  events->worker_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  return absl::OkStatus();
+}
+
+absl::Status open_daemon_event(const std::string& handle, DeviceEvents* events) {
+  cudaIpcEventHandle_t h;
+  if (handle.size() != sizeof(h)) {
+    return absl::InternalError(absl::StrCat("Attach: staging_event_ipc_handle has ", handle.size(),
+                                            " bytes, expected ", sizeof(h), " (SDK and karakvd disagree)"));
+  }
+  std::memcpy(&h, handle.data(), sizeof(h));
+  cudaEvent_t e = nullptr;
+  if (cudaError_t err = cudaIpcOpenEventHandle(&e, h); err != cudaSuccess)
+    return cuda_failed("Attach: cudaIpcOpenEventHandle of karakvd's event", err,
+                       "; the worker must see karakvd's process and GPU, or attach without stream_ordered");
+  events->daemon = e;
+  return absl::OkStatus();
+}
+
+absl::Status record_worker_event(const DeviceEvents& events, void* stream) {
+  if (events.worker == nullptr)
+    return absl::FailedPreconditionError("inputs_written: this client is not stream-ordered (ClientOptions::stream_ordered)");
+  if (cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(events.worker), static_cast<cudaStream_t>(stream));
+      err != cudaSuccess)
+    return cuda_failed("inputs_written: cudaEventRecord", err);
+  return absl::OkStatus();
+}
+
+absl::Status wait_daemon_event(const DeviceEvents& events, void* stream) {
+  if (events.daemon == nullptr)
+    return absl::FailedPreconditionError("wait_outputs: this client is not stream-ordered (ClientOptions::stream_ordered)");
+  if (cudaError_t err = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(events.daemon), 0);
+      err != cudaSuccess)
+    return cuda_failed("wait_outputs: cudaStreamWaitEvent", err);
+  return absl::OkStatus();
+}
+
+void close_daemon_event(DeviceEvents* events) {
+  if (events->daemon != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(events->daemon));
+  events->daemon = nullptr;
+}
+
+void destroy_worker_event(DeviceEvents* events) {
+  if (events->worker != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(events->worker));
+  events->worker = nullptr;
+  events->worker_handle.clear();
+}
+
 #else
+
+absl::Status create_worker_event(DeviceEvents*) {
+  return absl::FailedPreconditionError(
+      "Attach: stream_ordered needs the SDK built with CUDA (nvcc found at build time); this libkarakv_client was "
+      "built without it");
+}
+absl::Status open_daemon_event(const std::string&, DeviceEvents*) { return create_worker_event(nullptr); }
+absl::Status record_worker_event(const DeviceEvents&, void*) {
+  return absl::FailedPreconditionError("inputs_written: this client is not stream-ordered (ClientOptions::stream_ordered)");
+}
+absl::Status wait_daemon_event(const DeviceEvents&, void*) {
+  return absl::FailedPreconditionError("wait_outputs: this client is not stream-ordered (ClientOptions::stream_ordered)");
+}
+void close_daemon_event(DeviceEvents*) {}
+void destroy_worker_event(DeviceEvents*) {}
 
 absl::StatusOr<DeviceImport> import_device_staging(const std::string&, int, uint64_t) {
   return absl::FailedPreconditionError(

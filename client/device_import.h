@@ -26,6 +26,24 @@ absl::StatusOr<DeviceImport> import_device_staging(const std::string& handle, in
 // and closes the descriptor. `bytes`: AttachReply.staging_bytes, which the daemon's answer must match.
 absl::StatusOr<DeviceImport> import_device_staging_fd(const std::string& fd_socket, const std::string& session_id,
                                                       uint64_t generation, uint64_t bytes);
+// Stream-ordered device staging (ClientOptions::stream_ordered): the worker's interprocess event,
+// recorded after a request's inputs, and the daemon's, which the worker's stream waits on.
+struct DeviceEvents {
+  void* worker = nullptr;     // cudaEvent_t made here with cudaEventInterprocess | cudaEventDisableTiming
+  std::string worker_handle;  // its cudaIpcEventHandle_t, sent in AttachRequest.worker_event_ipc_handle
+  void* daemon = nullptr;     // cudaEvent_t opened from AttachReply.staging_event_ipc_handle
+};
+// Makes the worker's event on the current device. FAILED_PRECONDITION without CUDA in this SDK.
+absl::Status create_worker_event(DeviceEvents* events);
+absl::Status open_daemon_event(const std::string& handle, DeviceEvents* events);
+// cudaEventRecord(worker, stream) / cudaStreamWaitEvent(stream, daemon); stream: a cudaStream_t.
+absl::Status record_worker_event(const DeviceEvents& events, void* stream);
+absl::Status wait_daemon_event(const DeviceEvents& events, void* stream);
+// Destroys the daemon's event (before Detach) or the worker's (after Detach: karakvd may use it
+// until then); each reset to null. Safe on null events.
+void close_daemon_event(DeviceEvents* events);
+void destroy_worker_event(DeviceEvents* events);
+
 // Closes the mapping (cudaIpcCloseMemHandle, or for VMM: unmap, free the address range, release
 // the handle); *import is reset. Safe on an empty import.
 void close_device_staging(DeviceImport* import);

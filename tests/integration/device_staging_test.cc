@@ -5,9 +5,14 @@
 // tenant only under a new generation. Without a GPU those print "no device" and skip. Everywhere:
 // the SDK's device staging on a CPU daemon is refused with a message naming the fix. The VMM path
 // (Staging::kDeviceFd: a cuMemCreate allocation whose file descriptor comes over karakvd's staging
-// fd socket) runs the same script on a GPU.
+// fd socket) runs the same script on a GPU, and so does a stream-ordered worker (CUDA events
+// instead of host waits, ClientOptions::stream_ordered) whose input copies land late on purpose.
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -62,6 +67,33 @@ TEST_P(DeviceStagingKindTest, TheSdkOnACpuDaemonIsRefusedNamingTheFix) {
   EXPECT_EQ((*shm)->staging_generation(), 0u);
 }
 
+// Stream order is for device staging: asked for with shm staging, the SDK refuses before it calls.
+TEST(DeviceStagingTest, StreamOrderWithShmStagingIsRefusedNamingTheFix) {
+  ClientOptions o;
+  o.target = "unix:/nonexistent/karakv.sock";
+  o.staging = Staging::kShm;
+  o.stream_ordered = true;
+  auto c = Client::Attach(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("set staging to kDevice or kDeviceFd"));
+}
+
+// karakvd refuses a worker event with shm staging, naming the kinds it orders.
+TEST(DeviceStagingTest, AWorkerEventWithShmStagingIsRefusedByTheDaemon) {
+  Daemon d(geometry_flags("cpu"));
+  ASSERT_TRUE(d.ready());
+  auto stub = v1::KaraKV::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  v1::AttachRequest req;
+  req.set_staging_bytes(1 << 20);
+  req.set_worker_event_ipc_handle(std::string(64, '\1'));
+  v1::AttachReply reply;
+  grpc::ClientContext ctx;
+  const grpc::Status s = stub->Attach(&ctx, req, &reply);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("attach with staging_kind CUDA_IPC or CUDA_VMM_FD"));
+}
+
 #if KARAKV_DEVICE_TEST_CUDA
 
 // Why device tests cannot run here, or empty.
@@ -83,18 +115,48 @@ std::string no_device_reason() {
 
 // One worker's buffers, wherever its staging lives: host data goes in with put() (device staging:
 // cudaMemcpy, then cudaDeviceSynchronize, the worker's half of the ordering contract) and comes out
-// with get().
+// with get(). Stream-ordered (stream set): put() queues the copy on the worker's stream behind a
+// host function that holds the stream for 2 ms, from pinned memory, and returns at once, so the
+// inputs land well after the request is sent: a daemon that did not wait on the worker's event
+// would read the previous bytes. before() and after() go around every request.
 struct Worker {
   std::unique_ptr<Client> client;
   bool device = false;
+  cudaStream_t stream = nullptr;
+  std::vector<std::shared_ptr<void>> pinned;  // the in-flight copies' host sides
+  std::shared_ptr<CUstream_st> stream_owner;  // finishes and destroys `stream` first (then pinned, client)
   Buffer alloc(size_t bytes) {
     auto b = client->alloc(bytes);
     EXPECT_TRUE(b.ok()) << b.status();
     return *b;
   }
+  void before() {
+    if (stream != nullptr) {
+      EXPECT_TRUE(client->inputs_written(stream).ok());
+    }
+  }
+  void after() {
+    if (stream != nullptr) {
+      EXPECT_TRUE(client->wait_outputs(stream).ok());
+    }
+  }
+  void* pinned_copy(const void* p, size_t bytes) {
+    void* h = nullptr;
+    EXPECT_EQ(cudaMallocHost(&h, std::max<size_t>(bytes, 4)), cudaSuccess);
+    if (bytes > 0) std::memcpy(h, p, bytes);
+    pinned.emplace_back(h, [](void* q) { cudaFreeHost(q); });
+    return h;
+  }
   Buffer put(const std::vector<float>& host) {
     Buffer b = alloc(host.size() * 4);
-    if (device) {
+    if (stream != nullptr) {
+      EXPECT_EQ(cudaLaunchHostFunc(
+                    stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }, nullptr),
+                cudaSuccess);
+      EXPECT_EQ(cudaMemcpyAsync(b.data(), pinned_copy(host.data(), host.size() * 4), host.size() * 4,
+                                cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+    } else if (device) {
       EXPECT_EQ(cudaMemcpy(b.data(), host.data(), host.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     } else {
@@ -104,7 +166,14 @@ struct Worker {
   }
   std::vector<float> get(const Buffer& b) {
     std::vector<float> host(b.size() / 4);
-    if (device) {
+    if (stream != nullptr) {
+      void* h = nullptr;
+      EXPECT_EQ(cudaMallocHost(&h, std::max<size_t>(b.size(), 4)), cudaSuccess);
+      EXPECT_EQ(cudaMemcpyAsync(h, b.data(), b.size(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      std::memcpy(host.data(), h, b.size());
+      cudaFreeHost(h);
+    } else if (device) {
       EXPECT_EQ(cudaMemcpy(host.data(), b.data(), b.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     } else {
       std::memcpy(host.data(), b.data(), b.size());
@@ -114,10 +183,11 @@ struct Worker {
 };
 
 Worker attach_kind(const Daemon& d, Staging staging, const std::string& tenant = "default",
-                   bool fast_path = false) {
+                   bool fast_path = false, bool stream_ordered = false) {
   const bool device = staging != Staging::kShm;
   ClientOptions o;
   o.fast_path = fast_path;
+  o.stream_ordered = stream_ordered;
   o.target = d.target();
   o.tenant = tenant;
   o.staging_bytes = 8 << 20;
@@ -129,6 +199,14 @@ Worker attach_kind(const Daemon& d, Staging staging, const std::string& tenant =
   w.client = std::move(*c);
   w.device = device;
   EXPECT_EQ(w.client->device_staging(), device);
+  EXPECT_EQ(w.client->stream_ordered(), stream_ordered);
+  if (stream_ordered) {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking), cudaSuccess);
+    w.stream_owner.reset(w.stream, [](cudaStream_t s) {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    });
+  }
   return w;
 }
 
@@ -164,14 +242,18 @@ Outputs run_script(Worker& w) {
   // device staging, which must name the region's generation as Append does).
   Buffer k = w.put(random_floats(c.append_bytes(prompt - batched) / 4, 1));
   Buffer v = w.put(random_floats(c.append_bytes(prompt - batched) / 4, 2));
+  w.before();
   auto appended = c.Append(*seq, prompt - batched, k, v);
+  w.after();
   EXPECT_TRUE(appended.ok()) << appended.status();
   AppendEntry entry;
   entry.sequence_id = *seq;
   entry.num_tokens = batched;
   entry.k = w.put(random_floats(c.append_bytes(batched) / 4, 3));
   entry.v = w.put(random_floats(c.append_bytes(batched) / 4, 4));
+  w.before();
   auto batch = c.AppendBatch({&entry, 1});
+  w.after();
   EXPECT_TRUE(batch.ok()) << batch.status();
   const uint64_t ids[] = {*seq};
   for (int s = 0; s < steps; ++s) {
@@ -182,7 +264,9 @@ Outputs run_script(Worker& w) {
       Buffer sv = w.put(random_floats(c.step_kv_bytes(1) / 4, seed + 1000));
       Buffer q = w.put(random_floats(c.q_bytes(1) / 4, seed + 2000));
       Buffer out = w.alloc(c.q_bytes(1));
+      w.before();
       auto r = c.Step(layer, ids, sk, sv, q, out);
+      w.after();
       EXPECT_TRUE(r.ok()) << r.status();
       o.steps.push_back(w.get(out));
     }
@@ -191,14 +275,18 @@ Outputs run_script(Worker& w) {
     c.reset_staging();
     Buffer q = w.put(random_floats(c.q_bytes(queries) / 4, 500 + layer));
     Buffer out = w.alloc(c.q_bytes(queries));
+    w.before();
     EXPECT_TRUE(c.Attend(*seq, layer, queries, q, out).ok());
+    w.after();
     o.attend.push_back(w.get(out));
   }
   c.reset_staging();
   const int total = prompt + steps;
   Buffer rk = w.alloc(c.append_bytes(total)), rv = w.alloc(c.append_bytes(total));
   Buffer rp = w.alloc(size_t(c.geometry().num_layers) * c.geometry().num_kv_heads * total * 4);
+  w.before();
   auto n = c.ReadKV(*seq, rk, rv, rp);
+  w.after();
   EXPECT_TRUE(n.ok()) << n.status();
   o.k = w.get(rk);
   o.v = w.get(rv);
@@ -253,6 +341,23 @@ TEST_P(DeviceStagingKindTest, FastPathOutputsEqualTheShmPath) {
   // Every Step and Attend of the script went through the ring; Append and ReadKV did not.
   const uint64_t layers = uint64_t(dev.client->geometry().num_layers);
   EXPECT_EQ(dev.client->ring_calls(), 3 * layers + layers);
+}
+
+// Stream-ordered by CUDA events, by gRPC and through the ring: the worker never synchronizes before
+// a request and its inputs land late (Worker::put), yet every output equals the shm path's.
+TEST_P(DeviceStagingKindTest, StreamOrderedOutputsEqualTheShmPath) {
+  SKIP_WITHOUT_DEVICE();
+  Daemon d(geometry_flags("cuda"));
+  ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
+  Worker shm = attach_kind(d, Staging::kShm);
+  ASSERT_TRUE(shm.client);
+  const Outputs want = run_script(shm);
+  for (bool fast_path : {false, true}) {
+    SCOPED_TRACE(fast_path ? "fast path" : "gRPC");
+    Worker dev = attach_kind(d, GetParam().staging, "default", fast_path, /*stream_ordered=*/true);
+    ASSERT_TRUE(dev.client);
+    expect_same_outputs(run_script(dev), want);
+  }
 }
 
 TEST(DeviceStagingTest, AStaleOrMissingGenerationIsRefusedAndNeverAliased) {

@@ -91,6 +91,13 @@ struct ClientOptions {
   Staging staging = Staging::kShm;
   // kDeviceFd: the daemon's staging fd socket; empty: "<path>.fd" of a "unix:<path>" target.
   std::string staging_fd_socket;
+  // kDevice / kDeviceFd: order requests by CUDA interprocess events instead of host waits
+  // (AttachRequest.worker_event_ipc_handle). Then, on the one stream that writes the staging
+  // region: queue a request's input writes, call inputs_written(stream), send the request (no
+  // synchronize), and call wait_outputs(stream) when it returns, before anything on that stream
+  // reads its outputs or writes the region again. karakvd replies as soon as its kernels are
+  // queued. Refused with shm staging.
+  bool stream_ordered = false;
   // When set, Attach fails unless the daemon serves exactly this geometry.
   std::optional<Geometry> geometry;
   // Sends Heartbeat from a background thread so the lease never runs out while attached.
@@ -273,6 +280,12 @@ class Client {
   // request that addresses it; karakvd refuses a stale one).
   bool device_staging() const;
   uint64_t staging_generation() const;
+  // ClientOptions::stream_ordered: whether this session is ordered by events, and the two calls
+  // around each request (stream: a cudaStream_t; see ClientOptions::stream_ordered).
+  // FAILED_PRECONDITION on a client that is not.
+  bool stream_ordered() const;
+  absl::Status inputs_written(void* stream);
+  absl::Status wait_outputs(void* stream);
   // Whether Step/Attend currently go through the fast path's ring (attached with fast_path, and
   // the ring was not closed). The rings follow the staging region: they start at offset
   // staging_bytes() of the same mapping.
