@@ -143,6 +143,7 @@ class CublasForward final : public GpuForward {
   absl::Status before_attention(int rows) override {
     if (absl::Status s = check_rows(rows); !s.ok()) return s;
     if (absl::Status s = gemm(w_qkv_, hidden_ + 2 * kv_, hidden_, x_, y_, rows, "QKV projection"); !s.ok()) return s;
+    if (queued_) return absl::OkStatus();
     return cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after the QKV projection");
   }
 
@@ -151,8 +152,12 @@ class CublasForward final : public GpuForward {
     if (absl::Status s = gemm(w_o_, hidden_, hidden_, x_, y_, rows, "output projection"); !s.ok()) return s;
     if (absl::Status s = gemm(w_gu_, 2 * mlp_, hidden_, y_, x_, rows, "MLP gate and up"); !s.ok()) return s;
     if (absl::Status s = gemm(w_down_, hidden_, mlp_, x_, y_, rows, "MLP down"); !s.ok()) return s;
+    if (queued_) return absl::OkStatus();
     return cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after the MLP");
   }
+
+  void* stream() const override { return stream_; }
+  void set_queued(bool queued) override { queued_ = queued; }
 
   std::string description() const override {
     int v = 0;
@@ -199,6 +204,7 @@ class CublasForward final : public GpuForward {
   const int hidden_, kv_, mlp_, max_batch_;
   const bool bf16_;
   cudaStream_t stream_ = nullptr;
+  bool queued_ = false;
   cublasHandle_t handle_ = nullptr;
   void *w_qkv_ = nullptr, *w_o_ = nullptr, *w_gu_ = nullptr, *w_down_ = nullptr, *x_ = nullptr, *y_ = nullptr;
   double weight_bytes_ = 0;

@@ -47,9 +47,13 @@ class GpuForward {
   virtual ~GpuForward() = default;
 
   // The products before a layer's attention (QKV) and after it (output projection and MLP) for
-  // `rows` rows (decode: one per sequence; prefill: the chunk's tokens), finished when they return.
+  // `rows` rows (decode: one per sequence; prefill: the chunk's tokens), finished when they return,
+  // or only queued on stream() after set_queued(true) (a stream-ordered worker).
   virtual absl::Status before_attention(int rows) = 0;
   virtual absl::Status after_attention(int rows) = 0;
+  // The worker's stream (a cudaStream_t) the products run on.
+  virtual void* stream() const = 0;
+  virtual void set_queued(bool queued) = 0;
 
   // "cuBLAS 13.0.0 (libcublas.so.13), one layer's weights 436 MB bf16, hidden 4096, MLP 14336".
   virtual std::string description() const = 0;

@@ -189,10 +189,11 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
 
 absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
                                                        const std::string& worker, karakv::Staging staging,
-                                                       bool fast_path) {
+                                                       bool fast_path, bool stream_ordered) {
   karakv::ClientOptions o;
   o.target = d.target;
   o.fast_path = fast_path;
+  o.stream_ordered = stream_ordered;
   o.staging = staging;
   o.staging_bytes = staging_bytes;
   o.worker_id = worker;

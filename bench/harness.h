@@ -228,7 +228,7 @@ absl::StatusOr<Daemon> start_karakvd(const TempDir& dir, const std::string& name
 absl::StatusOr<std::unique_ptr<karakv::Client>> attach(const Daemon& d, uint64_t staging_bytes,
                                                        const std::string& worker,
                                                        karakv::Staging staging = karakv::Staging::kShm,
-                                                       bool fast_path = false);
+                                                       bool fast_path = false, bool stream_ordered = false);
 
 // Policy parameters as a flag spells them, "name=value,name=value" (e.g. "budget=768,prompt=1");
 // `flag` names the flag in the error of an entry that is not name=number.

@@ -3,6 +3,7 @@
 // vs an empty unary gRPC call (Ping) on the same karakvd, interleaved (target p50 <= 2x; with
 // device staging on a GPU, <= 1x).
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,6 +31,10 @@ ABSL_FLAG(int32_t, p3_write_every, 1,
           "what they cost the daemon's next Step (the same staged values are appended again)");
 ABSL_FLAG(bool, p3_fast_path, false,
           "P3: attach with fast_path, so the Step goes through the command ring (with device staging too)");
+ABSL_FLAG(bool, p3_stream_ordered, false,
+          "P3: device staging ordered by CUDA events (ClientOptions::stream_ordered): the worker queues its "
+          "writes on its stream and does not wait for them, karakvd replies without waiting for its kernels; "
+          "adds a row for the Step until its output is on the worker's stream and read back");
 
 namespace karakv::bench {
 
@@ -41,7 +46,17 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   auto staging = parse_staging("p3_staging", absl::GetFlag(FLAGS_p3_staging));
   if (!staging.ok()) return staging.status();
   const bool fast_path = absl::GetFlag(FLAGS_p3_fast_path);
-  auto client = attach(*daemon, 1 << 16, "karakv-bench-p3", *staging, fast_path);
+  const bool ordered = absl::GetFlag(FLAGS_p3_stream_ordered);
+  if (ordered && *staging == karakv::Staging::kShm) {
+    return absl::InvalidArgumentError("--p3_stream_ordered orders device staging: add --p3_staging=device or device_fd");
+  }
+  std::unique_ptr<WorkerStream> stream;
+  if (ordered) {
+    auto s = WorkerStream::create();
+    if (!s.ok()) return s.status();
+    stream = std::move(*s);
+  }
+  auto client = attach(*daemon, 1 << 16, "karakv-bench-p3", *staging, fast_path, ordered);
   if (!client.ok()) return client.status();
   if (fast_path && !(*client)->fast_path()) {
     return absl::FailedPreconditionError("P3 --p3_fast_path: karakvd attached the session without its ring");
@@ -76,7 +91,7 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   }
   const int warmup = std::max(0, absl::GetFlag(FLAGS_p3_warmup));
   const int calls = std::max(1, absl::GetFlag(FLAGS_p3_calls));
-  std::vector<double> step_us, ping_us;
+  std::vector<double> step_us, ping_us, ready_us;
   step_us.reserve(calls);
   ping_us.reserve(calls);
   for (int i = 0; i < warmup + calls; ++i) {
@@ -90,8 +105,12 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
       karakv::synthetic::fill_token(kw.where(), g, 1, Tensor::kKey, seq, 0, length);
       karakv::synthetic::fill_token(vw.where(), g, 1, Tensor::kValue, seq, 0, length);
       karakv::synthetic::fill_query(qw.as<float>(), g, 1, seq, 0, length);
-      if (absl::Status s = flush_writes({&kw, &vw, &qw}); !s.ok()) return s;
+      absl::Status s = ordered ? flush_writes({&kw, &vw, &qw}, c, stream->get()) : flush_writes({&kw, &vw, &qw});
+      if (!s.ok()) return s;
+    } else if (ordered) {
+      if (absl::Status s = c.inputs_written(stream->get()); !s.ok()) return s;
     }
+    double ready_t = 0;
     const uint64_t ids[1] = {seq};
     double step_t = 0, ping_t = 0;
     // Alternate which call goes first so neither always follows the other.
@@ -103,6 +122,12 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
         step_t = seconds_since(start) * 1e6;
         if (!r.ok()) return r.status();
         ++length;
+        if (ordered) {
+          // The worker's view: its stream waits for karakvd's kernels, then it has the output.
+          if (absl::Status s = c.wait_outputs(stream->get()); !s.ok()) return s;
+          if (absl::Status s = stream->synchronize(); !s.ok()) return s;
+          ready_t = seconds_since(start) * 1e6;
+        }
       } else {
         absl::Status s = c.Ping();
         ping_t = seconds_since(start) * 1e6;
@@ -112,6 +137,7 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
     if (i >= warmup) {
       step_us.push_back(step_t);
       ping_us.push_back(ping_t);
+      if (ordered) ready_us.push_back(ready_t);
     }
   }
   progress(absl::StrFormat("P3 %d Step + %d Ping calls after %d warm-up", calls, calls, warmup));
@@ -125,8 +151,8 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
 
   std::vector<Row> rows;
   rows.push_back({"P3",
-                  absl::StrFormat("Step round trip p50 (1 seq, 1 layer, %s staging%s%s)", staging_name(*staging),
-                                  fast_path ? ", fast path" : "",
+                  absl::StrFormat("Step round trip p50 (1 seq, 1 layer, %s staging%s%s%s)", staging_name(*staging),
+                                  fast_path ? ", fast path" : "", ordered ? ", stream-ordered" : "",
                                   write_every >= warmup + calls ? ", staging written once"
                                   : write_every > 1 ? absl::StrFormat(", written every %d calls", write_every)
                                                     : ""),
@@ -134,6 +160,11 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
                   percentile(ping_us, 50), "us", false, Target{Target::Kind::kAtMost, device ? 1.0 : 2.0}});
   rows.push_back({"P3", "Step round trip p99", percentile(step_us, 99), "Ping p99 (empty gRPC)",
                   percentile(ping_us, 99), "us", false, std::nullopt});
+  if (ordered) {
+    // Comparable with a synchronous Step's round trip: the output is complete and the worker's host knows it.
+    rows.push_back({"P3", "Step until its output is ready on the worker's stream p50", percentile(ready_us, 50),
+                    "Ping p50 (empty gRPC)", percentile(ping_us, 50), "us", false, std::nullopt});
+  }
   return rows;
 }
 

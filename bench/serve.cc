@@ -82,6 +82,11 @@ ABSL_FLAG(uint64_t, serve_seed, 1, "serve: seed of the request lengths (every ru
 ABSL_FLAG(std::string, serve_staging, "shm",
           "serve: the workers' staging: shm, device (CUDA IPC; karakvd --backend=cuda) or device_fd (VMM over the "
           "staging fd socket)");
+ABSL_FLAG(bool, serve_stream_ordered, false,
+          "serve: device staging ordered by CUDA events (ClientOptions::stream_ordered): a worker queues its "
+          "writes (and with --serve_worker_compute=gemm its products) on one stream and waits on the host only "
+          "once per decode step, karakvd replies without waiting for its kernels; needs --serve_staging=device "
+          "or device_fd");
 ABSL_FLAG(bool, serve_recompute_windows, false,
           "serve: re-prefill a preempted Kara request with Kara's prompt=window, so that its windows "
           "compress the recomputed tokens (by default they count as prompt, which Kara keeps whole)");
@@ -231,10 +236,17 @@ struct WorkerSequence {
 class Worker {
  public:
   // forward: the model's matrix products on the GPU (--serve_worker_compute=gemm), or null (sleep).
+  // own_stream: a stream-ordered worker's stream when it has no forward pass (whose stream it uses).
   Worker(std::unique_ptr<karakv::Client> client, std::string policy, std::map<std::string, double> kara_params,
-         std::unique_ptr<GpuForward> forward)
+         std::unique_ptr<GpuForward> forward, std::unique_ptr<WorkerStream> own_stream)
       : c_(std::move(client)), g_(c_->geometry()), table_(g_), policy_(std::move(policy)),
-        kara_params_(std::move(kara_params)), device_(c_->device_staging()), forward_(std::move(forward)) {}
+        kara_params_(std::move(kara_params)), device_(c_->device_staging()), forward_(std::move(forward)),
+        own_stream_(std::move(own_stream)) {
+    if (c_->stream_ordered()) {
+      stream_ = forward_ ? forward_->stream() : own_stream_->get();
+      if (forward_) forward_->set_queued(true);
+    }
+  }
 
   // Executes one command message; returns the reply.
   std::string execute(const std::string& message, bool* quit) {
@@ -326,11 +338,13 @@ class Worker {
           std::memcpy(vw.where() + at, table_.v(req, l, done + t), kv);
         }
       }
-      if (absl::Status st = flush_writes({&kw, &vw}); !st.ok()) {
+      if (absl::Status st = write({&kw, &vw}); !st.ok()) {
         (void)c_->Release(*id);
         return st;
       }
-      if (auto r = c_->Append(*id, n, *k, *v); !r.ok()) {
+      auto r = c_->Append(*id, n, *k, *v);
+      if (absl::Status st = after_request(); !st.ok()) return st;
+      if (!r.ok()) {
         (void)c_->Release(*id);  // a refused Append leaves no trace; the sequence itself goes too
         return r.status();
       }
@@ -367,11 +381,12 @@ class Worker {
         std::memcpy(vw.where() + i * kv, table_.v(s.request, l, s.position), kv);
         std::memcpy(qw.as<float>() + i * qe, table_.q(s.request, l, s.position), qe * sizeof(float));
       }
-      if (absl::Status st = flush_writes({&kw, &vw, &qw}); !st.ok())
+      if (absl::Status st = write({&kw, &vw, &qw}); !st.ok())
         return absl::StrCat("error staging layer ", l, ": ", st.message(), "\n");
       const auto start = Clock::now();
       auto r = c_->Step(l, ids, *k, *v, *q, *out);
       in_step += seconds_since(start);
+      if (absl::Status st = after_request(); !st.ok()) return absl::StrCat("error ordering layer ", l, ": ", st.message(), "\n");
       if (!r.ok()) {
         // The pool check runs at layer 0, before anything changes: the step can be retried.
         if (l == 0 && absl::IsResourceExhausted(r.status())) return "step full 0\n";
@@ -381,6 +396,10 @@ class Worker {
         if (absl::Status st = forward_->after_attention(n); !st.ok())
           return absl::StrCat("error in layer ", l, "'s forward pass: ", st.message(), "\n");
       }
+    }
+    // A stream-ordered worker's one host wait per step: the model's output (its next token).
+    if (stream_ != nullptr) {
+      if (absl::Status st = synchronize_stream(stream_); !st.ok()) return absl::StrCat("error ", st.message(), "\n");
     }
     std::string reply = absl::StrFormat("step ok %.6f\n", in_step);
     for (auto it = seqs_.begin(); it != seqs_.end();) {
@@ -419,8 +438,18 @@ class Worker {
   TokenTable table_;
   std::string policy_;
   std::map<std::string, double> kara_params_;
+  // Writes into staging: finished before the call that reads them, or, stream-ordered, queued on
+  // the stream and marked for karakvd (flush_writes).
+  absl::Status write(std::initializer_list<StagedWrite*> writes) {
+    return stream_ != nullptr ? flush_writes(writes, *c_, stream_) : flush_writes(writes);
+  }
+  // Stream-ordered: the stream's next work (reading outputs, writing staging) after karakvd's.
+  absl::Status after_request() { return stream_ != nullptr ? c_->wait_outputs(stream_) : absl::OkStatus(); }
+
   bool device_;  // device staging: buffers are device pointers, written through StagedWrite
   std::unique_ptr<GpuForward> forward_;
+  std::unique_ptr<WorkerStream> own_stream_;
+  void* stream_ = nullptr;  // stream-ordered: the one stream of this worker's GPU work
   std::vector<WorkerSequence> seqs_;
 };
 
@@ -575,6 +604,7 @@ class Scheduler {
           "--serve_kara_params=" + absl::GetFlag(FLAGS_serve_kara_params),
           "--serve_staging=" + absl::GetFlag(FLAGS_serve_staging),
           "--serve_worker_compute=" + absl::GetFlag(FLAGS_serve_worker_compute),
+          absl::StrCat("--serve_stream_ordered=", absl::GetFlag(FLAGS_serve_stream_ordered)),
           absl::StrCat("--serve_mlp=", absl::GetFlag(FLAGS_serve_mlp)), "--serve_cublas=" + absl::GetFlag(FLAGS_serve_cublas),
           absl::StrCat("--serve_model_base_us=", absl::GetFlag(FLAGS_serve_model_base_us)),
           absl::StrCat("--serve_model_per_seq_us=", absl::GetFlag(FLAGS_serve_model_per_seq_us)),
@@ -997,6 +1027,10 @@ absl::StatusOr<ServeResult> run_serve(const TempDir& dir, const std::string& out
   if (!staging.ok()) return staging.status();
   auto compute = parse_worker_compute("serve_worker_compute", absl::GetFlag(FLAGS_serve_worker_compute));
   if (!compute.ok()) return compute.status();
+  if (absl::GetFlag(FLAGS_serve_stream_ordered) && *staging == karakv::Staging::kShm) {
+    return absl::InvalidArgumentError(
+        "--serve_stream_ordered orders device staging by CUDA events: it needs --serve_staging=device or device_fd");
+  }
   if (*compute == WorkerCompute::kGemm && *staging == karakv::Staging::kShm) {
     // The products stand in for a model on the GPU, whose K/V/Q are on the device: shm staging
     // would model a CPU worker.
@@ -1180,6 +1214,7 @@ int serve_worker_main() {
     return 1;
   }
   o.staging = *staging;
+  o.stream_ordered = absl::GetFlag(FLAGS_serve_stream_ordered);
   o.staging_bytes = 2 * (*probe)->append_bytes(256) + 2 * (*probe)->step_kv_bytes(max_batch) +
                     2 * (*probe)->q_bytes(max_batch) + (1 << 16);
   probe->reset();
@@ -1204,8 +1239,17 @@ int serve_worker_main() {
     forward = std::move(*f);
     std::fprintf(stderr, "serve-worker: forward pass on the GPU: %s\n", forward->description().c_str());
   }
+  std::unique_ptr<WorkerStream> own_stream;
+  if (o.stream_ordered && forward == nullptr) {
+    auto s = WorkerStream::create();
+    if (!s.ok()) {
+      std::fprintf(stderr, "serve-worker: --serve_stream_ordered: %s\n", s.status().ToString().c_str());
+      return 1;
+    }
+    own_stream = std::move(*s);
+  }
   Worker worker(std::move(*client), absl::GetFlag(FLAGS_serve_worker_policy), std::move(*kara_params),
-                std::move(forward));
+                std::move(forward), std::move(own_stream));
   if (!send_message(3, "ready\n").ok()) return 1;
   bool quit = false;
   while (!quit) {

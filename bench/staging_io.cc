@@ -31,10 +31,13 @@ StagedWrite::StagedWrite(karakv::Buffer& buffer, bool device) : buffer_(buffer),
   if (device_) host_.resize(buffer_.size());
 }
 
-absl::Status StagedWrite::flush() {
+absl::Status StagedWrite::flush(void* stream) {
   if (!device_) return absl::OkStatus();
 #if KARAKV_HAVE_CUDA
-  if (const cudaError_t err = cudaMemcpy(buffer_.data(), host_.data(), host_.size(), cudaMemcpyHostToDevice);
+  // From pageable memory: cudaMemcpyAsync returns once host_ is staged, so it may be rewritten.
+  if (const cudaError_t err = stream != nullptr ? cudaMemcpyAsync(buffer_.data(), host_.data(), host_.size(),
+                                                                  cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream))
+                                                : cudaMemcpy(buffer_.data(), host_.data(), host_.size(), cudaMemcpyHostToDevice);
       err != cudaSuccess)
     return absl::InternalError(absl::StrCat("cudaMemcpy of ", host_.size(), " bytes into device staging: ",
                                             cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
@@ -58,5 +61,41 @@ absl::Status flush_writes(std::initializer_list<StagedWrite*> writes) {
 #endif
   return absl::OkStatus();
 }
+
+absl::Status flush_writes(std::initializer_list<StagedWrite*> writes, karakv::Client& client, void* stream) {
+  for (StagedWrite* w : writes) {
+    if (absl::Status s = w->flush(stream); !s.ok()) return s;
+  }
+  return client.inputs_written(stream);
+}
+
+#if KARAKV_HAVE_CUDA
+absl::StatusOr<std::unique_ptr<WorkerStream>> WorkerStream::create() {
+  std::unique_ptr<WorkerStream> s(new WorkerStream());
+  cudaStream_t stream = nullptr;
+  if (const cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); err != cudaSuccess)
+    return absl::InternalError(absl::StrCat("cudaStreamCreateWithFlags: ", cudaGetErrorName(err)));
+  s->stream_ = stream;
+  return s;
+}
+WorkerStream::~WorkerStream() {
+  if (stream_ == nullptr) return;
+  cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+absl::Status synchronize_stream(void* stream) {
+  if (const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); err != cudaSuccess)
+    return absl::InternalError(absl::StrCat("cudaStreamSynchronize of the worker's stream: ", cudaGetErrorName(err)));
+  return absl::OkStatus();
+}
+absl::Status WorkerStream::synchronize() { return synchronize_stream(stream_); }
+#else
+absl::StatusOr<std::unique_ptr<WorkerStream>> WorkerStream::create() {
+  return absl::FailedPreconditionError("a stream-ordered worker needs a build with CUDA (nvcc was not found at configure time)");
+}
+WorkerStream::~WorkerStream() = default;
+absl::Status synchronize_stream(void*) { return absl::OkStatus(); }
+absl::Status WorkerStream::synchronize() { return absl::OkStatus(); }
+#endif
 
 }  // namespace karakv::bench

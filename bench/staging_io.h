@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,7 +34,9 @@ class StagedWrite {
   T* as() {
     return reinterpret_cast<T*>(where());
   }
-  absl::Status flush();
+  // stream (a cudaStream_t): queue the copy on it and return (a stream-ordered worker); null: copy
+  // now.
+  absl::Status flush(void* stream = nullptr);
   bool device() const { return device_; }
 
  private:
@@ -45,5 +48,29 @@ class StagedWrite {
 // Flushes each write and, when any went to device staging, waits for the copies
 // (cudaDeviceSynchronize): the buffers are then complete for the call that reads them.
 absl::Status flush_writes(std::initializer_list<StagedWrite*> writes);
+
+// A stream-ordered worker's one stream (ClientOptions::stream_ordered): the writes of a request's
+// inputs are queued on it (flush_writes(writes, stream)), inputs_written() marks them for karakvd,
+// and after the request wait_outputs() orders the stream's next work after karakvd's.
+class WorkerStream {
+ public:
+  static absl::StatusOr<std::unique_ptr<WorkerStream>> create();
+  ~WorkerStream();
+  WorkerStream(const WorkerStream&) = delete;
+  WorkerStream& operator=(const WorkerStream&) = delete;
+  void* get() const { return stream_; }
+  // Waits on the host for everything queued on the stream (the worker reading its outputs).
+  absl::Status synchronize();
+
+ private:
+  WorkerStream() = default;
+  void* stream_ = nullptr;
+};
+
+// flush_writes for a stream-ordered worker: each copy queued on `stream` (a cudaStream_t), then
+// client.inputs_written(stream); no host wait.
+absl::Status flush_writes(std::initializer_list<StagedWrite*> writes, karakv::Client& client, void* stream);
+// cudaStreamSynchronize(stream), its error named.
+absl::Status synchronize_stream(void* stream);
 
 }  // namespace karakv::bench

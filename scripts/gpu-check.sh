@@ -53,14 +53,16 @@
 # (a Step through device staging, then shm staging, against an empty Ping) seconds; not yet timed
 # on a GPU: the decode tests and benchmarks again with FlashInfer's decode (estimated at two minutes
 # more), the quantized tests and benchmark again with the fused quantized decode
-# (KARAKV_CUDA_QUANT_DECODE=fused; estimated at a minute more), and the mps step (the device-staging Step and serve run again under NVIDIA's MPS, whose
+# (KARAKV_CUDA_QUANT_DECODE=fused; estimated at a minute more), every op at the default geometry
+# with deferred waits (the stream order; estimated at 30 s), two more P3 runs and one more serve run
+# stream-ordered by CUDA events (GPU_CHECK_SERVE_SECONDS + 30 s), and the mps step (the device-staging Step and serve run again under NVIDIA's MPS, whose
 # control daemon it starts and quits; bounded by GPU_CHECK_SERVE_SECONDS + 6 minutes of timeouts). Environment: GPU_CHECK_SEQS (64), GPU_CHECK_TOKENS (8192),
 # GPU_CHECK_ITERS (10), GPU_CHECK_TEST_TIMEOUT (300 seconds for the test step; kernels_bench gets
 # 240 seconds per model, sdpa_bench 180), GPU_CHECK_SERVE_STEPS (300: too few for any context to grow long enough to compact; the
 # compaction seconds in the serve rows say whether the policies did anything), GPU_CHECK_SERVE_SECONDS (20),
 # GPU_CHECK_SERVE_BATCHES (64,256), GPU_CHECK_SERVE_POLICIES (none,snapkv,kara), GPU_CHECK_TEST_FILTER
-# (the test step's gtest filter; default every cuda op test, the flashinfer decode tests and
-# the fused quantized ones), GPU_CHECK_MEMCHECK_TIMEOUT (120),
+# (the test step's gtest filter; default every cuda op test, the flashinfer decode tests, the
+# fused quantized ones and the deferred ones), GPU_CHECK_MEMCHECK_TIMEOUT (120),
 # GPU_CHECK_JOBS (nproc; build jobs), GPU_CHECK_STEPS (tests,sanitize,bench,ipc,serve,staging,mps,profile:
 # a rerun after a fix can take only the steps that failed; the others print "skipped"; `deploy`, not
 # in the default list, is issue 39 item 5's serve run: Llama-3.1-8B's geometry with workers running
@@ -313,7 +315,10 @@ fi
 # the other ops are the same code as "cuda"'s).
 FI_TESTS='*/BackendOpsTest.Decode*/flashinfer_*:*/BackendOpsTest.AccumulatorsInBackendMemory/flashinfer_*'
 FUSED_TESTS='*/BackendOpsTest.Quantized*/fused_*'  # the fused quantized decode (KARAKV_CUDA_QUANT_DECODE=fused)
+# Every op once more with the test thread's waits deferred (issue 39 item 3's stream order).
+DEFERRED_TESTS='AllBackends/BackendOpsTest.*/deferred_*'
 TEST_FILTER="AllBackends/BackendOpsTest.*/cuda_*:Geometries/BackendOpsTest.*/cuda_*:CudaLimitsTest.*:$FI_TESTS:$FUSED_TESTS"
+TEST_FILTER="$TEST_FILTER:$DEFERRED_TESTS"
 TEST_FILTER="$TEST_FILTER:CudaAttentionTest.*:FlashInferDecodeTest.*"
 if want tests; then
   # 1. Correctness: every op of the cuda backend against the CPU reference (backend_ops_test), and the
@@ -494,15 +499,18 @@ else
 fi
 
 declare -A p3
-# p3_run KIND TAG: karakv-bench p3 through KIND staging (device, device-ring, shm, device-idle) into
-# p3[TAG]: "Step p50 .. us, Ping p50 .. us, ..x (PASS|FAIL)", or the failure; p3_failed=1 after one.
+# p3_run KIND TAG: karakv-bench p3 through KIND staging (device, device-ring, shm, device-idle,
+# device-ordered, device-ring-ordered: stream-ordered by CUDA events) into p3[TAG]: "Step p50 .. us,
+# Ping p50 .. us, ..x (PASS|FAIL)" (ordered: and the Step until its output is read back), or the
+# failure; p3_failed=1 after one.
 p3_run() {
   local st=$1 tag=$2 rc
-  local ring_flag=--p3_fast_path=false write_every=--p3_write_every=1
-  [ "$st" = device-ring ] && ring_flag=--p3_fast_path=true
+  local ring_flag=--p3_fast_path=false write_every=--p3_write_every=1 ordered=--p3_stream_ordered=false
+  [[ $st == device-ring* ]] && ring_flag=--p3_fast_path=true
   [ "$st" = device-idle ] && write_every=--p3_write_every=1000000
-  with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging="${st%-*}" \
-    "$ring_flag" "$write_every" --csv > /tmp/gpu-p3-$tag.txt 2> /tmp/gpu-p3-$tag.log
+  [[ $st == *-ordered ]] && ordered=--p3_stream_ordered=true
+  with_timeout 120 "$FULL/bin/karakv-bench" p3 --karakvd_flags=--backend=cuda --p3_staging="${st%%-*}" \
+    "$ring_flag" "$write_every" "$ordered" --csv > /tmp/gpu-p3-$tag.txt 2> /tmp/gpu-p3-$tag.log
   rc=$?
   p3[$tag]="$(describe_rc "$rc")"
   if [ "$rc" -eq 0 ]; then
@@ -510,7 +518,9 @@ p3_run() {
 import csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) >= 7 and r[0] == "P3"]
 p50 = rows[0]
-print(f"Step p50 {float(p50[2]):.0f} us, Ping p50 {float(p50[4]):.0f} us, {float(p50[6]):.2f}x ({p50[8]})")
+ready = [r for r in rows if r[1].startswith("Step until its output")]
+extra = f"; until read back {float(ready[0][2]):.0f} us, {float(ready[0][6]):.2f}x" if ready else ""
+print(f"Step p50 {float(p50[2]):.0f} us, Ping p50 {float(p50[4]):.0f} us, {float(p50[6]):.2f}x ({p50[8]}){extra}")
 PY
     )
   else
@@ -520,12 +530,13 @@ PY
     [[ $tag == mps-* ]] || p3_failed=1
   fi
 }
-# serve_device_run DIR: one serve run of kara at max batch 256 whose workers use device staging;
-# sets serve_device_rc and serve_device ("exit 0; N tok/s; TPOT M ms").
+# serve_device_run DIR [ORDERED]: one serve run of kara at max batch 256 whose workers use device
+# staging (ORDERED=true: stream-ordered by CUDA events); sets serve_device_rc and serve_device
+# ("exit 0; N tok/s; TPOT M ms").
 serve_device_run() {
-  local dir=$1
+  local dir=$1 ordered=${2:-false}
   with_timeout $((SERVE_SECONDS + 120)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
-    --serve_staging=device --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
+    --serve_staging=device --serve_stream_ordered="$ordered" --serve_policies=kara --serve_batches=256 --serve_steps="$SERVE_STEPS" \
     --serve_seconds="$SERVE_SECONDS" --out_dir="$dir" > "/tmp/gpu-$(basename "$dir").txt" 2>&1
   serve_device_rc=$?
   serve_device="$(describe_rc "$serve_device_rc")"
@@ -546,11 +557,16 @@ if want staging; then
   # on the same daemon for comparison; and one serve run whose workers use device staging.
   # device-idle: the worker writes its staging once, not before every Step, so no copy of its own
   # reaches the GPU between Steps (what the worker's GPU work costs the daemon's Step).
-  for st in device device-ring shm device-idle; do p3_run "$st" "$st"; done
+  # device-ordered, device-ring-ordered: the same Step stream-ordered by CUDA events (issue 39 item 3),
+  # and the serve run once more that way.
+  for st in device device-ring shm device-idle device-ordered device-ring-ordered; do p3_run "$st" "$st"; done
+  serve_device_run "$RESULTS/serve-device-ordered" true
+  serve_device_ordered=$serve_device serve_device_ordered_rc=$serve_device_rc
   serve_device_run "$RESULTS/serve-device"
+  [ "$serve_device_ordered_rc" -eq 0 ] || serve_device_rc=$serve_device_ordered_rc
 else
   p3=([device]="skipped (GPU_CHECK_STEPS)" [device-ring]=skipped [shm]=skipped [device-idle]=skipped)
-  serve_device_rc=0 serve_device="skipped (GPU_CHECK_STEPS)"
+  serve_device_rc=0 serve_device="skipped (GPU_CHECK_STEPS)" serve_device_ordered="skipped (GPU_CHECK_STEPS)"
 fi
 
 if want mps; then
@@ -711,7 +727,7 @@ else
   profile_rows+=("ncu profile: skipped (GPU_CHECK_STEPS)")
 fi
 
-cp /tmp/gpu-deploy.txt /tmp/gpu-mps-start.txt /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-serve-device-mps.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
+cp /tmp/gpu-deploy.txt /tmp/gpu-mps-start.txt /tmp/gpu-bench-fi-*.txt /tmp/gpu-tests.txt /tmp/gpu-memcheck.txt /tmp/gpu-synccheck.txt /tmp/gpu-racecheck.txt /tmp/gpu-p3-*.txt /tmp/gpu-p3-*.log /tmp/gpu-serve-device.txt /tmp/gpu-serve-device-ordered.txt /tmp/gpu-serve-device-mps.txt /tmp/gpu-bench-*.txt /tmp/gpu-sdpa-*.txt /tmp/gpu-ipc.txt /tmp/gpu-serve.txt /tmp/gpu-ncu-* "$RESULTS/" 2> /dev/null
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a)/float(b):.2f}' if a and b else 'n/a')" "${1:-}" "${2:-}"; }
 echo
@@ -758,8 +774,10 @@ echo "| Step via device staging vs Ping, same karakvd (target <= 1x) | ${p3[devi
 echo "| Step via device staging through the ring vs Ping (target <= 1x) | ${p3[device-ring]:-n/a} | - |"
 echo "| Step via device staging, staging written once (no worker copies between Steps) vs Ping | ${p3[device-idle]:-n/a} | - |"
 echo "| Step via shm staging vs Ping, same karakvd (for comparison) | ${p3[shm]:-n/a} | - |"
+echo "| Step via device staging, stream-ordered by CUDA events, vs Ping; through the ring | ${p3[device-ordered]:-n/a}; ${p3[device-ring-ordered]:-n/a} | - |"
 for row in ${profile_rows[@]+"${profile_rows[@]}"}; do echo "| profile (SmolLM2 geometry, $SEQS x $TOKENS tokens) | $row | - |"; done
 echo "| serve kara, max batch 256, workers on device staging | $serve_device | - |"
+echo "| the same, stream-ordered by CUDA events | ${serve_device_ordered:-n/a} | - |"
 echo "| under MPS: Step via device staging vs Ping; through the ring | ${p3[mps-device]:-n/a}; ${p3[mps-device-ring]:-n/a} | - |"
 echo "| under MPS: serve kara, max batch 256, device staging | $mps_status | - |"
 echo "| deployment serve (Llama-3.1-8B geometry, cuBLAS workers, max batch $DEPLOY_BATCH, pool $DEPLOY_POOL): exit status | ${deploy[status]} | cuBLAS: ${deploy[cublas]:-n/a} |"
