@@ -41,7 +41,8 @@ namespace karakv::bench {
 absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   auto daemon = start_karakvd(dir, "karakvd-p3",
                               {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
-                               "--block_size=16", "--pool_bytes=16MiB"});
+                               "--block_size=16", "--pool_bytes=16MiB",
+                               absl::StrCat("--stream_ordered_staging=", absl::GetFlag(FLAGS_p3_stream_ordered))});
   if (!daemon.ok()) return daemon.status();
   auto staging = parse_staging("p3_staging", absl::GetFlag(FLAGS_p3_staging));
   if (!staging.ok()) return staging.status();

@@ -343,10 +343,21 @@ class Worker {
         return st;
       }
       auto r = c_->Append(*id, n, *k, *v);
-      if (absl::Status st = after_request(); !st.ok()) return st;
+      if (absl::Status st = after_request(); !st.ok()) {
+        (void)c_->Release(*id);
+        return st;
+      }
       if (!r.ok()) {
         (void)c_->Release(*id);  // a refused Append leaves no trace; the sequence itself goes too
         return r.status();
+      }
+    }
+    // A stream-ordered worker's prefill ends, as a model's does, in a host wait for its first token,
+    // so its GPU work counts in the prefill, not in the next decode step.
+    if (stream_ != nullptr) {
+      if (absl::Status st = synchronize_stream(stream_); !st.ok()) {
+        (void)c_->Release(*id);
+        return st;
       }
     }
     seqs_.push_back({req, *id, context, remaining});
@@ -546,7 +557,8 @@ std::vector<std::string> geometry_flags(size_t pool_bytes) {
           absl::StrCat("--q_heads=", absl::GetFlag(FLAGS_serve_q_heads)),
           absl::StrCat("--kv_heads=", absl::GetFlag(FLAGS_serve_kv_heads)),
           absl::StrCat("--head_dim=", absl::GetFlag(FLAGS_serve_head_dim)),
-          "--dtype=" + absl::GetFlag(FLAGS_serve_dtype), "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)};
+          "--dtype=" + absl::GetFlag(FLAGS_serve_dtype), "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes),
+          absl::StrCat("--stream_ordered_staging=", absl::GetFlag(FLAGS_serve_stream_ordered))};
 }
 
 uint64_t held_bytes(const karakv::DaemonStats& st) {

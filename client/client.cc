@@ -572,7 +572,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
           "Attach: stream_ordered, but karakvd answered without its event (a karakvd without stream-ordered "
           "staging); attach without stream_ordered");
     }
-    if (auto s = open_daemon_event(reply.staging_event_ipc_handle(), &im.events); !s.ok()) return s;
+    if (auto s = open_daemon_event(reply.staging_event_ipc_handle(), reply.staging_device(), &im.events); !s.ok())
+      return s;
   }
 
   if (reply.staging_kind() == v1::STAGING_KIND_CUDA_IPC) {

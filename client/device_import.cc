@@ -72,10 +72,17 @@ absl::Status create_worker_event(DeviceEvents* events) {
   }
   events->worker = e;
   events->worker_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  cudaGetDevice(&events->device);
   return absl::OkStatus();
 }
 
-absl::Status open_daemon_event(const std::string& handle, DeviceEvents* events) {
+absl::Status open_daemon_event(const std::string& handle, int device, DeviceEvents* events) {
+  if (device != events->device) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Attach: stream_ordered: the worker's event was made on device ", events->device,
+        " (the current CUDA device at Attach), karakvd's GPU is device ", device,
+        " in this process; call cudaSetDevice(", device, ") before Attach"));
+  }
   cudaIpcEventHandle_t h;
   if (handle.size() != sizeof(h)) {
     return absl::InternalError(absl::StrCat("Attach: staging_event_ipc_handle has ", handle.size(),
@@ -83,9 +90,15 @@ absl::Status open_daemon_event(const std::string& handle, DeviceEvents* events) 
   }
   std::memcpy(&h, handle.data(), sizeof(h));
   cudaEvent_t e = nullptr;
-  if (cudaError_t err = cudaIpcOpenEventHandle(&e, h); err != cudaSuccess)
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaIpcOpenEventHandle(&e, h);
+  cudaSetDevice(previous);
+  if (err != cudaSuccess)
     return cuda_failed("Attach: cudaIpcOpenEventHandle of karakvd's event", err,
-                       "; the worker must see karakvd's process and GPU, or attach without stream_ordered");
+                       "; the worker must see karakvd's process (same PID namespace) and GPU, or attach without "
+                       "stream_ordered");
   events->daemon = e;
   return absl::OkStatus();
 }
@@ -114,7 +127,10 @@ void close_daemon_event(DeviceEvents* events) {
 }
 
 void destroy_worker_event(DeviceEvents* events) {
-  if (events->worker != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(events->worker));
+  if (events->worker != nullptr) {
+    cudaEventSynchronize(static_cast<cudaEvent_t>(events->worker));  // its last record done
+    cudaEventDestroy(static_cast<cudaEvent_t>(events->worker));
+  }
   events->worker = nullptr;
   events->worker_handle.clear();
 }
@@ -126,7 +142,7 @@ absl::Status create_worker_event(DeviceEvents*) {
       "Attach: stream_ordered needs the SDK built with CUDA (nvcc found at build time); this libkarakv_client was "
       "built without it");
 }
-absl::Status open_daemon_event(const std::string&, DeviceEvents*) { return create_worker_event(nullptr); }
+absl::Status open_daemon_event(const std::string&, int, DeviceEvents*) { return create_worker_event(nullptr); }
 absl::Status record_worker_event(const DeviceEvents&, void*) {
   return absl::FailedPreconditionError("inputs_written: this client is not stream-ordered (ClientOptions::stream_ordered)");
 }

@@ -32,10 +32,13 @@ struct DeviceEvents {
   void* worker = nullptr;     // cudaEvent_t made here with cudaEventInterprocess | cudaEventDisableTiming
   std::string worker_handle;  // its cudaIpcEventHandle_t, sent in AttachRequest.worker_event_ipc_handle
   void* daemon = nullptr;     // cudaEvent_t opened from AttachReply.staging_event_ipc_handle
+  int device = -1;            // the device the worker's event was made on
 };
 // Makes the worker's event on the current device. FAILED_PRECONDITION without CUDA in this SDK.
 absl::Status create_worker_event(DeviceEvents* events);
-absl::Status open_daemon_event(const std::string& handle, DeviceEvents* events);
+// Opens the daemon's event on `device` (AttachReply.staging_device), which must be the device the
+// worker's event was made on (FAILED_PRECONDITION naming both otherwise).
+absl::Status open_daemon_event(const std::string& handle, int device, DeviceEvents* events);
 // cudaEventRecord(worker, stream) / cudaStreamWaitEvent(stream, daemon); stream: a cudaStream_t.
 absl::Status record_worker_event(const DeviceEvents& events, void* stream);
 absl::Status wait_daemon_event(const DeviceEvents& events, void* stream);

@@ -33,6 +33,10 @@ ABSL_FLAG(std::string, max_staging_bytes, "1GiB", "Largest staging region one se
 ABSL_FLAG(std::string, max_device_staging_bytes, "8GiB",
           "GPU memory all device staging regions together may hold (Attach staging_kind CUDA_IPC, --backend=cuda), "
           "counting regions kept for the same tenant's reuse and those quarantined after a lease expiry");
+ABSL_FLAG(bool, stream_ordered_staging, false,
+          "Let device staging sessions order their requests by CUDA IPC events instead of host waits (Attach "
+          "worker_event_ipc_handle). For trusted workers only: the daemon's one stream waits on each such worker's "
+          "event, so a slow, stuck or dead worker stalls every session's GPU work");
 ABSL_FLAG(int32_t, max_sessions, 0, "Most sessions attached at once; Attach beyond it is refused (0: no limit)");
 ABSL_FLAG(int32_t, max_sequences_per_session, 0,
           "Most sequences one session holds at once; CreateSequence and Fork beyond it are refused (0: no limit)");
@@ -260,6 +264,7 @@ absl::StatusOr<DaemonConfig> config_from_flags() {
         absl::StrCat("--max_device_staging_bytes: ", device_staging.status().message()));
   }
   c.core.max_device_staging_bytes = static_cast<uint64_t>(*device_staging);
+  c.core.stream_ordered_staging = absl::GetFlag(FLAGS_stream_ordered_staging);
   c.core.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   if (c.core.max_sessions < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--max_sessions=", c.core.max_sessions,

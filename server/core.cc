@@ -86,6 +86,7 @@ absl::StatusOr<std::unique_ptr<Core>> Core::create(const CoreConfig& config, std
   limits.max_sequences_per_session = config.max_sequences_per_session;
   limits.tenant_block_quota = config.tenant_block_quota;
   limits.preempt_on_pressure = config.preempt_on_pressure;
+  limits.stream_ordered_staging = config.stream_ordered_staging;
   absl::MutexLock lock(&core->mu_);
   core->store_ = std::move(*store);
   core->sessions_ = std::make_unique<SessionTable>(limits, *core->store_, core->device_staging_.get());

@@ -45,6 +45,8 @@ struct CoreConfig {
   // Device staging (Attach staging_kind CUDA_IPC): GPU memory all sessions' regions together may
   // hold, including regions kept for reuse and those quarantined after a lease expiry.
   uint64_t max_device_staging_bytes = 8ull << 30;
+  // Device staging sessions may order their requests by CUDA IPC events (--stream_ordered_staging).
+  bool stream_ordered_staging = false;
   // The GPU VMM device staging regions (CUDA_VMM_FD) are created on: the backend's (--cuda_device).
   int cuda_device = 0;
   // Kara: at most this many sequences compress per tick, longest tail first (0: no limit).

@@ -10,6 +10,8 @@ std::shared_ptr<DeviceStagingPool> DeviceStagingPool::create(kernels::Backend& b
 }
 
 DeviceStagingPool::~DeviceStagingPool() {
+  const kernels::KernelStatus waited = backend_.synchronize();  // nothing queued may still use a region
+  (void)waited;
   absl::MutexLock lock(&mu_);
   for (const kernels::SharedDeviceMemory& m : memory_) {
     if (m.ptr != nullptr) backend_.free_shared(m);  // abandoned slots have none
@@ -106,8 +108,15 @@ absl::StatusOr<int> DeviceStaging::export_fd() const {
 
 DeviceStaging::~DeviceStaging() {
   if (events_) {
+    // Stream-ordered requests may have kernels queued that write this region: they finish before
+    // the slot can go to another session.
+    const kernels::KernelStatus waited = pool_->backend_.synchronize();
+    (void)waited;  // a fault here is the next request's to report
     pool_->backend_.destroy_shared_event(&events_->worker);
-    pool_->backend_.destroy_shared_event(&events_->daemon);
+    // After a lease expiry the worker may be alive and still hold the daemon's event: destroying the
+    // exported event would leave it with undefined behaviour, so it stays, like the region itself
+    // (quarantined), until karakvd exits.
+    if (importer_closed_) pool_->backend_.destroy_shared_event(&events_->daemon);
   }
   pool_->release(kind_, slot_, generation_, importer_closed_);
 }

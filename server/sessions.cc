@@ -47,6 +47,12 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
         "worker_event_ipc_handle orders device staging by CUDA events; with SHM staging there is no device work "
         "to order: attach with staging_kind CUDA_IPC or CUDA_VMM_FD, or without the event");
   }
+  if (!worker_event_handle.empty() && !limits_.stream_ordered_staging) {
+    return absl::FailedPreconditionError(
+        "worker_event_ipc_handle: this karakvd orders device staging by host waits only; attach without the event "
+        "(ClientOptions::stream_ordered = false), or start karakvd with --stream_ordered_staging (trusted workers "
+        "only: its one stream then waits on each such worker's event)");
+  }
   Admission a;
   if (staging_kind != StagingKind::kShm) {
     if (staging_kind != StagingKind::kCudaIpc && staging_kind != StagingKind::kCudaVmmFd) {
@@ -64,7 +70,11 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
     auto region = device_staging_->acquire(staging_bytes, tenant, staging_kind);
     if (!region.ok()) return region.status();
     if (!worker_event_handle.empty()) {
-      if (absl::Status s = (*region)->order_by_events(worker_event_handle); !s.ok()) return s;
+      if (absl::Status s = (*region)->order_by_events(worker_event_handle); !s.ok()) {
+        // The worker never saw this region: it may go to the tenant's next session, not quarantine.
+        (*region)->mark_importer_closed();
+        return s;
+      }
       a.result.staging_event_ipc_handle = (*region)->event_ipc_handle();
     }
     a.result.staging_bytes = (*region)->size();

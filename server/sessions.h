@@ -35,6 +35,8 @@ struct SessionLimits {
   int64_t tenant_block_quota = 0;
   // Preempt lower-priority sequences instead of refusing a request the pool cannot hold.
   bool preempt_on_pressure = false;
+  // Attach may send a worker event (stream-ordered device staging, --stream_ordered_staging).
+  bool stream_ordered_staging = false;
 };
 
 struct Session {

@@ -39,8 +39,9 @@ class Arena {
   Arena& operator=(const Arena&) = delete;
   ~Arena();
 
-  // Ends the previous call (its memory is free to reuse: that call synchronized its stream before
-  // returning), coalescing or shrinking as described above.
+  // Ends the previous call (its memory is free to reuse: the next call's work runs after the
+  // previous call's on the same stream, and a chunk is freed only after the stream passed it),
+  // coalescing or shrinking as described above.
   void reset();
   // `bytes` of memory aligned to 256 bytes, valid until the next reset(). On failure *out is null
   // and the status names the size.

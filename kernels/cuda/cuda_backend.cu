@@ -25,12 +25,19 @@
 // kernels before it. Scratch memory is reused in stream order; memory the backend frees (arena
 // chunks, FlashInfer's workspaces) is freed only after the stream has passed its users. A fault
 // in a call that did not wait surfaces at the next wait, naming the calls queued without one.
+//
+// $KARAKV_CUDA_TEST_STREAM_DELAY_US (tests only; read when the backend is made): every launch first
+// queues a host function that holds the stream that long, so uploads and kernels land well after
+// the call returned, as on a loaded GPU: ordering mistakes then show as wrong outputs.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../common/allocations.h"
@@ -84,8 +91,15 @@ class CudaScratchMemory final : public cuda::ArenaMemory {
   const cudaStream_t* stream_;
 };
 
-// The backend whose waits the calling thread deferred (set_deferred), if any.
+// The backend whose waits the calling thread deferred (set_deferred), if any: one per thread.
 thread_local const Backend* t_deferring = nullptr;
+
+// $KARAKV_CUDA_TEST_STREAM_DELAY_US, and the host function that holds the stream for it.
+int test_stream_delay_us() {
+  const char* v = std::getenv("KARAKV_CUDA_TEST_STREAM_DELAY_US");
+  return v != nullptr ? std::max(0, std::atoi(v)) : 0;
+}
+void CUDART_CB hold_stream(void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int*>(us))); }
 
 class CudaBackend final : public Backend {
  public:
@@ -94,7 +108,8 @@ class CudaBackend final : public Backend {
         num_sms_(num_sms),
         device_name_(std::move(device_name)),
         attention_(attention),
-        quant_(quant) {}
+        quant_(quant),
+        test_delay_us_(test_stream_delay_us()) {}
 
   KernelStatus init() {
     KARAKV_CUDA_RETURN_IF_ERROR_IN("init", "cudaSetDevice", cudaSetDevice(device_));
@@ -109,8 +124,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (t_deferring == this) t_deferring = nullptr;
     cudaSetDevice(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // nothing queued may outlive what it uses
     allocations_.release_all([](void* p) { cudaFree(p); });
-    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     for (PinnedStaging& pinned : pinned_up_)
       if (pinned.host != nullptr) cudaFreeHost(pinned.host);
     if (pinned_down_.host != nullptr) cudaFreeHost(pinned_down_.host);
@@ -153,15 +168,13 @@ class CudaBackend final : public Backend {
     }
     // On the backend's stream (non-blocking: it does not order with the legacy default stream),
     // complete before the memory is handed out.
-    const char* what = "cudaMemsetAsync";
-    cudaError_t e = cudaMemsetAsync(p, 0, bytes, stream_);
-    if (e == cudaSuccess) {
-      what = "cudaStreamSynchronize after cudaMemsetAsync";
-      e = cudaStreamSynchronize(stream_);
-    }
-    if (e != cudaSuccess) {
+    if (const cudaError_t e = cudaMemsetAsync(p, 0, bytes, stream_); e != cudaSuccess) {
       cudaFree(p);
-      return cuda::cuda_status(e, std::string("allocate: ") + what);
+      return cuda::cuda_status(e, "allocate: cudaMemsetAsync");
+    }
+    if (KernelStatus st = wait_stream("allocate"); !st.is_ok()) {
+      cudaFree(p);
+      return st;
     }
     allocations_.add(p, bytes);
     *out = p;
@@ -173,7 +186,8 @@ class CudaBackend final : public Backend {
     allocations_.remove(ptr);
     std::lock_guard<std::mutex> lock(mu_);
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);  // calls that did not wait may still use it
+    const KernelStatus waited = wait_stream("free");  // calls that did not wait may still use it
+    (void)waited;  // a fault stays in the context: the next call reports it
     cudaFree(ptr);
   }
 
@@ -200,10 +214,10 @@ class CudaBackend final : public Backend {
     const char* what = "cudaMemsetAsync";
     cudaError_t e = cudaMemsetAsync(p, 0, rounded, stream_);
     if (e == cudaSuccess) {
-      what = "cudaStreamSynchronize after cudaMemsetAsync";
-      e = cudaStreamSynchronize(stream_);
-    }
-    if (e == cudaSuccess) {
+      if (KernelStatus st = wait_stream("allocate_shared"); !st.is_ok()) {
+        cudaFree(p);
+        return st;
+      }
       what = "cudaIpcGetMemHandle";
       e = cudaIpcGetMemHandle(&handle, p);
     }
@@ -224,7 +238,8 @@ class CudaBackend final : public Backend {
     shared_allocations_.remove(memory.ptr);
     std::lock_guard<std::mutex> lock(mu_);
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
+    const KernelStatus waited = wait_stream("free_shared");
+    (void)waited;
     cudaFree(memory.ptr);
   }
 
@@ -882,13 +897,15 @@ class CudaBackend final : public Backend {
   }
 
   // One op's device session: holds the lock, rewinds the scratch arena, stages inputs and
-  // outputs, and on finish() copies host outputs back and synchronizes the stream. `op` names the
+  // outputs, and on finish() copies host outputs back and synchronizes the stream (or, waits
+  // deferred and nothing coming back, returns with its work queued). `op` names the
   // op in every error the session returns or passes on (named()), so a fault that surfaces at the
   // synchronize says which op was running.
   //
   // Host inputs are packed into the pinned upload buffer as they are staged and reach the device
   // in one copy that launch() queues before it runs a launcher. Host outputs are packed likewise and come back in one copy at
-  // finish(). The pinned buffers are reused by the next call only after this one synchronized.
+  // finish(). The upload buffer (one of kUploadSlots) is rewritten by a later call only after this
+  // call's upload from it ran (its event); the download buffer only by calls that synchronize.
   class Call {
    public:
     Call(CudaBackend& b, std::string_view op) : b_(b), op_(op), lock_(b.mu_), slot_(b.upload_next_) {
@@ -928,11 +945,18 @@ class CudaBackend final : public Backend {
     // launches nothing.
     template <typename Launcher>
     KernelStatus launch(Launcher&& launcher) {
+      if (b_.test_delay_us_ > 0)
+        KARAKV_RETURN_IF_ERROR(check(cudaLaunchHostFunc(b_.stream_, hold_stream, &b_.test_delay_us_),
+                                     "cudaLaunchHostFunc ($KARAKV_CUDA_TEST_STREAM_DELAY_US)"));
       if (up_.used > up_.flushed) {
         KARAKV_RETURN_IF_ERROR(check(cudaMemcpyAsync(up_.device + up_.flushed, up_pinned().host + up_.flushed,
                                                      up_.used - up_.flushed, cudaMemcpyHostToDevice, b_.stream_),
                                      "cudaMemcpyAsync of the inputs to the device"));
         up_.flushed = up_.used;
+        // The slot's buffer is free again once this upload has run, whatever the kernels after it do.
+        KARAKV_RETURN_IF_ERROR(check(cudaEventRecord(b_.upload_done_[slot_], b_.stream_),
+                                     "cudaEventRecord after the upload"));
+        b_.upload_pending_[slot_] = true;
       }
       return named(launcher(b_.stream_));
     }
@@ -1018,12 +1042,7 @@ class CudaBackend final : public Backend {
                                        "cudaMemcpyAsync of an output to the host"));
       finished_ = true;
       if (t_deferring == &b_ && down_.used == 0 && copies_.empty()) {
-        // Nothing comes back to the host: queued is done, once this call's upload is marked.
-        if (up_.flushed > 0) {
-          KARAKV_RETURN_IF_ERROR(check(cudaEventRecord(b_.upload_done_[slot_], b_.stream_),
-                                       "cudaEventRecord after the upload"));
-          b_.upload_pending_[slot_] = true;
-        }
+        // Nothing comes back to the host: queued is done (launch() marked the upload).
         b_.deferred_names_[b_.deferred_calls_ % kDeferredNames] = op_;
         ++b_.deferred_calls_;
         return KernelStatus::ok();
@@ -1334,6 +1353,7 @@ class CudaBackend final : public Backend {
   std::string_view deferred_names_[kDeferredNames];
   const CudaAttention attention_;
   const CudaQuantDecode quant_;
+  int test_delay_us_;  // $KARAKV_CUDA_TEST_STREAM_DELAY_US (cudaLaunchHostFunc takes a non-const pointer)
 #if KARAKV_HAVE_FLASHINFER
   cuda::FlashInferDecode flashinfer_;  // its workspaces and the last plan
 #endif

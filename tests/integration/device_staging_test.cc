@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -344,10 +345,18 @@ TEST_P(DeviceStagingKindTest, FastPathOutputsEqualTheShmPath) {
 }
 
 // Stream-ordered by CUDA events, by gRPC and through the ring: the worker never synchronizes before
-// a request and its inputs land late (Worker::put), yet every output equals the shm path's.
+// a request and its inputs land late (Worker::put), karakvd's kernels run late too, yet every
+// output equals the shm path's.
 TEST_P(DeviceStagingKindTest, StreamOrderedOutputsEqualTheShmPath) {
   SKIP_WITHOUT_DEVICE();
-  Daemon d(geometry_flags("cuda"));
+  std::vector<std::string> flags = geometry_flags("cuda");
+  flags.push_back("--stream_ordered_staging");
+  // karakvd's stream held 1 ms before each of its launches: its kernels finish well after it
+  // replied, so a worker that read before the daemon's event (or a record before the kernels) would
+  // read the previous outputs.
+  setenv("KARAKV_CUDA_TEST_STREAM_DELAY_US", "1000", 1);
+  Daemon d(flags);
+  unsetenv("KARAKV_CUDA_TEST_STREAM_DELAY_US");
   ASSERT_TRUE(d.ready()) << "karakvd --backend=cuda did not start on a machine with a CUDA device";
   Worker shm = attach_kind(d, Staging::kShm);
   ASSERT_TRUE(shm.client);

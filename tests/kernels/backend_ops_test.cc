@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string_view>
@@ -24,8 +25,9 @@ namespace {
 // the flashinfer cases saying "not built". "fused" is the CUDA backend with the fused quantized
 // decode (KARAKV_CUDA_QUANT_DECODE=fused); it runs only the quantized tests, every other op being
 // "cuda"'s. "deferred" is the CUDA backend (with FlashInfer's decode where built) with the test
-// thread's waits deferred (Backend::set_deferred): calls whose outputs stay on the device return
-// before their kernels ran, while the tests rewrite the host tables they passed, so each op's
+// thread's waits deferred (Backend::set_deferred) and its stream held 200 us before every launch
+// ($KARAKV_CUDA_TEST_STREAM_DELAY_US): calls whose outputs stay on the device return long before
+// their uploads and kernels ran, while the tests rewrite the host tables they passed, so each op's
 // outputs also show that what a call hands the stream is its own (the pinned upload slots, the
 // FlashInfer plan buffer) and that later calls see earlier calls' writes in stream order.
 std::vector<std::string> registered_backends() { return {"cpu", "cuda", "flashinfer", "fused", "deferred"}; }
@@ -35,10 +37,16 @@ std::unique_ptr<Backend> create_backend(const std::string& name, std::string* wh
   if (name == "cuda") return make_cuda_backend(0, CudaAttention::kOwn, why);
   if (name == "flashinfer") return make_cuda_backend(0, CudaAttention::kFlashInfer, why);
   if (name == "fused") return make_cuda_backend(0, CudaAttention::kOwn, CudaQuantDecode::kFused, why);
-  if (name == "deferred")
-    return make_cuda_backend(
+  if (name == "deferred") {
+    // Every launch holds the stream for 200 us first, so a call's uploads and kernels run well after
+    // it returned and the test rewrote what it passed.
+    setenv("KARAKV_CUDA_TEST_STREAM_DELAY_US", "200", 1);
+    auto b = make_cuda_backend(
         0, cuda_attention_missing(CudaAttention::kFlashInfer).empty() ? CudaAttention::kFlashInfer : CudaAttention::kOwn,
         why);
+    unsetenv("KARAKV_CUDA_TEST_STREAM_DELAY_US");
+    return b;
+  }
   *why = "unknown backend";
   return nullptr;
 }

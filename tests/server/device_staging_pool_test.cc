@@ -14,6 +14,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core.h"
+#include "server/metrics.h"
+#include "server/ring.h"
+#include "server/service.h"
+#include "karakv/v1/ring.h"
 #include "tests/server/delegating_backend.h"
 #include "tests/server/test_geometry.h"
 
@@ -314,7 +318,7 @@ TEST(DeviceStagingCoreTest, DeviceTensorsGoThroughTheBackendAndGiveTheHostResult
 class EventLogBackend final : public karakv::testing::DelegatingBackend {
  public:
   EventLogBackend() : DelegatingBackend(kn::make_cpu_backend(1)) {}
-  ~EventLogBackend() override { EXPECT_EQ(live_events_, 0) << "events not destroyed"; }
+  ~EventLogBackend() override { EXPECT_EQ(live_events_, kept_events_) << "events not destroyed"; }
   bool shares_device_memory() const override { return true; }
   KernelStatus allocate_shared(size_t bytes, kn::SharedDeviceMemory* out) override {
     out->ptr = std::calloc(1, bytes);
@@ -369,6 +373,7 @@ class EventLogBackend final : public karakv::testing::DelegatingBackend {
 
   std::vector<std::string> log;
   bool fail_record_ = false;
+  int kept_events_ = 0;  // events the test expects to outlive their region (a lease expiry)
 
  private:
   int worker_ = 0, daemon_ = 0, live_events_ = 0;
@@ -426,8 +431,18 @@ TEST(StreamOrderTest, ARequestRunsBetweenTheWaitForTheWorkerAndTheDaemonsRecord)
     EXPECT_THAT(std::string(failed.message()), HasSubstr("waited for on the host"));
     EXPECT_EQ(backend.log, (std::vector<std::string>{"wait worker", "record daemon", "synchronize"}));
     backend.log.clear();
-  }  // the region's last reference: both events go with it
-  EXPECT_EQ(backend.log, (std::vector<std::string>{"destroy worker", "destroy daemon"}));
+    (*r)->mark_importer_closed();  // what a Detach does
+  }  // the region's last reference: its queued work finishes, then both events go
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"synchronize", "destroy worker", "destroy daemon"}));
+  // After a lease expiry the worker may still hold the daemon's event: it stays until exit.
+  backend.log.clear();
+  {
+    auto r = pool->acquire(kMiB2, "t");
+    ASSERT_TRUE(r.ok());
+    ASSERT_TRUE((*r)->order_by_events(std::string(64, 'w')).ok());
+  }
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"synchronize", "destroy worker"}));
+  backend.kept_events_ = 1;
 
   // A region without events, and a request with no tensor in staging, run as they are.
   backend.log.clear();
@@ -452,6 +467,7 @@ TEST(StreamOrderTest, AStepWaitsOnceOrNotAtAllAndGivesTheSameOutputs) {
   c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16);
   c.pool_bytes = 64 * c.geometry.block_bytes();
   c.max_device_staging_bytes = 8 * kMiB2;
+  c.stream_ordered_staging = true;
   auto core = Core::create(c, std::move(backend_owner));
   ASSERT_TRUE(core.ok()) << core.status();
   Core& k = **core;
@@ -508,8 +524,176 @@ TEST(StreamOrderTest, AStepWaitsOnceOrNotAtAllAndGivesTheSameOutputs) {
   backend.log.clear();
   ASSERT_TRUE(k.detach(a->session_id).ok());
   staging->reset();
-  EXPECT_EQ(backend.log, (std::vector<std::string>{"destroy worker", "destroy daemon"}));
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"synchronize", "destroy worker", "destroy daemon"}));
 }
 
+// Events are opt-in for the daemon (--stream_ordered_staging), and an Attach whose events cannot be
+// set up leaves its region free for the tenant's next session, not quarantined.
+TEST(StreamOrderTest, AttachWithAnEventNeedsTheFlagAndAFailedOneLeavesNoQuarantine) {
+  for (bool enabled : {false, true}) {
+    auto owner = std::make_unique<FakeDeviceBackend>();  // device staging, no events
+    FakeDeviceBackend& backend = *owner;
+    CoreConfig c;
+    c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16);
+    c.pool_bytes = 64 * c.geometry.block_bytes();
+    c.max_device_staging_bytes = 8 * kMiB2;
+    c.stream_ordered_staging = enabled;
+    auto core = Core::create(c, std::move(owner));
+    ASSERT_TRUE(core.ok()) << core.status();
+    auto a = (*core)->attach("w", "t", kMiB2, kn::Geometry{}, "", 0, StagingKind::kCudaIpc, "", std::string(64, 'w'));
+    ASSERT_FALSE(a.ok());
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(a.status().message()),
+                HasSubstr(enabled ? "fake-device backend has no device events" : "--stream_ordered_staging"));
+    auto plain = (*core)->attach("w", "t", kMiB2, kn::Geometry{}, "", 0, StagingKind::kCudaIpc);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    // Without the flag no region was made; with it, the failed Attach's region came back for reuse.
+    EXPECT_EQ(backend.allocations_, 1);
+  }
+}
+
+
+// The transports' glue: Step, Attend, Append and ReadKV through the gRPC handlers, and Step and
+// Attend through the ring, each between the wait for the worker's event and the daemon's record,
+// Step and Attend with no host wait; a request with no tensor in staging orders nothing.
+TEST(StreamOrderTest, TheHandlersAndTheRingRunRequestsInStreamOrder) {
+  auto owner = std::make_unique<EventLogBackend>();
+  EventLogBackend& backend = *owner;
+  CoreConfig c;
+  c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32);
+  c.pool_bytes = 64 * c.geometry.block_bytes();
+  c.max_device_staging_bytes = 8 * kMiB2;
+  c.stream_ordered_staging = true;
+  auto core = Core::create(c, std::move(owner));
+  ASSERT_TRUE(core.ok()) << core.status();
+  Core& k = **core;
+  auto metrics = Metrics::create("");
+  ASSERT_TRUE(metrics.ok());
+  KaraKVService service(&k, metrics->get(), true);
+  RingConfig rc;
+  rc.threads = false;
+  RingServer rings(&service.gate(), &k, metrics->get(), rc);
+  service.set_rings(&rings);
+
+  v1::AttachRequest ar;
+  ar.set_staging_bytes(kMiB2);
+  ar.set_staging_kind(v1::STAGING_KIND_CUDA_IPC);
+  ar.set_worker_event_ipc_handle(std::string(64, 'w'));
+  ar.set_fast_path(true);
+  v1::AttachReply reply;
+  ASSERT_TRUE(service.Handle(ar, &reply).ok());
+  EXPECT_EQ(reply.staging_event_ipc_handle(), std::string(64, 'd'));
+  const std::string s = reply.session_id();
+  const uint64_t gen = reply.staging_generation();
+  v1::CreateSequenceRequest cr;
+  cr.set_session_id(s);
+  v1::CreateSequenceReply crr;
+  ASSERT_TRUE(service.Handle(cr, &crr).ok());
+  const uint64_t id = crr.sequence_id();
+  auto ref = [](v1::TensorRef* t, uint64_t offset, uint64_t length) {
+    t->mutable_staging()->set_offset(offset);
+    t->mutable_staging()->set_length(length);
+  };
+  const std::vector<std::string> ordered = {"wait worker", "record daemon"};
+  auto expect_ordered = [&](const char* what, std::vector<std::string> inner) {
+    std::vector<std::string> want = {"wait worker"};
+    want.insert(want.end(), inner.begin(), inner.end());
+    want.push_back("record daemon");
+    EXPECT_EQ(backend.log, want) << what;
+    backend.log.clear();
+  };
+
+  backend.log.clear();
+  v1::AppendRequest a;
+  a.set_session_id(s);
+  a.set_sequence_id(id);
+  a.set_num_tokens(6);
+  a.set_staging_generation(gen);
+  ref(a.mutable_k(), 0, k.append_bytes(6));
+  ref(a.mutable_v(), 1 << 16, k.append_bytes(6));
+  v1::AppendReply arep;
+  ASSERT_TRUE(service.Handle(a, &arep).ok());
+  EXPECT_EQ(backend.log.front(), "wait worker");
+  EXPECT_EQ(backend.log.back(), "record daemon");
+  backend.log.clear();
+
+  v1::StepRequest st;
+  st.set_session_id(s);
+  st.add_sequence_ids(id);
+  st.set_layer(0);
+  st.set_staging_generation(gen);
+  ref(st.mutable_k(), 0, k.step_kv_bytes(1));
+  ref(st.mutable_v(), 1 << 16, k.step_kv_bytes(1));
+  ref(st.mutable_q(), 2 << 16, k.q_bytes(1));
+  st.mutable_out()->mutable_staging()->set_offset(3 << 16);
+  st.mutable_out()->mutable_staging()->set_length(k.q_bytes(1));
+  v1::StepReply srep;
+  ASSERT_TRUE(service.Handle(st, &srep).ok());
+  expect_ordered("Step by gRPC", {"defer", "write_step_kv", "decode_attention", "undefer"});
+
+  v1::AttendRequest at;
+  at.set_session_id(s);
+  at.set_sequence_id(id);
+  at.set_layer(1);
+  at.set_num_queries(1);
+  at.set_staging_generation(gen);
+  ref(at.mutable_q(), 2 << 16, k.q_bytes(1));
+  at.mutable_out()->mutable_staging()->set_offset(3 << 16);
+  at.mutable_out()->mutable_staging()->set_length(k.q_bytes(1));
+  v1::AttendReply atrep;
+  // Layer 1 of the step is still pending: refused by the core, still between wait and record.
+  EXPECT_FALSE(service.Handle(at, &atrep).ok());
+  expect_ordered("a refused Attend", {});
+
+  // The step's layer 1 through the ring.
+  auto regions = k.ring_regions(s);
+  ASSERT_TRUE(regions.ok() && regions->rings != nullptr);
+  ring::Header* h = ring::header(regions->rings->reserved());
+  ring::Command cmd{};
+  cmd.tag = 7;
+  cmd.op = uint32_t(ring::Op::kStep);
+  cmd.layer = 1;
+  cmd.count = 1;
+  cmd.ids[0] = id;
+  cmd.k = {0, k.step_kv_bytes(1)};
+  cmd.v = {1 << 16, k.step_kv_bytes(1)};
+  cmd.q = {2 << 16, k.q_bytes(1)};
+  cmd.out = {3 << 16, k.q_bytes(1)};
+  std::memcpy(&ring::commands(regions->rings->reserved())[0], &cmd, sizeof cmd);
+  h->sq_tail.store(1);
+  auto ran = rings.poll(s);
+  ASSERT_TRUE(ran.ok()) << ran.status();
+  ASSERT_EQ(*ran, 1);
+  EXPECT_EQ(ring::completions(regions->rings->reserved())[0].code, 0u);
+  expect_ordered("Step by the ring", {"defer", "write_step_kv", "decode_attention", "undefer"});
+
+  // An inline Attend (nothing in staging) is not ordered: no wait, no record.
+  at.set_layer(0);
+  at.clear_staging_generation();
+  at.mutable_q()->set_data(std::string(k.q_bytes(1), '\0'));
+  at.mutable_out()->Clear();
+  ASSERT_TRUE(service.Handle(at, &atrep).ok());
+  EXPECT_EQ(backend.log, (std::vector<std::string>{"defer", "undefer", "synchronize"}));
+  backend.log.clear();
+
+  v1::ReadKVRequest rk;
+  rk.set_session_id(s);
+  rk.set_sequence_id(id);
+  rk.set_staging_generation(gen);
+  for (auto [out, offset] : {std::pair{rk.mutable_k(), 0}, {rk.mutable_v(), 1 << 18}, {rk.mutable_positions(), 1 << 19}}) {
+    out->mutable_staging()->set_offset(offset);
+    out->mutable_staging()->set_length(1 << 18);
+  }
+  v1::ReadKVReply rkrep;
+  absl::Status read = service.Handle(rk, &rkrep);
+  ASSERT_TRUE(read.ok()) << read;
+  EXPECT_EQ(backend.log.front(), "wait worker");
+  EXPECT_EQ(backend.log.back(), "record daemon");
+  rings.stop_all();
+  v1::DetachRequest dr;
+  dr.set_session_id(s);
+  v1::DetachReply drep;
+  EXPECT_TRUE(service.Handle(dr, &drep).ok());
+}
 }  // namespace
 }  // namespace karakv::server

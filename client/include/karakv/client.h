@@ -95,8 +95,12 @@ struct ClientOptions {
   // (AttachRequest.worker_event_ipc_handle). Then, on the one stream that writes the staging
   // region: queue a request's input writes, call inputs_written(stream), send the request (no
   // synchronize), and call wait_outputs(stream) when it returns, before anything on that stream
-  // reads its outputs or writes the region again. karakvd replies as soon as its kernels are
-  // queued. Refused with shm staging.
+  // reads its outputs or writes the region again. karakvd replies to Step and Attend as soon as
+  // their kernels are queued (Append and ReadKV still finish first), so an OK reply does not say
+  // the kernels succeeded: a fault fails a later call. Needs karakvd --stream_ordered_staging, the
+  // current CUDA device at Attach set to karakvd's GPU (the event is made there), and a process
+  // that sees karakvd's PID (IPC events, for kDeviceFd too). Drain the stream before Detach: the
+  // region is unmapped then. Refused with shm staging.
   bool stream_ordered = false;
   // When set, Attach fails unless the daemon serves exactly this geometry.
   std::optional<Geometry> geometry;
