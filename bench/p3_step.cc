@@ -39,11 +39,6 @@ ABSL_FLAG(bool, p3_stream_ordered, false,
 namespace karakv::bench {
 
 absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
-  auto daemon = start_karakvd(dir, "karakvd-p3",
-                              {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
-                               "--block_size=16", "--pool_bytes=16MiB",
-                               absl::StrCat("--stream_ordered_staging=", absl::GetFlag(FLAGS_p3_stream_ordered))});
-  if (!daemon.ok()) return daemon.status();
   auto staging = parse_staging("p3_staging", absl::GetFlag(FLAGS_p3_staging));
   if (!staging.ok()) return staging.status();
   const bool fast_path = absl::GetFlag(FLAGS_p3_fast_path);
@@ -51,6 +46,11 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   if (ordered && *staging == karakv::Staging::kShm) {
     return absl::InvalidArgumentError("--p3_stream_ordered orders device staging: add --p3_staging=device or device_fd");
   }
+  auto daemon = start_karakvd(dir, "karakvd-p3",
+                              {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
+                               "--block_size=16", "--pool_bytes=16MiB",
+                               absl::StrCat("--stream_ordered_staging=", ordered)});
+  if (!daemon.ok()) return daemon.status();
   std::unique_ptr<WorkerStream> stream;
   if (ordered) {
     auto s = WorkerStream::create();

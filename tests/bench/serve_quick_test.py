@@ -186,7 +186,8 @@ def check_open_loop(bench, karakvd, plot):
 def check_staging_flag(bench, karakvd):
     """--serve_staging: an unknown kind is refused naming the flag and the choices; device staging on
     the CPU backend is refused by the workers' Attach naming --backend=cuda (a GPU run is scripts/gpu-check.sh).
-    --serve_worker_compute and --serve_dtype refusals likewise."""
+    --serve_worker_compute, --serve_dtype and --serve_stream_ordered (and P3's --p3_stream_ordered)
+    refusals likewise."""
     with tempfile.TemporaryDirectory(prefix="karakv-serve-staging.") as out:
         base = [bench, "serve", "--quick", "--serve_policies=none", "--serve_batches=8", f"--karakvd={karakvd}",
                 f"--out_dir={out}"]
@@ -202,6 +203,7 @@ def check_staging_flag(bench, karakvd):
         for flags, message in [
             (["--serve_worker_compute=cpu"], "--serve_worker_compute=cpu: expected sleep"),
             (["--serve_worker_compute=gemm"], "it needs --serve_staging=device or device_fd"),
+            (["--serve_stream_ordered"], "--serve_stream_ordered orders device staging by CUDA events"),
             (["--serve_dtype=int8"], "--serve_dtype=int8: expected fp16, bf16 or fp32"),
             (["--serve_worker_compute=gemm", "--serve_staging=device", "--serve_dtype=fp32"],
              "use --serve_dtype=fp16 or bf16"),
@@ -209,6 +211,11 @@ def check_staging_flag(bench, karakvd):
             bad = subprocess.run(base + flags, capture_output=True, text=True, timeout=60)
             if bad.returncode == 0 or message not in bad.stderr:
                 fail(f"{flags}: exit {bad.returncode}, stderr {bad.stderr[-1000:]!r}")
+        # P3 likewise: stream order is for device staging.
+        p3 = subprocess.run([bench, "p3", "--p3_stream_ordered", f"--karakvd={karakvd}"], capture_output=True,
+                            text=True, timeout=60)
+        if p3.returncode == 0 or "--p3_stream_ordered orders device staging" not in p3.stderr:
+            fail(f"p3 --p3_stream_ordered with shm staging: exit {p3.returncode}, stderr {p3.stderr[-1000:]!r}")
         # --serve_kara_params: a malformed entry is refused naming the flag; a well-formed one reaches
         # every kara sequence the workers create (an out-of-range rho is refused by the daemon's
         # CreateSequence, naming the parameter), and leaves other policies alone.
