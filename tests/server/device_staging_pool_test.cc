@@ -458,17 +458,24 @@ TEST(StreamOrderTest, ARequestRunsBetweenTheWaitForTheWorkerAndTheDaemonsRecord)
   EXPECT_EQ(backend.log, (std::vector<std::string>{"request plain", "request plain"}));
 }
 
+// A core over `backend` with device staging, stream order allowed or not (--stream_ordered_staging).
+absl::StatusOr<std::unique_ptr<Core>> stream_order_core(std::unique_ptr<kn::Backend> backend, bool allowed,
+                                                        kn::Geometry geometry) {
+  CoreConfig c;
+  c.geometry = geometry;
+  c.pool_bytes = 64 * c.geometry.block_bytes();
+  c.max_device_staging_bytes = 8 * kMiB2;
+  c.stream_ordered_staging = allowed;
+  return Core::create(c, std::move(backend));
+}
+
 // A Step's two kernels queue without a host wait between them; a plain Step waits once at its end,
 // a stream-ordered one not at all; the outputs are the same.
 TEST(StreamOrderTest, AStepWaitsOnceOrNotAtAllAndGivesTheSameOutputs) {
   auto backend_owner = std::make_unique<EventLogBackend>();
   EventLogBackend& backend = *backend_owner;
-  CoreConfig c;
-  c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16);
-  c.pool_bytes = 64 * c.geometry.block_bytes();
-  c.max_device_staging_bytes = 8 * kMiB2;
-  c.stream_ordered_staging = true;
-  auto core = Core::create(c, std::move(backend_owner));
+  auto core = stream_order_core(std::move(backend_owner), true,
+                                karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16));
   ASSERT_TRUE(core.ok()) << core.status();
   Core& k = **core;
 
@@ -484,7 +491,7 @@ TEST(StreamOrderTest, AStepWaitsOnceOrNotAtAllAndGivesTheSameOutputs) {
   ASSERT_TRUE(staging.ok());
   ASSERT_NE((*staging)->events(), nullptr);
 
-  const kn::Geometry& g = c.geometry;
+  const kn::Geometry& g = k.geometry();
   std::mt19937 rng(5);
   std::normal_distribution<float> dist;
   auto random_bytes = [&](size_t bytes) {
@@ -533,12 +540,8 @@ TEST(StreamOrderTest, AttachWithAnEventNeedsTheFlagAndAFailedOneLeavesNoQuaranti
   for (bool enabled : {false, true}) {
     auto owner = std::make_unique<FakeDeviceBackend>();  // device staging, no events
     FakeDeviceBackend& backend = *owner;
-    CoreConfig c;
-    c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16);
-    c.pool_bytes = 64 * c.geometry.block_bytes();
-    c.max_device_staging_bytes = 8 * kMiB2;
-    c.stream_ordered_staging = enabled;
-    auto core = Core::create(c, std::move(owner));
+    auto core = stream_order_core(std::move(owner), enabled,
+                                  karakv::server::testing::small_test_geometry(kn::DType::kFloat32, 32, 16));
     ASSERT_TRUE(core.ok()) << core.status();
     auto a = (*core)->attach("w", "t", kMiB2, kn::Geometry{}, "", 0, StagingKind::kCudaIpc, "", std::string(64, 'w'));
     ASSERT_FALSE(a.ok());
@@ -559,12 +562,7 @@ TEST(StreamOrderTest, AttachWithAnEventNeedsTheFlagAndAFailedOneLeavesNoQuaranti
 TEST(StreamOrderTest, TheHandlersAndTheRingRunRequestsInStreamOrder) {
   auto owner = std::make_unique<EventLogBackend>();
   EventLogBackend& backend = *owner;
-  CoreConfig c;
-  c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32);
-  c.pool_bytes = 64 * c.geometry.block_bytes();
-  c.max_device_staging_bytes = 8 * kMiB2;
-  c.stream_ordered_staging = true;
-  auto core = Core::create(c, std::move(owner));
+  auto core = stream_order_core(std::move(owner), true, karakv::server::testing::small_test_geometry(kn::DType::kFloat32));
   ASSERT_TRUE(core.ok()) << core.status();
   Core& k = **core;
   auto metrics = Metrics::create("");
