@@ -1285,6 +1285,10 @@ class GrpcEventStream final : public EventStream {
         out->policy = e.compaction_failed().policy();
         out->reason = e.compaction_failed().reason();
         break;
+      case v1::Event::kDeviceFailed:
+        out->kind = Event::Kind::kDeviceFailed;
+        out->reason = e.device_failed().reason();
+        break;
       default:  // a kind newer than this SDK: skip it
         return Next(out);
     }

@@ -721,6 +721,18 @@ void Core::set_event_observer(std::function<void(const CoreEvent&)> observer) {
   compactor_->set_event_observer(std::move(observer));
 }
 
+bool Core::announce_device_fault() {
+  const std::string fault = backend_->fault();
+  if (fault.empty()) return false;
+  if (fault_announced_.exchange(true)) return true;
+  CoreEvent e;
+  e.kind = CoreEvent::Kind::kDeviceFailed;
+  e.message = fault;
+  absl::MutexLock lock(&mu_);
+  sessions_->announce(e);
+  return true;
+}
+
 void Core::set_prefix_event_sink(PrefixEventSink* sink) {
   absl::MutexLock lock(&mu_);
   store_->set_prefix_event_sink(sink);

@@ -176,6 +176,12 @@ class Core {
   void set_compaction_observer(std::function<void(const CompactionResult&)> observer);
   // Called, under the core's lock, for every CoreEvent (preemption, compaction, session end).
   void set_event_observer(std::function<void(const CoreEvent&)> observer);
+  // The backend's fault (Backend::fault): empty while it can serve. Once set, every request is
+  // refused (RequestGate) and the daemon reports itself unhealthy; only a restart recovers.
+  std::string device_fault() const { return backend_->fault(); }
+  // Announces the fault to every session's event stream, once (later calls do nothing); false
+  // when there is no fault.
+  bool announce_device_fault();
   // The prefix cache's stores and removals go to `sink` (server/kv_events.h); it must outlive the
   // core or be unset (null) first.
   void set_prefix_event_sink(PrefixEventSink* sink);
@@ -226,6 +232,7 @@ class Core {
   uint64_t decode_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void(const CoreEvent&)> event_observer_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> fault_announced_{false};
   std::atomic<PrefixTier*> tier_{nullptr};
 };
 

@@ -15,12 +15,13 @@ namespace karakv::server {
 // What the event stream (WatchEvents) tells a session about its own sequences. Emitted under the
 // core's lock: observers must not block or call back into the core.
 struct CoreEvent {
-  enum class Kind { kPreempted, kCompaction, kSessionEnded, kCompactionFailed };
+  enum class Kind { kPreempted, kCompaction, kSessionEnded, kCompactionFailed, kDeviceFailed };
   Kind kind = Kind::kCompaction;
   std::string session_id;
   uint64_t sequence_id = 0;
   // kPreempted: why (wanted vs free blocks, the request, the priority rule); kSessionEnded: why;
-  // kCompactionFailed: the error (its code, then the message; a kernel's names its op).
+  // kCompactionFailed: the error (its code, then the message; a kernel's names its op);
+  // kDeviceFailed: the backend's fault (Backend::fault), to every session.
   std::string message;
   int32_t priority = 0;       // kPreempted: the victim's
   int32_t blocks_freed = 0;   // kPreempted: blocks that went back to the pool

@@ -59,6 +59,9 @@ v1::Event to_event(const CoreEvent& e) {
       c->set_reason(e.message);
       break;
     }
+    case CoreEvent::Kind::kDeviceFailed:
+      out.mutable_device_failed()->set_reason(e.message);
+      break;
     case CoreEvent::Kind::kSessionEnded: {
       auto* s = out.mutable_session_ended();
       s->set_lease_expired(e.lease_expired);

@@ -323,6 +323,7 @@ int main(int argc, char** argv) {
 
   // Lease reaper: frees the sessions of workers that stopped sending heartbeats.
   absl::Notification stop;
+  bool device_failed = false;  // the reaper's own
   std::thread reaper([&] {
     const absl::Duration period = std::min(absl::Seconds(1), config->core.lease / 4);
     while (!stop.WaitForNotificationWithTimeout(period)) {
@@ -332,7 +333,19 @@ int main(int argc, char** argv) {
         (*metrics)->lease_expired(n);
       }
       rings.reap();
-      if (heartbeat_fd >= 0) futimens(heartbeat_fd, nullptr);
+      // A device fault (a lost CUDA context) does not heal: unhealthy for the readiness probe, and
+      // no more heartbeats, so the liveness probe has the daemon restarted.
+      if (!device_failed) {
+        if (const std::string fault = (*core)->device_fault(); !fault.empty()) {
+          device_failed = true;
+          (*core)->announce_device_fault();
+          server->GetHealthCheckService()->SetServingStatus(false);
+          spdlog::critical("the device failed; refusing every call until a restart (health NOT_SERVING, liveness "
+                           "heartbeat stopped): {}",
+                           fault);
+        }
+      }
+      if (heartbeat_fd >= 0 && !device_failed) futimens(heartbeat_fd, nullptr);
     }
   });
 

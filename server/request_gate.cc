@@ -2,6 +2,8 @@
 // entries both transports share.
 #include "server/request_gate.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
@@ -11,10 +13,23 @@ absl::Status draining_status() {
   return absl::UnavailableError("karakvd is draining for shutdown; retry on another daemon or after restart");
 }
 
+absl::Status RequestGate::device_failed(const char* method) const {
+  if (std::strcmp(method, "Ping") == 0 || std::strcmp(method, "Stats") == 0) return absl::OkStatus();
+  const std::string fault = core_->device_fault();
+  if (fault.empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "karakvd's device failed and it cannot serve until it restarts (its health check reports NOT_SERVING and its "
+      "liveness heartbeat stopped): ",
+      fault, "; every sequence held here is lost: retry on another daemon or after the restart"));
+}
+
 void RequestGate::finish(const char* method, std::chrono::steady_clock::time_point start, const absl::Status& status,
                          bool mutates) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (metrics_ != nullptr) metrics_->observe_rpc(method, seconds, status.code());
+  // A kernel fault comes back as INTERNAL from the call that met it: from then on every session
+  // hears of it on its event stream.
+  if (status.code() == absl::StatusCode::kInternal) core_->announce_device_fault();
   if (!status.ok() && spdlog::should_log(spdlog::level::debug)) {
     spdlog::debug("{} refused: {}: {}", method, absl::StatusCodeToString(status.code()), std::string(status.message()));
   }

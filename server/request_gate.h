@@ -66,6 +66,9 @@ class RequestGate {
  private:
   void finish(const char* method, std::chrono::steady_clock::time_point start, const absl::Status& status,
               bool mutates);
+  // UNAVAILABLE naming the backend's fault (Core::device_fault) for every method but Ping and
+  // Stats (which need no device and tell what happened), else OK.
+  absl::Status device_failed(const char* method) const;
 
   Core* const core_;
   Metrics* const metrics_;
@@ -80,7 +83,8 @@ template <typename Body>
 absl::Status RequestGate::run(const char* method, bool mutates, Body&& body) {
   const auto start = std::chrono::steady_clock::now();
   ++in_flight_;
-  absl::Status status = draining_.load() ? draining_status() : body();
+  absl::Status status = draining_.load() ? draining_status() : device_failed(method);
+  if (status.ok()) status = body();
   --in_flight_;
   finish(method, start, status, mutates);
   return status;

@@ -106,6 +106,13 @@ class SessionTable {
   uint64_t lease_expiries() const { return lease_expiries_; }
   uint64_t preemptions() const { return preemptions_; }
   void set_event_observer(std::function<void(const CoreEvent&)> observer) { event_observer_ = std::move(observer); }
+  // `e` to every session attached, each under its own id.
+  void announce(CoreEvent e) {
+    for (const auto& [id, session] : sessions_) {
+      e.session_id = id;
+      emit(e);
+    }
+  }
 
  private:
   // A preempted sequence, remembered until its owner releases it or the session ends, so that

@@ -243,6 +243,11 @@ class CudaBackend final : public Backend {
     cudaFree(memory.ptr);
   }
 
+  std::string fault() const override {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    return fault_;
+  }
+
   void set_deferred(bool on) override {
     if (on) {
       t_deferring = this;
@@ -855,11 +860,18 @@ class CudaBackend final : public Backend {
     for (bool& pending : upload_pending_) pending = false;
     if (err == cudaSuccess) return KernelStatus::ok();
     KernelStatus st = cuda::cuda_status(err, std::string(op) + ": cudaStreamSynchronize");
+    // A kernel fault is sticky (the context is lost): the stream still reports it when asked again.
+    const cudaError_t again = cudaStreamQuery(stream_);
+    const bool sticky = again != cudaSuccess && again != cudaErrorNotReady;
     if (queued > 0) {
       st.message += " (" + std::to_string(queued) + " call(s) queued before it without a wait, the last:";
       const uint64_t named = std::min<uint64_t>(queued, kDeferredNames);
       for (uint64_t i = queued - named; i < queued; ++i) st.message += " " + std::string(deferred_names_[i % kDeferredNames]);
       st.message += ")";
+    }
+    if (sticky) {
+      std::lock_guard<std::mutex> lock(fault_mu_);
+      if (fault_.empty()) fault_ = st.message;
     }
     return st;
   }
@@ -1351,6 +1363,8 @@ class CudaBackend final : public Backend {
   static constexpr int kDeferredNames = 8;
   uint64_t deferred_calls_ = 0;
   std::string_view deferred_names_[kDeferredNames];
+  mutable std::mutex fault_mu_;  // fault_ is read without mu_ (a call may hold it, stuck)
+  std::string fault_;            // the first sticky error a wait met (fault())
   const CudaAttention attention_;
   const CudaQuantDecode quant_;
   int test_delay_us_;  // $KARAKV_CUDA_TEST_STREAM_DELAY_US (cudaLaunchHostFunc takes a non-const pointer)

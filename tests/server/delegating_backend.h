@@ -144,6 +144,7 @@ class DelegatingBackend : public kernels::Backend {
   }
   void set_deferred(bool on) override { inner_->set_deferred(on); }
   KernelStatus synchronize() override { return inner_->synchronize(); }
+  std::string fault() const override { return inner_->fault(); }
   KernelStatus create_shared_event(kernels::SharedEvent* out) override { return inner_->create_shared_event(out); }
   KernelStatus open_shared_event(const std::string& handle, kernels::SharedEvent* out) override {
     return inner_->open_shared_event(handle, out);

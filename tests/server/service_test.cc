@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <set>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -14,6 +15,8 @@
 #include "karakv/v1/ring.h"
 #include "server/metrics.h"
 #include "server/ring.h"
+#include "server/events.h"
+#include "tests/server/delegating_backend.h"
 #include "spdlog/spdlog.h"
 #include "test_geometry.h"
 
@@ -521,6 +524,95 @@ TEST(StagingProtoTest, DeviceStagingFieldsRoundTrip) {
   v1::AttachRequest parsed;
   ASSERT_TRUE(parsed.ParseFromString(old_client.SerializeAsString()));
   EXPECT_EQ(parsed.staging_kind(), v1::STAGING_KIND_SHM);
+}
+
+
+// A device fault (a lost CUDA context, Backend::fault) on the CPU: a backend whose decode fails
+// with a sticky error once told to. The call that meets it fails with the op's error; every
+// session hears of it once on its event stream; every later call but Ping and Stats is refused
+// with UNAVAILABLE naming it.
+class FaultingBackend final : public karakv::testing::DelegatingBackend {
+ public:
+  FaultingBackend() : DelegatingBackend(kernels::make_cpu_backend(1)) {}
+  KernelStatus decode_attention(const PagedKV& kv, int layer, const float* q, float* out, float scale) override {
+    if (!failing) return DelegatingBackend::decode_attention(kv, layer, q, out, scale);
+    fault_ = "decode_attention: cudaStreamSynchronize: cudaErrorIllegalAddress (fake)";
+    return {KernelStatus::Code::kInternal, fault_};
+  }
+  std::string fault() const override { return fault_; }
+  bool failing = false;
+
+ private:
+  std::string fault_;
+};
+
+TEST(DeviceFaultTest, TheCallThatMeetsItFailsEverySessionHearsOfItAndLaterCallsAreRefused) {
+  auto owner = std::make_unique<FaultingBackend>();
+  FaultingBackend& backend = *owner;
+  CoreConfig rc;
+  rc.geometry = testing::small_test_geometry(kernels::DType::kFloat32);
+  rc.pool_bytes = 32 * rc.geometry.block_bytes();
+  auto core = Core::create(rc, std::move(owner));
+  ASSERT_TRUE(core.ok());
+  std::vector<CoreEvent> events;
+  (*core)->set_event_observer([&](const CoreEvent& e) { events.push_back(e); });
+  auto metrics = Metrics::create("");
+  ASSERT_TRUE(metrics.ok());
+  KaraKVService service(core->get(), metrics->get(), true);
+  std::string sessions[2];
+  for (std::string& id : sessions) {
+    v1::AttachRequest a;
+    v1::AttachReply r;
+    ASSERT_TRUE(service.Handle(a, &r).ok());
+    id = r.session_id();
+  }
+  v1::CreateSequenceRequest cr;
+  cr.set_session_id(sessions[0]);
+  v1::CreateSequenceReply crr;
+  ASSERT_TRUE(service.Handle(cr, &crr).ok());
+  Core& k = **core;
+  auto step = [&] {
+    v1::StepRequest st;
+    st.set_session_id(sessions[0]);
+    st.add_sequence_ids(crr.sequence_id());
+    st.set_layer(0);
+    st.mutable_k()->set_data(std::string(k.step_kv_bytes(1), '\0'));
+    st.mutable_v()->set_data(std::string(k.step_kv_bytes(1), '\0'));
+    st.mutable_q()->set_data(std::string(k.q_bytes(1), '\0'));
+    v1::StepReply sr;
+    return service.Handle(st, &sr);
+  };
+  ASSERT_TRUE(step().ok());
+  EXPECT_TRUE(events.empty());
+
+  backend.failing = true;
+  absl::Status met = step();
+  EXPECT_EQ(met.code(), absl::StatusCode::kInternal) << met;
+  EXPECT_THAT(std::string(met.message()), HasSubstr("decode_attention: cudaStreamSynchronize"));
+  ASSERT_EQ(events.size(), 2u);
+  std::set<std::string> told;
+  for (const CoreEvent& e : events) {
+    EXPECT_EQ(e.kind, CoreEvent::Kind::kDeviceFailed);
+    EXPECT_THAT(e.message, HasSubstr("cudaErrorIllegalAddress"));
+    EXPECT_EQ(to_event(e).device_failed().reason(), e.message);
+    told.insert(e.session_id);
+  }
+  EXPECT_EQ(told, (std::set<std::string>{sessions[0], sessions[1]}));
+
+  for (const std::string& id : sessions) {
+    v1::CreateSequenceRequest again;
+    again.set_session_id(id);
+    absl::Status refused = service.Handle(again, &crr);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("device failed and it cannot serve until it restarts"));
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("cudaErrorIllegalAddress"));
+  }
+  EXPECT_EQ(step().code(), absl::StatusCode::kUnavailable);
+  v1::PingReply pr;
+  EXPECT_TRUE(service.Handle(v1::PingRequest(), &pr).ok());
+  v1::StatsReply sr;
+  EXPECT_TRUE(service.Handle(v1::StatsRequest(), &sr).ok());
+  EXPECT_EQ(events.size(), 2u);  // announced once
 }
 
 }  // namespace

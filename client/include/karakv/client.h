@@ -230,13 +230,15 @@ struct SequenceInfo {
 
 // One event of this session's stream (WatchEvents; karakv.proto's Event).
 struct Event {
-  enum class Kind { kPreempted, kCompaction, kSessionEnded, kDropped, kCompactionFailed };
+  enum class Kind { kPreempted, kCompaction, kSessionEnded, kDropped, kCompactionFailed, kDeviceFailed };
   Kind kind = Kind::kCompaction;
   uint64_t number = 0;     // 1, 2, ... per stream; 0 for kDropped
   double time_unix = 0;
   uint64_t sequence_id = 0;  // kPreempted, kCompaction, kCompactionFailed
   // kPreempted: why (the request, wanted vs free blocks, the priority rule); kSessionEnded: why;
-  // kCompactionFailed: the error's code and message (a kernel's names its op).
+  // kCompactionFailed: the error's code and message (a kernel's names its op); kDeviceFailed: the
+  // failing call's error (karakvd's device can serve nothing more until it restarts: every
+  // sequence held there is lost).
   std::string reason;
   int32_t priority = 0;
   uint32_t blocks_freed = 0, tokens_lost = 0;              // kPreempted

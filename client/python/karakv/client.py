@@ -104,14 +104,15 @@ class Inspection:
 @dataclass
 class Event:
     """One event of a session's stream (WatchEvents; karakv.proto's Event). kind is "preempted",
-    "compaction", "compaction_failed", "session_ended" or "dropped"; the fields of other kinds keep
-    their defaults."""
+    "compaction", "compaction_failed", "device_failed", "session_ended" or "dropped"; the fields of
+    other kinds keep their defaults."""
     kind: str
     number: int = 0           # 1, 2, ... per stream; 0 for "dropped"
     time_unix: float = 0.0
     sequence_id: int = 0      # preempted, compaction, compaction_failed
     # preempted: why (request, wanted vs free blocks, priority rule); session_ended: why;
-    # compaction_failed: the error's code and message (a kernel's names its op)
+    # compaction_failed: the error's code and message (a kernel's names its op); device_failed: the
+    # failing call's error (the daemon serves nothing more until it restarts; its sequences are lost)
     reason: str = ""
     priority: int = 0         # preempted
     blocks_freed: int = 0     # preempted
@@ -139,6 +140,8 @@ def _event(e: pb.Event) -> Optional[Event]:
     elif kind == "compaction_failed":
         c = e.compaction_failed
         out.sequence_id, out.policy, out.reason = c.sequence_id, c.policy, c.reason
+    elif kind == "device_failed":
+        out.reason = e.device_failed.reason
     elif kind == "session_ended":
         s = e.session_ended
         out.reason, out.lease_expired, out.sequences_released = s.reason, s.lease_expired, s.sequences_released

@@ -112,6 +112,10 @@ class Backend {
   virtual void set_deferred(bool on) {}
   // Waits for every op queued so far (from any thread).
   virtual KernelStatus synchronize() { return KernelStatus::ok(); }
+  // Why this backend can run nothing more until the process restarts (a CUDA kernel fault: the
+  // context is lost, and every later call fails with it), or empty. Set by the call that first met
+  // it, whose own error says the same.
+  virtual std::string fault() const { return {}; }
   // Interprocess events (CUDA IPC events, stream-ordered device staging): make one to export, open
   // another process's, and order the backend's stream after the other process's last record
   // (wait_event) or record this process's point in it (record_event). Backends without a device
