@@ -77,7 +77,7 @@ int WorkPool::helpers() const {
   return static_cast<int>(threads_.size());
 }
 
-int64_t WorkPool::work_on(Job& job) {
+void WorkPool::work_on(Job& job, std::atomic<uint64_t>& chunks) {
   // Each chunk's indices are counted only once the next claim has been tried, so that done() runs
   // while this thread still holds uncounted indices (the caller cannot have returned).
   auto count = [&job](int64_t k) {
@@ -95,9 +95,9 @@ int64_t WorkPool::work_on(Job& job) {
   }
   if (ran > 0) {
     job.done();
+    chunks.fetch_add(uint64_t(ran), std::memory_order_relaxed);
     count(held);
   }
-  return ran;
 }
 
 void WorkPool::parallel_for(int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> body, bool parallel,
@@ -117,7 +117,7 @@ void WorkPool::parallel_for(int64_t n, int64_t grain, absl::FunctionRef<void(int
   wake_.notify_all();
   {
     InLoop mark;
-    by_callers_.fetch_add(uint64_t(work_on(*job)), std::memory_order_relaxed);
+    work_on(*job, by_callers_);
   }
   // Only chunks a helper claimed and is running are left; a helper that has not started has none.
   for (int64_t f = job->finished.load(std::memory_order_acquire); f != n;
@@ -150,7 +150,7 @@ void WorkPool::helper_loop() {
     }
     if (job == nullptr) continue;
     InLoop mark;
-    by_helpers_.fetch_add(uint64_t(work_on(*job)), std::memory_order_relaxed);
+    work_on(*job, by_helpers_);
   }
 }
 

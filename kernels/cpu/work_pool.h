@@ -58,8 +58,9 @@ class WorkPool {
  private:
   struct Job;
   void helper_loop();
-  // Claims and runs chunks of `job` until none are left; returns how many this thread ran.
-  static int64_t work_on(Job& job);
+  // Claims and runs chunks of `job` until none are left, and adds how many it ran to `chunks`
+  // before its last chunk counts as finished (so the caller's return sees the count).
+  static void work_on(Job& job, std::atomic<uint64_t>& chunks);
 
   const int width_;
   mutable std::mutex start_mu_;
