@@ -67,7 +67,8 @@
 # a rerun after a fix can take only the steps that failed; the others print "skipped"; `deploy`, not
 # in the default list, is issue 39 item 5's serve run: Llama-3.1-8B's geometry with workers running
 # their projections and MLP on the GPU with cuBLAS, about GPU_CHECK_DEPLOY_SECONDS (120) per policy;
-# GPU_CHECK_DEPLOY_POLICIES, _BATCH (64), _STEPS (6000), _POOL (16GiB)). The profile
+# GPU_CHECK_DEPLOY_POLICIES, _BATCH (64), _STEPS (6000), _POOL (16GiB), _ORDERED (false: true runs the
+# workers stream-ordered by CUDA events); the GPU's utilization is sampled with nvidia-smi during it). The profile
 # step runs Nsight Compute (ncu, where the machine has it; --clock-control none, so the GPU's clocks
 # are left alone) over the paged decode (own and FlashInfer's) and the quantized decode kernels
 # (staged and fused), at
@@ -615,6 +616,7 @@ DEPLOY_BATCH=${GPU_CHECK_DEPLOY_BATCH:-64}
 DEPLOY_STEPS=${GPU_CHECK_DEPLOY_STEPS:-6000}
 DEPLOY_SECONDS=${GPU_CHECK_DEPLOY_SECONDS:-120}
 DEPLOY_POOL=${GPU_CHECK_DEPLOY_POOL:-16GiB}
+DEPLOY_ORDERED=${GPU_CHECK_DEPLOY_ORDERED:-false}  # true: workers stream-ordered by CUDA events (issue 39 item 3)
 if want deploy; then
   # 6b. Issue 39 item 5 (not in the default steps: about DEPLOY_SECONDS per policy): the serve run that
   # looks like a deployment: Llama-3.1-8B's geometry (32 layers, 32/8 heads, head_dim 128, bf16),
@@ -642,14 +644,32 @@ PY
   deploy[cublas]=${cublas_libs:-"none found (the workers will say so)"}
   rm -rf "$RESULTS/deploy"  # a failed rerun must not report the last run's numbers
   deploy_runs=$(tr ',' '\n' <<< "$DEPLOY_POLICIES" | grep -c .)
+  # The GPU's utilization (NVML: the share of each sample period in which a kernel ran) every
+  # 200 ms while the runs go, read only: issue 39 wants the GPU idle <= 10% of a decode step.
+  util_pid=
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$RESULTS/deploy-utilization.txt" 2> /dev/null &
+    util_pid=$!
+  fi
   with_timeout $((DEPLOY_SECONDS * deploy_runs + 180)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
+    --serve_stream_ordered="$DEPLOY_ORDERED" \
     --serve_staging=device --serve_worker_compute=gemm ${cublas_libs:+--serve_cublas="$cublas_libs"} --serve_workers=1 \
     --serve_layers=32 --serve_q_heads=32 --serve_kv_heads=8 --serve_head_dim=128 --serve_dtype=bf16 \
     --serve_pool_bytes="$DEPLOY_POOL" --serve_prompt=100-500 --serve_output=4000-8000 \
     --serve_policies="$DEPLOY_POLICIES" --serve_batches="$DEPLOY_BATCH" --serve_steps="$DEPLOY_STEPS" \
     --serve_seconds="$DEPLOY_SECONDS" --out_dir="$RESULTS/deploy" > /tmp/gpu-deploy.txt 2>&1
   rc=$?
+  [ -n "$util_pid" ] && kill "$util_pid" 2> /dev/null
   deploy[status]=$(describe_rc "$rc")
+  [ "$DEPLOY_ORDERED" = true ] && deploy[status]="${deploy[status]}, stream-ordered workers"
+  deploy[utilization]=$(python3 - "$RESULTS/deploy-utilization.txt" <<'PY' 2> /dev/null
+import statistics, sys
+v = [float(x) for x in open(sys.argv[1]) if x.strip().replace(".", "").isdigit()]
+# Every sample of the step, the daemons' starts and the prefills between runs included.
+print(f"mean {statistics.mean(v):.0f}% over {len(v)} samples (200 ms); median {statistics.median(v):.0f}%; "
+      f"{100 * sum(x >= 90 for x in v) / len(v):.0f}% of samples at >= 90%" if v else "no samples")
+PY
+  )
   [ "$rc" -eq 0 ] || { echo "karakv-bench serve, deployment geometry (${deploy[status]}):"; tail -20 /tmp/gpu-deploy.txt; }
   if [ -f "$RESULTS/deploy/serve_runs.csv" ]; then
     while IFS=, read -r policy value; do deploy[$policy]=$value; done < <(python3 - "$RESULTS/deploy/serve_runs.csv" <<'PY'
@@ -784,6 +804,7 @@ echo "| deployment serve (Llama-3.1-8B geometry, cuBLAS workers, max batch $DEPL
 for policy in ${DEPLOY_POLICIES//,/ } kara/none kara/snapkv; do
   [ -n "${deploy[$policy]:-}" ] && echo "| deployment serve $policy | - | ${deploy[$policy]} |"
 done
+[ -n "${deploy[utilization]:-}" ] && echo "| deployment serve: GPU utilization (target: idle <= 10%) | ${deploy[utilization]} | - |"
 echo "($SEQS sequences x $TOKENS tokens, fp16; targets: decode_vs_copy >= 0.70, paged/sdpa <= 1.00; build: $B;"
 echo " serve: $SERVE_STEPS steps or $SERVE_SECONDS s per run; every output in $RESULTS/)"
 
