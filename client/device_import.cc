@@ -8,7 +8,9 @@
 #if KARAKV_CLIENT_CUDA
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 #endif
 
 namespace karakv {
@@ -128,8 +130,17 @@ void close_daemon_event(DeviceEvents* events) {
 
 void destroy_worker_event(DeviceEvents* events) {
   if (events->worker != nullptr) {
-    cudaEventSynchronize(static_cast<cudaEvent_t>(events->worker));  // its last record done
-    cudaEventDestroy(static_cast<cudaEvent_t>(events->worker));
+    // Its last record should be done before it goes; but that record may wait on karakvd's event,
+    // which a failed or restarted daemon never completes: wait at most a second, then leave it.
+    auto e = static_cast<cudaEvent_t>(events->worker);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    cudaError_t q = cudaEventQuery(e);
+    while (q == cudaErrorNotReady && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      q = cudaEventQuery(e);
+    }
+    if (q != cudaErrorNotReady) cudaEventDestroy(e);
+    cudaGetLastError();
   }
   events->worker = nullptr;
   events->worker_handle.clear();

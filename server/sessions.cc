@@ -26,6 +26,12 @@ absl::Status unknown_session(const std::string& session_id) {
 SessionTable::SessionTable(const SessionLimits& limits, SequenceStore& store, DeviceStagingPool* device_staging)
     : limits_(limits), store_(store), device_staging_(device_staging) {}
 
+void SessionTable::release_unseen(Admission& admission) {
+  if (admission.session.staging != nullptr && admission.session.staging->on_device()) {
+    static_cast<DeviceStaging&>(*admission.session.staging).mark_importer_closed();
+  }
+}
+
 absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string& worker_id, const std::string& tenant,
                                                               uint64_t staging_bytes,
                                                               const std::string& cache_namespace,
@@ -86,7 +92,10 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
       // The fast path's rings: host shared memory of their own (the worker maps it by name); the
       // commands' tensors stay in the device region.
       auto rings = StagingRegion::create(0, reserved_bytes);
-      if (!rings.ok()) return rings.status();
+      if (!rings.ok()) {
+        release_unseen(a);
+        return rings.status();
+      }
       a.result.staging_name = (*rings)->name();
       a.session.rings = std::move(*rings);
     }
@@ -110,7 +119,9 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
 
 absl::Status SessionTable::add(Admission admission) {
   if (limits_.max_sessions > 0 && static_cast<int64_t>(sessions_.size()) >= limits_.max_sessions) {
-    // The staging region made by prepare() unmaps and unlinks as `admission` goes out of scope.
+    // The staging region made by prepare() unmaps and unlinks as `admission` goes out of scope; a
+    // device region its worker never saw goes back for reuse.
+    release_unseen(admission);
     return absl::ResourceExhaustedError(absl::StrCat(
         "session limit reached: ", sessions_.size(), " sessions attached, limit ", limits_.max_sessions,
         ", wanted 1 more (karakvd --max_sessions); detach a session or raise the limit"));

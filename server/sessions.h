@@ -68,6 +68,9 @@ class SessionTable {
     AttachResult result;
     Session session;
   };
+  // An admission that will not be added (the session refused): its worker never saw the device
+  // region, so it may go to the tenant's next session instead of quarantine.
+  static void release_unseen(Admission& admission);
   absl::StatusOr<Admission> prepare(const std::string& worker_id, const std::string& tenant, uint64_t staging_bytes,
                                     const std::string& cache_namespace, uint64_t reserved_bytes,
                                     StagingKind staging_kind = StagingKind::kShm,

@@ -556,6 +556,32 @@ TEST(StreamOrderTest, AttachWithAnEventNeedsTheFlagAndAFailedOneLeavesNoQuaranti
 }
 
 
+// A device region made for an Attach that is then refused (here at --max_sessions) was never seen
+// by its worker: it goes back for the tenant's reuse, not to quarantine.
+TEST(StreamOrderTest, ARegionOfARefusedAttachIsReusedNotQuarantined) {
+  auto owner = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend& backend = *owner;
+  CoreConfig c;
+  c.geometry = karakv::server::testing::small_test_geometry(kn::DType::kFloat32);
+  c.pool_bytes = 64 * c.geometry.block_bytes();
+  c.max_device_staging_bytes = 8 * kMiB2;
+  c.max_sessions = 1;
+  auto core = Core::create(c, std::move(owner));
+  ASSERT_TRUE(core.ok());
+  auto attach = [&] { return (*core)->attach("w", "t", kMiB2, kn::Geometry{}, "", 0, StagingKind::kCudaIpc); };
+  auto first = attach();
+  ASSERT_TRUE(first.ok());
+  auto refused = attach();  // a second region is made, then the session refused
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE((*core)->detach(first->session_id).ok());
+  auto third = attach();  // one of the two free regions
+  ASSERT_TRUE(third.ok());
+  auto fourth = attach();  // refused again, on the other free region: nothing new made
+  ASSERT_FALSE(fourth.ok());
+  EXPECT_EQ(backend.allocations_, 2) << "the refused Attach's region was quarantined";
+}
+
 // The transports' glue: Step, Attend, Append and ReadKV through the gRPC handlers, and Step and
 // Attend through the ring, each between the wait for the worker's event and the daemon's record,
 // Step and Attend with no host wait; a request with no tensor in staging orders nothing.
