@@ -648,8 +648,11 @@ PY
   # 200 ms while the runs go, read only: issue 39 wants the GPU idle <= 10% of a decode step.
   util_pid=
   if command -v nvidia-smi > /dev/null; then
-    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 > "$RESULTS/deploy-utilization.txt" 2> /dev/null &
+    # GPU 0: karakvd's (--cuda_device 0) and the workers'.
+    nvidia-smi -i 0 --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 200 \
+      > "$RESULTS/deploy-utilization.txt" 2> /dev/null &
     util_pid=$!
+    trap 'kill "$util_pid" 2> /dev/null' EXIT  # an interrupted check must not leave it sampling
   fi
   with_timeout $((DEPLOY_SECONDS * deploy_runs + 180)) "$FULL/bin/karakv-bench" serve --karakvd_flags=--backend=cuda \
     --serve_stream_ordered="$DEPLOY_ORDERED" \
@@ -659,7 +662,11 @@ PY
     --serve_policies="$DEPLOY_POLICIES" --serve_batches="$DEPLOY_BATCH" --serve_steps="$DEPLOY_STEPS" \
     --serve_seconds="$DEPLOY_SECONDS" --out_dir="$RESULTS/deploy" > /tmp/gpu-deploy.txt 2>&1
   rc=$?
-  [ -n "$util_pid" ] && kill "$util_pid" 2> /dev/null
+  if [ -n "$util_pid" ]; then
+    kill "$util_pid" 2> /dev/null
+    wait "$util_pid" 2> /dev/null
+    trap - EXIT
+  fi
   deploy[status]=$(describe_rc "$rc")
   [ "$DEPLOY_ORDERED" = true ] && deploy[status]="${deploy[status]}, stream-ordered workers"
   deploy[utilization]=$(python3 - "$RESULTS/deploy-utilization.txt" <<'PY' 2> /dev/null

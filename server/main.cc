@@ -339,6 +339,7 @@ int main(int argc, char** argv) {
         if (const std::string fault = (*core)->device_fault(); !fault.empty()) {
           device_failed = true;
           (*core)->announce_device_fault();
+          (*metrics)->device_failed();
           server->GetHealthCheckService()->SetServingStatus(false);
           spdlog::critical("the device failed; refusing every call until a restart (health NOT_SERVING, liveness "
                            "heartbeat stopped): {}",

@@ -140,6 +140,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::create(const std::string& list
   // The name every Prometheus client library gives it, so that dashboards' uptime panels find it.
   gauge("process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds")
       ->Set(process_start_time_seconds());
+  m->device_failed_ = gauge("karakv_device_failed",
+                            "1 once the device failed (a CUDA kernel fault: the context is lost): every call but Ping "
+                            "and Stats is refused until karakvd restarts; else 0");
   m->blocks_total_ = gauge("karakv_pool_blocks", "Blocks in the KV pool");
   m->blocks_used_ = gauge("karakv_pool_blocks_used", "Blocks held by at least one sequence");
   m->blocks_free_ = gauge("karakv_pool_blocks_free", "Blocks on the free list");
@@ -384,6 +387,7 @@ std::vector<RpcErrorCount> Metrics::rpc_errors() const {
 }
 
 void Metrics::invariant_violation() { invariant_violations_->Increment(); }
+void Metrics::device_failed() { device_failed_->Set(1); }
 
 void Metrics::lease_expired(int n) { lease_expiries_->Increment(n); }
 

@@ -53,6 +53,8 @@ class Metrics {
   // batch's first-layer Step, and the time to first step of the sequences it was the first for.
   void decode_step(int tokens, double step_seconds, const std::vector<double>& first_step_seconds);
   void invariant_violation();
+  // The device failed (Backend::fault): karakv_device_failed goes to 1 until the restart.
+  void device_failed();
   // Failed RPCs so far by method and code, read back from the counters (for the Stats RPC).
   std::vector<RpcErrorCount> rpc_errors() const;
   // One compaction that ran: count, tokens removed per (layer, head) row, and its duration.
@@ -90,6 +92,7 @@ class Metrics {
   prometheus::Histogram* decode_step_seconds_ = nullptr;
   prometheus::Histogram* first_step_seconds_ = nullptr;
   prometheus::Counter* invariant_violations_ = nullptr;
+  prometheus::Gauge* device_failed_ = nullptr;
   prometheus::Family<prometheus::Counter>* compactions_ = nullptr;
   prometheus::Family<prometheus::Counter>* compaction_failures_ = nullptr;
   prometheus::Family<prometheus::Counter>* tokens_removed_ = nullptr;

@@ -14,9 +14,9 @@ absl::Status draining_status() {
 }
 
 absl::Status RequestGate::device_failed(const char* method) const {
-  if (std::strcmp(method, "Ping") == 0 || std::strcmp(method, "Stats") == 0) return absl::OkStatus();
   const std::string fault = core_->device_fault();
   if (fault.empty()) return absl::OkStatus();
+  if (std::strcmp(method, "Ping") == 0 || std::strcmp(method, "Stats") == 0) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(
       "karakvd's device failed and it cannot serve until it restarts (its health check reports NOT_SERVING and its "
       "liveness heartbeat stopped): ",

@@ -58,6 +58,10 @@ class RequestGate {
   absl::StatusOr<Core::StepResult> step(const StepCall& call, const absl::Status& resolution = absl::OkStatus());
   absl::Status attend(const AttendCall& call, const absl::Status& resolution = absl::OkStatus());
 
+  // UNAVAILABLE naming the backend's fault (Core::device_fault) for every method but Ping and
+  // Stats (which need no device), else OK.
+  absl::Status device_failed(const char* method) const;
+
   // After this, every new call is refused with UNAVAILABLE; calls already running finish.
   void start_draining() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
@@ -66,9 +70,6 @@ class RequestGate {
  private:
   void finish(const char* method, std::chrono::steady_clock::time_point start, const absl::Status& status,
               bool mutates);
-  // UNAVAILABLE naming the backend's fault (Core::device_fault) for every method but Ping and
-  // Stats (which need no device and tell what happened), else OK.
-  absl::Status device_failed(const char* method) const;
 
   Core* const core_;
   Metrics* const metrics_;

@@ -596,6 +596,8 @@ grpc::ServerWriteReactor<v1::Event>* KaraKVService::WatchEvents(grpc::CallbackSe
   absl::Status refusal;
   if (gate_.draining()) {
     refusal = draining_status();
+  } else if (absl::Status failed = gate_.device_failed("WatchEvents"); !failed.ok()) {
+    refusal = failed;  // a stream opened now would never hear of it
   } else if (req->session_id().empty()) {
     refusal = absl::InvalidArgumentError("session_id is empty: WatchEvents shows one session's events; Attach first");
   } else if (!core_->has_session(req->session_id())) {

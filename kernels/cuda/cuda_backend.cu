@@ -30,6 +30,7 @@
 // queues a host function that holds the stream that long, so uploads and kernels land well after
 // the call returned, as on a loaded GPU: ordering mistakes then show as wrong outputs.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -244,6 +245,7 @@ class CudaBackend final : public Backend {
   }
 
   std::string fault() const override {
+    if (!faulted_.load(std::memory_order_acquire)) return {};  // every request asks: no lock
     std::lock_guard<std::mutex> lock(fault_mu_);
     return fault_;
   }
@@ -872,6 +874,7 @@ class CudaBackend final : public Backend {
     if (sticky) {
       std::lock_guard<std::mutex> lock(fault_mu_);
       if (fault_.empty()) fault_ = st.message;
+      faulted_.store(true, std::memory_order_release);
     }
     return st;
   }
@@ -1365,6 +1368,7 @@ class CudaBackend final : public Backend {
   std::string_view deferred_names_[kDeferredNames];
   mutable std::mutex fault_mu_;  // fault_ is read without mu_ (a call may hold it, stuck)
   std::string fault_;            // the first sticky error a wait met (fault())
+  std::atomic<bool> faulted_{false};
   const CudaAttention attention_;
   const CudaQuantDecode quant_;
   int test_delay_us_;  // $KARAKV_CUDA_TEST_STREAM_DELAY_US (cudaLaunchHostFunc takes a non-const pointer)
