@@ -46,10 +46,10 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
   if (ordered && *staging == karakv::Staging::kShm) {
     return absl::InvalidArgumentError("--p3_stream_ordered orders device staging: add --p3_staging=device or device_fd");
   }
-  auto daemon = start_karakvd(dir, "karakvd-p3",
-                              {"--layers=1", "--q_heads=1", "--kv_heads=1", "--head_dim=8", "--dtype=fp32",
-                               "--block_size=16", "--pool_bytes=16MiB",
-                               absl::StrCat("--stream_ordered_staging=", ordered)});
+  std::vector<std::string> flags = {"--layers=1",      "--q_heads=1",        "--kv_heads=1",       "--head_dim=8",
+                                    "--dtype=fp32",    "--block_size=16",    "--pool_bytes=16MiB"};
+  if (ordered) flags.push_back("--stream_ordered_staging");  // only then: an older --karakvd lacks the flag
+  auto daemon = start_karakvd(dir, "karakvd-p3", flags);
   if (!daemon.ok()) return daemon.status();
   std::unique_ptr<WorkerStream> stream;
   if (ordered) {
@@ -126,7 +126,7 @@ absl::StatusOr<std::vector<Row>> run_p3(const TempDir& dir) {
         if (ordered) {
           // The worker's view: its stream waits for karakvd's kernels, then it has the output.
           if (absl::Status s = c.wait_outputs(stream->get()); !s.ok()) return s;
-          if (absl::Status s = stream->synchronize(); !s.ok()) return s;
+          if (absl::Status s = synchronize_stream(stream->get()); !s.ok()) return s;
           ready_t = seconds_since(start) * 1e6;
         }
       } else {

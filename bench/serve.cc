@@ -553,12 +553,14 @@ std::string self_exe() {
 }
 
 std::vector<std::string> geometry_flags(size_t pool_bytes) {
-  return {absl::StrCat("--layers=", absl::GetFlag(FLAGS_serve_layers)),
+  std::vector<std::string> flags = {absl::StrCat("--layers=", absl::GetFlag(FLAGS_serve_layers)),
           absl::StrCat("--q_heads=", absl::GetFlag(FLAGS_serve_q_heads)),
           absl::StrCat("--kv_heads=", absl::GetFlag(FLAGS_serve_kv_heads)),
           absl::StrCat("--head_dim=", absl::GetFlag(FLAGS_serve_head_dim)),
-          "--dtype=" + absl::GetFlag(FLAGS_serve_dtype), "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes),
-          absl::StrCat("--stream_ordered_staging=", absl::GetFlag(FLAGS_serve_stream_ordered))};
+          "--dtype=" + absl::GetFlag(FLAGS_serve_dtype), "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)};
+  // Only when asked for: an older --karakvd lacks the flag.
+  if (absl::GetFlag(FLAGS_serve_stream_ordered)) flags.push_back("--stream_ordered_staging");
+  return flags;
 }
 
 uint64_t held_bytes(const karakv::DaemonStats& st) {
