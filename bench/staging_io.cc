@@ -88,14 +88,12 @@ absl::Status synchronize_stream(void* stream) {
     return absl::InternalError(absl::StrCat("cudaStreamSynchronize of the worker's stream: ", cudaGetErrorName(err)));
   return absl::OkStatus();
 }
-absl::Status WorkerStream::synchronize() { return synchronize_stream(stream_); }
 #else
 absl::StatusOr<std::unique_ptr<WorkerStream>> WorkerStream::create() {
   return absl::FailedPreconditionError("a stream-ordered worker needs a build with CUDA (nvcc was not found at configure time)");
 }
 WorkerStream::~WorkerStream() = default;
 absl::Status synchronize_stream(void*) { return absl::OkStatus(); }
-absl::Status WorkerStream::synchronize() { return absl::OkStatus(); }
 #endif
 
 }  // namespace karakv::bench

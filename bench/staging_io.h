@@ -59,8 +59,6 @@ class WorkerStream {
   WorkerStream(const WorkerStream&) = delete;
   WorkerStream& operator=(const WorkerStream&) = delete;
   void* get() const { return stream_; }
-  // Waits on the host for everything queued on the stream (the worker reading its outputs).
-  absl::Status synchronize();
 
  private:
   WorkerStream() = default;

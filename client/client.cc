@@ -20,6 +20,7 @@
 #include <unordered_set>
 
 #include "absl/strings/match.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/cord.h"
 #include "absl/synchronization/notification.h"
@@ -548,12 +549,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
     if (auto s = create_worker_event(&impl->events); !s.ok()) return s;
   }
   // An Attach that fails below leaves nothing of ours in karakvd to use the event: drop it.
-  struct EventsOnFailure {
-    Impl* impl;
-    ~EventsOnFailure() {
-      if (impl != nullptr) destroy_worker_event(&impl->events);
-    }
-  } events_on_failure{impl.get()};
+  absl::Cleanup events_on_failure = [im = impl.get()] { destroy_worker_event(&im->events); };
 
   v1::AttachReply reply;
   if (auto s = impl->attach_rpc(&reply); !s.ok()) return s;
@@ -563,7 +559,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Attach(const ClientOptions& give
   impl->geometry = from_proto(reply.geometry());
   impl->lease_seconds = reply.lease_seconds();
   impl->attached = true;
-  events_on_failure.impl = nullptr;  // from here the client's destructor detaches, then drops it
+  std::move(events_on_failure).Cancel();  // from here the client's destructor detaches, then drops it
   std::unique_ptr<Client> client(new Client(std::move(impl)));
   Impl& im = *client->impl_;
   if (options.stream_ordered) {

@@ -75,19 +75,19 @@ absl::StatusOr<SessionTable::Admission> SessionTable::prepare(const std::string&
     }
     auto region = device_staging_->acquire(staging_bytes, tenant, staging_kind);
     if (!region.ok()) return region.status();
+    DeviceStaging& r = **region;
+    a.session.staging = std::move(*region);
     if (!worker_event_handle.empty()) {
-      if (absl::Status s = (*region)->order_by_events(worker_event_handle); !s.ok()) {
-        // The worker never saw this region: it may go to the tenant's next session, not quarantine.
-        (*region)->mark_importer_closed();
+      if (absl::Status s = r.order_by_events(worker_event_handle); !s.ok()) {
+        release_unseen(a);
         return s;
       }
-      a.result.staging_event_ipc_handle = (*region)->event_ipc_handle();
+      a.result.staging_event_ipc_handle = r.event_ipc_handle();
     }
-    a.result.staging_bytes = (*region)->size();
-    a.result.staging_ipc_handle = (*region)->ipc_handle();
-    a.result.staging_device = (*region)->device();
-    a.result.staging_generation = (*region)->generation();
-    a.session.staging = std::move(*region);
+    a.result.staging_bytes = r.size();
+    a.result.staging_ipc_handle = r.ipc_handle();
+    a.result.staging_device = r.device();
+    a.result.staging_generation = r.generation();
     if (reserved_bytes > 0) {
       // The fast path's rings: host shared memory of their own (the worker maps it by name); the
       // commands' tensors stay in the device region.

@@ -2,6 +2,7 @@
 // (e.g. pretending some host memory is device memory).
 #pragma once
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -9,6 +10,17 @@
 #include "karakv/kernels/backend.h"
 
 namespace karakv::testing {
+
+// Device staging for a CPU-backed test backend: zeroed heap memory with a 64-byte handle of `tag`.
+inline kernels::KernelStatus heap_shared_memory(size_t bytes, const std::string& tag,
+                                                kernels::SharedDeviceMemory* out) {
+  out->ptr = std::calloc(1, bytes);
+  out->bytes = bytes;
+  out->device = 0;
+  out->ipc_handle = tag;
+  out->ipc_handle.resize(64, tag.size() == 1 ? tag[0] : '\0');
+  return kernels::KernelStatus::ok();
+}
 
 class DelegatingBackend : public kernels::Backend {
  public:

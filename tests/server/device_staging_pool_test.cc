@@ -65,12 +65,7 @@ class FakeDeviceBackend final : public kn::Backend {
     }
     ++allocations_;
     ++live_;
-    out->ptr = std::calloc(1, bytes);
-    out->bytes = bytes;
-    out->device = 0;
-    out->ipc_handle = "handle-" + std::to_string(allocations_);
-    out->ipc_handle.resize(64, '\0');
-    return kn::KernelStatus::ok();
+    return karakv::testing::heap_shared_memory(bytes, "handle-" + std::to_string(allocations_), out);
   }
   void free_shared(const kn::SharedDeviceMemory& m) override {
     --live_;
@@ -321,11 +316,7 @@ class EventLogBackend final : public karakv::testing::DelegatingBackend {
   ~EventLogBackend() override { EXPECT_EQ(live_events_, kept_events_) << "events not destroyed"; }
   bool shares_device_memory() const override { return true; }
   KernelStatus allocate_shared(size_t bytes, kn::SharedDeviceMemory* out) override {
-    out->ptr = std::calloc(1, bytes);
-    out->bytes = bytes;
-    out->device = 0;
-    out->ipc_handle.assign(64, 'm');
-    return KernelStatus::ok();
+    return karakv::testing::heap_shared_memory(bytes, "m", out);
   }
   void free_shared(const kn::SharedDeviceMemory& m) override { std::free(m.ptr); }
 

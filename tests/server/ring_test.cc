@@ -460,10 +460,7 @@ class HeapDeviceBackend final : public karakv::testing::DelegatingBackend {
   HeapDeviceBackend() : DelegatingBackend(kernels::make_cpu_backend(1)) {}
   bool shares_device_memory() const override { return true; }
   KernelStatus allocate_shared(size_t bytes, kernels::SharedDeviceMemory* out) override {
-    out->ptr = std::calloc(1, bytes);
-    out->bytes = bytes;
-    out->device = 0;
-    out->ipc_handle.assign(64, 'h');
+    karakv::testing::heap_shared_memory(bytes, "h", out);
     std::lock_guard<std::mutex> lock(mu_);
     regions_[static_cast<uint8_t*>(out->ptr)] = bytes;
     return KernelStatus::ok();
