@@ -66,7 +66,7 @@ def p2_threads(cmd):
         if not m:
             fail(f"P2 row '{r['metric']}' has baseline '{r['baseline_name']}', not 'streaming read, N threads'")
         counts.add(int(m.group(1)))
-        if r["metric"] != "streaming read, 1 thread" and not r["metric"].endswith(f" {m.group(1)} threads"):
+        if not r["metric"].startswith("streaming read, 1 thread") and not r["metric"].endswith(f" {m.group(1)} threads"):
             fail(f"P2 row '{r['metric']}' does not say how many threads it used ({m.group(1)})")
     if len(counts) != 1:
         fail(f"P2 rows name different baseline thread counts: {sorted(counts)}")
