@@ -83,14 +83,16 @@ double stream_pass_seconds(const float* data, size_t n, int threads) {
 // milliseconds).
 double stream_read_gbps(const float* data, size_t n, int threads, int reps) {
   double best = 0;
-  for (int r = 0; r < reps; ++r) best = std::max(best, double(n) * sizeof(float) / stream_pass_seconds(data, n, threads) / 1e9);
+  for (int r = 0; r < reps; ++r) {
+    best = std::max(best, double(n) * sizeof(float) / stream_pass_seconds(data, n, threads) / 1e9);
+  }
   return best;
 }
 
 // The bandwidth of summing `n` floats with `threads` threads pass after pass for at least
 // `seconds`, all passes together: what a reader keeps up over as long as a decode pass runs. On a
-// busy machine a short pass is not the same measurement: a thread that has just woken is favoured
-// by the scheduler for a few milliseconds, so the best short pass overstates what it sustains.
+// busy machine the best of a few short passes catches the moments the reader had a CPU to itself,
+// which a decode pass of a few hundred milliseconds cannot.
 double stream_read_sustained_gbps(const float* data, size_t n, int threads, double seconds) {
   double total = 0;
   int passes = 0;
