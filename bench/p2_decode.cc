@@ -329,8 +329,10 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
                               {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
                                "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)});
   if (!daemon.ok()) return daemon.status();
-  // Prefill in chunks of up to 512 tokens; a shorter tail gets its own buffers.
-  const int chunk = std::min(512, tokens), tail = tokens % chunk;
+  // Prefill a block at a time, round robin over the sequences, so each sequence's blocks lie
+  // `seqs` blocks apart as a busy daemon's do, not in order (which reads a few percent faster; the
+  // in-process rows show both). A shorter tail gets its own buffers.
+  const int chunk = std::min(g.block_size, tokens), tail = tokens % chunk;
   auto client = attach(*daemon, 2 * (append_tensor_bytes(g, chunk) + append_tensor_bytes(g, tail)) + (4 << 20),
                        "karakv-bench-p2", karakv::Staging::kShm, fast_path);
   if (!client.ok()) return client.status();
@@ -354,9 +356,11 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
     auto id = c.CreateSequence();
     if (!id.ok()) return id.status();
     ids.push_back(*id);
-    for (int done = 0; done < tokens; done += chunk) {
-      const bool full = tokens - done >= chunk;
-      auto len = full ? c.Append(*id, chunk, *k, *v) : c.Append(*id, tail, *tk, *tv);
+  }
+  for (int done = 0; done < tokens; done += chunk) {
+    const bool full = tokens - done >= chunk;
+    for (uint64_t id : ids) {
+      auto len = full ? c.Append(id, chunk, *k, *v) : c.Append(id, tail, *tk, *tv);
       if (!len.ok()) return len.status();
     }
   }
