@@ -30,13 +30,19 @@ struct AttentionScratch {
   std::vector<float> sum;      // [query heads] running sum of exp(score - max)
 };
 
-// Where attend_heads also leaves the scaled logits q . k * scale of tokens [first, num_tokens):
-// query head h's row at rows + h * row_stride, token t at t - first. The decode observers turn
-// them into probabilities once the softmax's normaliser is known, so their keys are read once.
+// Where attend_heads also leaves the softmax numerators of tokens [first, num_tokens), as the
+// online softmax makes them: exp(logit - m) with logit = q . k * scale and m the running max of
+// query head h when the token's chunk (of attention_chunk_tokens) was folded in, which it leaves
+// at maxes[h * max_stride + c] for chunk c (every chunk holding a token from `first` on). Row h is
+// at rows + h * row_stride, token t at t - first. The probability of a token is its numerator
+// times exp(m - lse): the decode observers take it so once the normaliser is known, with their
+// keys read once and no second exponential per token.
 struct LogitRows {
   float* rows = nullptr;  // null: none wanted
   int first = 0;
   size_t row_stride = 0;
+  float* maxes = nullptr;  // [query heads][max_stride], with rows
+  size_t max_stride = 0;
 };
 
 // The scratch as the attention variants see it: attend_heads sizes it, the variants only use it.
@@ -57,7 +63,8 @@ struct AttentionBuffers {
 // (cpu_isa_missing(isa) is empty: the backend checks it once when it is made).
 // With lse non-null and num_tokens > 0, lse[j] = query head j's log-sum-exp of its scaled logits
 // (the softmax's normaliser, from the online softmax's own max and sum); with logits.rows
-// non-null, the scaled logits of tokens [logits.first, num_tokens) (LogitRows).
+// non-null, the softmax numerators of tokens [logits.first, num_tokens) and their chunks' maxes
+// (LogitRows).
 //   q:   [num_kv_heads * group_size][head_dim] fp32
 //   out: [num_kv_heads * group_size][head_dim] fp32
 //   lse: null or [num_kv_heads * group_size] fp32

@@ -143,16 +143,6 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
       Isa::template score_run<D, decltype(heads)::value, HD>(k, len, hd, query + size_t(qh) * hd,
                                                              scores + size_t(qh) * stride + t0, stride, pf);
     });
-    // The logits the caller keeps (LogitRows), before the fold below turns them into exponentials.
-    if (const LogitRows& keep = scratch.logits; keep.rows != nullptr && c0 + chunk_len > keep.first) {
-      const int from = keep.first > c0 ? keep.first : c0;
-      for (int h = 0; h < num_q_heads; ++h) {
-        const float* src = scores + size_t(h) * stride + (from - c0);
-        float* dst = keep.rows + size_t(h) * keep.row_stride + (from - keep.first);
-        for (int t = 0; t < c0 + chunk_len - from; ++t) dst[t] = src[t];
-      }
-    }
-
     // Fold the chunk in: a larger max rescales what was accumulated under the old one. The first
     // chunk (sum still 0) takes its own max, so a single chunk is the plain two-pass softmax.
     for (int h = 0; h < num_q_heads; ++h) {
@@ -167,6 +157,16 @@ void attend_heads_typed(const PagedKV& kv, int seq, int layer, int kv_head_begin
         max[h] = chunk_max;
       }
       sum[h] += Isa::exp_shifted_sum(row, chunk_len, max[h]);
+    }
+    // The numerators the caller keeps (LogitRows), with the max they are relative to.
+    if (const LogitRows& keep = scratch.logits; keep.rows != nullptr && c0 + chunk_len > keep.first) {
+      const int from = keep.first > c0 ? keep.first : c0;
+      for (int h = 0; h < num_q_heads; ++h) {
+        const float* src = scores + size_t(h) * stride + (from - c0);
+        float* dst = keep.rows + size_t(h) * keep.row_stride + (from - keep.first);
+        for (int t = 0; t < c0 + chunk_len - from; ++t) dst[t] = src[t];
+        keep.maxes[size_t(h) * keep.max_stride + size_t(c0 / chunk_tokens)] = max[h];
+      }
     }
 
     pass(chunk_len, [&](const element_t<D>* v, int qh, auto heads, int len, int t0, PrefetchStream& pf) {

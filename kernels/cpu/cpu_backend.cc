@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -140,12 +141,16 @@ class CpuBackend final : public Backend {
     return KernelStatus::ok();
   }
 
-  // Where decode() leaves each sequence's kept logits: query head j's row of sequence s at
-  // rows + offset[s] + j * (len - first[s]) (ObservedLogits::plan).
+  // Where decode() leaves each sequence's kept softmax numerators (cpu::LogitRows): query head j's
+  // row of sequence s at rows + offset[s] + j * (len - first[s]), and the max of its chunk c at
+  // maxes + max_offset[s] + j * chunks(len) + c.
   struct ObservedLogits {
     std::vector<int32_t> first;
-    std::vector<size_t> offset;
+    std::vector<size_t> offset, max_offset;
     float* rows = nullptr;
+    float* maxes = nullptr;
+    int chunk_tokens = 1;
+    int chunks(int len) const { return (len + chunk_tokens - 1) / chunk_tokens; }
   };
 
   // decode_attention's work (validated); with lse non-null each sequence's query heads'
@@ -177,6 +182,8 @@ class CpuBackend final : public Backend {
           keep.first = logits->first[s];
           keep.row_stride = size_t(kv.seq_len[s] - keep.first);
           keep.rows = logits->rows + logits->offset[s] + first_head * keep.row_stride;
+          keep.max_stride = size_t(logits->chunks(kv.seq_len[s]));
+          keep.maxes = logits->maxes + logits->max_offset[s] + first_head * keep.max_stride;
         }
         cpu::attend_heads(kv, s, layer, h, heads, kv.seq_len[s], q + off, out + off, scale, thread_scratch(), isa_,
                           task_lse, keep);
@@ -320,9 +327,10 @@ class CpuBackend final : public Backend {
  private:
   long long pool_blocks(const PagedKV& kv) const { return allocations_.pool_blocks(kv); }
 
-  // The decode attention, which also leaves each query head's log-sum-exp and the logits of the
-  // accumulated slots (their keys are read once), then each slot's probability exp(logit - lse)
-  // summed over the group into its accumulator; lse_out gets the normalisers too.
+  // The decode attention, which also leaves each query head's log-sum-exp and the softmax
+  // numerators of the accumulated slots (their keys are read once, their exponentials taken once),
+  // then each slot's probability, numerator * exp(its chunk's max - lse), summed over the group
+  // into its accumulator; lse_out gets the normalisers too.
   KernelStatus observe(std::string_view op, const PagedKV& kv, int layer, const float* q, float* out, float scale,
                        float* const* score_acc, const int32_t* acc_begin, float* const* lse_out) {
     KARAKV_RETURN_IF_ERROR(common::validate_decode(op, kv, layer, q, out, pool_blocks(kv)));
@@ -331,20 +339,27 @@ class CpuBackend final : public Backend {
     const int hk = geo.num_kv_heads, g = geo.group_size();
     ObservedLogits logits;
     logits.first = common::first_observed_slots(kv, score_acc, acc_begin);
+    logits.chunk_tokens = cpu::attention_chunk_tokens(geo.block_size);
     logits.offset.resize(kv.num_seqs);
-    size_t total = 0;
+    logits.max_offset.resize(kv.num_seqs);
+    size_t total = 0, total_maxes = 0;
     for (int s = 0; s < kv.num_seqs; ++s) {
       logits.offset[s] = total;
+      logits.max_offset[s] = total_maxes;
       total += size_t(geo.num_q_heads) * size_t(kv.seq_len[s] - logits.first[s]);
+      total_maxes += size_t(geo.num_q_heads) * size_t(logits.chunks(kv.seq_len[s]));
     }
     // The calling thread's, kept between calls (a decode step calls this once per layer); the
     // loops below run on the pool's threads too, so they see them through these references.
-    static thread_local std::vector<float> thread_rows, thread_lse;
+    static thread_local std::vector<float> thread_rows, thread_maxes, thread_lse;
     std::vector<float>& rows = thread_rows;
+    std::vector<float>& maxes = thread_maxes;
     std::vector<float>& lse = thread_lse;
     rows.resize(total);
+    maxes.resize(total_maxes);
     lse.resize(size_t(kv.num_seqs) * geo.num_q_heads);
     logits.rows = rows.data();
+    logits.maxes = maxes.data();
     const bool parallel = attention_is_large(kv);
     with_pool([&] {
       decode(kv, layer, q, out, scale, lse.data(), &logits);
@@ -352,13 +367,20 @@ class CpuBackend final : public Backend {
         for (int64_t task = begin; task < end; ++task) {
           const int s = int(task / hk), h = int(task % hk);
           float* acc = score_acc[size_t(s) * hk + h];
-          const int first = logits.first[s], n = kv.seq_len[s] - first;
+          const int len = kv.seq_len[s], first = logits.first[s], n = len - first;
           if (acc == nullptr || n <= 0) continue;
+          const int ct = logits.chunk_tokens, chunks = logits.chunks(len);
           for (int j = h * g; j < (h + 1) * g; ++j) {
-            // exp(logit - lse) in place; a logit may pass lse by a rounding error, exp stays exact there.
-            float* row = rows.data() + logits.offset[s] + size_t(j) * n;
-            cpu::exp_shifted_sum(row, n, lse[size_t(s) * geo.num_q_heads + j]);
-            for (int i = 0; i < n; ++i) acc[first + i] += row[i];
+            const float* row = rows.data() + logits.offset[s] + size_t(j) * n;  // slot first at 0
+            const float* chunk_max = logits.maxes + logits.max_offset[s] + size_t(j) * chunks;
+            const float head_lse = lse[size_t(s) * geo.num_q_heads + j];
+            for (int c = first / ct; c < chunks; ++c) {
+              // exp(m - lse) >= 1 only by a rounding error (lse >= every chunk's max).
+              const float f = std::exp(chunk_max[c] - head_lse);
+              for (int i = std::max(first, c * ct), e = std::min(len, (c + 1) * ct); i < e; ++i) {
+                acc[i] += row[i - first] * f;
+              }
+            }
           }
         }
       }, parallel);
