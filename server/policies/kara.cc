@@ -44,13 +44,14 @@ struct KaraState final : PolicyState {
   int32_t shared_kept = 0;
   uint64_t steps = 0;      // decode steps this sequence has taken
   // observers = decode | both: decode attention probabilities each slot received, summed over the
-  // group's query heads, per (layer, KV head) [L * Hk][slots]; and how many decode steps' queries
-  // saw each slot [slots].
+  // group's query heads, per (layer, KV head) [L * Hk][slots]; and for each slot the value of
+  // `steps` before its token's first decode step [slots], so that steps - seen[slot] decode steps'
+  // queries have seen it (every step sees every slot from its token's arrival on; a slot only
+  // leaves the scored range, never comes back to it). Kept so, a step costs nothing per slot.
   std::vector<std::vector<float>> received;
   std::vector<float> seen;
-  // budget > 0 or rho2 > 0, instead of `seen`: how many decode steps' queries saw each slot, per
-  // (layer, KV head) [L * Hk][slots] (in the compressed region a slot holds a different token in
-  // each row).
+  // budget > 0 or rho2 > 0, instead of `seen`: the same per (layer, KV head) [L * Hk][slots] (in
+  // the compressed region a slot holds a different token in each row).
   std::vector<std::vector<float>> seen_rows;
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
   // [slots][L][Hq]; NaN where the token came without a decode step (Append). And the softmax scale
@@ -188,8 +189,10 @@ class KaraPolicy final : public Policy {
   absl::Status on_grow(State* state, int32_t slots) const override {
     auto& s = *static_cast<KaraState*>(state);
     for (auto& row : s.received) row.resize(slots, 0.0f);
-    for (auto& row : s.seen_rows) row.resize(slots, 0.0f);
-    if (observers_ != Observers::kWindow && !reopens()) s.seen.resize(slots, 0.0f);
+    // A new slot's token is first seen by the next decode step (the one it is appended for, or the
+    // next after an Append).
+    for (auto& row : s.seen_rows) row.resize(slots, float(s.steps));
+    if (observers_ != Observers::kWindow && !reopens()) s.seen.resize(slots, float(s.steps));
     if (records_lse()) {
       s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
       s.lse_scale.resize(size_t(slots) * layers_, std::numeric_limits<float>::quiet_NaN());
@@ -247,11 +250,7 @@ class KaraPolicy final : public Policy {
   }
   void on_step(State* state, const SequenceView& seq) const override {
     auto& s = *static_cast<KaraState*>(state);
-    ++s.steps;
-    for (int32_t i = s.tail_start; i < std::min<int32_t>(seq.resident, int32_t(s.seen.size())); ++i) s.seen[i] += 1.0f;
-    for (auto& row : s.seen_rows) {
-      for (int32_t i = first_scored(s); i < std::min<int32_t>(seq.resident, int32_t(row.size())); ++i) row[i] += 1.0f;
-    }
+    ++s.steps;  // every slot's count of steps that saw it grows with it (KaraState::seen)
   }
   // The sequence's own steps n with n mod P == its creation index mod P.
   bool turn(const SequenceView& seq) const override {
@@ -412,7 +411,7 @@ class KaraPolicy final : public Policy {
   // Decode steps whose queries saw `slot` of row (layer * Hk + KV head) `row`: per token in the tail
   // (`seen`), or per row where a budget or two levels keep the compressed region scored (`seen_rows`).
   static float seen_count(const KaraState& s, size_t row, int32_t slot) {
-    return s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot];
+    return float(s.steps) - (s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot]);
   }
 
   // Version 2's condition: W + R tail tokens (and, for window observers, the window's queries); R
