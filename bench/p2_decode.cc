@@ -325,7 +325,7 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
   const int steps = reps + 1;
   const size_t blocks = size_t(seqs) * ((tokens + steps + g.block_size - 1) / g.block_size);
   const size_t pool_bytes = (blocks + 16) * g.block_bytes();
-  auto daemon = start_karakvd(dir, "karakvd-p2",
+  auto daemon = start_karakvd(dir, fast_path ? "karakvd-p2-ring" : "karakvd-p2-grpc",
                               {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
                                "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)});
   if (!daemon.ok()) return daemon.status();
@@ -402,6 +402,10 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
 absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
   const kn::Geometry g = smollm_geometry();
   const int seqs = absl::GetFlag(FLAGS_p2_sequences), tokens = absl::GetFlag(FLAGS_p2_tokens);
+  if (seqs < 1 || tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--p2_sequences=%d --p2_tokens=%d: P2 needs at least one sequence of at least one token", seqs, tokens));
+  }
   const int reps = std::max(1, absl::GetFlag(FLAGS_p2_reps));
   // Every CPU this process may use (affinity and cgroup quota, as the CPU backend's default and
   // karakvd's --threads), whatever OpenMP's defaults have become: a mode run before this one in the

@@ -13,6 +13,7 @@
 // region that grows with the tail (`grow`).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -47,12 +48,14 @@ struct KaraState final : PolicyState {
   // group's query heads, per (layer, KV head) [L * Hk][slots]; and for each slot the value of
   // `steps` before its token's first decode step [slots], so that steps - seen[slot] decode steps'
   // queries have seen it (every step sees every slot from its token's arrival on; a slot only
-  // leaves the scored range, never comes back to it). Kept so, a step costs nothing per slot.
+  // leaves the scored range, never comes back to it). Kept so, a step costs nothing per slot. The
+  // marks are steps modulo 2^32 and counts their difference in the same arithmetic: exact however
+  // long the sequence decodes (as floats they would drift after 2^24 steps).
   std::vector<std::vector<float>> received;
-  std::vector<float> seen;
+  std::vector<uint32_t> seen;
   // budget > 0 or rho2 > 0, instead of `seen`: the same per (layer, KV head) [L * Hk][slots] (in
   // the compressed region a slot holds a different token in each row).
-  std::vector<std::vector<float>> seen_rows;
+  std::vector<std::vector<uint32_t>> seen_rows;
   // norm = full: each slot's own decode step's log-sum-exp per (layer, query head),
   // [slots][L][Hq]; NaN where the token came without a decode step (Append). And the softmax scale
   // that step used, per layer [slots][L] (the window's logits must be taken at the same scale).
@@ -63,6 +66,7 @@ struct KaraState final : PolicyState {
     size_t n = seen.size() + lse.size() + lse_scale.size();
     for (const auto& row : received) n += row.size();
     for (const auto& row : seen_rows) n += row.size();
+    static_assert(sizeof(uint32_t) == sizeof(float));
     return n * sizeof(float);
   }
 };
@@ -70,11 +74,12 @@ struct KaraState final : PolicyState {
 const KaraState& state_of(const SequenceView& seq) { return *static_cast<const KaraState*>(seq.state); }
 
 // Keeps slots [0, begin), then per row the kept ones, then [end, old size) of a per-slot array of
-// `width` floats a slot. Per-token arrays take row 0's kept slots: only the tail after `end` is
+// `width` values a slot. Per-token arrays take row 0's kept slots: only the tail after `end` is
 // ever read again, and there a slot is the same token in every row.
-void remap(std::vector<float>& a, size_t width, const CompactionPlan& plan, int32_t resident_before) {
+template <typename T>
+void remap(std::vector<T>& a, size_t width, const CompactionPlan& plan, int32_t resident_before) {
   if (a.empty()) return;
-  std::vector<float> next(a.begin(), a.begin() + size_t(plan.begin) * width);
+  std::vector<T> next(a.begin(), a.begin() + size_t(plan.begin) * width);
   for (int32_t i = 0; i < plan.num_kept; ++i) {
     const auto from = a.begin() + size_t(plan.kept[i]) * width;
     next.insert(next.end(), from, from + width);
@@ -83,11 +88,12 @@ void remap(std::vector<float>& a, size_t width, const CompactionPlan& plan, int3
   a = std::move(next);
 }
 
-// As remap, for per-(layer, KV head) arrays of one float a slot: row r keeps its own kept slots.
-void remap_rows(std::vector<std::vector<float>>& rows, const CompactionPlan& plan, int32_t resident_before) {
+// As remap, for per-(layer, KV head) arrays of one value a slot: row r keeps its own kept slots.
+template <typename T>
+void remap_rows(std::vector<std::vector<T>>& rows, const CompactionPlan& plan, int32_t resident_before) {
   for (size_t r = 0; r < rows.size(); ++r) {
-    std::vector<float>& a = rows[r];
-    std::vector<float> next(a.begin(), a.begin() + plan.begin);
+    std::vector<T>& a = rows[r];
+    std::vector<T> next(a.begin(), a.begin() + plan.begin);
     for (int32_t i = 0; i < plan.num_kept; ++i) next.push_back(a[plan.kept[r * plan.num_kept + i]]);
     next.insert(next.end(), a.begin() + plan.end, a.begin() + resident_before);
     a = std::move(next);
@@ -191,8 +197,8 @@ class KaraPolicy final : public Policy {
     for (auto& row : s.received) row.resize(slots, 0.0f);
     // A new slot's token is first seen by the next decode step (the one it is appended for, or the
     // next after an Append).
-    for (auto& row : s.seen_rows) row.resize(slots, float(s.steps));
-    if (observers_ != Observers::kWindow && !reopens()) s.seen.resize(slots, float(s.steps));
+    for (auto& row : s.seen_rows) row.resize(slots, uint32_t(s.steps));
+    if (observers_ != Observers::kWindow && !reopens()) s.seen.resize(slots, uint32_t(s.steps));
     if (records_lse()) {
       s.lse.resize(size_t(slots) * lse_width(), std::numeric_limits<float>::quiet_NaN());
       s.lse_scale.resize(size_t(slots) * layers_, std::numeric_limits<float>::quiet_NaN());
@@ -411,7 +417,7 @@ class KaraPolicy final : public Policy {
   // Decode steps whose queries saw `slot` of row (layer * Hk + KV head) `row`: per token in the tail
   // (`seen`), or per row where a budget or two levels keep the compressed region scored (`seen_rows`).
   static float seen_count(const KaraState& s, size_t row, int32_t slot) {
-    return float(s.steps) - (s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot]);
+    return float(uint32_t(s.steps) - (s.seen_rows.empty() ? s.seen[slot] : s.seen_rows[row][slot]));
   }
 
   // Version 2's condition: W + R tail tokens (and, for window observers, the window's queries); R
