@@ -1,6 +1,7 @@
 // Parameter validation and helpers shared by every policy.
 #include "server/policy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -100,6 +101,15 @@ std::vector<ParamSpec> cam_params() {
 
 int cam_merge_tokens(const PolicyParams& p) { return p.geti("cam") ? p.geti("merge") : 0; }
 
+void force_sinks(const SequenceView& seq, int32_t begin, int32_t len, int sinks, float* scores) {
+  const int hk = seq.geometry->num_kv_heads, rows = seq.geometry->num_layers * hk;
+  for (int r = 0; r < rows; ++r) {
+    for (int32_t i = 0; i < len && seq.position(r / hk, r % hk, begin + i) < sinks; ++i) {
+      scores[size_t(r) * len + i] = kMustKeep;
+    }
+  }
+}
+
 absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vector<float>& scores, int budget,
                                                int sinks, int keep_last, kernels::Backend& backend,
                                                bool keep_scores) {
@@ -111,13 +121,9 @@ absl::StatusOr<CompactionPlan> top_budget_plan(const SequenceView& seq, std::vec
   plan.end = n;
   plan.num_kept = std::min(budget, n);
   plan.kept.resize(size_t(g.num_layers) * g.num_kv_heads * plan.num_kept);
-  for (int l = 0; l < g.num_layers; ++l) {
-    for (int h = 0; h < g.num_kv_heads; ++h) {
-      float* row = scores.data() + (size_t(l) * g.num_kv_heads + h) * n;
-      for (int32_t s = 0; s < n; ++s) {
-        if (seq.position(l, h, s) < sinks || s >= n - keep_last) row[s] = kMustKeep;
-      }
-    }
+  force_sinks(seq, 0, n, sinks, scores.data());
+  for (size_t r = 0; r < size_t(g.num_layers) * g.num_kv_heads; ++r) {
+    for (int32_t s = std::max(0, n - keep_last); s < n; ++s) scores[r * n + s] = kMustKeep;
   }
   if (absl::Status st =
           to_status(backend.top_k(scores.data(), g.num_layers * g.num_kv_heads, n, plan.num_kept, plan.kept.data()));

@@ -221,6 +221,13 @@ inline constexpr float kMustKeep = 3.0e38f;
 // Copies the queries of slots [first, first + n) at `layer` out of the query cache:
 //   out: [n][num_q_heads][head_dim] fp32
 void gather_queries(const SequenceView& seq, int32_t first, int32_t n, int layer, float* out);
+// Sets to kMustKeep the scores of the sinks (positions < sinks) among slots [begin, begin + len) of
+// every (layer, KV head) row:
+//   scores: [num_layers][num_kv_heads][len]
+// A row's positions rise with its slots (a compaction keeps its tokens in order; nothing else
+// writes positions), so each row's scan ends at its first slot past the sinks instead of looking
+// up every slot's position.
+void force_sinks(const SequenceView& seq, int32_t begin, int32_t len, int sinks, float* scores);
 // Whole-cache plan from per-(layer, head) slot scores: top `budget` slots of every row, after the
 // sinks (positions < sinks) and the last `keep_last` slots are forced in.
 //   scores: [num_layers][num_kv_heads][resident], modified in place

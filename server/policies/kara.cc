@@ -396,7 +396,7 @@ class KaraPolicy final : public Policy {
     }
     if (merge_ > 0) plan.scores = all_scores;  // CaM weighs by the scores before the sinks are forced
     // Attention sinks that fall inside a window (a short prompt, or prompt = window) are kept.
-    force_sinks(seq, plan.begin, window_, all_scores.data());
+    policy_util::force_sinks(seq, plan.begin, window_, sinks_, all_scores.data());
     if (auto st = to_status(backend.token2chunk(all_scores.data(), g.num_layers * g.num_kv_heads, window_, budget_,
                                                 candidates_, max_gap_, plan.kept.data()));
         !st.ok()) {
@@ -496,7 +496,7 @@ class KaraPolicy final : public Policy {
       }
     }
     if (merge_ > 0) plan.scores = all_scores;  // CaM weighs by the scores before the sinks are forced
-    force_sinks(seq, plan.begin, len, all_scores.data());
+    policy_util::force_sinks(seq, plan.begin, len, sinks_, all_scores.data());
     const int candidates = static_cast<int>(std::ceil(alpha_ * keep));
     if (auto st = to_status(backend.token2chunk(all_scores.data(), rows, len, keep, candidates, max_gap_,
                                                 plan.kept.data()));
@@ -505,19 +505,6 @@ class KaraPolicy final : public Policy {
     }
     for (int32_t& slot : plan.kept) slot += plan.begin;
     return plan;
-  }
-
-  // Scores of the sinks (positions < sinks) among slots [begin, begin + len) of every (layer, KV
-  // head) row set to kMustKeep; scores is [rows][len]. A row's positions rise with its slots (a
-  // compaction keeps its tokens in order), so a row's scan ends at its first slot past the sinks
-  // instead of looking up every slot's position (a std::function call each).
-  void force_sinks(const SequenceView& seq, int32_t begin, int32_t len, float* scores) const {
-    const int hk = seq.geometry->num_kv_heads, rows = seq.geometry->num_layers * hk;
-    for (int r = 0; r < rows; ++r) {
-      for (int32_t i = 0; i < len && seq.position(r / hk, r % hk, begin + i) < sinks_; ++i) {
-        scores[size_t(r) * len + i] = policy_util::kMustKeep;
-      }
-    }
   }
 
   bool uses_window_queries() const { return observers_ != Observers::kDecode; }
