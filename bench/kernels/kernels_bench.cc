@@ -376,5 +376,29 @@ int main(int argc, char** argv) {
   });
   std::printf("kara_tick_ms %.3f ms\n", t_tick * 1e3);
   std::printf("kara_tick_vs_decode_step %.3f ratio\n", t_tick / (t_layer * g.num_layers));
+
+  // The selections alone, every (layer, KV head) row in one call, at the shapes Kara's defaults make
+  // them: a window (W 128 -> B 32, 16 candidates) and a budget re-rank (fit 1, budget 768, R 256:
+  // the 528 tokens older than the recent region down to 512, 256 candidates), with the same row
+  // by top_k as H2O-like policies cut it. Scores are lognormal, as accumulated attention is: a few
+  // large, most small, ties rare.
+  std::lognormal_distribution<float> attention_like(-6.0f, 1.5f);
+  struct Select { const char* name; int n, keep, candidates; };
+  for (const Select s : {Select{"window", W, B, k_cand}, Select{"rerank", 528, 512, 256}}) {
+    std::vector<float> sel(size_t(rows) * s.n);
+    for (float& x : sel) x = attention_like(rng);
+    std::vector<int32_t> picked(size_t(rows) * s.keep);
+    const int reps = std::max(20, o.iters * 20);
+    const double t_t2c = seconds_per_call(reps, [&] {
+      check(backend->token2chunk(sel.data(), rows, s.n, s.keep, s.candidates, max_gap, picked.data()), "token2chunk");
+    });
+    const double t_topk = seconds_per_call(reps, [&] {
+      check(backend->top_k(sel.data(), rows, s.n, s.keep, picked.data()), "top_k");
+    });
+    std::printf("# select %s: %d rows of %d scores, keep %d (%d candidates, max_gap %d)\n", s.name, rows, s.n, s.keep,
+                s.candidates, max_gap);
+    std::printf("select_%s_token2chunk_us %.1f us\n", s.name, t_t2c * 1e6);
+    std::printf("select_%s_top_k_us %.1f us\n", s.name, t_topk * 1e6);
+  }
   return 0;
 }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -346,21 +347,6 @@ void sum_over_groups(const float* partial, const Geometry& geo, int n, float* ou
   }
 }
 
-// Orders indices by score descending, ties by the lower index: the selection rule of every
-// top-k in COMPRESSION.md. A strict weak order as long as no score is NaN.
-struct BetterScore {
-  const float* scores;
-  bool operator()(int32_t a, int32_t b) const {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  }
-};
-
-// Moves the k best of idx (BetterScore) to idx[0, k), in no particular order.
-void partition_best(const float* scores, std::vector<int32_t>& idx, int k) {
-  if (k <= 0 || k >= int(idx.size())) return;
-  std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), BetterScore{scores});
-}
-
 }  // namespace
 
 uint64_t libxsmm_products() { return g_libxsmm_products.load(std::memory_order_relaxed); }
@@ -489,57 +475,114 @@ KernelStatus snapkv_scores(const PagedKV& kv, int seq, int layer, int num_obs, c
 
 namespace {
 
+// The selection rule of every top-k in COMPRESSION.md: score descending, ties to the lower index.
+// The selections compare 64-bit keys, not scores through their indices: a key is the score's
+// order-preserving code above the index's complement, so a larger key is the better index and
+// nth_element compares two integers instead of two loads and two float compares. The kept tokens are marked in a byte map and written in slot order
+// by one scan, not sorted. -0.0 codes as +0.0 (they tie, as the rule says); NaN is refused before.
+inline uint64_t rank_key(float score, int32_t i) {
+  if (score == 0.0f) score = 0.0f;
+  uint32_t u;
+  std::memcpy(&u, &score, sizeof u);
+  u = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+  return (uint64_t(u) << 32) | uint32_t(~uint32_t(i));
+}
+inline int32_t key_index(uint64_t key) { return int32_t(~uint32_t(key)); }
+
+// Moves the k largest keys to keys[0, k), in no particular order.
+void partition_largest(std::vector<uint64_t>& keys, int k) {
+  if (k <= 0 || k >= int(keys.size())) return;
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
+}
+
+// A thread's buffers for the selections, kept across rows and calls (a row of n scores needs
+// 9n bytes or so; scratch.h's bound gives back those of rows past 32k slots).
+struct SelectScratch {
+  std::vector<uint64_t> keys, chunks;
+  std::vector<uint8_t> kept;
+  std::vector<int32_t> cand;
+  void release_large() {
+    release_if_large(keys);
+    release_if_large(chunks);
+    release_if_large(kept);
+    release_if_large(cand);
+  }
+};
+SelectScratch& select_scratch() {
+  thread_local SelectScratch scratch;
+  return scratch;
+}
+
+// The `count` marked slots of kept, ascending (without a branch per slot: out[w] is written at
+// every slot and kept only where marked; the loop ends with the last marked one).
+void write_kept(const std::vector<uint8_t>& kept, int count, int32_t* out) {
+  for (int i = 0, w = 0; w < count; ++i) {
+    out[w] = i;
+    w += kept[i];
+  }
+}
+
 void top_k_row(const float* scores, int n, int k, int32_t* out) {
-  std::vector<int32_t> idx(n);
-  for (int i = 0; i < n; ++i) idx[i] = i;
-  partition_best(scores, idx, k);
-  std::sort(idx.begin(), idx.begin() + k);
-  std::copy_n(idx.begin(), k, out);
+  SelectScratch& x = select_scratch();
+  x.keys.resize(n);
+  for (int i = 0; i < n; ++i) x.keys[i] = rank_key(scores[i], i);
+  partition_largest(x.keys, k);
+  x.kept.assign(n, 0);
+  for (int i = 0; i < k; ++i) x.kept[key_index(x.keys[i])] = 1;
+  write_kept(x.kept, k, out);
+  x.release_large();
 }
 
 void token2chunk_row(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
-  std::vector<int32_t> idx(n);
-  for (int i = 0; i < n; ++i) idx[i] = i;
-  partition_best(scores, idx, num_candidates);
-  std::vector<int32_t> cand(idx.begin(), idx.begin() + num_candidates);
-  std::sort(cand.begin(), cand.end());
-
-  std::vector<uint8_t> kept(n, 0);
-  for (int32_t c : cand) kept[c] = 1;
+  SelectScratch& x = select_scratch();
+  x.keys.resize(n);
+  for (int i = 0; i < n; ++i) x.keys[i] = rank_key(scores[i], i);
+  partition_largest(x.keys, num_candidates);
+  std::vector<uint8_t>& kept = x.kept;
+  kept.assign(n, 0);
+  for (int i = 0; i < num_candidates; ++i) kept[key_index(x.keys[i])] = 1;
+  x.cand.resize(num_candidates);
+  write_kept(kept, num_candidates, x.cand.data());
+  const std::vector<int32_t>& cand = x.cand;
   int count = num_candidates;
 
-  struct Chunk {
-    float score;
-    int32_t left;  // the lower candidate; its interior is (left, right)
-    int32_t right;
-  };
-  std::vector<Chunk> chunks;
+  // Each gap of 1..max_gap slots between consecutive candidates is a chunk, ranked by the lower of
+  // its two candidates' scores, ties to the lower position: the key of that score above the
+  // complement of the left candidate's rank m (m rises with the position).
+  x.chunks.clear();
   for (size_t m = 0; m + 1 < cand.size(); ++m) {
     const int gap = cand[m + 1] - cand[m] - 1;
-    if (gap >= 1 && gap <= max_gap) chunks.push_back({std::min(scores[cand[m]], scores[cand[m + 1]]), cand[m], cand[m + 1]});
+    if (gap >= 1 && gap <= max_gap)
+      x.chunks.push_back(rank_key(std::min(scores[cand[m]], scores[cand[m + 1]]), int32_t(m)));
   }
-  std::sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) {
-    return a.score > b.score || (a.score == b.score && a.left < b.left);
-  });
-  for (const Chunk& c : chunks) {
-    const int size = c.right - c.left - 1;
+  // Taken best first while they fit. When all of them fit, the order does not matter and the sort
+  // is skipped; once the budget is full no later chunk fits.
+  int all = 0;
+  for (const uint64_t c : x.chunks) all += cand[key_index(c) + 1] - cand[key_index(c)] - 1;
+  if (count + all > budget) std::sort(x.chunks.begin(), x.chunks.end(), std::greater<uint64_t>());
+  for (const uint64_t c : x.chunks) {
+    if (count == budget) break;
+    const int32_t m = key_index(c);
+    const int32_t left = cand[m], right = cand[m + 1];
+    const int size = right - left - 1;
     if (count + size > budget) continue;
-    for (int32_t t = c.left + 1; t < c.right; ++t) kept[t] = 1;
+    for (int32_t t = left + 1; t < right; ++t) kept[t] = 1;
     count += size;
   }
 
   if (count < budget) {
-    std::vector<int32_t> rest;
-    rest.reserve(n - count);
-    for (int i = 0; i < n; ++i)
-      if (!kept[i]) rest.push_back(i);
+    // The best of the rest: every key not kept, from keys[num_candidates, n) (the candidates are
+    // keys[0, num_candidates)), less those the chunks took.
     const int fill = budget - count;
-    partition_best(scores, rest, fill);
-    for (int i = 0; i < fill; ++i) kept[rest[i]] = 1;
+    size_t w = 0;
+    for (size_t i = size_t(num_candidates); i < x.keys.size(); ++i)
+      if (!kept[key_index(x.keys[i])]) x.keys[w++] = x.keys[i];
+    x.keys.resize(w);
+    partition_largest(x.keys, fill);
+    for (int i = 0; i < fill; ++i) kept[key_index(x.keys[i])] = 1;
   }
-  int w = 0;
-  for (int i = 0; i < n; ++i)
-    if (kept[i]) out[w++] = i;
+  write_kept(kept, budget, out);
+  x.release_large();
 }
 
 // row(r) for r in [0, rows), on the pool when the rows are large enough. Rows are independent and

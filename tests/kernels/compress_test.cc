@@ -530,6 +530,16 @@ TEST(CompressTopKTest, HandMadeTies) {
   std::vector<int32_t> two(2);
   ASSERT_TRUE(cpu::top_k(signed_zero.data(), 1, 4, 2, two.data()).is_ok());
   EXPECT_EQ(two, (std::vector<int32_t>{1, 2}));
+  // -0.0 first: the tie goes to it (a selection that ranked +0.0 above -0.0 would take index 1).
+  const std::vector<float> zero_first = {-1.0f, -0.0f, 0.0f, -2.0f};
+  std::vector<int32_t> one(1);
+  ASSERT_TRUE(cpu::top_k(zero_first.data(), 1, 4, 1, one.data()).is_ok());
+  EXPECT_EQ(one, (std::vector<int32_t>{1}));
+  // The same tie in Token2Chunk's candidates and in its fill (candidates 1, budget 2, no chunks).
+  std::vector<int32_t> kept(2);
+  const std::vector<float> zeros = {-0.0f, -1.0f, 0.0f, -0.0f, 0.0f};
+  ASSERT_TRUE(cpu::token2chunk(zeros.data(), 1, 5, 2, 1, 0, kept.data()).is_ok());
+  EXPECT_EQ(kept, (std::vector<int32_t>{0, 2}));
 }
 
 // ---- token2chunk ----------------------------------------------------------------------------------
