@@ -381,7 +381,8 @@ int main(int argc, char** argv) {
   // them: a window (W 128 -> B 32, 16 candidates) and a budget re-rank (fit 1, budget 768, R 256:
   // the 528 tokens older than the recent region down to 512, 256 candidates), with the same row
   // by top_k as H2O-like policies cut it. Scores are lognormal, as accumulated attention is: a few
-  // large, most small, ties rare.
+  // large, most small, ties rare. The scores are host memory, as Kara's plans pass them: on the
+  // CUDA backend the times include their upload, the copy back and a wait.
   std::lognormal_distribution<float> attention_like(-6.0f, 1.5f);
   struct Select { const char* name; int n, keep, candidates; };
   for (const Select s : {Select{"window", W, B, k_cand}, Select{"rerank", 528, 512, 256}}) {

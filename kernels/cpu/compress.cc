@@ -495,8 +495,9 @@ void partition_largest(std::vector<uint64_t>& keys, int k) {
   std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
 }
 
-// A thread's buffers for the selections, kept across rows and calls (a row of n scores needs
-// 9n bytes or so; scratch.h's bound gives back those of rows past 32k slots).
+// A thread's buffers for the selections, kept across rows and calls: 9 bytes per score of a row
+// and 12 per candidate; scratch.h's bound gives back a buffer past 256 KiB (rows of over 32k
+// slots) after its row.
 struct SelectScratch {
   std::vector<uint64_t> keys, chunks;
   std::vector<uint8_t> kept;
