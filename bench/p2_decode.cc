@@ -34,6 +34,9 @@
 ABSL_FLAG(int32_t, p2_sequences, 32, "P2: sequences in the decode batch");
 ABSL_FLAG(int32_t, p2_tokens, 4096, "P2: resident tokens per sequence");
 ABSL_FLAG(int32_t, p2_reps, 3, "P2: passes over all layers (best pass vs best streaming read)");
+ABSL_FLAG(int32_t, p2_block_size, 16,
+          "P2: tokens per pool block, in-process and for the daemons (karakvd --block_size): each block's "
+          "(layer, KV head) run is block_size x head_dim elements, so larger blocks read in longer runs");
 ABSL_FLAG(bool, p2_daemon, true, "P2: also measure decode end to end through karakvd Step, by gRPC and by the ring");
 
 namespace karakv::bench {
@@ -327,7 +330,7 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
   const size_t pool_bytes = (blocks + 16) * g.block_bytes();
   auto daemon = start_karakvd(dir, fast_path ? "karakvd-p2-ring" : "karakvd-p2-grpc",
                               {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
-                               "--block_size=16", absl::StrCat("--pool_bytes=", pool_bytes)});
+                               absl::StrCat("--block_size=", g.block_size), absl::StrCat("--pool_bytes=", pool_bytes)});
   if (!daemon.ok()) return daemon.status();
   // Prefill a block at a time, round robin over the sequences, so each sequence's blocks lie
   // `seqs` blocks apart as a busy daemon's do, not in order (which reads a few percent faster; the
@@ -400,11 +403,16 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
 }  // namespace
 
 absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
-  const kn::Geometry g = smollm_geometry();
+  kn::Geometry g = smollm_geometry();
+  g.block_size = absl::GetFlag(FLAGS_p2_block_size);
   const int seqs = absl::GetFlag(FLAGS_p2_sequences), tokens = absl::GetFlag(FLAGS_p2_tokens);
   if (seqs < 1 || tokens < 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--p2_sequences=%d --p2_tokens=%d: P2 needs at least one sequence of at least one token", seqs, tokens));
+  }
+  if (g.block_size < 1 || g.block_size > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--p2_block_size=%d: expected 1 to 1024 tokens per block", g.block_size));
   }
   const int reps = std::max(1, absl::GetFlag(FLAGS_p2_reps));
   // Every CPU this process may use (affinity and cgroup quota, as the CPU backend's default and
@@ -476,8 +484,9 @@ absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
 }
 
 std::string p2_how() {
-  return absl::StrFormat("P2 SmolLM2-135M geometry fp16, best of %d passes vs best of the streaming "
-                         "reads sampled just before each", absl::GetFlag(FLAGS_p2_reps));
+  return absl::StrFormat("P2 SmolLM2-135M geometry fp16, block %d, best of %d passes vs best of the streaming "
+                         "reads sampled just before each", absl::GetFlag(FLAGS_p2_block_size),
+                         absl::GetFlag(FLAGS_p2_reps));
 }
 
 }  // namespace karakv::bench

@@ -84,6 +84,7 @@ ABSL_FLAG(std::string, longgen_texts, "",
           "(empty: don't)");
 ABSL_FLAG(std::string, karakvd, KARAKVD_DEFAULT_PATH, "karakvd binary; one is started per task and policy");
 ABSL_FLAG(std::string, dtype, "fp16", "Storage dtype of the daemons: fp32 | fp16 | bf16");
+ABSL_FLAG(int, block_size, 0, "Tokens per pool block of the daemons (karakvd --block_size); 0: karakvd's default");
 ABSL_FLAG(int, streams, 0, "Perplexity streams per source (decoded together); 0: 8 for stories260K, 2 for BPE");
 ABSL_FLAG(int, prompt_tokens, 0, "Perplexity prompt P (by Append); 0: 128 for stories260K, 512 for BPE");
 ABSL_FLAG(int, fed_tokens, 0, "Perplexity tokens F fed by Step and scored; 0: 384 for stories260K, 2048 for BPE");
@@ -148,6 +149,7 @@ class Daemon {
                                      absl::StrCat("--pool_bytes=", pool_mib, "MiB"),
                                      "--log_level=warn",
                                      "--threads=1"};
+    if (const int b = absl::GetFlag(FLAGS_block_size); b > 0) args.push_back(absl::StrCat("--block_size=", b));
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the harness
@@ -930,6 +932,10 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const bool quick = absl::GetFlag(FLAGS_quick);
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
+  if (absl::GetFlag(FLAGS_block_size) < 0) {
+    die(absl::StrFormat("--block_size=%d: expected tokens per block >= 1, or 0 for karakvd's default",
+                        absl::GetFlag(FLAGS_block_size)));
+  }
   const Model model = check(karakv::llama::load_model(absl::GetFlag(FLAGS_model)));
   const Config& c = model.config;
   const bool bpe = model.is_bpe();
