@@ -40,9 +40,9 @@ kn::Geometry smollm_geometry() {
   return g;
 }
 
-std::vector<std::string> smollm_flags(size_t pool_bytes) {
-  return {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16", "--block_size=16",
-          absl::StrCat("--pool_bytes=", pool_bytes)};
+std::vector<std::string> smollm_flags(size_t pool_bytes, int block_size) {
+  return {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
+          absl::StrCat("--block_size=", block_size), absl::StrCat("--pool_bytes=", pool_bytes)};
 }
 
 size_t append_tensor_bytes(const kn::Geometry& g, int tokens) {

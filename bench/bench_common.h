@@ -75,8 +75,9 @@ std::vector<int> parse_lengths(const std::string& s);
 
 kn::Geometry smollm_geometry();
 
-// karakvd's geometry flags for smollm_geometry(), with this pool.
-std::vector<std::string> smollm_flags(size_t pool_bytes);
+// karakvd's geometry flags for smollm_geometry(), with this pool (and another block size, where a
+// mode measures one).
+std::vector<std::string> smollm_flags(size_t pool_bytes, int block_size = 16);
 
 // Bytes of K (or V) that Append of `tokens` tokens carries; the daemon's geometry equals `g`.
 size_t append_tensor_bytes(const kn::Geometry& g, int tokens);

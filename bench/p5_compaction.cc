@@ -23,6 +23,7 @@
 ABSL_FLAG(int32_t, p5_sequences, 32, "P5: sequences in the decode batch (each policy)");
 ABSL_FLAG(int32_t, p5_prompt, 128, "P5: prompt tokens per sequence (Append)");
 ABSL_FLAG(int32_t, p5_steps, 2048, "P5: decode steps (each a Step per layer over the batch)");
+ABSL_FLAG(int32_t, p5_block_size, 16, "P5: tokens per pool block of both daemons (karakvd --block_size)");
 ABSL_FLAG(std::string, p5_kara_params, "",
           "P5: Kara parameters over its defaults, name=value,... (e.g. observers=0 for version 1's window "
           "scorer, whose decode records nothing)");
@@ -47,7 +48,12 @@ absl::StatusOr<karakv::PolicyStats> policy_stats(karakv::Client& c, const std::s
 // Two daemons (one per policy, so each has its own decode-step counter and Kara's ticks fall every
 // 16 of its own steps); their steps alternate, so both see the machine as it is at that moment.
 absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
-  const kn::Geometry g = smollm_geometry();
+  kn::Geometry g = smollm_geometry();
+  g.block_size = absl::GetFlag(FLAGS_p5_block_size);
+  if (g.block_size < 1 || g.block_size > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--p5_block_size=%d: expected 1 to 1024 tokens per block", g.block_size));
+  }
   const int seqs = std::max(1, absl::GetFlag(FLAGS_p5_sequences));
   const int steps = std::max(1, absl::GetFlag(FLAGS_p5_steps));
   const int prompt = std::max(1, absl::GetFlag(FLAGS_p5_prompt));
@@ -64,7 +70,7 @@ absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
   sides[0].policy = "kara";
   sides[1].policy = "none";
   for (Side& s : sides) {
-    auto d = start_karakvd(dir, "karakvd-p5-" + s.policy, smollm_flags(pool));
+    auto d = start_karakvd(dir, "karakvd-p5-" + s.policy, smollm_flags(pool, g.block_size));
     if (!d.ok()) return d.status();
     s.daemon = std::move(*d);
     auto c = attach(*s.daemon, decode_staging_bytes(g, prompt, seqs), "karakv-bench-p5-" + s.policy);
@@ -137,10 +143,10 @@ absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
 }
 
 std::string p5_how() {
-  return absl::StrFormat("P5 SmolLM2-135M geometry fp16, %d seqs, prompt %d, %d decode steps; "
+  return absl::StrFormat("P5 SmolLM2-135M geometry fp16, block %d, %d seqs, prompt %d, %d decode steps; "
                          "kara and none in two daemons, steps alternating; time in Step calls",
-                         absl::GetFlag(FLAGS_p5_sequences), absl::GetFlag(FLAGS_p5_prompt),
-                         absl::GetFlag(FLAGS_p5_steps));
+                         absl::GetFlag(FLAGS_p5_block_size), absl::GetFlag(FLAGS_p5_sequences),
+                         absl::GetFlag(FLAGS_p5_prompt), absl::GetFlag(FLAGS_p5_steps));
 }
 
 }  // namespace karakv::bench

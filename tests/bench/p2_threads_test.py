@@ -4,7 +4,8 @@ have become: `karakv-bench p1 p2` (P1 first, which once left OpenMP at one threa
 its decode with a one-thread read), small, once as it is and once pinned to one CPU with taskset.
 Every P2 row must name the same thread count, and that count must be the CPUs available: the
 affinity mask, capped by the cgroup's CPU quota (rounded up), as karakvd's own thread count is.
-Times are not judged. A block size out of range (--p2_block_size) is refused with its range.
+Times are not judged. A block size out of range (--p2_block_size, --p5_block_size) is refused with
+its range.
 
 Usage: p2_threads_test.py KARAKV_BENCH
 """
@@ -91,13 +92,16 @@ def main():
             fail(f"pinned to one CPU, the baseline ran on {got} threads")
     else:
         print("pinned run skipped: taskset missing or only one CPU")
-    # A block size out of range is refused before anything runs, naming the flag and the range.
-    for bad in ("0", "1025"):
-        p = subprocess.run([bench, "p2", f"--p2_block_size={bad}"], capture_output=True, text=True, timeout=120)
-        out = p.stdout + p.stderr
-        if p.returncode == 0 or f"--p2_block_size={bad}" not in out or "expected 1 to 1024" not in out:
-            fail(f"p2 --p2_block_size={bad} exited {p.returncode} without naming the flag and its range:\n{out}")
-    print("block sizes 0 and 1025 refused")
+    # A block size out of range is refused before anything runs, naming the flag and the range
+    # (P2's and P5's, the two modes that take one).
+    for mode in ("p2", "p5"):
+        for bad in ("0", "1025"):
+            flag = f"--{mode}_block_size={bad}"
+            p = subprocess.run([bench, mode, flag], capture_output=True, text=True, timeout=120)
+            out = p.stdout + p.stderr
+            if p.returncode == 0 or flag not in out or "expected 1 to 1024" not in out:
+                fail(f"{mode} {flag} exited {p.returncode} without naming the flag and its range:\n{out}")
+    print("block sizes 0 and 1025 refused by p2 and p5")
     print("1 passed, 0 failed")
 
 
