@@ -40,6 +40,16 @@ kn::Geometry smollm_geometry() {
   return g;
 }
 
+absl::StatusOr<kn::Geometry> smollm_geometry_with_block(std::string_view flag, int block_size) {
+  if (block_size < 1 || block_size > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s=%d: expected 1 to 1024 tokens per block", flag, block_size));
+  }
+  kn::Geometry g = smollm_geometry();
+  g.block_size = block_size;
+  return g;
+}
+
 std::vector<std::string> smollm_flags(size_t pool_bytes, int block_size) {
   return {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
           absl::StrCat("--block_size=", block_size), absl::StrCat("--pool_bytes=", pool_bytes)};

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -78,6 +79,9 @@ kn::Geometry smollm_geometry();
 // karakvd's geometry flags for smollm_geometry(), with this pool (and another block size, where a
 // mode measures one).
 std::vector<std::string> smollm_flags(size_t pool_bytes, int block_size = 16);
+// smollm_geometry() with `block_size` tokens per block, the value of the mode's flag `flag`
+// (e.g. "--p2_block_size"); refused outside 1..1024, naming the flag.
+absl::StatusOr<kn::Geometry> smollm_geometry_with_block(std::string_view flag, int block_size);
 
 // Bytes of K (or V) that Append of `tokens` tokens carries; the daemon's geometry equals `g`.
 size_t append_tensor_bytes(const kn::Geometry& g, int tokens);

@@ -329,8 +329,7 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
   const size_t blocks = size_t(seqs) * ((tokens + steps + g.block_size - 1) / g.block_size);
   const size_t pool_bytes = (blocks + 16) * g.block_bytes();
   auto daemon = start_karakvd(dir, fast_path ? "karakvd-p2-ring" : "karakvd-p2-grpc",
-                              {"--layers=30", "--q_heads=9", "--kv_heads=3", "--head_dim=64", "--dtype=fp16",
-                               absl::StrCat("--block_size=", g.block_size), absl::StrCat("--pool_bytes=", pool_bytes)});
+                              smollm_flags(pool_bytes, g.block_size));
   if (!daemon.ok()) return daemon.status();
   // Prefill a block at a time, round robin over the sequences, so each sequence's blocks lie
   // `seqs` blocks apart as a busy daemon's do, not in order (which reads a few percent faster; the
@@ -403,16 +402,13 @@ absl::StatusOr<Pair> decode_daemon_gbps(const TempDir& dir, const kn::Geometry& 
 }  // namespace
 
 absl::StatusOr<std::vector<Row>> run_p2(const TempDir& dir) {
-  kn::Geometry g = smollm_geometry();
-  g.block_size = absl::GetFlag(FLAGS_p2_block_size);
+  auto geometry = smollm_geometry_with_block("--p2_block_size", absl::GetFlag(FLAGS_p2_block_size));
+  if (!geometry.ok()) return geometry.status();
+  const kn::Geometry g = *geometry;
   const int seqs = absl::GetFlag(FLAGS_p2_sequences), tokens = absl::GetFlag(FLAGS_p2_tokens);
   if (seqs < 1 || tokens < 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--p2_sequences=%d --p2_tokens=%d: P2 needs at least one sequence of at least one token", seqs, tokens));
-  }
-  if (g.block_size < 1 || g.block_size > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--p2_block_size=%d: expected 1 to 1024 tokens per block", g.block_size));
   }
   const int reps = std::max(1, absl::GetFlag(FLAGS_p2_reps));
   // Every CPU this process may use (affinity and cgroup quota, as the CPU backend's default and

@@ -48,12 +48,9 @@ absl::StatusOr<karakv::PolicyStats> policy_stats(karakv::Client& c, const std::s
 // Two daemons (one per policy, so each has its own decode-step counter and Kara's ticks fall every
 // 16 of its own steps); their steps alternate, so both see the machine as it is at that moment.
 absl::StatusOr<std::vector<Row>> run_p5(const TempDir& dir) {
-  kn::Geometry g = smollm_geometry();
-  g.block_size = absl::GetFlag(FLAGS_p5_block_size);
-  if (g.block_size < 1 || g.block_size > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--p5_block_size=%d: expected 1 to 1024 tokens per block", g.block_size));
-  }
+  auto geometry = smollm_geometry_with_block("--p5_block_size", absl::GetFlag(FLAGS_p5_block_size));
+  if (!geometry.ok()) return geometry.status();
+  const kn::Geometry g = *geometry;
   const int seqs = std::max(1, absl::GetFlag(FLAGS_p5_sequences));
   const int steps = std::max(1, absl::GetFlag(FLAGS_p5_steps));
   const int prompt = std::max(1, absl::GetFlag(FLAGS_p5_prompt));

@@ -478,8 +478,9 @@ namespace {
 // The selection rule of every top-k in COMPRESSION.md: score descending, ties to the lower index.
 // The selections compare 64-bit keys, not scores through their indices: a key is the score's
 // order-preserving code above the index's complement, so a larger key is the better index and
-// nth_element compares two integers instead of two loads and two float compares. The kept tokens are marked in a byte map and written in slot order
-// by one scan, not sorted. -0.0 codes as +0.0 (they tie, as the rule says); NaN is refused before.
+// nth_element compares two integers instead of two loads and two float compares. The kept tokens
+// are marked in a byte map and written in slot order by one scan, not sorted. -0.0 codes as +0.0
+// (they tie, as the rule says); NaN is refused before.
 inline uint64_t rank_key(float score, int32_t i) {
   if (score == 0.0f) score = 0.0f;
   uint32_t u;
@@ -523,25 +524,26 @@ void write_kept(const std::vector<uint8_t>& kept, int count, int32_t* out) {
   }
 }
 
-void top_k_row(const float* scores, int n, int k, int32_t* out) {
-  SelectScratch& x = select_scratch();
+// Marks the k best of a row's n scores in x.kept; x.keys holds every slot's key, the k best first.
+void mark_best(SelectScratch& x, const float* scores, int n, int k) {
   x.keys.resize(n);
   for (int i = 0; i < n; ++i) x.keys[i] = rank_key(scores[i], i);
   partition_largest(x.keys, k);
   x.kept.assign(n, 0);
   for (int i = 0; i < k; ++i) x.kept[key_index(x.keys[i])] = 1;
+}
+
+void top_k_row(const float* scores, int n, int k, int32_t* out) {
+  SelectScratch& x = select_scratch();
+  mark_best(x, scores, n, k);
   write_kept(x.kept, k, out);
   x.release_large();
 }
 
 void token2chunk_row(const float* scores, int n, int budget, int num_candidates, int max_gap, int32_t* out) {
   SelectScratch& x = select_scratch();
-  x.keys.resize(n);
-  for (int i = 0; i < n; ++i) x.keys[i] = rank_key(scores[i], i);
-  partition_largest(x.keys, num_candidates);
+  mark_best(x, scores, n, num_candidates);
   std::vector<uint8_t>& kept = x.kept;
-  kept.assign(n, 0);
-  for (int i = 0; i < num_candidates; ++i) kept[key_index(x.keys[i])] = 1;
   x.cand.resize(num_candidates);
   write_kept(kept, num_candidates, x.cand.data());
   const std::vector<int32_t>& cand = x.cand;
@@ -551,15 +553,16 @@ void token2chunk_row(const float* scores, int n, int budget, int num_candidates,
   // its two candidates' scores, ties to the lower position: the key of that score above the
   // complement of the left candidate's rank m (m rises with the position).
   x.chunks.clear();
+  int all = 0;  // the chunks' tokens in all
   for (size_t m = 0; m + 1 < cand.size(); ++m) {
     const int gap = cand[m + 1] - cand[m] - 1;
-    if (gap >= 1 && gap <= max_gap)
+    if (gap >= 1 && gap <= max_gap) {
       x.chunks.push_back(rank_key(std::min(scores[cand[m]], scores[cand[m + 1]]), int32_t(m)));
+      all += gap;
+    }
   }
   // Taken best first while they fit. When all of them fit, the order does not matter and the sort
   // is skipped; once the budget is full no later chunk fits.
-  int all = 0;
-  for (const uint64_t c : x.chunks) all += cand[key_index(c) + 1] - cand[key_index(c)] - 1;
   if (count + all > budget) std::sort(x.chunks.begin(), x.chunks.end(), std::greater<uint64_t>());
   for (const uint64_t c : x.chunks) {
     if (count == budget) break;
