@@ -667,16 +667,41 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
                                        const std::string& by) {
   const Geometry& g = config_.geometry;
   const int32_t b = g.block_size;
-  const int32_t fresh_count = (plan.num_kept + b - 1) / b;
   const Sequence* one = &seq;
   const int32_t length = seq.fp_length();
   PagedView pv = view(absl::MakeConstSpan(&one, 1), absl::MakeConstSpan(&length, 1));
   // Kernels address unquantized slots from 0; plans speak of all resident slots.
   const int32_t q0 = seq.quantized();
-  std::vector<int32_t> local(plan.kept);
-  for (int32_t& slot : local) slot -= q0;
+  // The tokens after the range stay in their blocks when the range ends on a block boundary and its
+  // kept tokens fill whole blocks. Otherwise (a cut at token granularity, Kara's `grain`) some move
+  // down behind the kept ones, so the slots stay consecutive: the gather covers them too, each row
+  // keeping its own kept slots and then the slots from the range's end on. When the range removes
+  // whole blocks' worth of tokens, the slots after it keep their offsets within a block, so only the
+  // rest of the block the range ends in moves and the blocks after it stay; otherwise everything
+  // after the range moves.
+  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
+  const int32_t removed_slots = plan.end - plan.begin - plan.num_kept;
+  int32_t moved_after = 0;
+  if (plan.end < seq.length && ((plan.end - q0) % b != 0 || (plan.begin + plan.num_kept - q0) % b != 0)) {
+    moved_after = removed_slots % b == 0 ? std::min(seq.length, (plan.end - q0 + b - 1) / b * b + q0) - plan.end
+                                         : seq.length - plan.end;
+  }
+  const bool shift = moved_after > 0;
+  const int32_t num_gathered = plan.num_kept + moved_after;
+  if (shift && merge_tokens > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("compaction of sequence ", seq.id, " by ", by, " keeps ",
+                                                   plan.num_kept, " tokens of slots [", plan.begin, ", ", plan.end,
+                                                   "), not whole blocks, which CaM merging does not support"));
+  }
+  std::vector<int32_t> local;
+  local.reserve(rows * size_t(num_gathered));
+  for (size_t r = 0; r < rows; ++r) {
+    for (int32_t i = 0; i < plan.num_kept; ++i) local.push_back(plan.kept[r * plan.num_kept + i] - q0);
+    for (int32_t s = plan.end; s < plan.end + moved_after; ++s) local.push_back(s - q0);
+  }
+  const int32_t fresh_count = (num_gathered + b - 1) / b;
   const int32_t first_old = (plan.begin - q0) / b;
-  const int32_t end_old = (plan.end - q0 + b - 1) / b;
+  const int32_t end_old = (plan.end + moved_after - q0 + b - 1) / b;
   // The kept tokens move down inside the range's own blocks where nothing else can see them: every
   // block of the range is this sequence's alone (no fork, prefix-cache entry or tier pin holds a
   // reference; a dequantized copy holds one beside the sequence's), CaM does not need the evicted
@@ -688,7 +713,7 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   for (int32_t i = first_old; in_place && i < end_old; ++i) in_place = pool_.refcount(seq.blocks[i]) == 1;
   std::vector<int32_t> fresh;
   if (in_place) {
-    if (auto s = backend_.gather_tokens_in_place(pv.kv, 0, plan.begin - q0, local.data(), plan.num_kept);
+    if (auto s = backend_.gather_tokens_in_place(pv.kv, 0, plan.begin - q0, local.data(), num_gathered);
         !s.is_ok()) {
       if (s.code != kernels::KernelStatus::Code::kUnsupported) return to_status(s);
       in_place = false;  // nothing was written: gather into fresh blocks instead
@@ -700,7 +725,7 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
       return absl::ResourceExhaustedError(absl::StrCat("compaction of sequence ", seq.id, " by ", by, " needs ",
                                                        fresh_count, " fresh blocks: ", s.message()));
     }
-    if (auto s = backend_.gather_tokens(pv.kv, 0, local.data(), plan.num_kept, fresh.data()); !s.is_ok()) {
+    if (auto s = backend_.gather_tokens(pv.kv, 0, local.data(), num_gathered, fresh.data()); !s.is_ok()) {
       for (int32_t blk : fresh) pool_.release(blk);
       return to_status(s);
     }
@@ -715,7 +740,6 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
     }
   }
   // From here on nothing can fail: rewrite positions, table, caches.
-  const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
   const int32_t removed = plan.end - plan.begin - plan.num_kept;
   std::vector<std::vector<int32_t>> pos(rows);
   for (size_t r = 0; r < rows; ++r) {

@@ -32,7 +32,7 @@ enum class Prompt { kKeep = 0, kWindow = 1, kAuto = 2 };
 // What Kara keeps per sequence. Per-slot arrays cover every resident slot; the per-token ones
 // (`seen`, `lse`) are exact for the tail, where a slot is the same token in every (layer, head).
 struct KaraState final : PolicyState {
-  int32_t tail_start = 0;  // first slot of the uncompressed tail, block-aligned
+  int32_t tail_start = 0;  // first slot of the uncompressed tail, block-aligned (but after fit's cuts in a grain of part blocks)
   // The compressed region is [compressed_start, tail_start): the tail's start when decoding began.
   int32_t compressed_start = 0;
   // rho2 > 0: the compressed region's level 1 is [level1_start, tail_start); before it, level 2.
@@ -120,6 +120,7 @@ class KaraPolicy final : public Policy {
         level2_budget_(p.get("rho2") > 0 ? budget_for(p.get("rho2"), window_, g.block_size) : 0),
         grow_(p.get("grow")),
         fit_(fits(p)),
+        grain_(p.geti("grain") > 0 ? p.geti("grain") : g.block_size),
         merge_(policy_util::cam_merge_tokens(p)),
         layers_(g.num_layers),
         kv_heads_(g.num_kv_heads),
@@ -159,6 +160,7 @@ class KaraPolicy final : public Policy {
   int merge_tokens() const override { return merge_; }
   void effective_params(std::map<std::string, double>* params) const override {
     (*params)["fit"] = fit_;
+    if (fit_ > 0) (*params)["grain"] = grain_;
     (*params)["budget"] = memory_budget_;
     // auto with window or both observers keeps the prompt (they would need its queries): say so.
     (*params)["prompt"] = prompt_ == Prompt::kAuto && !windows_prompt() ? double(Prompt::kKeep) : double(prompt_);
@@ -309,13 +311,14 @@ class KaraPolicy final : public Policy {
                              : ""));
     }
     if (fit_ > 0) {
-      // Everything older than the recent region, down to what the budget allows (whole blocks).
+      // Everything older than the recent region, down to what the budget allows (in grains: whole
+      // blocks by default).
       const KaraState& s = state_of(seq);
       const int32_t end = fit_end(seq);
       const int32_t len = end - s.compressed_start;
-      // The excess in whole blocks; with fit = 2 at least what a window compaction removes (W - B),
+      // The excess in whole grains; with fit = 2 at least what a window compaction removes (W - B),
       // so re-ranks come no more often than windows would and each costs as much per token removed.
-      const int32_t excess = align_up(seq.resident - budget_of(seq));
+      const int32_t excess = (seq.resident - budget_of(seq) + grain_ - 1) / grain_ * grain_;
       const int32_t remove = fit_ == 2 ? std::max<int32_t>(excess, window_ - budget_) : excess;
       return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(fit_floor(s), len - remove));
     }
@@ -434,10 +437,11 @@ class KaraPolicy final : public Policy {
   int32_t fit_floor(const KaraState& s) const {
     return std::max<int32_t>(block_, align_up(std::max<int32_t>(0, sinks_ - s.compressed_start)));
   }
-  // fit: the end of the region a turn re-ranks, the tail's whole blocks before its newest R tokens.
+  // fit: the end of the region a turn re-ranks, the tail's whole grains (blocks by default) before
+  // its newest R tokens.
   int32_t fit_end(const SequenceView& seq) const {
     const int32_t tail = state_of(seq).tail_start;
-    return tail + std::max<int32_t>(0, seq.resident - recent_ - tail) / block_ * block_;
+    return tail + std::max<int32_t>(0, seq.resident - recent_ - tail) / grain_ * grain_;
   }
 
   // Two levels: level 1 holds W + R tokens.
@@ -539,6 +543,10 @@ class KaraPolicy final : public Policy {
   const int level2_budget_;  // B2, a second-level window's (0: one level)
   const double grow_;
   const int fit_;  // with a budget: everything older than the recent region re-ranked to fit it (2: cut >= W - B)
+  // fit: the granularity of its cut and of the region's end, in tokens (the block size unless set).
+  // One that is not a multiple of the block size leaves the region's last block partly filled, and
+  // the compaction moves the newer tokens down behind it.
+  const int grain_;
   const int merge_, layers_, kv_heads_, q_heads_, block_;
 };
 
@@ -574,6 +582,8 @@ std::vector<ParamSpec> kara_params(const kernels::Geometry& g) {
                              "than the recent region down to it, instead of compressing a window to rho (0: windows, "
                              "version 3's first form; 2: as 1, each cut at least W - B, as rare as windows); 1 is the "
                              "default wherever it applies"},
+      {"grain", 0, 0, 8192, true, "with fit: the granularity of its cut in tokens (0: the block size); one that "
+                                  "does not divide into whole blocks moves the recent tokens down at every cut"},
       {"grow", 0, 0, 0.95, false, "the recent region's share of the tokens that entered the tail, at least R "
                                   "(0: R fixed)"},
   };
@@ -620,6 +630,17 @@ absl::StatusOr<std::unique_ptr<Policy>> make_kara(const PolicyParams& p, const k
     return absl::InvalidArgumentError(absl::StrCat(
         "policy 'kara': fit=", p.geti("fit"), " needs observers=1 (decode); observers=", p.geti("observers"),
         " would keep window queries that fit never reads (it scores by decode attention only)"));
+  }
+  if (p.geti("grain") > 0 && KaraPolicy::fits(p) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': grain=", p.geti("grain"), " sets the granularity of fit's cut, and fit is 0 here (fit "
+        "applies with a budget and observers=1; give fit=1 or drop grain)"));
+  }
+  if (p.geti("grain") > 0 && p.geti("grain") % g.block_size != 0 && policy_util::cam_merge_tokens(p) > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy 'kara': grain=", p.geti("grain"), " is not a multiple of the block size ", g.block_size,
+        ", so cuts move the recent tokens, which CaM merging (cam=1) does not support; expected a multiple of ",
+        g.block_size, " or cam=0"));
   }
   if (p.get("rho2") > 0 && p.geti("observers") == 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -180,4 +180,13 @@ class DelegatingBackend : public kernels::Backend {
   };
 };
 
+// A backend that cannot move tokens in place: compactions gather into fresh blocks.
+class NoInPlaceBackend : public DelegatingBackend {
+ public:
+  explicit NoInPlaceBackend(std::unique_ptr<kernels::Backend> inner) : DelegatingBackend(std::move(inner)) {}
+  bool supports(kernels::Op op, kernels::DType dtype) const override {
+    return op != kernels::Op::kGatherTokensInPlace && DelegatingBackend::supports(op, dtype);
+  }
+};
+
 }  // namespace karakv::testing

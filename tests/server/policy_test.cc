@@ -1,6 +1,7 @@
 // Compression policies inside the registry, on random inputs over many seeds: the invariants of
 // docs/COMPRESSION.md, and a property test of random Step / Compact / Fork / Release sequences.
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <random>
 #include <set>
@@ -10,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core.h"
+#include "tests/server/core_driver.h"
 #include "tests/server/delegating_backend.h"
 #include "tests/server/test_geometry.h"
 #include "karakv/kernels/half.h"
@@ -351,6 +353,10 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   refused({{"share", 0.5}, {"budget", 64}}, "budget=64 and share=0.5 both set the memory budget");
   refused({{"share", 0.5}, {"observers", 0}}, "share=0.5 needs decode observations (observers=1 decode or 2 both)");
   refused({{"grow", 0.5}, {"share", 0.5}}, "grow=0.5 with share=0.5");
+  refused({{"grain", 2}, {"budget", 0}}, "grain=2 sets the granularity of fit's cut, and fit is 0 here");
+  refused({{"grain", 2}, {"budget", 64}, {"fit", 0}}, "grain=2 sets the granularity of fit's cut");
+  refused({{"grain", 2}, {"cam", 1}}, "grain=2 is not a multiple of the block size 4, so cuts move the recent tokens");
+  refused({{"grain", -1}}, "grain=-1 out of range");
   // Not given, fit is off where it does not apply: a budget with observers = both is version 3's windows.
   SequenceOptions both;
   both.policy = "kara";
@@ -388,6 +394,10 @@ TEST(KaraPolicyTest, RefusesParametersOutsideTheContract) {
   EXPECT_EQ(reported({{"rho2", 0.25}}), std::make_pair(0.0, 0.0));
   EXPECT_EQ(reported({{"grow", 0.5}}), std::make_pair(0.0, 0.0));
   EXPECT_EQ(reported({{"budget", 100}, {"fit", 2}}), std::make_pair(100.0, 2.0));
+  // fit's grain: the block size unless given; a grain of whole blocks with CaM is allowed.
+  EXPECT_EQ(params_of({}).at("grain"), 4.0);
+  EXPECT_EQ(params_of({{"grain", 3}}).at("grain"), 3.0);
+  EXPECT_EQ(params_of({{"grain", 8}, {"cam", 1}}).at("grain"), 8.0);
   // prompt: auto (2) where it decides per sequence (decode observers); with window or both
   // observers auto keeps the prompt, and the sequence says keep (0); given values as given.
   auto prompt = [&](std::map<std::string, double> params) { return params_of(std::move(params)).at("prompt"); };
@@ -839,13 +849,19 @@ TEST(KaraBudgetTest, ResidentTokensStayWithinTheBound) {
 TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceChooses) {
   // fit 1 cuts the excess, fit 2 at least W - B; the cases without `fit` get the default, 1. With a
   // share the budget is floor(share * L) at each turn, L the tokens ever appended (0: budget 40).
-  for (const auto& [agg, prompt_window, fit, share] :
-       {std::tuple{0, 1, 1, 0.0}, std::tuple{1, 1, 1, 0.0}, std::tuple{0, 0, 1, 0.0}, std::tuple{0, 1, 2, 0.0},
-        std::tuple{1, 0, 2, 0.0}, std::tuple{0, 1, 1, 0.5}, std::tuple{0, 0, 1, 0.7}, std::tuple{1, 1, 2, 0.4}}) {
+  // `grain` (0: the block size, 4 here) is the cut's granularity: 1 and 3 leave part blocks, so every
+  // cut moves the recent tokens down behind the kept ones; 8 is two blocks.
+  for (const auto& [agg, prompt_window, fit, share, grain] :
+       {std::tuple{0, 1, 1, 0.0, 0}, std::tuple{1, 1, 1, 0.0, 0}, std::tuple{0, 0, 1, 0.0, 0},
+        std::tuple{0, 1, 2, 0.0, 0}, std::tuple{1, 0, 2, 0.0, 0}, std::tuple{0, 1, 1, 0.5, 0},
+        std::tuple{0, 0, 1, 0.7, 0}, std::tuple{1, 1, 2, 0.4, 0}, std::tuple{0, 1, 1, 0.0, 1},
+        std::tuple{0, 0, 1, 0.0, 3}, std::tuple{1, 1, 2, 0.0, 3}, std::tuple{0, 1, 1, 0.5, 1},
+        std::tuple{0, 0, 1, 0.0, 8}}) {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       Driver d(seed);
       const auto& g = d.reg->geometry();
       const int b = g.block_size;
+      const int gr = grain > 0 ? grain : b;
       // The prompt ends inside a block; a window would remove W - B = 12 tokens.
       constexpr int kPrompt = 22, kRecent = 8, kBudget = 40, kMaxGap = 8, kSinks = 4, kWindow = 16, kB = 4;
       SequenceOptions o;
@@ -855,6 +871,7 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
       if (share > 0) o.params["share"] = share;
       else o.params["budget"] = kBudget;
       if (prompt_window == 1 || fit == 2) o.params["fit"] = fit;
+      if (grain > 0) o.params["grain"] = grain;
       // floor(share * L) in exact integers: every share here is a whole number of hundredths.
       auto budget_at = [&](int l) {
         return share > 0 ? std::max(1, int(std::lround(share * 100)) * l / 100) : kBudget;
@@ -873,13 +890,13 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
         ref.observe(rows, t);
         const int n = int(rows[0].size()) + 1;  // P = 1: every step is a turn
         const int budget = budget_at(t + 1);
-        const int end = tail_start + std::max(0, n - kRecent - tail_start) / b * b;
+        const int end = tail_start + std::max(0, n - kRecent - tail_start) / gr * gr;
         const int len = end - c0;
         const bool rerank = n > budget && len > b;
-        const int excess = (n - budget + b - 1) / b * b;
+        const int excess = (n - budget + gr - 1) / gr * gr;
         const int keep = rerank ? std::max(b, len - (fit == 2 ? std::max(excess, kWindow - kB) : excess)) : len;
         const std::vector<std::vector<int32_t>> after = d.positions(seq);
-        ASSERT_EQ(int(after[0].size()), n - (len - keep)) << "step " << step << " seed " << seed;
+        ASSERT_EQ(int(after[0].size()), n - (len - keep)) << "step " << step << " seed " << seed << " grain " << grain << " fit " << fit << " share " << share;
         expect_well_formed(after, int32_t(logical[0]), kSinks);
         for (int r = 0; r < rows_n; ++r) {
           for (int p = 0; p < std::min<int>(c0, after[r].size()); ++p) {
@@ -888,8 +905,8 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
           if (rerank) {
             const std::vector<int32_t> want = ref.choose(rows[r], r, c0, len, keep, agg, kMaxGap, kSinks);
             EXPECT_EQ(std::vector<int32_t>(after[r].begin() + c0, after[r].begin() + c0 + keep), want)
-                << "agg " << agg << " prompt " << prompt_window << " fit " << fit << " share " << share << " seed "
-                << seed << " step " << step << " row " << r;
+                << "agg " << agg << " prompt " << prompt_window << " fit " << fit << " share " << share << " grain "
+                << grain << " seed " << seed << " step " << step << " row " << r;
           }
           // What follows the region (everything, without a re-rank) moves down unchanged.
           const int from = rerank ? end : 0;
@@ -905,12 +922,17 @@ TEST(KaraFitTest, ReRanksEverythingOlderThanTheRecentRegionAsAFloat64ReferenceCh
         rows = after;
       }
       EXPECT_GE(reranks, 8) << "the budget never bound";
-      EXPECT_LE(int(rows[0].size()), budget_at(int(logical[0]))) << "every turn removes the whole excess here";
+      // Every turn removes the whole excess here, unless the region is at its floor (a block) with
+      // fewer than R + grain tokens after it: with a grain of two blocks and the prompt kept, that
+      // is more than the budget.
+      EXPECT_LE(int(rows[0].size()), std::max(budget_at(int(logical[0])), c0 + b + kRecent + std::max(b, gr) - 1))
+          << "grain " << grain << " fit " << fit << " share " << share << " prompt " << prompt_window;
     }
   }
 }
 
-// fit: from a sequence's first turn on, resident tokens stay within max(budget, C0 + F + b + R) + P,
+// fit: from a sequence's first turn on, resident tokens stay within max(budget, C0 + F + g + R) + P,
+// g = max(b, grain),
 // F = max(b, ceil_b(S - C0)) the region's floor (it keeps every sink),
 // whatever the budget (below what the prompt and the recent region need, near it, above it), with
 // several sequences on their own turns.
@@ -927,10 +949,13 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
     // Every third trial sets the budget as a share of the length instead (floor(share * L)).
     const double share = trial % 3 == 2 ? 0.05 * (1 + int(rng() % 18)) : 0.0;
     const int sinks = 4 * (1 + int(rng() % 3));  // up to three blocks: the region's floor holds them all
+    // fit's grain: every other trial one of 1..2b (part blocks, or more than one).
+    const int grain = trial % 2 == 1 ? 1 + int(rng() % (2 * b)) : 0;
+    const int gr = grain > 0 ? grain : b;
     SequenceOptions o;
     o.policy = "kara";
     o.params = {{"recent", recent}, {"period", period}, {"fit", 1 + int(rng() % 2)}, {"prompt", prompt_window},
-                {"sinks", sinks}};
+                {"sinks", sinks}, {"grain", grain}};
     if (share > 0) o.params["share"] = share;
     else o.params["budget"] = budget;
     std::vector<uint64_t> seqs;
@@ -946,11 +971,12 @@ TEST(KaraFitTest, ResidentTokensStayWithinTheBound) {
       if (step + 1 < period) continue;  // every sequence has had its first turn
       // A share's budget only grows, so the one of this length bounds what the last turn left.
       const int now = share > 0 ? std::max(1, int(std::lround(share * 100) * logical[0] / 100)) : budget;
-      const int bound = std::max(now, c0 + floor + b + recent) + period;
+      const int bound = std::max(now, c0 + floor + std::max(b, gr) + recent) + period;
       for (uint64_t s : seqs) {
         ASSERT_LE(d.info(s).length, bound) << "trial " << trial << " step " << step << ": R " << recent << " P "
                                            << period << " prompt " << prompt << " windowed " << prompt_window
-                                           << " budget " << budget << " share " << share << " sinks " << sinks;
+                                           << " budget " << budget << " share " << share << " sinks " << sinks
+                                           << " grain " << grain;
       }
     }
     for (uint64_t s : seqs) expect_well_formed(d.positions(s), int32_t(logical[0]), sinks);
@@ -1537,19 +1563,7 @@ TEST(CompactTest, FailedCompactionLeavesTheSequenceExactlyAsItWas) {
 namespace karakv::server {
 namespace {
 
-// Returns V, and K in *keys.
-std::vector<uint8_t> read_values(Core& reg, const std::string& session, uint64_t seq, std::vector<uint8_t>* keys) {
-  std::vector<uint8_t> k, v, p;
-  auto r = reg.read_kv(session, seq, [&](int32_t t) -> absl::StatusOr<ReadKVTargets> {
-    k.resize(reg.append_bytes(t));
-    v.resize(k.size());
-    p.resize(size_t(reg.geometry().num_layers) * reg.geometry().num_kv_heads * t * 4);
-    return ReadKVTargets{MutableBytes(k), MutableBytes(v), MutableBytes(p)};
-  });
-  EXPECT_TRUE(r.ok()) << r.status();
-  *keys = k;
-  return v;
-}
+using testing::read_values;
 
 // A compaction whose range is the sequence's own (no fork or cache entry shares a block) moves the
 // kept tokens down in place: it needs no free block, so it runs with the pool full, and it leaves
@@ -1583,6 +1597,36 @@ TEST(CompactTest, InPlaceNeedsNoFreeBlockAndKeepsWhatFreshBlocksKeep) {
   const std::vector<uint8_t> twin_values = read_values(*d.reg, d.session, *twin, &twin_keys);
   EXPECT_TRUE(keys == twin_keys) << "K differs from the fresh-block gather's";
   EXPECT_TRUE(values == twin_values) << "V differs from the fresh-block gather's";
+}
+
+// Kara's fit with a grain that leaves part blocks (1 and 3 tokens; the block is 4): its cuts move
+// the newer tokens down behind the kept ones, in place or into fresh blocks. Afterwards every slot
+// of every (layer, KV head) row holds exactly the K and V of the position the sequence reports for
+// it, the slots are consecutive (the pool's invariants), and the sequence holds whole blocks only
+// for what it keeps. (tests/server/compaction_shift_test.cc checks every shape of such a plan.)
+TEST(CompactTest, CutsInPartBlocksMoveTheNewerTokensWithTheirKAndV) {
+  for (const bool in_place : {true, false}) {
+    for (const int grain : {1, 3}) {
+      const uint64_t seed = 30 + grain;
+      Driver d(seed, 4096, in_place ? nullptr : std::make_unique<karakv::testing::NoInPlaceBackend>(kernels::make_cpu_backend(1)));
+      const auto& g = d.reg->geometry();
+      SequenceOptions o;
+      o.policy = "kara";
+      o.params = {{"budget", 29}, {"recent", 8}, {"period", 2}, {"grain", grain}};
+      const uint64_t seq = *d.create(o);
+      ASSERT_TRUE(d.append(seq, 0, 18).ok());
+      std::vector<int64_t> logical{18};
+      for (int t = 0; t < 90; ++t) {
+        ASSERT_TRUE(d.step({seq}, logical).ok());
+        ASSERT_TRUE(d.reg->check_invariants().ok()) << d.reg->check_invariants();
+        const SequenceInfo info = d.info(seq);
+        EXPECT_EQ(info.blocks, (info.length + g.block_size - 1) / g.block_size) << "step " << t;
+      }
+      EXPECT_GE(d.info(seq).compactions, 20) << "grain " << grain;
+      expect_well_formed(d.positions(seq), int32_t(logical[0]), 4);
+      EXPECT_EQ(testing::kv_mismatches(*d.reg, d.session, seed, seq), 0) << "in place " << in_place << " grain " << grain;
+    }
+  }
 }
 
 // CaM changes the values of kept tokens, never which tokens are kept or the keys.
