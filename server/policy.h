@@ -99,8 +99,9 @@ struct SequenceView {
 // What to keep: slots [begin, end) of the cache are replaced by `num_kept` of them per (layer,
 // KV head). begin is block-aligned. When end < resident and the range's kept tokens do not end on a
 // block boundary (end or begin + num_kept inside a block), the slots after the range move down
-// behind the kept ones (SequenceStore::apply_plan), so slots stay consecutive; that costs a copy of
-// everything after the range, which whole-block plans do not pay.
+// behind the kept ones (SequenceStore::apply_plan), so slots stay consecutive: where the range
+// removes a multiple of the block size, only the rest of the block it ends in; otherwise everything
+// after the range, a copy that whole-block plans do not pay.
 struct CompactionPlan {
   int32_t begin = 0, end = 0;
   int32_t num_kept = 0;

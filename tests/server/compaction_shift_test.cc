@@ -10,6 +10,7 @@
 #include <random>
 #include <tuple>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core.h"
 #include "server/policy.h"
@@ -37,10 +38,12 @@ std::vector<int32_t> row_choice(int begin, int end, int keep, int seed, int r) {
 class CutRangePolicy final : public Policy {
  public:
   explicit CutRangePolicy(const PolicyParams& p)
-      : begin_(p.geti("begin")), end_(p.geti("end")), keep_(p.geti("keep")), seed_(p.geti("seed")) {}
+      : begin_(p.geti("begin")), end_(p.geti("end")), keep_(p.geti("keep")), seed_(p.geti("seed")),
+        merge_(p.geti("merge")) {}
   const std::string& name() const override { return name_; }
   Trigger trigger() const override { return Trigger::kThreshold; }
   std::vector<kernels::Op> required_ops() const override { return {kernels::Op::kGatherTokens}; }
+  int merge_tokens() const override { return merge_; }
   bool due(const SequenceView& seq, bool forced) const override { return forced && seq.resident >= end_; }
   absl::StatusOr<CompactionPlan> plan(const SequenceView& seq, const kernels::PagedKV&,
                                       kernels::Backend&) const override {
@@ -58,14 +61,15 @@ class CutRangePolicy final : public Policy {
 
  private:
   const std::string name_ = kName;
-  const int begin_, end_, keep_, seed_;
+  const int begin_, end_, keep_, seed_, merge_;
 };
 
 std::vector<ParamSpec> cut_range_params(const kernels::Geometry&) {
   return {{"begin", 0, 0, 1 << 20, true, "first slot of the range (block-aligned)"},
           {"end", 1, 1, 1 << 20, true, "slot after the range"},
           {"keep", 1, 0, 1 << 20, true, "tokens the range keeps"},
-          {"seed", 1, 0, 1 << 20, true, "the rows' random choices"}};
+          {"seed", 1, 0, 1 << 20, true, "the rows' random choices"},
+          {"merge", 0, 0, 64, true, "CaM: the evicted values merged into this many kept tokens (0: none)"}};
 }
 
 absl::StatusOr<std::unique_ptr<Policy>> make_cut_range(const PolicyParams& p, const kernels::Geometry&) {
@@ -73,6 +77,26 @@ absl::StatusOr<std::unique_ptr<Policy>> make_cut_range(const PolicyParams& p, co
 }
 
 KARAKV_REGISTER_POLICY(kName, cut_range_params, make_cut_range);
+
+struct Fixture {
+  explicit Fixture(bool in_place, int pool_blocks = 64) {
+    rc.geometry = testing::small_test_geometry(kernels::DType::kFloat16);  // L2 Hq4 Hk2 D8, block 4
+    rc.pool_bytes = int64_t(pool_blocks) * rc.geometry.block_bytes();
+    auto backend = kernels::make_cpu_backend(1);
+    if (!in_place) backend = std::make_unique<karakv::testing::NoInPlaceBackend>(std::move(backend));
+    core = *Core::create(rc, std::move(backend));
+    session = core->attach("w", "t", 0, {})->session_id;
+  }
+  uint64_t create(int begin, int end, int keep, int seed, int merge = 0) {
+    SequenceOptions o;
+    o.policy = kName;
+    o.params = {{"begin", begin}, {"end", end}, {"keep", keep}, {"seed", seed}, {"merge", merge}};
+    return *core->create_sequence(session, o);
+  }
+  CoreConfig rc;
+  std::unique_ptr<Core> core;
+  std::string session;
+};
 
 TEST(CompactionShiftTest, EveryPlanShapeKeepsEachTokensKAndVAtItsSlot) {
   constexpr int kLength = 30;  // 7.5 blocks of 4
@@ -92,18 +116,12 @@ TEST(CompactionShiftTest, EveryPlanShapeKeepsEachTokensKAndVAtItsSlot) {
     for (const auto& [begin, end, keep, what] : cases) {
       SCOPED_TRACE(::testing::Message() << what << ": [" << begin << ", " << end << ") keeps " << keep
                                         << (in_place ? ", in place" : ", into fresh blocks"));
-      CoreConfig rc;
-      rc.geometry = testing::small_test_geometry(kernels::DType::kFloat16);  // L2 Hq4 Hk2 D8, block 4
-      rc.pool_bytes = 64 * rc.geometry.block_bytes();
-      auto backend = kernels::make_cpu_backend(1);
-      if (!in_place) backend = std::make_unique<karakv::testing::NoInPlaceBackend>(std::move(backend));
-      std::unique_ptr<Core> core = *Core::create(rc, std::move(backend));
-      const std::string session = core->attach("w", "t", 0, {})->session_id;
+      Fixture f(in_place);
+      Core* core = f.core.get();
+      const std::string& session = f.session;
+      const CoreConfig& rc = f.rc;
       const uint64_t seed = 7 + begin + end + keep;
-      SequenceOptions o;
-      o.policy = kName;
-      o.params = {{"begin", begin}, {"end", end}, {"keep", keep}, {"seed", int(seed)}};
-      const uint64_t seq = *core->create_sequence(session, o);
+      const uint64_t seq = f.create(begin, end, keep, int(seed));
       ASSERT_TRUE(testing::append_synthetic(*core, seed, session, seq, kLength).ok());
       const int32_t blocks_before = core->stats().blocks_used;
       auto r = core->compact(session, seq, false);
@@ -135,6 +153,63 @@ TEST(CompactionShiftTest, EveryPlanShapeKeepsEachTokensKAndVAtItsSlot) {
       EXPECT_EQ(core->inspect(seq)->second[0].back(), kLength + 5);
     }
   }
+}
+
+// Moved in place, a cut needs no free block: with the pool full it still runs, and the blocks it
+// frees go back. A fork sharing the blocks the move would write makes it gather into fresh blocks
+// instead, and the fork's tokens stay as they were.
+TEST(CompactionShiftTest, InPlaceNeedsNoFreeBlockAndNeverWritesAForksBlocks) {
+  constexpr int kLength = 30;
+  for (const auto& [begin, end, keep] : {std::tuple{4, 14, 6}, std::tuple{4, 14, 7}}) {
+    SCOPED_TRACE(::testing::Message() << "[" << begin << ", " << end << ") keeps " << keep);
+    {
+      Fixture f(true, /*pool_blocks=*/8);  // the sequence's 8 blocks are the whole pool
+      const uint64_t seq = f.create(begin, end, keep, 3);
+      ASSERT_TRUE(testing::append_synthetic(*f.core, 3, f.session, seq, kLength).ok());
+      ASSERT_EQ(f.core->stats().blocks_free, 0);
+      auto r = f.core->compact(f.session, seq, false);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->front().tokens_after, kLength - (end - begin - keep));
+      EXPECT_EQ(f.core->stats().blocks_free, 8 - (r->front().tokens_after + 3) / 4);
+      EXPECT_EQ(testing::kv_mismatches(*f.core, f.session, 3, seq), 0);
+    }
+    Fixture f(true);
+    const uint64_t seq = f.create(begin, end, keep, 5);
+    ASSERT_TRUE(testing::append_synthetic(*f.core, 5, f.session, seq, kLength).ok());
+    auto fork = f.core->fork_sequence(f.session, seq);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    ASSERT_TRUE(f.core->compact(f.session, seq, false).ok());
+    ASSERT_TRUE(f.core->check_invariants().ok()) << f.core->check_invariants();
+    EXPECT_EQ(testing::kv_mismatches(*f.core, f.session, 5, seq), 0);
+    // The fork's tokens are the parent's (same synthetic sequence id), all still at their slots.
+    const auto forked = f.core->inspect(*fork);
+    ASSERT_TRUE(forked.ok());
+    EXPECT_EQ(int(forked->second[0].size()), kLength);
+    std::vector<uint8_t> fork_keys, parent_keys;
+    const std::vector<uint8_t> fork_values = testing::read_values(*f.core, f.session, *fork, &fork_keys);
+    Fixture g(true);
+    const uint64_t twin = g.create(begin, end, keep, 5);
+    ASSERT_EQ(twin, seq) << "the twin must draw the same synthetic tokens";
+    ASSERT_TRUE(testing::append_synthetic(*g.core, 5, g.session, twin, kLength).ok());
+    const std::vector<uint8_t> twin_values = testing::read_values(*g.core, g.session, twin, &parent_keys);
+    EXPECT_TRUE(fork_keys == parent_keys) << "the compaction wrote the fork's K";
+    EXPECT_TRUE(fork_values == twin_values) << "the compaction wrote the fork's V";
+  }
+}
+
+// CaM merges into the range's kept tokens only: a plan that would move the tokens after the range
+// is refused, naming why, and the sequence stays as it was.
+TEST(CompactionShiftTest, CamRefusesACutInPartBlocksAndChangesNothing) {
+  Fixture f(true);
+  const uint64_t seq = f.create(4, 14, 7, 9, /*merge=*/2);
+  ASSERT_TRUE(testing::append_synthetic(*f.core, 9, f.session, seq, 30).ok());
+  const auto before = f.core->inspect(seq);
+  auto r = f.core->compact(f.session, seq, false);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("which CaM merging does not support"));
+  EXPECT_EQ(f.core->inspect(seq)->second, before->second);
+  EXPECT_EQ(testing::kv_mismatches(*f.core, f.session, 9, seq), 0);
+  EXPECT_TRUE(f.core->check_invariants().ok());
 }
 
 }  // namespace
