@@ -680,15 +680,14 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
   // rest of the block the range ends in moves and the blocks after it stay; otherwise everything
   // after the range moves.
   const size_t rows = size_t(g.num_layers) * g.num_kv_heads;
-  const int32_t removed_slots = plan.end - plan.begin - plan.num_kept;
+  const int32_t removed = plan.end - plan.begin - plan.num_kept;
   int32_t moved_after = 0;
   if (plan.end < seq.length && ((plan.end - q0) % b != 0 || (plan.begin + plan.num_kept - q0) % b != 0)) {
-    moved_after = removed_slots % b == 0 ? std::min(seq.length, (plan.end - q0 + b - 1) / b * b + q0) - plan.end
-                                         : seq.length - plan.end;
+    moved_after = removed % b == 0 ? std::min(seq.length, (plan.end - q0 + b - 1) / b * b + q0) - plan.end
+                                   : seq.length - plan.end;
   }
-  const bool shift = moved_after > 0;
   const int32_t num_gathered = plan.num_kept + moved_after;
-  if (shift && merge_tokens > 0) {
+  if (moved_after > 0 && merge_tokens > 0) {
     return absl::InvalidArgumentError(absl::StrCat("compaction of sequence ", seq.id, " by ", by, " keeps ",
                                                    plan.num_kept, " tokens of slots [", plan.begin, ", ", plan.end,
                                                    "), not whole blocks, which CaM merging does not support"));
@@ -740,7 +739,6 @@ absl::Status SequenceStore::apply_plan(Sequence& seq, const CompactionPlan& plan
     }
   }
   // From here on nothing can fail: rewrite positions, table, caches.
-  const int32_t removed = plan.end - plan.begin - plan.num_kept;
   std::vector<std::vector<int32_t>> pos(rows);
   for (size_t r = 0; r < rows; ++r) {
     pos[r].reserve(plan.begin + plan.num_kept);

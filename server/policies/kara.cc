@@ -318,7 +318,7 @@ class KaraPolicy final : public Policy {
       const int32_t len = end - s.compressed_start;
       // The excess in whole grains; with fit = 2 at least what a window compaction removes (W - B),
       // so re-ranks come no more often than windows would and each costs as much per token removed.
-      const int32_t excess = (seq.resident - budget_of(seq) + grain_ - 1) / grain_ * grain_;
+      const int32_t excess = round_up(seq.resident - budget_of(seq), grain_);
       const int32_t remove = fit_ == 2 ? std::max<int32_t>(excess, window_ - budget_) : excess;
       return rescore_plan(seq, backend, s.compressed_start, end, std::max<int32_t>(fit_floor(s), len - remove));
     }
@@ -514,7 +514,8 @@ class KaraPolicy final : public Policy {
   bool uses_window_queries() const { return observers_ != Observers::kDecode; }
   bool records_lse() const { return uses_window_queries() && norm_ == Norm::kFull; }
   size_t lse_width() const { return size_t(layers_) * q_heads_; }
-  int32_t align_up(int32_t n) const { return (n + block_ - 1) / block_ * block_; }
+  static int32_t round_up(int32_t n, int32_t to) { return (n + to - 1) / to * to; }
+  int32_t align_up(int32_t n) const { return round_up(n, block_); }
   // With fit the sinks are kept inside the re-ranked region, so it may start at slot 0.
   int32_t first_window_start() const { return fit_ > 0 ? 0 : align_up(sinks_); }
   // Whether windows may cover the prompt (before decoding: whether its tokens may still be rewritten).

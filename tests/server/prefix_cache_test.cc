@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core.h"
+#include "tests/server/core_driver.h"
 #include "tests/server/test_geometry.h"
 
 namespace karakv::server {
@@ -129,16 +130,9 @@ class PrefixRegistryTest : public ::testing::Test {
   }
 
   std::pair<std::vector<uint8_t>, std::vector<uint8_t>> read(const std::string& session, uint64_t seq) {
-    std::vector<uint8_t> k, v, pos;
-    auto got = reg_->read_kv(session, seq, [&](int32_t t) -> absl::StatusOr<ReadKVTargets> {
-      const auto& g = reg_->geometry();
-      k.resize(reg_->append_bytes(t));
-      v.resize(k.size());
-      pos.resize(4 * size_t(t) * g.num_layers * g.num_kv_heads);
-      return ReadKVTargets{MutableBytes(k), MutableBytes(v), MutableBytes(pos)};
-    });
-    EXPECT_TRUE(got.ok()) << got.status();
-    return {k, v};
+    std::vector<uint8_t> k;
+    std::vector<uint8_t> v = testing::read_values(*reg_, session, seq, &k);
+    return {std::move(k), std::move(v)};
   }
 
   // One decode step (every layer) of position `pos` for `seq`, values from key `key`.
